@@ -1,0 +1,192 @@
+"""The `vescale` command line tool."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from vescale_engine import __version__
+from vescale_engine.granularity import GRANULARITY_HELP, parse_granularity
+from vescale_engine.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError
+
+
+def _positive_list(text: str) -> list:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"world sizes must be positive integers, got {text!r}")
+    return values
+
+
+def _granularity_list(text: str) -> list:
+    try:
+        return [parse_granularity(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _add_plan_parser(sub):
+    p = sub.add_parser("plan", help="plan the sharded layout of a model's parameters",
+                       description="Plan RaggedShard buffer layouts for every unit of a model "
+                                   "given as a shapes file, and compare the padding with PyTorch "
+                                   "FSDP2 and DeepSpeed ZeRO-3.")
+    p.add_argument("--shapes", required=True, metavar="MODEL.json",
+                   help="shapes file: groups (units) with 'repeat' and tensors with 'shape'")
+    p.add_argument("--world-size", required=True, type=_positive_list, metavar="N[,N...]",
+                   help="number of ranks; a comma list prints a sweep table")
+    p.add_argument("--granularity", default=[parse_granularity("rows:1")], type=_granularity_list,
+                   metavar="G[,G...]", help=f"atomic block policy: {GRANULARITY_HELP} "
+                                            "(default rows:1); a comma list sweeps them")
+    p.add_argument("--align-bytes", type=_positive_int, default=DEFAULT_ALIGN_BYTES, metavar="B",
+                   help=f"shard sizes and tensor offsets are multiples of B bytes "
+                        f"(default {DEFAULT_ALIGN_BYTES})")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="element type the alignment is counted in (default bf16)")
+    p.add_argument("--max-buffers", type=_positive_int, default=DEFAULT_MAX_BUFFERS, metavar="B",
+                   help=f"most buffers one unit may be split into (default {DEFAULT_MAX_BUFFERS})")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as one JSON object (a list of them for a sweep)")
+    p.add_argument("--verify", action="store_true",
+                   help="check every plan against the layout invariants")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw padding against world size per granularity (needs matplotlib)")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from vescale_engine import model_plan as mp
+
+    model = mp.load_shapes(args.shapes)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
+    if args.plot:
+        _require_matplotlib()
+    plans = []
+    for granularity in args.granularity:
+        for world_size in args.world_size:
+            plan = mp.plan_model(model, world_size, granularity, align_bytes=args.align_bytes,
+                                 dtype=args.dtype, max_buffers=args.max_buffers)
+            if args.verify:
+                plan.verify()
+            plans.append(plan)
+            if not args.json and len(plans) == 1 and len(args.world_size) * len(args.granularity) > 1:
+                _print_table_header(model, args)
+            if not args.json and len(args.world_size) * len(args.granularity) > 1:
+                _print_table_row(plan)
+    if args.json:
+        out = [p.to_json() for p in plans]
+        json.dump(out[0] if len(out) == 1 else out, sys.stdout)
+        print()
+    elif len(plans) == 1:
+        _print_detail(plans[0])
+    if args.verify and not args.json:
+        print(f"verified: {len(plans)} model plan(s), every invariant holds")
+    if args.plot:
+        _plot(plans, model, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _print_table_header(model, args):
+    print(f"{model.name}: {model.numel / 1e9:.2f}B parameters, align {args.align_bytes} B "
+          f"({args.dtype}), at most {args.max_buffers} buffers per unit; padding in % of "
+          f"parameters")
+    print(f"{'granularity':<12} {'world':>6} {'vescale':>8} {'buffers':>7} {'1-buffer':>9} "
+          f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8} {'ZeRO-3':>8} {'plan s':>7}")
+
+
+def _print_table_row(plan):
+    from vescale_engine import model_plan as mp
+
+    buffers = max(len(p.buffers) for p in plan.plans)
+    print(f"{str(plan.granularity):<12} {plan.world_size:>6} {100 * plan.padding_ratio:>7.2f}% "
+          f"{buffers:>7} {100 * mp.single_buffer_ratio(plan):>8.2f}% "
+          f"{100 * mp.single_buffer_lower_bound_ratio(plan):>8.2f}% "
+          f"{100 * mp.per_block_size_ratio(plan):>8.2f}% "
+          f"{100 * mp.fsdp2_padding_ratio(plan.model, plan.world_size):>7.2f}% "
+          f"{100 * mp.zero3_padding_ratio(plan.model, plan.world_size):>7.2f}% "
+          f"{plan.plan_seconds:>7.3f}", flush=True)
+
+
+def _print_detail(plan):
+    from vescale_engine import model_plan as mp
+
+    m = plan.world_size
+    print(f"{plan.model.name} on {m} ranks, granularity {plan.granularity}, align "
+          f"{plan.align_bytes} B ({plan.dtype}), at most {plan.max_buffers} buffers per unit")
+    for group, unit in zip(plan.model.groups, plan.plans):
+        print(f"  unit {group.name} x{group.repeat}: {len(unit.buffers)} buffer(s), "
+              f"padding {100 * unit.padding_ratio:.3f}%")
+        for i, buf in enumerate(unit.buffers):
+            print(f"    buffer {i}: shard {buf.shard_size:,} elements/rank, "
+                  f"{len(buf.placements)} tensors, padding {buf.padding:,}")
+    print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} parameters "
+          f"(FSDP2 {100 * mp.fsdp2_padding_ratio(plan.model, m):.3f}%, "
+          f"ZeRO-3 {100 * mp.zero3_padding_ratio(plan.model, m):.3f}%), "
+          f"planned in {plan.plan_seconds:.3f} s")
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlanError("--plot needs matplotlib: pip install matplotlib") from None
+
+
+def _plot(plans, model, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for granularity in dict.fromkeys(str(p.granularity) for p in plans):
+        points = [(p.world_size, 100 * p.padding_ratio) for p in plans
+                  if str(p.granularity) == granularity]
+        ax.plot(*zip(*points), marker="o", label=granularity)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel("padding (% of parameters)")
+    ax.set_title(f"{model.name}: vescale plan padding")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="granularity")
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)  # never leave a half-written plot behind
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vescale", description="veScale Engine tools")
+    parser.add_argument("--version", action="version", version=f"vescale {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as err:  # ShapesError and PlanError are ValueErrors
+        print(f"vescale {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `vescale plan ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Packaging for veScale Engine.
+
+torch is required as a range that includes 2.13. On a machine without a GPU, install the CPU
+build first (`bash .ci/setup-venv` does), so that pip does not pull a multi-GB CUDA build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="vescale-engine",
+    version="0.1.0",
+    description="veScale-FSDP training engine: RaggedShard, a layout planner and zero-copy "
+                "distributed buffers behind a DeepSpeed-style API",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vescale_engine", "vescale_engine.*", "config_schemas",
+                                    "launcher"]),
+    package_data={"config_schemas": ["*.json"]},
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "deepspeed>=0.15",
+        "py-cpuinfo",
+        "jsonschema>=4.18",
+    ],
+    extras_require={
+        "mpi": ["mpi4py>=3.1", "openmpi"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=7", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["vescale = launcher.cli:main"]},
+)

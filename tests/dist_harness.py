@@ -1,0 +1,117 @@
+"""Run test bodies inside a pool of gloo ranks that is started once per test module.
+
+Starting a Python process that imports torch costs seconds here, so a module starts its ranks
+once (`RankPool`) and sends each check to all of them. A check is a module-level function
+`fn(rank, world_size, *args)`; its return values come back as a list indexed by rank. A check
+that fails or hangs on any rank fails the calling test with every rank's traceback, and the
+pool restarts itself so the next test starts clean.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, tasks, results, env):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module_name, fn_name, args = task
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:  # report everything, including assertion errors, to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, env: dict | None = None):
+        self.world_size = world_size
+        self.env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),
+                    **(env or {})}
+        self._procs = []
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, self.world_size, port, self._tasks[r], self._results, self.env))
+            for r in range(self.world_size)]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+        """Run `fn(rank, world_size, *args)` on every rank; return the per-rank results."""
+        for task_queue in self._tasks:
+            task_queue.put((fn.__module__, fn.__name__, args))
+        outcomes = {}
+        try:
+            while len(outcomes) < self.world_size:
+                rank, ok, value = self._results.get(timeout=timeout)
+                outcomes[rank] = (ok, value)
+        except queue.Empty:
+            missing = sorted(set(range(self.world_size)) - set(outcomes))
+            self._restart()
+            raise AssertionError(
+                f"{fn.__name__} timed out after {timeout}s on ranks {missing}; "
+                + _failures(outcomes))
+        if not all(ok for ok, _ in outcomes.values()):
+            self._restart()
+            raise AssertionError(f"{fn.__name__} failed: " + _failures(outcomes))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def _restart(self):
+        self.close()
+        self._start()
+
+    def close(self):
+        for task_queue in self._tasks:
+            try:
+                task_queue.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs = []
+
+
+def _failures(outcomes) -> str:
+    return "\n".join(f"--- rank {r} ---\n{value}" for r, (ok, value) in sorted(outcomes.items())
+                     if not ok)
+
+
+def scratch_dir() -> str:
+    """A directory all ranks of a pool can share (ranks run on one machine)."""
+    return tempfile.mkdtemp(prefix="vescale-test-")

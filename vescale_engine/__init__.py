@@ -1,0 +1,24 @@
+"""veScale Engine: RaggedShard sharding, a structure-aware layout planner and zero-copy
+distributed buffers behind a DeepSpeed-style API.
+
+Names are imported lazily so that light tools (`vescale plan`) start without importing torch.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Granularity": "granularity", "parse_granularity": "granularity",
+    "TensorSpec": "planner", "plan_unit": "planner", "check_plan": "planner",
+    "PlanError": "planner",
+    "RaggedShard": "ragged",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'vescale_engine' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY) + ["__version__"]

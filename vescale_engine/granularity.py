@@ -1,0 +1,69 @@
+"""Granularity policies: how a tensor's flattened storage is cut into atomic blocks.
+
+A block is the smallest run of elements that a shard boundary may never cut. Pure Python (no
+torch) so that the planner and the `vescale plan` command start instantly.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+GRANULARITY_HELP = "element, rows:K, tile:RxC or tensor"
+
+
+@dataclass(frozen=True)
+class Granularity:
+    kind: str  # "element" | "rows" | "tile" | "tensor"
+    rows: int = 1
+    cols: int = 1
+
+    def __str__(self) -> str:
+        if self.kind == "rows":
+            return f"rows:{self.rows}"
+        if self.kind == "tile":
+            return f"tile:{self.rows}x{self.cols}"
+        return self.kind
+
+    def block_size(self, shape) -> int:
+        """Atomic block size in elements for a tensor of `shape`.
+
+        A tensor smaller than one block is a single block; when the size is not a multiple of
+        the block, the last block is shorter (and just as atomic).
+        """
+        shape = tuple(int(d) for d in shape)
+        numel = math.prod(shape)
+        if numel == 0:
+            return 1
+        if self.kind == "element":
+            block = 1
+        elif self.kind == "tensor":
+            block = numel
+        elif self.kind == "rows":
+            block = self.rows * (shape[-1] if len(shape) >= 2 else 1)
+        else:  # tile: the R whole rows that enclose an R x C tile
+            if len(shape) >= 2:
+                if shape[-1] % self.cols:
+                    raise ValueError(
+                        f"tile:{self.rows}x{self.cols} does not fit shape {list(shape)}: "
+                        f"last dimension {shape[-1]} is not a multiple of {self.cols}")
+                block = self.rows * shape[-1]
+            else:
+                block = self.rows * self.cols
+        return min(block, numel)
+
+
+def parse_granularity(spec) -> Granularity:
+    """Parse 'element', 'rows:K', 'tile:RxC' or 'tensor' (a Granularity passes through)."""
+    if isinstance(spec, Granularity):
+        return spec
+    text = str(spec).strip().lower()
+    if text in ("element", "tensor"):
+        return Granularity(text)
+    match = re.fullmatch(r"rows:(\d+)", text)
+    if match and int(match.group(1)) > 0:
+        return Granularity("rows", rows=int(match.group(1)))
+    match = re.fullmatch(r"tile:(\d+)x(\d+)", text)
+    if match and int(match.group(1)) > 0 and int(match.group(2)) > 0:
+        return Granularity("tile", rows=int(match.group(1)), cols=int(match.group(2)))
+    raise ValueError(f"unknown granularity {spec!r} (expected {GRANULARITY_HELP}, K, R, C > 0)")

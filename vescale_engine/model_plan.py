@@ -1,0 +1,240 @@
+"""Whole-model planning from a shapes file, and the padding of the alternatives beside ours.
+
+The shapes format is the one in `shared/models/*.json`:
+`{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`.
+Each group is one FSDP unit, planned once however often it repeats (identical decoder layers).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+from .granularity import Granularity, parse_granularity
+from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, TensorSpec, check_plan,
+                      plan_buffer, plan_unit)
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+class ShapesError(ValueError):
+    """A shapes file or a planning request that cannot be planned; the message names where."""
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    repeat: int
+    tensors: tuple  # ((name, shape), ...)
+
+    def specs(self, granularity: Granularity, where: str) -> list:
+        specs = []
+        for name, shape in self.tensors:
+            try:
+                specs.append(TensorSpec(name, shape, granularity.block_size(shape)))
+            except ValueError as err:
+                raise ShapesError(f"{where}: group {self.name!r}, tensor {name!r}: {err}") from None
+        return specs
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.tensors)
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    name: str
+    path: str
+    groups: tuple
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel * g.repeat for g in self.groups)
+
+
+def load_shapes(path: str) -> ModelShapes:
+    """Read and validate a shapes file; errors are one line naming the file, group and tensor."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ShapesError(f"{path}: cannot read: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ShapesError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
+        raise ShapesError(f"{path}: expected an object with a non-empty 'groups' list")
+    groups, seen = [], set()
+    for i, group in enumerate(data["groups"]):
+        if not isinstance(group, dict):
+            raise ShapesError(f"{path}: groups[{i}] is not an object")
+        gname = group.get("name", f"groups[{i}]")
+        where = f"{path}: group {gname!r}"
+        if not isinstance(gname, str) or gname in seen:
+            raise ShapesError(f"{where}: group names must be unique strings")
+        seen.add(gname)
+        repeat = group.get("repeat", 1)
+        if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+            raise ShapesError(f"{where}: 'repeat' must be a positive integer, got {repeat!r}")
+        tensors = group.get("tensors")
+        if not isinstance(tensors, list) or not tensors:
+            raise ShapesError(f"{where}: expected a non-empty 'tensors' list")
+        parsed, names = [], set()
+        for j, tensor in enumerate(tensors):
+            tname = tensor.get("name") if isinstance(tensor, dict) else None
+            if not isinstance(tname, str) or tname in names:
+                raise ShapesError(f"{where}: tensors[{j}] needs a unique string 'name'")
+            names.add(tname)
+            shape = tensor.get("shape")
+            if not isinstance(shape, list) or not shape or not all(
+                    isinstance(d, int) and not isinstance(d, bool) for d in shape):
+                raise ShapesError(f"{where}, tensor {tname!r}: 'shape' must be a non-empty list "
+                                  f"of integers, got {shape!r}")
+            if any(d <= 0 for d in shape):
+                raise ShapesError(f"{where}, tensor {tname!r}: non-positive dimension in {shape}")
+            parsed.append((tname, tuple(shape)))
+        groups.append(Group(gname, repeat, tuple(parsed)))
+    return ModelShapes(str(data.get("name", path)), path, tuple(groups))
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    model: ModelShapes
+    granularity: Granularity
+    world_size: int
+    align_bytes: int
+    dtype: str
+    max_buffers: int
+    plans: tuple          # one UnitPlan per group
+    specs: tuple          # one spec list per group
+    plan_seconds: float
+
+    @property
+    def padding(self) -> int:
+        return sum(p.padding * g.repeat for p, g in zip(self.plans, self.model.groups))
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.padding / self.model.numel
+
+    def verify(self) -> None:
+        for group, plan, specs in zip(self.model.groups, self.plans, self.specs):
+            try:
+                check_plan(plan, specs)
+            except PlanError as err:
+                raise PlanError(f"group {group.name!r}: {err}") from None
+
+    def to_json(self) -> dict:
+        m = self.world_size
+        return {
+            "model": self.model.name,
+            "world_size": m,
+            "granularity": str(self.granularity),
+            "align_bytes": self.align_bytes,
+            "dtype": self.dtype,
+            "max_buffers": self.max_buffers,
+            "padding_ratio": self.padding_ratio,
+            "plan_seconds": self.plan_seconds,
+            "groups": [{
+                "name": group.name,
+                "repeat": group.repeat,
+                "buffers": [{
+                    "shard_size": buf.shard_size,
+                    "padding": buf.padding,
+                    "tensors": [{"name": p.name, "offset": p.offset, "numel": p.numel,
+                                 "block": p.block, "local_units": p.local_units(m)}
+                                for p in buf.placements],
+                } for buf in plan.buffers],
+            } for group, plan in zip(self.model.groups, self.plans)],
+        }
+
+
+def align_elements(align_bytes: int, dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ShapesError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPE_BYTES)})")
+    if align_bytes < 1:
+        raise ShapesError(f"alignment must be a positive number of bytes, got {align_bytes}")
+    return max(1, align_bytes // DTYPE_BYTES[dtype])
+
+
+def model_specs(model: ModelShapes, granularity) -> list:
+    granularity = parse_granularity(granularity)
+    return [g.specs(granularity, model.path) for g in model.groups]
+
+
+def plan_model(model: ModelShapes, world_size: int, granularity, *,
+               align_bytes: int = DEFAULT_ALIGN_BYTES, dtype: str = "bf16",
+               max_buffers: int = DEFAULT_MAX_BUFFERS) -> ModelPlan:
+    """Plan every group of the model once; the clock covers the planning of all of them."""
+    if world_size < 1:
+        raise ShapesError(f"world size must be positive, got {world_size}")
+    granularity = parse_granularity(granularity)
+    align = align_elements(align_bytes, dtype)
+    all_specs = model_specs(model, granularity)
+    t0 = time.perf_counter()
+    plans = tuple(plan_unit(specs, world_size, align, max_buffers) for specs in all_specs)
+    return ModelPlan(model, granularity, world_size, align_bytes, dtype, max_buffers, plans,
+                     tuple(all_specs), time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------
+# What the alternatives would pad, on the same shapes (padded elements over model elements).
+
+def fsdp2_padding_ratio(model: ModelShapes, world_size: int) -> float:
+    """PyTorch FSDP2: every parameter is Shard(0), dim 0 padded to a multiple of world size."""
+    pad = 0
+    for group in model.groups:
+        for _, shape in group.tensors:
+            rest = math.prod(shape[1:])
+            pad += group.repeat * (-(-shape[0] // world_size) * world_size - shape[0]) * rest
+    return pad / model.numel
+
+
+def zero3_padding_ratio(model: ModelShapes, world_size: int) -> float:
+    """DeepSpeed ZeRO-3: every parameter's numel is padded to a multiple of world size."""
+    pad = 0
+    for group in model.groups:
+        for _, shape in group.tensors:
+            n = math.prod(shape)
+            pad += group.repeat * (-(-n // world_size) * world_size - n)
+    return pad / model.numel
+
+
+def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:
+    """Padding no single-buffer plan can beat: S >= total / world size, and S a multiple of the
+    block of every tensor longer than 2S (PAPER.md, the lcm trap)."""
+    m, align = model_plan.world_size, align_elements(model_plan.align_bytes, model_plan.dtype)
+    pad = 0
+    for group, specs in zip(model_plan.model.groups, model_plan.specs):
+        total = sum(s.numel for s in specs)
+        S = -(-max(1, -(-total // m)) // align) * align
+        while True:
+            forced = [s for s in specs if s.numel > 2 * S]
+            multiple = math.lcm(align, *(s.block for s in forced))
+            candidate = -(-S // multiple) * multiple
+            drop = min((-(-s.numel // 2) for s in forced), default=None)
+            if drop is None or candidate < drop:
+                break
+            S = drop  # from here on the longest forced tensor no longer forces S
+        pad += group.repeat * (m * candidate - total)
+    return pad / model_plan.model.numel
+
+
+def per_block_size_ratio(model_plan: ModelPlan) -> float:
+    """The simple alternative: one buffer for each distinct block size in a unit."""
+    m, align = model_plan.world_size, align_elements(model_plan.align_bytes, model_plan.dtype)
+    pad = 0
+    for group, specs in zip(model_plan.model.groups, model_plan.specs):
+        classes = {}
+        for s in specs:
+            classes.setdefault(s.block, []).append(s)
+        pad += group.repeat * sum(plan_buffer(c, m, align).padding for c in classes.values())
+    return pad / model_plan.model.numel
+
+
+def single_buffer_ratio(model_plan: ModelPlan) -> float:
+    """Our heuristic restricted to one buffer per unit (the paper's setting)."""
+    plan = plan_model(model_plan.model, model_plan.world_size, model_plan.granularity,
+                      align_bytes=model_plan.align_bytes, dtype=model_plan.dtype, max_buffers=1)
+    return plan.padding_ratio
+
