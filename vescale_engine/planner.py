@@ -17,14 +17,16 @@ Pure Python: no torch, no torch.distributed, no modules.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
 
 DEFAULT_ALIGN_BYTES = 16
 DEFAULT_MAX_BUFFERS = 4
-DEFAULT_SPLIT_GAIN = 0.002  # split a unit only when that saves 0.2% of its elements
-_SEARCH_EVALS = 48  # placement passes per (order, search start): bounds planning time
+DEFAULT_SPLIT_GAIN = 0.0  # fraction of a unit's elements a split must save (0: any saving)
+_SEARCH_EVALS = 48
+_SWAP_TENSORS = 12  # buffers of at most this many tensors get a swap search over their order  # placement passes per (order, search start): bounds planning time
 
 
 class PlanError(ValueError):
@@ -134,19 +136,21 @@ def _earliest_offset(p: int, n: int, g: int, S: int, step: int) -> int | None:
 def _place(runs, S: int, align: int, offsets: list | None = None):
     """Greedy earliest placement of runs [(numel, block, count)] in order; returns the end of
     the last tensor (None if some tensor cannot be placed) and appends each tensor's offset to
-    `offsets` when given. A run of tensors longer than 2S is placed in one step: each of them
-    must start on a block edge, so back to back is exactly what the greedy would do."""
+    `offsets` when given. A run of tensors longer than 2S that tile their blocks exactly is
+    placed in one step: each must start on a block edge, so back to back is what the greedy
+    would do one by one."""
     p = 0
     for n, g, count in runs:
         step = math.lcm(g, align)
-        for _ in range(1 if n > 2 * S else count):
+        together = count if n > 2 * S and n % step == 0 else 1
+        for _ in range(count // together):
             p = -(-p // align) * align
-            off = _earliest_offset(p, n * count if n > 2 * S else n, g, S, step)
+            off = _earliest_offset(p, n * together, g, S, step)
             if off is None:
                 return None
             if offsets is not None:
-                offsets.extend(off + i * n for i in range(count if n > 2 * S else 1))
-            p = off + (n * count if n > 2 * S else n)
+                offsets.extend(off + i * n for i in range(together))
+            p = off + n * together
     return p
 
 
@@ -260,7 +264,31 @@ def _search(specs, world_size, align, quick=False):
     if best is None:
         raise PlanError("no feasible layout found for tensors "
                         + ", ".join(s.name for s in specs))
-    return best
+    return _swap_runs(best, world_size, align)
+
+
+def _swap_runs(best, world_size, align):
+    """Local search on the order of a few runs: swap two runs while that shrinks S. Which tensor
+    straddles each shard boundary decides the padding, and the sorted orders can miss it."""
+    S, runs, members = best
+    if len(members) > _SWAP_TENSORS:
+        return best
+    groups = []
+    for n, _, count in runs:
+        groups.append(members[sum(len(g) for g in groups):][:count])
+    improved = True
+    while improved:
+        improved = False
+        for i, j in itertools.combinations(range(len(runs)), 2):
+            order = list(range(len(runs)))
+            order[i], order[j] = j, i
+            candidate = [runs[k] for k in order]
+            found = _min_shard(candidate, world_size, align)
+            if found is not None and found < S:
+                S, runs, groups = found, candidate, [groups[k] for k in order]
+                improved = True
+                break
+    return S, runs, [spec for group in groups for spec in group]
 
 
 def plan_buffer(specs, world_size: int, align: int = 1) -> BufferLayout:
@@ -367,7 +395,7 @@ def plan_unit(specs, world_size: int, align: int = 1, max_buffers: int = DEFAULT
     classes = _split_by_block(specs)
     if max_buffers > 1 and len(classes) > 1 and padding_of(specs) > 0:
         tolerance = split_gain * sum(s.numel for s in specs)
-        split = _merge_classes(classes, max_buffers, padding_of, tolerance / 4)
+        split = _merge_classes(classes, max_buffers, padding_of, tolerance)
         if len(split) > 1:
             split = _move_tensors(split, padding_of)
         if sum(map(padding_of, split)) < padding_of(specs) - tolerance:

@@ -1,0 +1,119 @@
+"""`vescale plan`: JSON verified independently of the planner, sweep table, plot, bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+MODELS = "examples/models"
+
+
+def vescale(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
+                          text=True, cwd=cwd or os.getcwd(), timeout=300)
+
+
+def verify_plan_json(plan, shapes_file):
+    """Check a `vescale plan --json` object against the shapes file, from the contract alone."""
+    model = json.load(open(shapes_file))
+    m = plan["world_size"]
+    assert [g["name"] for g in plan["groups"]] == [g["name"] for g in model["groups"]]
+    padded = total = 0
+    for group, shapes in zip(plan["groups"], model["groups"]):
+        assert group["repeat"] == shapes.get("repeat", 1)
+        want = {t["name"]: math.prod(t["shape"]) for t in shapes["tensors"]}
+        got = {}
+        for buf in group["buffers"]:
+            S, end = buf["shard_size"], 0
+            assert S > 0 and len(buf["tensors"]) > 0
+            for t in sorted(buf["tensors"], key=lambda t: t["offset"]):
+                off, n, g = t["offset"], t["numel"], t["block"]
+                assert off >= end and off + n <= m * S, "tensors overlap or leave the buffer"
+                end = off + n
+                for b in range(S * (off // S + 1), off + n, S):
+                    assert (b - off) % g == 0, f"{t['name']}: boundary {b} cuts a block"
+                units = t["local_units"]
+                assert len(units) == m and sum(units) == -(-n // g)
+                for r, u in enumerate(units):  # rank r holds exactly the blocks in its shard
+                    lo, hi = max(off, r * S), min(off + n, (r + 1) * S)
+                    assert u == (max(0, -(-(hi - off) // g) - -(-(lo - off) // g)) if hi > lo else 0)
+                got[t["name"]] = n
+            pad = m * S - sum(t["numel"] for t in buf["tensors"])
+            assert buf["padding"] == pad
+            padded += group["repeat"] * pad
+        assert got == want
+        total += group["repeat"] * sum(want.values())
+    assert plan["padding_ratio"] == pytest.approx(padded / total)
+
+
+@pytest.mark.parametrize("name,m,gran", [("gpt-oss-120b", 256, "rows:16"),
+                                         ("llama3-70b", 1024, "rows:16"),
+                                         ("deepseek-v3", 64, "tile:32x32")])
+def test_json_plan_verifies_independently(name, m, gran):
+    out = vescale("plan", "--shapes", f"{MODELS}/{name}.json", "--world-size", str(m),
+                  "--granularity", gran, "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["granularity"] == gran and plan["plan_seconds"] >= 0
+    verify_plan_json(plan, f"{MODELS}/{name}.json")
+
+
+def test_sweep_table_verify_and_plot(tmp_path):
+    png = tmp_path / "padding.png"
+    out = vescale("plan", "--shapes", f"{MODELS}/gpt-oss-120b.json", "--world-size", "8,64,256",
+                  "--granularity", "rows:1,rows:16", "--verify", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("rows:")]
+    assert [(r[0], r[1]) for r in rows] == [(g, w) for g in ("rows:1", "rows:16")
+                                            for w in ("8", "64", "256")]
+    assert all(len(r) == 10 for r in rows)  # ours, buffers, 1-buffer, LB, per-block, FSDP2, ZeRO-3
+    assert "every invariant holds" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_single_world_size_prints_units():
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "64")
+    assert out.returncode == 0, out.stderr
+    assert "unit layers x80" in out.stdout and "FSDP2" in out.stdout
+
+
+BAD_SHAPES = {
+    "not json": ("{", "not valid JSON"),
+    "no groups": ('{"name": "x"}', "non-empty 'groups'"),
+    "zero dim": ('{"groups": [{"name": "g", "tensors": [{"name": "w", "shape": [4, 0]}]}]}',
+                 "group 'g', tensor 'w': non-positive dimension"),
+    "bad shape": ('{"groups": [{"name": "g", "tensors": [{"name": "w", "shape": "4"}]}]}',
+                  "tensor 'w': 'shape' must be"),
+    "bad repeat": ('{"groups": [{"name": "g", "repeat": 0, "tensors": []}]}',
+                   "group 'g': 'repeat' must be a positive integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SHAPES))
+def test_bad_shapes_file(tmp_path, case):
+    text, message = BAD_SHAPES[case]
+    shapes = tmp_path / "bad.json"
+    shapes.write_text(text)
+    png = tmp_path / "never.png"
+    out = vescale("plan", "--shapes", str(shapes), "--world-size", "8", "--plot", str(png))
+    assert out.returncode == 2
+    assert message in out.stderr and str(shapes) in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert not png.exists() and os.listdir(tmp_path) == ["bad.json"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--world-size", "0"], "world sizes must be positive"),
+    (["--world-size", "8", "--granularity", "rows:x"], "unknown granularity"),
+    (["--world-size", "8", "--granularity", "tile:32x7"],
+     "group 'embed_tokens', tensor 'embed_tokens.weight': tile:32x7 does not fit"),
+    (["--world-size", "8", "--shapes", "missing.json"], "missing.json: cannot read"),
+])
+def test_bad_arguments(args, message, tmp_path):
+    shapes = ["--shapes", f"{MODELS}/llama3-70b.json"] if "--shapes" not in args else []
+    out = vescale("plan", *shapes, *args, "--plot", str(tmp_path / "p.png"))
+    assert out.returncode == 2, out.stdout
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert os.listdir(tmp_path) == []
