@@ -46,6 +46,7 @@ def _worker(rank, world_size, port, tasks, results, env):
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # report everything, including assertion errors, to the parent
             results.put((rank, False, traceback.format_exc()))
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 
 

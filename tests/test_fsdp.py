@@ -1,0 +1,368 @@
+"""fully_shard on gloo with 2, 3 and 4 ranks: parity with single-process training of the same
+global batch, zero-copy collectives, prefetch order, the awkward cases, and bad input."""
+import contextlib
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_models as fm
+from dist_harness import RankPool
+from vescale_engine import optim as vopt
+from vescale_engine.clip import clip_grad_norm_
+from vescale_engine.dbuffer import STATS
+from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard,
+                                 gathered_parameters, no_sync, sharded_parameters, unit_of)
+
+GLOBAL_BATCH = 24
+STEPS = 3
+LR = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
+# fp32 parity: losses and all parameters together to 1e-6 relative. A single small tensor (a
+# LayerNorm bias a few steps from its zero init) can sit higher: Adam divides round-off-sized
+# gradient differences by their own tiny magnitude, whatever the summation order.
+PER_TENSOR = 5e-5
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def pool(request):
+    pool = RankPool(request.param)
+    yield pool
+    pool.close()
+
+
+def shard_model(model, **kwargs):
+    for unit in fm.units_of(model):
+        fully_shard(unit, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def reference_step(model, opt, kind, step):
+    idx, tgt = fm.batch(kind, step, GLOBAL_BATCH)
+    loss = model(idx, tgt)
+    loss.backward()
+    for p in model.parameters():  # data parallel semantics: an unused parameter gets zeros
+        if p.grad is None and p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def sharded_step(model, opt, kind, step, rank, world, accumulation=1, use_no_sync=False):
+    idx, tgt = fm.batch(kind, step, GLOBAL_BATCH)
+    per_rank = GLOBAL_BATCH // world
+    idx, tgt = idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank]
+    micro = per_rank // accumulation
+    total = 0.0
+    for k in range(accumulation):
+        sync = not use_no_sync or k == accumulation - 1
+        with contextlib.nullcontext() if sync else no_sync(model):
+            loss = model(idx[k * micro:(k + 1) * micro], tgt[k * micro:(k + 1) * micro])
+            (loss / accumulation).backward()
+        total += loss.item() / accumulation
+    opt.step()
+    opt.zero_grad()
+    mean = torch.tensor(total)
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
+def relative(a, b):
+    return (a - b).norm().item() / max(b.norm().item(), 1e-30)
+
+
+def compare(model, reference):
+    """Per tensor relative error, and over all parameters together."""
+    full = full_state_dict(model)
+    ref = reference.state_dict()
+    per_tensor = {k: relative(full[k], ref[k]) for k in ref}
+    diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref])
+    whole = diff.norm().item() / torch.cat([ref[k].flatten() for k in ref]).norm().item()
+    return whole, max(per_tensor.values()), max(per_tensor, key=per_tensor.get)
+
+
+def run_parity(rank, world, kind, optimizer, accumulation, use_no_sync, granularity):
+    reference, model = fm.make(kind), shard_model(fm.make(kind), granularity=granularity)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
+    opt = (vopt.AdamW if optimizer == "vescale" else torch.optim.AdamW)(model.parameters(), **LR)
+    losses = []
+    for step in range(STEPS):
+        want = reference_step(reference, ref_opt, kind, step)
+        got = sharded_step(model, opt, kind, step, rank, world, accumulation, use_no_sync)
+        losses.append(abs(got - want) / abs(want))
+    return (max(losses), *compare(model, reference))
+
+
+PARITY = list(itertools.product(["gpt", "moe"], ["torch", "vescale"], [(1, False), (2, False),
+                                                                        (2, True)],
+                                ["rows:1", "rows:16", "tile:32x32"]))
+
+
+def parity_rank(rank, world):
+    results = []
+    for kind, optimizer, (accumulation, use_no_sync), granularity in PARITY:
+        if accumulation > 1 and (GLOBAL_BATCH // world) % accumulation:
+            continue
+        results.append(((kind, optimizer, accumulation, use_no_sync, granularity),
+                        run_parity(rank, world, kind, optimizer, accumulation, use_no_sync,
+                                   granularity)))
+    return results
+
+
+def test_parity_with_single_process(pool):
+    results = pool.run(parity_rank, timeout=900)[0]
+    assert len(results) >= 24
+    for config, (loss, whole, worst, name) in results:
+        assert loss < 1e-6, (config, "loss", loss)
+        assert whole < 1e-6, (config, "parameters", whole)
+        assert worst < PER_TENSOR, (config, name, worst)
+
+
+# ------------------------------------------------------------------ zero copy and prefetch
+
+def collective_path_rank(rank, world):
+    model = shard_model(fm.make("gpt"))
+    opt = vopt.AdamW(model.parameters(), **LR)
+    STATS.reset()
+    STATS.record = True
+    for step in range(2):
+        if step == 1:
+            STATS.events.clear()
+        sharded_step(model, opt, "gpt", step, rank, world)
+    STATS.record = False
+    events = list(STATS.events)
+    # The full buffers are where the parameters live while unsharded, and where autograd
+    # wrote the gradients: check the views' addresses against the buffers' storage.
+    block = unit_of(model.blocks[0])
+    buf = block.buffers[0]
+    buf.all_gather(async_op=False)
+    for p in block.params:
+        if p.buffer is buf:
+            view = buf.full_view(p.index)
+            assert view.untyped_storage().data_ptr() == buf.full.untyped_storage().data_ptr()
+            assert p.unsharded.data_ptr() == view.data_ptr()
+    block.reshard()
+    units = [unit_of(m).name for m in model.blocks]
+    return STATS.bytes_copied, STATS.all_gathers, STATS.reduce_scatters, events, units
+
+
+def test_zero_copy_and_prefetch_order(pool):
+    copied, gathers, scatters, events, units = pool.run(collective_path_rank)[0]
+    assert copied == 0
+    assert gathers > 0 and scatters > 0
+
+    def first(kind, unit, after=-1):
+        return next(i for i, e in enumerate(events) if i > after and e[0] == kind and
+                    (e[1] == unit or e[1].startswith(unit + "[")))
+
+    # Forward (second step): block k+1's all-gather is issued before block k's forward runs.
+    for k in range(len(units) - 1):
+        assert first("all_gather", units[k + 1]) < first("forward", units[k]), events
+    # Backward: block k's all-gather for backward is issued before block k+1's backward ends,
+    # i.e. before block k's own backward starts, while block k+1 still computes.
+    last_forward = max(i for i, e in enumerate(events) if e[0] == "forward")
+    for k in range(len(units) - 1):
+        regather = first("all_gather", units[k], after=last_forward)
+        assert regather < first("backward", units[k]), events
+        assert first("backward", units[k + 1]) < regather, events
+
+
+
+# ------------------------------------------------------------------ the awkward cases
+
+class Twice(torch.nn.Module):
+    """A GPT variant whose blocks use checkpointing, a frozen position table, a buffer, and
+    one block called twice in a forward."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.gpt = fm.make("gpt")
+        self.gpt.wpe.weight.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.checkpointed = checkpointed
+
+    def forward(self, idx, targets):
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1])) * self.scale
+        for i, block in enumerate(list(g.blocks) + [g.blocks[1]]):  # block 1 runs twice
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        logits = g.head(g.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def awkward_rank(rank, world, checkpointed):
+    torch.manual_seed(0)
+    reference = Twice(checkpointed)
+    torch.manual_seed(0)
+    model = Twice(checkpointed)
+    for block in model.gpt.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(trainable, **LR)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **LR)
+    losses = []
+    for step in range(STEPS):
+        want = reference_step(reference, ref_opt, "gpt", step)
+        got = sharded_step(model, opt, "gpt", step, rank, world)
+        losses.append(abs(got - want) / want)
+    frozen = dict(sharded_parameters(model))["gpt.wpe.weight"]
+    assert frozen.sharded.grad is None and not frozen.sharded.requires_grad
+    return (max(losses), *compare(model, reference))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_tied_frozen_buffers_checkpointing_and_a_block_called_twice(pool, checkpointed):
+    loss, whole, worst, name = pool.run(awkward_rank, checkpointed)[0]
+    assert loss < 1e-6 and whole < 1e-6 and worst < PER_TENSOR, (loss, whole, worst, name)
+
+
+def mixed_precision_rank(rank, world):
+    reference = fm.make("gpt")
+    model = shard_model(fm.make("gpt"), mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    unit = unit_of(model.blocks[0])
+    ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
+    opt = vopt.AdamW(model.parameters(), **LR)
+    gaps = []
+    for step in range(STEPS):
+        want = reference_step(reference, ref_opt, "gpt", step)
+        got = sharded_step(model, opt, "gpt", step, rank, world)
+        gaps.append(abs(got - want) / want)
+    masters = {p.sharded.dtype for p in unit.params}
+    return max(gaps), unit.buffers[0].full.dtype, masters, compare(model, reference)[0]
+
+
+def test_mixed_precision(pool):
+    gap, full_dtype, masters, whole = pool.run(mixed_precision_rank)[0]
+    assert full_dtype == torch.bfloat16 and masters == {torch.float32}
+    assert gap < 2e-2 and whole < 5e-2  # bf16 compute tracks fp32 closely, not exactly
+
+
+def unused_expert_rank(rank, world):
+    """Experts that no token of this step reaches on any rank: no hang, zero gradient."""
+    model = shard_model(fm.make("moe"))
+    idx, tgt = fm.batch("moe", 0, GLOBAL_BATCH // world)
+    for layer in model.layers:
+        with torch.no_grad():  # route every token to expert 0
+            layer.router.weight.zero_()
+    model(idx, tgt).backward()
+    grads = {fqn: p.sharded.grad for fqn, p in sharded_parameters(model)}
+    unused = [g for fqn, g in grads.items() if ".experts.3." in fqn]
+    used = [g for fqn, g in grads.items() if ".experts.0.up" in fqn]
+    return all(g is not None and not g.any() for g in unused), sum(g.abs().sum().item()
+                                                                    for g in used)
+
+
+def test_unused_experts_get_zero_gradients_without_hanging(pool):
+    results = pool.run(unused_expert_rank, timeout=120)
+    assert all(zero for zero, _ in results)
+    assert sum(used for _, used in results) > 0
+
+
+def clip_rank(rank, world):
+    reference, model = fm.make("gpt"), shard_model(fm.make("gpt"))
+    idx, tgt = fm.batch("gpt", 0, GLOBAL_BATCH)
+    reference(idx, tgt).backward()
+    per = GLOBAL_BATCH // world
+    model(idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]).backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    got = clip_grad_norm_(model.parameters(), 0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0)
+    opt.step()
+    ref_opt.step()
+    return abs(got.item() - want.item()) / want.item(), compare(model, reference)[0]
+
+
+def test_global_grad_norm_and_clipping(pool):
+    norm_gap, whole = pool.run(clip_rank)[0]
+    assert norm_gap < 1e-6 and whole < 1e-6
+
+
+def gathered_rank(rank, world):
+    model = shard_model(fm.make("gpt"))
+    with gathered_parameters(model, writeback=True):
+        full_shape = tuple(model.blocks[0].fc.weight.shape)
+        with torch.no_grad():
+            model.blocks[0].fc.weight.fill_(0.25)
+    sharded_shape = tuple(model.blocks[0].fc.weight.shape)
+    after = full_state_dict(model)["blocks.0.fc.weight"]
+    return full_shape, sharded_shape, bool((after == 0.25).all())
+
+
+def test_gathered_parameters_reads_and_writes_back(pool):
+    full_shape, sharded_shape, written = pool.run(gathered_rank)[0]
+    assert full_shape == (256, 64) and len(sharded_shape) == 1 and written
+
+
+def hsdp_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    reference, model = fm.make("gpt"), shard_model(fm.make("gpt"), mesh=mesh)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
+    opt = vopt.AdamW(model.parameters(), **LR)
+    losses = []
+    for step in range(STEPS):
+        want = reference_step(reference, ref_opt, "gpt", step)
+        losses.append(abs(sharded_step(model, opt, "gpt", step, rank, world) - want) / want)
+    whole = compare_hsdp(model, reference, mesh)
+    return max(losses), whole, unit_of(model.blocks[0]).buffers[0].world_size
+
+
+def compare_hsdp(model, reference, mesh):
+    with gathered_parameters(model):
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref = reference.state_dict()
+    return max(relative(full[k], ref[k]) for k in ref)
+
+
+def test_hsdp_two_replicas(pool):
+    if pool.world_size % 2:
+        pytest.skip("HSDP needs an even number of ranks for two replicas")
+    loss, worst, shard_world = pool.run(hsdp_rank)[0]
+    assert shard_world == pool.world_size // 2
+    assert loss < 1e-6 and worst < PER_TENSOR
+
+
+# ------------------------------------------------------------------ bad input
+
+def bad_input_rank(rank, world):
+    errors = {}
+    cases = {
+        "no parameters": lambda: fully_shard(torch.nn.ReLU()),
+        "mixed devices": lambda: fully_shard(_mixed_devices()),
+        "mesh mismatch": lambda: fully_shard(torch.nn.Linear(4, 4), mesh=_small_mesh(world)),
+        "twice": lambda: fully_shard(fully_shard(torch.nn.Linear(4, 4))),
+    }
+    before = STATS.all_gathers + STATS.reduce_scatters
+    for name, make in cases.items():
+        try:
+            make()
+            errors[name] = None
+        except (ValueError, RuntimeError) as err:
+            errors[name] = str(err)
+    dist.barrier()
+    return errors, STATS.all_gathers + STATS.reduce_scatters - before
+
+
+def _mixed_devices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].to("meta")
+    return model
+
+
+def _small_mesh(world):
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh("cpu", list(range(world - 1))) if world > 2 else DeviceMesh("cpu", [0])
+
+
+def test_bad_input_fails_at_wrap_time(pool):
+    errors, collectives = pool.run(bad_input_rank)[0]
+    assert collectives == 0
+    assert "no parameters" in errors["no parameters"]
+    assert "mixed devices" in errors["mixed devices"]
+    assert "ranks" in errors["mesh mismatch"]
+    assert "already applied" in errors["twice"]

@@ -1,0 +1,212 @@
+"""DBuffer: the flat distributed buffer that one planner layout describes.
+
+Every parameter of the layout is a view of it: its piece of the rank's fp32 master shard
+(between steps), its full tensor in the compute dtype (while unsharded), its piece of the local
+gradient shard, and its full gradient (during backward). All-gather writes straight into the
+full buffer from the local shard and reduce-scatter reads straight from the full gradient buffer
+into the local shard: no copy-in, no copy-out, one collective per buffer. Full buffers keep their
+tensor objects for life and only their storage is allocated and freed (`resize_`), so parameter
+views and tensors saved by autograd stay valid; no `record_stream` is ever needed.
+
+Must not know about modules or config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .planner import BufferLayout
+
+# torch 2.13 prefers the *_single names; older releases only have the *_tensor ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveStats:
+    """What the collective path did: the bytes it copied (the design says zero), how many
+    collectives it issued, and, when `record` is set, the order of events (for tests)."""
+    bytes_copied: int = 0
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    record: bool = False
+    events: list = field(default_factory=list)
+
+    def log(self, *event):
+        if self.record:
+            self.events.append(event)
+
+    def reset(self):
+        self.bytes_copied = self.all_gathers = self.reduce_scatters = 0
+        self.events.clear()
+
+
+STATS = CollectiveStats()
+
+
+class DBuffer:
+    """Storage for one buffer layout on one rank.
+
+    `master` (S elements, the parameters' dtype) and `grad` (S elements) persist; `full` and
+    `full_grad` (world_size * S elements, the compute dtype) hold storage only while unsharded
+    and during backward.
+    """
+
+    def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
+                 shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, name: str = "buffer"):
+        self.layout = layout
+        self.name = name
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.rank = dist.get_rank(shard_group)
+        self.world_size = layout.world_size
+        if dist.get_world_size(shard_group) != self.world_size:
+            raise ValueError(f"{name}: layout is for {self.world_size} ranks, the shard group has "
+                             f"{dist.get_world_size(shard_group)}")
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.data_parallel_size = self.world_size * replicas
+        S = layout.shard_size
+        self.shard_size = S
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.master = torch.zeros(S, dtype=dtype, device=device)
+        self.grad = torch.zeros(S, dtype=dtype, device=device)
+        self.full = torch.empty(self.world_size * S, dtype=self.param_dtype, device=device)
+        self.full_grad = torch.empty(self.world_size * S, dtype=self.param_dtype, device=device)
+        self._full_bytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.full_grad.untyped_storage().resize_(0)
+        self.full_grad_live = False   # holds gradients not yet reduced (no_sync accumulation)
+        self._full_views = self._full_grad_views = None
+        lo = self.rank * S
+        # Per tensor: (start, end) of its local piece inside the shard, and its full view range.
+        self.local_ranges = []
+        for p in layout.placements:
+            start = min(max(p.offset, lo), lo + S) - lo
+            end = max(min(p.offset + p.numel, lo + S), lo) - lo
+            self.local_ranges.append((start, max(start, end)))
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def master_view(self, i: int) -> torch.Tensor:
+        start, end = self.local_ranges[i]
+        return self.master[start:end]
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        start, end = self.local_ranges[i]
+        return self.grad[start:end]
+
+    def full_view(self, i: int) -> torch.Tensor:
+        """Tensor i's full view of `full`: made once, while storage is there, then kept (it
+        follows the storage as it is freed and given back)."""
+        if self._full_views is None:
+            assert self.is_unsharded, "full views are made while the buffer is unsharded"
+            self._full_views = self._views(self.full)
+        return self._full_views[i]
+
+    def full_grad_view(self, i: int) -> torch.Tensor:
+        if self._full_grad_views is None:
+            assert self.full_grad_live, "gradient views are made during backward"
+            self._full_grad_views = self._views(self.full_grad)
+        return self._full_grad_views[i]
+
+    def _views(self, flat):
+        """Views over `flat`'s storage with version counters of their own: refilling the buffer
+        for backward restores exactly what forward saw, and autograd must not mistake the
+        collective's write for a change to the tensors it saved."""
+        views = []
+        for p in self.layout.placements:
+            view = torch.empty(0, dtype=flat.dtype, device=flat.device)
+            view.set_(flat.untyped_storage(), flat.storage_offset() + p.offset, p.spec.shape)
+            views.append(view)
+        return views
+
+    def load_full_tensor(self, i: int, full: torch.Tensor) -> None:
+        """Initialise this rank's piece of tensor i from its full value (wrap time only)."""
+        p = self.layout.placements[i]
+        start, end = self.local_ranges[i]
+        if end > start:
+            lo = self.rank * self.shard_size + start - p.offset
+            self.master[start:end].copy_(full.detach().reshape(-1)[lo:lo + end - start])
+
+    # -- all-gather ----------------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def all_gather(self, async_op: bool = True):
+        """Gather every rank's shard into `full`, in place. With a lower compute dtype the
+        master shard is cast straight into this rank's slot (one fused op), which is then the
+        collective's input; otherwise the master shard is the input."""
+        self.full.untyped_storage().resize_(self._full_bytes)
+        S = self.shard_size
+        slot = self.full[self.rank * S:(self.rank + 1) * S]
+        if self.param_dtype != self.master.dtype:
+            slot.copy_(self.master)  # the cast to the compute dtype, not a staging copy
+            source = slot
+        else:
+            source = self.master
+        STATS.all_gathers += 1
+        STATS.log("all_gather", self.name)
+        return _all_gather(self.full, source, group=self.shard_group, async_op=async_op)
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def ensure_full_grad(self) -> None:
+        """Give `full_grad` storage, zeroed, unless it still holds unreduced gradients."""
+        if not self.full_grad_live:
+            self.full_grad.untyped_storage().resize_(self._full_bytes)
+            self.full_grad.zero_()
+            self.full_grad_live = True
+
+    def reduce_scatter(self, accumulate: bool):
+        """Reduce `full_grad` into the local gradient shard, in place, averaged over the data
+        parallel ranks; with `accumulate`, add to what the shard already holds. Returns a
+        callable that waits for the collective and finishes the shard."""
+        source = self.full_grad
+        if self.reduce_dtype != self.full_grad.dtype:
+            source = self.full_grad.to(self.reduce_dtype)  # the one fused cast of the buffer
+        direct = not accumulate and self.reduce_dtype == self.grad.dtype
+        out = self.grad if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
+                                                   device=self.grad.device)
+        STATS.reduce_scatters += 1
+        STATS.log("reduce_scatter", self.name)
+        work = _reduce_scatter(out, source, group=self.shard_group, async_op=True)
+
+        def finish():
+            work.wait()
+            if self.replicate_group is not None:
+                dist.all_reduce(out, group=self.replicate_group)
+            out.div_(self.data_parallel_size)
+            if accumulate:
+                self.grad.add_(out)
+            elif not direct:
+                self.grad.copy_(out)  # a staging copy: only when reduce and master dtypes differ
+                STATS.bytes_copied += out.numel() * out.element_size()
+            self.full_grad.untyped_storage().resize_(0)
+            self.full_grad_live = False
+
+        return finish
+
+    def free_full_grad(self) -> None:
+        self.full_grad.untyped_storage().resize_(0)
+        self.full_grad_live = False
+
+    # -- fused group operations ----------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def scale_grad(self, factor: float) -> None:
+        self.grad.mul_(factor)
+
+    def grad_squared_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient shard; padding holds zeros, so it adds none."""
+        return self.grad.float().pow(2).sum()

@@ -1,0 +1,548 @@
+"""`fully_shard`: the zero-copy FSDP runtime over DBuffers.
+
+Call it on the units (each decoder block, say), then on the root, as with PyTorch FSDP2. Between
+steps `model.parameters()` yields plain 1-D parameters over each rank's flat piece of the fp32
+master shard (FSDP1's use_orig_params style; docs/architecture.md says why), so element-wise
+torch optimizers work unchanged. During forward and backward the module holds full-shape
+parameters that are views of the unit's all-gathered buffer.
+
+Hooks, per unit: pre-forward unshards (and prefetches the next unit's all-gather), post-forward
+reshards and hooks the outputs, the first output gradient unshards again for backward (and
+prefetches the unit backward runs next), and once the unit's inputs have their gradients, all of
+its parameter gradients are in the full gradient buffer and are reduce-scattered. A callback at
+the end of backward finishes units that no input gradient reached (the root, units fed only by
+tensors without gradients), in the same order on every rank, so no rank can hang on another.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from .dbuffer import STATS, DBuffer, _all_gather
+from .granularity import parse_granularity
+from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
+
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "no_sync", "gathered_parameters",
+           "full_state_dict", "sharded_parameters", "unit_of"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """param_dtype: compute and all-gather dtype; reduce_dtype: gradient reduction dtype. The
+    master shard keeps the parameters' own dtype (fp32)."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+class ShardedParameter:
+    """One managed parameter: where the module holds it, and its two faces."""
+
+    def __init__(self, unit, fqn, registrations, buffer, index, requires_grad):
+        self.unit = unit
+        self.fqn = fqn
+        self.registrations = registrations          # [(module, attribute name)], >1 when tied
+        self.buffer = buffer
+        self.index = index
+        spec = buffer.layout.placements[index].spec
+        self.shape = spec.shape
+        self.block = spec.block
+        self.sharded = nn.Parameter(buffer.master_view(index), requires_grad=requires_grad)
+        self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
+        self._unsharded = None
+
+    @property
+    def unsharded(self) -> nn.Parameter:
+        """The full-shape parameter the module holds while unsharded (made at first unshard)."""
+        if self._unsharded is None:
+            self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
+                                           requires_grad=self.sharded.requires_grad)
+        return self._unsharded
+
+    def register(self, which: nn.Parameter):
+        for module, name in self.registrations:
+            module._parameters[name] = which
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(specs, world_size, align, max_buffers):
+    """Identical units (the repeated decoder layers) are planned once."""
+    return plan_unit(list(specs), world_size, align, max_buffers)
+
+
+_UNIT_IDS = itertools.count()
+
+
+class _Context:
+    """State shared by the units of one root for one forward/backward."""
+
+    def __init__(self):
+        self.order = []        # units in first pre-forward order this iteration
+        self.last_order = []   # last iteration's order: what forward prefetches from
+        self.callback_queued = False
+        self.require_sync = True
+
+
+class FSDPUnit:
+    def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
+                 granularity, max_buffers, align_bytes):
+        self.module = module
+        self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.params = []
+        self.buffers = []
+        self.ctx = None
+        self.is_root = False
+        self._pending_gather = []
+        self._unsharded = False
+        self._reset_iteration()
+        self._build(group, replicate_group, parse_granularity(granularity), max_buffers,
+                    align_bytes)
+
+    # -- wrap time -----------------------------------------------------------------------------
+
+    def _build(self, group, replicate_group, granularity, max_buffers, align_bytes):
+        managed = _managed_ids(self.module)
+        found, order = {}, []
+        for mod_name, mod in self.module.named_modules(remove_duplicate=False):
+            for pname, param in list(mod._parameters.items()):
+                if param is None or id(param) in managed:
+                    continue
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                if id(param) not in found:
+                    found[id(param)] = (fqn, param, [])
+                    order.append(id(param))
+                if (mod, pname) not in found[id(param)][2]:
+                    found[id(param)][2].append((mod, pname))
+        if not order:
+            raise ValueError(f"fully_shard({self.name}): the module has no parameters that "
+                             "another unit does not already manage")
+        devices = {found[i][1].device for i in order}
+        if len(devices) > 1:
+            raise ValueError(f"fully_shard({self.name}): parameters are on mixed devices "
+                             f"{sorted(map(str, devices))}")
+        self.device = devices.pop()
+        world_size = dist.get_world_size(group)
+        by_dtype = {}
+        for i in order:
+            by_dtype.setdefault(found[i][1].dtype, []).append(i)
+        for dtype, ids in by_dtype.items():
+            param_dtype = self.mp_policy.param_dtype or dtype
+            itemsize = min(torch.empty(0, dtype=dtype).element_size(),
+                           torch.empty(0, dtype=param_dtype).element_size())
+            specs = tuple(TensorSpec(found[i][0], tuple(found[i][1].shape),
+                                     granularity.block_size(found[i][1].shape)) for i in ids)
+            plan = _cached_plan(specs, world_size, max(1, align_bytes // itemsize), max_buffers)
+            position = {found[i][0]: i for i in ids}
+            for b, layout in enumerate(plan.buffers):
+                buf = DBuffer(layout, dtype=dtype, device=self.device, shard_group=group,
+                              replicate_group=replicate_group, param_dtype=param_dtype,
+                              reduce_dtype=self.mp_policy.reduce_dtype,
+                              name=f"{self.name}[{len(self.buffers)}]")
+                self.buffers.append(buf)
+                for k, placement in enumerate(layout.placements):
+                    fqn, param, registrations = found[position[placement.name]]
+                    buf.load_full_tensor(k, param)
+                    sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad)
+                    sp.register(sp.sharded)
+                    self.params.append(sp)
+
+    # -- per-iteration state -------------------------------------------------------------------
+
+    def _reset_iteration(self):
+        self.forward_calls = 0
+        self.calls_without_hook = 0
+        self.pending_post_backward = 0
+        self.in_backward = False
+        self.reduced = False
+
+    @property
+    def trainable(self):
+        return [p for p in self.params if p.sharded.requires_grad]
+
+    # -- unshard / reshard ---------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = True):
+        """Issue this unit's all-gathers unless they are done or in flight."""
+        if self._unsharded or self._pending_gather:
+            return
+        STATS.log("unshard_issue", self.name)
+        self._pending_gather = [buf.all_gather(async_op=True) for buf in self.buffers]
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self):
+        if self._unsharded:
+            return
+        if not self._pending_gather:
+            self.unshard(async_op=True)
+        for work in self._pending_gather:
+            work.wait()
+        STATS.log("unshard_wait", self.name)
+        self._pending_gather = []
+        for p in self.params:
+            p.register(p.unsharded)
+        self._unsharded = True
+
+    def reshard(self):
+        if self._pending_gather:  # a prefetch nobody used: finish it before freeing its target
+            for work in self._pending_gather:
+                work.wait()
+            self._pending_gather = []
+        if not self._unsharded and not any(b.is_unsharded for b in self.buffers):
+            return
+        for p in self.params:
+            p.register(p.sharded)
+            if p._unsharded is not None:
+                p._unsharded.grad = None
+        for buf in self.buffers:
+            buf.free_full()
+        self._unsharded = False
+        STATS.log("reshard", self.name)
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def pre_forward(self, module, args, kwargs):
+        if _in_backward():  # activation-checkpoint recompute: parameters only
+            self.wait_unshard()
+            return args, kwargs
+        if _ACTIVE.ctx is None:
+            self._begin_root_forward()
+        ctx = self.ctx = _ACTIVE.ctx
+        if self.forward_calls == 0 and self.calls_without_hook == 0:
+            ctx.order.append(self)
+        self.wait_unshard()
+        self._prefetch_forward()
+        STATS.log("forward", self.name)
+        if torch.is_grad_enabled():
+            args, kwargs, hooked = _register_post_backward(self, args, kwargs)
+            if hooked:
+                self.forward_calls += 1
+                self.pending_post_backward += 1
+            else:
+                self.calls_without_hook += 1
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        if _in_backward():
+            return output
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward)
+        if self.is_root:
+            _ACTIVE.ctx = None
+            if not torch.is_grad_enabled():  # inference: nothing will come back for them
+                for unit in self.ctx.order:
+                    unit.reshard()
+                    unit._reset_iteration()
+        elif self.reshard_after_forward:
+            self.reshard()
+        return output
+
+    def _begin_root_forward(self):
+        self.is_root = True
+        if self.ctx is None:
+            self.ctx = _Context()
+        ctx = self.ctx
+        for unit in ctx.order:  # a forward that never ran backward leaves state behind
+            unit.reshard()
+            unit._reset_iteration()
+        ctx.last_order, ctx.order = ctx.order, []
+        ctx.callback_queued = False
+        _ACTIVE.ctx = ctx
+
+    def _prefetch_forward(self):
+        order = self.ctx.last_order
+        if self in order:
+            i = order.index(self)
+            if i + 1 < len(order):
+                nxt = order[i + 1]
+                if nxt is not self and nxt.reshard_after_forward and not nxt.is_root:
+                    nxt.unshard(async_op=True)
+
+    def _pre_backward(self, grad):
+        if self.in_backward:
+            return grad
+        self.in_backward = True
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
+        self.wait_unshard()
+        STATS.log("backward", self.name)
+        for p in self.trainable:
+            p.buffer.ensure_full_grad()
+            p.unsharded.grad = p.buffer.full_grad_view(p.index)
+        order = ctx.order
+        if self in order:  # the unit backward reaches next is the one before us in forward
+            i = order.index(self)
+            if i > 0 and order[i - 1].reshard_after_forward and not order[i - 1].is_root:
+                order[i - 1].unshard(async_op=True)
+        return grad
+
+    def post_backward(self):
+        """All of this unit's parameter gradients are in: reduce-scatter, then reshard."""
+        if self.reduced:
+            return
+        self.reduced = True
+        STATS.log("post_backward", self.name)
+        self._finishers = []
+        if self.trainable and self.in_backward:
+            if self.ctx.require_sync:
+                for buf in self.buffers:
+                    members = [p for p in self.trainable if p.buffer is buf]
+                    if members:
+                        self._finishers.append((buf, members, buf.reduce_scatter(
+                            accumulate=_prepare_accumulation(buf, members))))
+        self.reshard()
+
+    def finish_gradients(self):
+        for buf, members, finish in getattr(self, "_finishers", []):
+            finish()
+            for p in members:
+                p.sharded.grad = buf.grad_view(p.index)
+        self._finishers = []
+
+
+def _prepare_accumulation(buf, members) -> bool:
+    """Does the shard hold gradients to add to? Not if the user dropped them (zero_grad's
+    set_to_none): then the reduce-scatter writes straight into the shard."""
+    dropped = [p for p in members if p.sharded.grad is None]
+    if len(dropped) == len(members):
+        return False
+    for p in dropped:  # rare: some dropped, some kept
+        buf.grad_view(p.index).zero_()
+    return True
+
+
+def _final_callback(ctx):
+    for unit in reversed(ctx.order):
+        if unit.in_backward or unit.forward_calls or unit.calls_without_hook:
+            unit.post_backward()
+    for unit in reversed(ctx.order):
+        unit.finish_gradients()
+        unit.reshard()
+        unit._reset_iteration()
+
+
+class _Active:
+    ctx = None
+
+
+_ACTIVE = _Active()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward runs once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        unit.pending_post_backward -= 1
+        if unit.pending_post_backward == 0 and unit.calls_without_hook == 0:
+            unit.post_backward()
+        return (None, *grads)
+
+
+def _register_post_backward(unit, args, kwargs):
+    flat, rebuild = _flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return args, kwargs, False
+    out = _PostBackward.apply(unit, *[flat[i] for i in positions])
+    out = out if isinstance(out, tuple) else (out,)
+    for i, t in zip(positions, out):
+        flat[i] = t
+    args, kwargs = rebuild(flat)
+    return args, kwargs, True
+
+
+def _flatten(obj):
+    leaves = []
+
+    def walk(o):
+        if isinstance(o, (list, tuple)) and not hasattr(o, "_fields"):
+            return type(o)(walk(x) for x in o)
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        leaves.append(o)
+        return len(leaves) - 1
+
+    skeleton = walk(obj)
+
+    def rebuild(values):
+        def fill(s):
+            if isinstance(s, (list, tuple)):
+                return type(s)(fill(x) for x in s)
+            if isinstance(s, dict):
+                return {k: fill(v) for k, v in s.items()}
+            return values[s]
+        return fill(skeleton)
+
+    return leaves, rebuild
+
+
+def _managed_ids(module):
+    ids = set()
+    for sub in module.modules():
+        unit = getattr(sub, "_vescale_unit", None)
+        if unit is not None:
+            for p in unit.params:
+                ids.add(id(p.sharded))
+    return ids
+
+
+def _resolve_mesh(mesh):
+    """(shard group, replicate group or None) from a DeviceMesh, a process group, or None."""
+    if mesh is None:
+        return dist.group.WORLD, None
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, None
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"mesh has {mesh.size()} ranks but the process group has "
+                         f"{dist.get_world_size()}")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:  # (replicate, shard): HSDP
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
+                max_buffers: int = DEFAULT_MAX_BUFFERS,
+                align_bytes: int = DEFAULT_ALIGN_BYTES) -> nn.Module:
+    """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
+
+    Errors (no parameters, mixed devices, a mesh that does not match the process group, a
+    second call on the same module) are raised here, before any collective.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialized process group "
+                           "(torch.distributed.init_process_group)")
+    if getattr(module, "_vescale_unit", None) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    group, replicate_group = _resolve_mesh(mesh)
+    unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
+                    granularity, max_buffers, align_bytes)
+    module._vescale_unit = unit
+    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# What user code needs around sharded modules.
+
+def unit_of(module: nn.Module) -> FSDPUnit | None:
+    return getattr(module, "_vescale_unit", None)
+
+
+def _units(module):
+    return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
+
+
+def sharded_parameters(module: nn.Module):
+    """(fqn, ShardedParameter) for every managed parameter under `module`."""
+    for unit in _units(module):
+        for p in unit.params:
+            yield p.fqn if unit.module is module else _qualify(module, unit.module, p.fqn), p
+
+
+def _qualify(root, sub, fqn):
+    for name, mod in root.named_modules():
+        if mod is sub:
+            return f"{name}.{fqn}" if name else fqn
+    return fqn
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module):
+    """Backward passes inside accumulate full gradients locally, without communication; the
+    first backward after it reduce-scatters everything accumulated."""
+    ctxs = set()
+    for unit in _units(module):
+        if unit.ctx is None:
+            unit.ctx = _Context()
+        ctxs.add(unit.ctx)
+    for ctx in ctxs:
+        ctx.require_sync = False
+    try:
+        yield
+    finally:
+        for ctx in ctxs:
+            ctx.require_sync = True
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: nn.Module, writeback: bool = False):
+    """Full fp32 parameters in `module` for the duration (like DeepSpeed's
+    GatheredParameters). With `writeback`, changes made inside are kept (every rank must make
+    the same change)."""
+    units = _units(module)
+    gathered = []
+    for unit in units:
+        for buf in unit.buffers:
+            full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
+                               device=buf.master.device)
+            _all_gather_master(full, buf)
+            gathered.append((unit, buf, full))
+    views = {}
+    for unit, buf, full in gathered:
+        for p in unit.params:
+            if p.buffer is buf:
+                pl = buf.layout.placements[p.index]
+                views[p] = nn.Parameter(full[pl.offset:pl.offset + pl.numel].view(p.shape),
+                                        requires_grad=p.sharded.requires_grad)
+                p.register(views[p])
+    try:
+        yield module
+    finally:
+        for unit, buf, full in gathered:
+            if writeback:
+                S = buf.shard_size
+                with torch.no_grad():
+                    buf.master.copy_(full[buf.rank * S:(buf.rank + 1) * S])
+        for p in views:
+            p.register(p.sharded)
+
+
+def _all_gather_master(full, buf):
+    _all_gather(full, buf.master, group=buf.shard_group)
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """Every parameter's full value (fp32 master), plus buffers, on every rank."""
+    with gathered_parameters(module):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}

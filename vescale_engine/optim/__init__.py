@@ -1,0 +1,4 @@
+"""Optimizers that step whole DBuffer shards at once."""
+from .adamw import AdamW
+
+__all__ = ["AdamW"]
