@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import fsdp_models as fm
 from dist_harness import RankPool
 from vescale_engine import optim as vopt
+from vescale_engine.optim import adamw as adamw_module
 from vescale_engine.clip import clip_grad_norm_
 from vescale_engine.dbuffer import STATS
 from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard,
@@ -86,18 +87,26 @@ def compare(model, reference):
 def run_parity(rank, world, kind, optimizer, accumulation, use_no_sync, granularity):
     reference, model = fm.make(kind), shard_model(fm.make(kind), granularity=granularity)
     ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
-    opt = (vopt.AdamW if optimizer == "vescale" else torch.optim.AdamW)(model.parameters(), **LR)
-    losses = []
-    for step in range(STEPS):
-        want = reference_step(reference, ref_opt, kind, step)
-        got = sharded_step(model, opt, kind, step, rank, world, accumulation, use_no_sync)
-        losses.append(abs(got - want) / abs(want))
+    opt = (torch.optim.AdamW if optimizer == "torch" else vopt.AdamW)(model.parameters(), **LR)
+    fused = adamw_module._FUSED
+    if optimizer == "vescale-unfused":  # the op-by-op path, for torch builds without the kernel
+        adamw_module._FUSED = None
+    try:
+        losses = []
+        for step in range(STEPS):
+            want = reference_step(reference, ref_opt, kind, step)
+            got = sharded_step(model, opt, kind, step, rank, world, accumulation, use_no_sync)
+            losses.append(abs(got - want) / abs(want))
+    finally:
+        adamw_module._FUSED = fused
     return (max(losses), *compare(model, reference))
 
 
 PARITY = list(itertools.product(["gpt", "moe"], ["torch", "vescale"], [(1, False), (2, False),
                                                                         (2, True)],
                                 ["rows:1", "rows:16", "tile:32x32"]))
+PARITY += [("gpt", "vescale-unfused", (2, True), "rows:16"), ("moe", "vescale-unfused", (1, False),
+                                                                 "tile:32x32")]
 
 
 def parity_rank(rank, world):

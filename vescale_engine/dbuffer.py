@@ -74,6 +74,8 @@ class DBuffer:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.master = torch.zeros(S, dtype=dtype, device=device)
         self.grad = torch.zeros(S, dtype=dtype, device=device)
+        self._grad_bytes = self.grad.untyped_storage().nbytes()
+        self.release_grad()  # gradient storage exists only between backward and zero_grad
         self.full = torch.empty(self.world_size * S, dtype=self.param_dtype, device=device)
         self.full_grad = torch.empty(self.world_size * S, dtype=self.param_dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
@@ -166,6 +168,13 @@ class DBuffer:
             self.full_grad.zero_()
             self.full_grad_live = True
 
+    @property
+    def has_grad(self) -> bool:
+        return self.grad.untyped_storage().nbytes() > 0
+
+    def release_grad(self) -> None:
+        self.grad.untyped_storage().resize_(0)
+
     def reduce_scatter(self, accumulate: bool):
         """Reduce `full_grad` into the local gradient shard, in place, averaged over the data
         parallel ranks; with `accumulate`, add to what the shard already holds. Returns a
@@ -173,6 +182,8 @@ class DBuffer:
         source = self.full_grad
         if self.reduce_dtype != self.full_grad.dtype:
             source = self.full_grad.to(self.reduce_dtype)  # the one fused cast of the buffer
+        if not accumulate and not self.has_grad:
+            self.grad.untyped_storage().resize_(self._grad_bytes)  # fully overwritten below
         direct = not accumulate and self.reduce_dtype == self.grad.dtype
         out = self.grad if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
                                                    device=self.grad.device)
@@ -201,12 +212,12 @@ class DBuffer:
 
     # -- fused group operations ----------------------------------------------------------------
 
-    def zero_grad(self) -> None:
-        self.grad.zero_()
-
     def scale_grad(self, factor: float) -> None:
-        self.grad.mul_(factor)
+        if self.has_grad:
+            self.grad.mul_(factor)
 
     def grad_squared_norm(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shard; padding holds zeros, so it adds none."""
+        if not self.has_grad:
+            return torch.zeros((), dtype=torch.float32, device=self.grad.device)
         return self.grad.float().pow(2).sum()

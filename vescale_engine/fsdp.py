@@ -87,6 +87,7 @@ class _Context:
         self.last_order = []   # last iteration's order: what forward prefetches from
         self.callback_queued = False
         self.require_sync = True
+        self.reducing = []     # units whose reduce-scatter is in flight
 
 
 class FSDPUnit:
@@ -101,6 +102,7 @@ class FSDPUnit:
         self.ctx = None
         self.is_root = False
         self._pending_gather = []
+        self._finishers = []
         self._unsharded = False
         self._reset_iteration()
         self._build(group, replicate_group, parse_granularity(granularity), max_buffers,
@@ -243,9 +245,15 @@ class FSDPUnit:
                 for unit in self.ctx.order:
                     unit.reshard()
                     unit._reset_iteration()
-        elif self.reshard_after_forward:
+        elif self.reshard_after_forward and not self._backward_comes_next():
             self.reshard()
         return output
+
+    def _backward_comes_next(self) -> bool:
+        """The last unit of forward is the first of backward: freeing its parameters only to
+        gather them again at once would waste a collective."""
+        last = self.ctx.last_order
+        return torch.is_grad_enabled() and bool(last) and last[-1] is self
 
     def _begin_root_forward(self):
         self.is_root = True
@@ -255,8 +263,10 @@ class FSDPUnit:
         for unit in ctx.order:  # a forward that never ran backward leaves state behind
             unit.reshard()
             unit._reset_iteration()
+            unit.release_dropped_gradients()
         ctx.last_order, ctx.order = ctx.order, []
         ctx.callback_queued = False
+        ctx.reducing = []
         _ACTIVE.ctx = ctx
 
     def _prefetch_forward(self):
@@ -294,6 +304,9 @@ class FSDPUnit:
             return
         self.reduced = True
         STATS.log("post_backward", self.name)
+        for unit in self.ctx.reducing:  # one reduce-scatter in flight at a time frees
+            unit.finish_gradients()     # each full gradient buffer as early as FSDP2 does
+        self.ctx.reducing = [self]
         self._finishers = []
         if self.trainable and self.in_backward:
             if self.ctx.require_sync:
@@ -304,8 +317,16 @@ class FSDPUnit:
                             accumulate=_prepare_accumulation(buf, members))))
         self.reshard()
 
+    def release_dropped_gradients(self):
+        """Free a buffer's gradient shard once the user dropped every gradient in it
+        (zero_grad's set_to_none), so it does not sit through forward and backward."""
+        for buf in self.buffers:
+            members = [p for p in self.trainable if p.buffer is buf]
+            if buf.has_grad and all(p.sharded.grad is None for p in members):
+                buf.release_grad()
+
     def finish_gradients(self):
-        for buf, members, finish in getattr(self, "_finishers", []):
+        for buf, members, finish in self._finishers:
             finish()
             for p in members:
                 p.sharded.grad = buf.grad_view(p.index)
@@ -331,6 +352,7 @@ def _final_callback(ctx):
         unit.finish_gradients()
         unit.reshard()
         unit._reset_iteration()
+    ctx.reducing = []
 
 
 class _Active:

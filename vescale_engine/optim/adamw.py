@@ -68,18 +68,32 @@ class AdamW(torch.optim.Optimizer):
                 continue
             state = self.state.setdefault(buf.master, {})
             if not state:
-                state["step"] = 0
+                state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(buf.master)
                 state["exp_avg_sq"] = torch.zeros_like(buf.master)
-            state["step"] += 1
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            p, g = buf.master, buf.grad
-            if isinstance(decay, torch.Tensor) or decay:
-                p.mul_(1 - lr * decay)
-            state["exp_avg"].lerp_(g, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            bias1 = 1 - beta1 ** state["step"]
-            bias2 = 1 - beta2 ** state["step"]
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+            if isinstance(decay, torch.Tensor):  # per-element decay first, then none inside
+                buf.master.mul_(1 - lr * decay)
+            _adamw(buf.master, buf.grad, state, lr, beta1, beta2, eps,
+                   0.0 if isinstance(decay, torch.Tensor) else decay)
         return loss
+
+
+def _adamw(p, g, state, lr, beta1, beta2, eps, weight_decay):
+    """torch.optim.AdamW's update of one flat tensor: torch's fused kernel where this torch
+    build has it (one pass over memory), else the same math op by op."""
+    state["step"] += 1
+    if _FUSED is not None and p.device.type in ("cpu", "cuda"):
+        _FUSED([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+               amsgrad=False, maximize=False)
+        return
+    step = state["step"].item()
+    p.mul_(1 - lr * weight_decay)
+    state["exp_avg"].lerp_(g, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+
+
+_FUSED = getattr(torch, "_fused_adamw_", None)
