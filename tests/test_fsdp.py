@@ -15,7 +15,9 @@ from vescale_engine.optim import adamw as adamw_module
 from vescale_engine.clip import clip_grad_norm_
 from vescale_engine.dbuffer import STATS
 from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard,
-                                 gathered_parameters, no_sync, sharded_parameters, unit_of)
+                                 gathered_parameters, no_sync, sharded_parameters,
+                                 sharded_state_dict, unit_of)
+from vescale_engine.ragged import ragged_to_replicate
 
 GLOBAL_BATCH = 24
 STEPS = 3
@@ -298,13 +300,18 @@ def gathered_rank(rank, world):
         with torch.no_grad():
             model.blocks[0].fc.weight.fill_(0.25)
     sharded_shape = tuple(model.blocks[0].fc.weight.shape)
-    after = full_state_dict(model)["blocks.0.fc.weight"]
-    return full_shape, sharded_shape, bool((after == 0.25).all())
+    full = full_state_dict(model)
+    rebuilt = {fqn: ragged_to_replicate(local, spec)
+               for fqn, (local, spec) in sharded_state_dict(model).items()}
+    same = all(torch.equal(rebuilt[k], full[k]) for k in rebuilt)
+    return (full_shape, sharded_shape, bool((full["blocks.0.fc.weight"] == 0.25).all()),
+            same, sorted(rebuilt) == sorted(k for k in full if k != "head.weight"))
 
 
-def test_gathered_parameters_reads_and_writes_back(pool):
-    full_shape, sharded_shape, written = pool.run(gathered_rank)[0]
+def test_gathered_parameters_and_sharded_state_dict(pool):
+    full_shape, sharded_shape, written, same, names = pool.run(gathered_rank)[0]
     assert full_shape == (256, 64) and len(sharded_shape) == 1 and written
+    assert same and names  # the tied head is the embedding, listed once
 
 
 def hsdp_rank(rank, world):

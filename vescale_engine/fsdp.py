@@ -30,7 +30,7 @@ from .granularity import parse_granularity
 from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "no_sync", "gathered_parameters",
-           "full_state_dict", "sharded_parameters", "unit_of"]
+           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of"]
 
 
 @dataclass(frozen=True)
@@ -562,6 +562,18 @@ def gathered_parameters(module: nn.Module, writeback: bool = False):
 
 def _all_gather_master(full, buf):
     _all_gather(full, buf.master, group=buf.shard_group)
+
+
+def sharded_state_dict(module: nn.Module) -> dict:
+    """{fqn: (local 1-D piece of the fp32 master, its RaggedShard)} for every managed parameter:
+    what each rank checkpoints, with no communication."""
+    from .ragged import RaggedShard
+    out = {}
+    for fqn, p in sharded_parameters(module):
+        placement = p.buffer.layout.placements[p.index]
+        spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))
+        out[fqn] = (p.sharded.detach(), spec)
+    return out
 
 
 def full_state_dict(module: nn.Module) -> dict:
