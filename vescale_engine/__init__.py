@@ -12,13 +12,19 @@ _LAZY = {
     "TensorSpec": "planner", "plan_unit": "planner", "check_plan": "planner",
     "PlanError": "planner",
     "RaggedShard": "ragged",
+    "fully_shard": "fsdp", "MixedPrecisionPolicy": "fsdp", "no_sync": "fsdp",
+    "gathered_parameters": "fsdp", "full_state_dict": "fsdp", "sharded_state_dict": "fsdp",
+    "clip_grad_norm_": "clip", "global_grad_norm": "clip",
 }
+_SUBMODULES = ("optim",)
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'vescale_engine' has no attribute {name!r}")
 
 
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = sorted(_LAZY) + list(_SUBMODULES) + ["__version__"]

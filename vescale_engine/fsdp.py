@@ -245,15 +245,9 @@ class FSDPUnit:
                 for unit in self.ctx.order:
                     unit.reshard()
                     unit._reset_iteration()
-        elif self.reshard_after_forward and not self._backward_comes_next():
+        elif self.reshard_after_forward:
             self.reshard()
         return output
-
-    def _backward_comes_next(self) -> bool:
-        """The last unit of forward is the first of backward: freeing its parameters only to
-        gather them again at once would waste a collective."""
-        last = self.ctx.last_order
-        return torch.is_grad_enabled() and bool(last) and last[-1] is self
 
     def _begin_root_forward(self):
         self.is_root = True
