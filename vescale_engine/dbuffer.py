@@ -12,6 +12,8 @@ Must not know about modules or config.
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +46,26 @@ class CollectiveStats:
 
 
 STATS = CollectiveStats()
+
+
+def _glibc_malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return None
+
+
+_MALLOC_TRIM = _glibc_malloc_trim()
+
+
+def release_free_host_memory() -> None:
+    """Give the host heap's free pages back to the OS (glibc's malloc_trim). Full buffers are
+    freed and made again every step; on CPU, glibc otherwise keeps the freed pages resident and
+    the heap fragments, so resident memory climbs step after step."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class DBuffer:

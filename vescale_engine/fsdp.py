@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from .dbuffer import STATS, DBuffer, _all_gather
+from .dbuffer import STATS, DBuffer, _all_gather, release_free_host_memory
 from .granularity import parse_granularity
 from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
 
@@ -347,6 +347,8 @@ def _final_callback(ctx):
         unit.reshard()
         unit._reset_iteration()
     ctx.reducing = []
+    if any(unit.device.type == "cpu" for unit in ctx.order):
+        release_free_host_memory()  # the step's full buffers are all free now
 
 
 class _Active:
