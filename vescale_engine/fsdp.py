@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .dbuffer import STATS, DBuffer, _all_gather, release_free_host_memory
 from .granularity import parse_granularity
@@ -236,9 +237,9 @@ class FSDPUnit:
         if _in_backward():
             return output
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
-            for t in tensors:
-                t.register_hook(self._pre_backward)
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
         if self.is_root:
             _ACTIVE.ctx = None
             if not torch.is_grad_enabled():  # inference: nothing will come back for them
@@ -362,17 +363,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
 class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs whose backward runs once the unit's own backward is done."""
 
@@ -391,7 +381,7 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _register_post_backward(unit, args, kwargs):
-    flat, rebuild = _flatten((args, kwargs))
+    flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return args, kwargs, False
@@ -399,33 +389,8 @@ def _register_post_backward(unit, args, kwargs):
     out = out if isinstance(out, tuple) else (out,)
     for i, t in zip(positions, out):
         flat[i] = t
-    args, kwargs = rebuild(flat)
+    args, kwargs = tree_unflatten(flat, spec)
     return args, kwargs, True
-
-
-def _flatten(obj):
-    leaves = []
-
-    def walk(o):
-        if isinstance(o, (list, tuple)) and not hasattr(o, "_fields"):
-            return type(o)(walk(x) for x in o)
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        leaves.append(o)
-        return len(leaves) - 1
-
-    skeleton = walk(obj)
-
-    def rebuild(values):
-        def fill(s):
-            if isinstance(s, (list, tuple)):
-                return type(s)(fill(x) for x in s)
-            if isinstance(s, dict):
-                return {k: fill(v) for k, v in s.items()}
-            return values[s]
-        return fill(skeleton)
-
-    return leaves, rebuild
 
 
 def _managed_ids(module):
