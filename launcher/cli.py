@@ -168,11 +168,40 @@ def _plot(plans, model, path):
     os.replace(tmp, path)  # never leave a half-written plot behind
 
 
+def _add_validate_parser(sub):
+    p = sub.add_parser("validate", help="check a config against the JSON Schema",
+                       description="Validate a veScale/DeepSpeed JSON config: every problem "
+                                   "with its JSON path, and the keys accepted but not acted on.")
+    p.add_argument("config", metavar="CONFIG.json")
+    p.set_defaults(run=_run_validate)
+
+
+def _run_validate(args) -> int:
+    from config_schemas.validate import ConfigError, check_config, read_config
+
+    try:
+        config = read_config(args.config)
+    except ConfigError as err:
+        print(f"vescale validate: error: {err}", file=sys.stderr)
+        return 2
+    report = check_config(config)
+    for message in report.errors:
+        print(f"{args.config}: {message}", file=sys.stderr)
+    if report.errors:
+        print(f"{args.config}: {len(report.errors)} problem(s)", file=sys.stderr)
+        return 2
+    if report.not_acted_on:
+        print(f"{args.config}: accepted but not acted on: " + "; ".join(report.not_acted_on))
+    print(f"{args.config}: valid")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vescale", description="veScale Engine tools")
     parser.add_argument("--version", action="version", version=f"vescale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(sub)
+    _add_validate_parser(sub)
     return parser
 
 

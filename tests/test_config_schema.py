@@ -1,0 +1,99 @@
+"""The config schema: every bad config gets a message naming the JSON path, the value and what
+is allowed; DeepSpeed configs pass, with the keys we do not act on listed once."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from config_schemas.validate import ConfigError, check_config, load_schema, validate_config
+
+ZERO3 = "examples/configs/deepspeed_zero3.json"
+
+BAD = [
+    ({"train_batch_sise": 8}, "train_batch_sise: unknown key; did you mean 'train_batch_size'?"),
+    ({"train_batch_size": 0}, "train_batch_size: 0 is out of range (must be >= 1)"),
+    ({"train_batch_size": "8"}, "train_batch_size: expected integer, got '8'"),
+    ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps: expected integer"),
+    ({"gradient_clipping": -1}, "gradient_clipping: -1 is out of range (must be >= 0)"),
+    ({"optimizer": {"type": "Adafactorx"}}, "optimizer.type: 'Adafactorx' is not allowed"),
+    ({"optimizer": {"params": {"lr": 1}}}, "optimizer: missing required key 'type'"),
+    ({"optimizer": {"type": "AdamW", "param": {}}},
+     "optimizer.param: unknown key; did you mean 'params'?"),
+    ({"zero_optimization": {"stage": 4}},
+     "zero_optimization.stage: 4 is not allowed (allowed: 0, 1, 2, 3)"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.device: 'nvme' is not allowed (allowed: 'none'); "
+     "veScale Engine does not offload"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer.device: 'cpu' is not allowed"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_sise": 1}},
+     "did you mean 'stage3_prefetch_bucket_size'?"),
+    ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected boolean, got 'yes'"),
+    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale: 0 is out of range (must be > 0)"),
+    ({"bf16": {"enable": True}}, "bf16.enable: unknown key; did you mean 'enabled'?"),
+    ({"vescale": {"granularity": {"default": "rows:0"}}},
+     "vescale.granularity.default: 'rows:0' is not valid (expected element, rows:K"),
+    ({"vescale": {"granularity": {"overrides": {"*.experts.*": "tile:32"}}}},
+     "vescale.granularity.overrides.*.experts.*: 'tile:32' is not valid"),
+    ({"vescale": {"mixed_precision": {"param_dtype": "int8"}}},
+     "vescale.mixed_precision.param_dtype: 'int8' is not allowed"),
+    ({"vescale": {"planner": {"max_buffers": 0}}},
+     "vescale.planner.max_buffers: 0 is out of range (must be >= 1)"),
+    ({"vescale": {"wrap_policy": {"module_classes": ["Block", "Block"]}}},
+     "vescale.wrap_policy.module_classes: items must be unique"),
+    ({"vescale": {"hsdp_replicate": 2}}, "did you mean 'hsdp_replicate_size'?"),
+    ({"vescale": {"reshard_after_forward": 1}},
+     "vescale.reshard_after_forward: expected boolean, got 1"),
+]
+
+
+def test_schema_is_valid_draft_2020_12():
+    assert load_schema()["$schema"].endswith("2020-12/schema")
+
+
+@pytest.mark.parametrize("config,message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_config_message(config, message):
+    report = check_config(config)
+    assert any(message in m for m in report.errors), report.errors
+    with pytest.raises(ConfigError) as err:
+        validate_config(config)
+    assert message in "\n".join(err.value.messages)
+    assert "\n" not in str(err.value)
+
+
+def test_several_problems_all_reported_in_path_order():
+    report = check_config({"zero_optimization": {"stage": 9}, "train_batch_size": 0,
+                           "steps_per_prnt": 5})
+    assert [m.split(":")[0] for m in report.errors] == [
+        "steps_per_prnt", "train_batch_size", "zero_optimization.stage"]
+
+
+def test_deepspeed_zero3_config_passes_and_lists_ignored_keys_once():
+    config, report = validate_config(ZERO3)
+    assert config["zero_optimization"]["stage"] == 3
+    names = [entry.split(" (")[0] for entry in report.not_acted_on]
+    assert "zero_optimization.overlap_comm" in names and len(names) == len(set(names))
+    assert "optimizer" not in " ".join(names)
+
+
+def vescale(*args):
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_validate_command(tmp_path):
+    ok = vescale("validate", ZERO3)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("valid")
+    assert "accepted but not acted on: zero_optimization.overlap_comm" in ok.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 4}, "train_batch_sise": 1}))
+    out = vescale("validate", str(bad))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{bad}: zero_optimization.stage: 4 is not allowed" in out.stderr
+    assert "did you mean 'train_batch_size'?" in out.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    out = vescale("validate", str(broken))
+    assert out.returncode == 2 and "not valid JSON" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
