@@ -382,3 +382,17 @@ def test_bad_input_fails_at_wrap_time(pool):
     assert "mixed devices" in errors["mixed devices"]
     assert "ranks" in errors["mesh mismatch"]
     assert "already applied" in errors["twice"]
+
+
+def granularity_override_rank(rank, world):
+    model = fm.make("gpt")
+    fully_shard(model.blocks[0], granularity={"default": "element",
+                                              "overrides": {"fc.*": "rows:16", "ln*": "tensor"}})
+    blocks = {p.fqn: p.block for p in unit_of(model.blocks[0]).params}
+    return blocks
+
+
+def test_granularity_overrides_by_parameter_name(pool):
+    blocks = pool.run(granularity_override_rank)[0]
+    assert blocks["fc.weight"] == 16 * 64 and blocks["fc.bias"] == 16
+    assert blocks["ln1.weight"] == 64 and blocks["qkv.weight"] == 1

@@ -16,6 +16,7 @@ tensors without gradients), in the same order on every rank, so no rank can hang
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import itertools
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ class FSDPUnit:
         self._finishers = []
         self._unsharded = False
         self._reset_iteration()
-        self._build(group, replicate_group, parse_granularity(granularity), max_buffers,
+        self._build(group, replicate_group, _granularity_of(granularity), max_buffers,
                     align_bytes)
 
     # -- wrap time -----------------------------------------------------------------------------
@@ -141,7 +142,8 @@ class FSDPUnit:
             itemsize = min(torch.empty(0, dtype=dtype).element_size(),
                            torch.empty(0, dtype=param_dtype).element_size())
             specs = tuple(TensorSpec(found[i][0], tuple(found[i][1].shape),
-                                     granularity.block_size(found[i][1].shape)) for i in ids)
+                                     granularity(found[i][0]).block_size(found[i][1].shape))
+                          for i in ids)
             plan = _cached_plan(specs, world_size, max(1, align_bytes // itemsize), max_buffers)
             position = {found[i][0]: i for i in ids}
             for b, layout in enumerate(plan.buffers):
@@ -393,6 +395,22 @@ def _register_post_backward(unit, args, kwargs):
     return args, kwargs, True
 
 
+def _granularity_of(granularity):
+    """fqn -> Granularity, from one policy ("rows:16") or {"default": ..., "overrides":
+    {glob pattern: policy}} where the first matching pattern wins."""
+    if not isinstance(granularity, dict):
+        policy = parse_granularity(granularity)
+        return lambda fqn: policy
+    default = parse_granularity(granularity.get("default", "rows:1"))
+    overrides = [(pattern, parse_granularity(g))
+                 for pattern, g in granularity.get("overrides", {}).items()]
+
+    def resolve(fqn):
+        return next((g for pattern, g in overrides if fnmatch.fnmatchcase(fqn, pattern)),
+                    default)
+    return resolve
+
+
 def _managed_ids(module):
     ids = set()
     for sub in module.modules():
@@ -428,6 +446,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                 align_bytes: int = DEFAULT_ALIGN_BYTES) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
+    `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
+    policy, "overrides": {parameter-name glob: policy}}; names are relative to `module`.
     Errors (no parameters, mixed devices, a mesh that does not match the process group, a
     second call on the same module) are raised here, before any collective.
     """

@@ -1,0 +1,59 @@
+"""Typed engine config: DeepSpeed's batch-size arithmetic and the vescale section."""
+import pytest
+
+from config_schemas.validate import ConfigError
+from vescale_engine.config import BatchSizes, build_config, resolve_batch_sizes
+
+
+@pytest.mark.parametrize("keys,world,want", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_batch_size": 32}, 8, (32, 4, 1)),
+    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5}, 2, (30, 3, 5)),
+    ({"train_micro_batch_size_per_gpu": 3}, 3, (9, 3, 1)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3,
+      "gradient_accumulation_steps": 2}, 4, (24, 3, 2)),
+])
+def test_any_two_of_three(keys, world, want):
+    assert resolve_batch_sizes(keys, world) == BatchSizes(*want)
+
+
+@pytest.mark.parametrize("keys,world,message", [
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2}, 4, "train_batch_size 24 != train_micro_batch_size_per_gpu"
+                                            " 4 x gradient_accumulation_steps 2 x 4"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2, "not a multiple"),
+    ({"train_batch_size": 10, "gradient_accumulation_steps": 3}, 2, "not a multiple"),
+    ({"gradient_accumulation_steps": 3}, 2, "set train_batch_size or"),
+])
+def test_inconsistent_batch_sizes_fail(keys, world, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_batch_sizes(keys, world)
+
+
+def test_build_config_maps_deepspeed_and_vescale_keys():
+    cfg = build_config({
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "overlap_comm": True},
+        "vescale": {"granularity": {"default": "rows:16", "overrides": {"*.experts.*": "tensor"}},
+                    "planner": {"max_buffers": 2}, "hsdp_replicate_size": 2,
+                    "wrap_policy": {"module_classes": ["Block"]}},
+    }, world_size=4)
+    assert cfg.batch == BatchSizes(8, 2, 1)
+    assert cfg.param_dtype == "bfloat16" and cfg.reduce_dtype is None
+    assert cfg.zero_stage == 2 and cfg.reshard_after_forward is False
+    assert cfg.granularity == "rows:16" and cfg.granularity_overrides == {"*.experts.*": "tensor"}
+    assert cfg.max_buffers == 2 and cfg.hsdp_replicate_size == 2
+    assert cfg.module_classes == ("Block",) and cfg.gradient_clipping == 1.0
+    assert [n.split(" (")[0] for n in cfg.not_acted_on] == ["zero_optimization.overlap_comm"]
+
+
+@pytest.mark.parametrize("config,world,message", [
+    ({"train_batch_size": 8, "vescale": {"hsdp_replicate_size": 3}}, 4, "does not divide"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 2,
+     "choose one"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 5}}, 2, "zero_optimization.stage"),
+])
+def test_build_config_errors(config, world, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(config, world)

@@ -1,0 +1,121 @@
+"""Typed engine config built from a validated JSON config: DeepSpeed's keys with DeepSpeed's
+meaning, our `vescale` section, and DeepSpeed's batch-size arithmetic. No torch import."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from config_schemas.validate import ConfigError, validate_config
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_per_gpu: int
+    gradient_accumulation_steps: int
+
+
+def resolve_batch_sizes(config: dict, data_parallel_size: int) -> BatchSizes:
+    """train_batch_size = micro_batch x accumulation x data-parallel ranks; any two of the three
+    keys determine the third (accumulation defaults to 1), and all three must agree."""
+    total = config.get("train_batch_size")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accum = config.get("gradient_accumulation_steps")
+    dp = data_parallel_size
+    if total is None and micro is None:
+        raise ConfigError(["set train_batch_size or train_micro_batch_size_per_gpu (or both)"])
+    if total is not None and micro is not None and accum is not None:
+        if total != micro * accum * dp:
+            raise ConfigError([f"train_batch_size {total} != train_micro_batch_size_per_gpu "
+                               f"{micro} x gradient_accumulation_steps {accum} x {dp} "
+                               f"data-parallel ranks = {micro * accum * dp}"])
+    elif total is not None and micro is not None:
+        if total % (micro * dp):
+            raise ConfigError([f"train_batch_size {total} is not a multiple of "
+                               f"train_micro_batch_size_per_gpu {micro} x {dp} data-parallel "
+                               "ranks"])
+        accum = total // (micro * dp)
+    elif total is not None:
+        accum = accum or 1
+        if total % (accum * dp):
+            raise ConfigError([f"train_batch_size {total} is not a multiple of "
+                               f"gradient_accumulation_steps {accum} x {dp} data-parallel "
+                               "ranks"])
+        micro = total // (accum * dp)
+    else:
+        accum = accum or 1
+        total = micro * accum * dp
+    return BatchSizes(total, micro, accum)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    raw: dict
+    batch: BatchSizes
+    optimizer: dict | None
+    scheduler: dict | None
+    gradient_clipping: float
+    steps_per_print: int
+    wall_clock_breakdown: bool
+    zero_stage: int
+    fp16: dict
+    bf16: bool
+    seed: int | None
+    module_classes: tuple
+    min_params: int | None
+    granularity: str
+    granularity_overrides: dict = field(default_factory=dict)
+    max_buffers: int = 4
+    align_bytes: int = 16
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+    hsdp_replicate_size: int = 1
+    not_acted_on: tuple = ()
+
+
+def build_config(source, world_size: int) -> EngineConfig:
+    """Validate `source` (path or dict) and resolve it for `world_size` ranks; every problem is
+    a ConfigError raised before any collective starts."""
+    config, report = validate_config(source)
+    ves = config.get("vescale", {})
+    replicas = ves.get("hsdp_replicate_size", 1)
+    if world_size % replicas:
+        raise ConfigError([f"vescale.hsdp_replicate_size {replicas} does not divide the world "
+                           f"size {world_size}"])
+    fp16 = config.get("fp16", {})
+    bf16 = config.get("bf16", {}).get("enabled", False)
+    if fp16.get("enabled") and bf16:
+        raise ConfigError(["fp16.enabled and bf16.enabled are both true: choose one"])
+    stage = config.get("zero_optimization", {}).get("stage", 3)
+    mp = ves.get("mixed_precision", {})
+    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else "fp16" if fp16.get("enabled")
+                                            else None)
+    granularity = ves.get("granularity", {})
+    wrap = ves.get("wrap_policy", {})
+    return EngineConfig(
+        raw=config,
+        batch=resolve_batch_sizes(config, world_size),
+        optimizer=config.get("optimizer"),
+        scheduler=config.get("scheduler"),
+        gradient_clipping=float(config.get("gradient_clipping", 0.0)),
+        steps_per_print=config.get("steps_per_print", 10),
+        wall_clock_breakdown=config.get("wall_clock_breakdown", False),
+        zero_stage=stage,
+        fp16=fp16 if fp16.get("enabled") else {},
+        bf16=bf16,
+        seed=config.get("seed"),
+        module_classes=tuple(wrap.get("module_classes", ())),
+        min_params=wrap.get("min_params"),
+        granularity=granularity.get("default", "rows:1"),
+        granularity_overrides=dict(granularity.get("overrides", {})),
+        max_buffers=ves.get("planner", {}).get("max_buffers", 4),
+        align_bytes=ves.get("planner", {}).get("align_bytes", 16),
+        param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
+        reduce_dtype=DTYPES.get(mp["reduce_dtype"]) if mp.get("reduce_dtype") else None,
+        reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
+        hsdp_replicate_size=replicas,
+        not_acted_on=tuple(report.not_acted_on),
+    )
