@@ -103,9 +103,11 @@ def _not_acted_on(config, schema, parts=()) -> list:
         node = props.get(key)
         if node is None:
             continue
+        why = node.get("x-not-acted-on")
         node = _resolve(node)
-        if "x-not-acted-on" in node:
-            found.append(f"{_path([*parts, key])} ({node['x-not-acted-on']})")
+        why = why or node.get("x-not-acted-on")
+        if why:
+            found.append(f"{_path([*parts, key])} ({why})")
         found += _not_acted_on(value, node, (*parts, key))
     return found
 

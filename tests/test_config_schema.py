@@ -29,7 +29,8 @@ BAD = [
      "zero_optimization.offload_optimizer.device: 'cpu' is not allowed"),
     ({"zero_optimization": {"stage3_prefetch_bucket_sise": 1}},
      "did you mean 'stage3_prefetch_bucket_size'?"),
-    ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected boolean, got 'yes'"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled: true is not allowed (allowed: false); fp16 "
+     "with loss scaling is not implemented yet"),
     ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale: 0 is out of range (must be > 0)"),
     ({"bf16": {"enable": True}}, "bf16.enable: unknown key; did you mean 'enabled'?"),
     ({"vescale": {"granularity": {"default": "rows:0"}}},
@@ -85,7 +86,8 @@ def vescale(*args):
 def test_validate_command(tmp_path):
     ok = vescale("validate", ZERO3)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("valid")
-    assert "accepted but not acted on: zero_optimization.overlap_comm" in ok.stdout
+    assert "accepted but not acted on: " in ok.stdout
+    assert "zero_optimization.overlap_comm (" in ok.stdout
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"zero_optimization": {"stage": 4}, "train_batch_sise": 1}))
     out = vescale("validate", str(bad))

@@ -60,7 +60,6 @@ class EngineConfig:
     steps_per_print: int
     wall_clock_breakdown: bool
     zero_stage: int
-    fp16: dict
     bf16: bool
     seed: int | None
     module_classes: tuple
@@ -85,14 +84,10 @@ def build_config(source, world_size: int) -> EngineConfig:
     if world_size % replicas:
         raise ConfigError([f"vescale.hsdp_replicate_size {replicas} does not divide the world "
                            f"size {world_size}"])
-    fp16 = config.get("fp16", {})
-    bf16 = config.get("bf16", {}).get("enabled", False)
-    if fp16.get("enabled") and bf16:
-        raise ConfigError(["fp16.enabled and bf16.enabled are both true: choose one"])
+    bf16 = config.get("bf16", {}).get("enabled", False)  # fp16 is refused by the schema
     stage = config.get("zero_optimization", {}).get("stage", 3)
     mp = ves.get("mixed_precision", {})
-    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else "fp16" if fp16.get("enabled")
-                                            else None)
+    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else None)
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
     return EngineConfig(
@@ -104,7 +99,6 @@ def build_config(source, world_size: int) -> EngineConfig:
         steps_per_print=config.get("steps_per_print", 10),
         wall_clock_breakdown=config.get("wall_clock_breakdown", False),
         zero_stage=stage,
-        fp16=fp16 if fp16.get("enabled") else {},
         bf16=bf16,
         seed=config.get("seed"),
         module_classes=tuple(wrap.get("module_classes", ())),

@@ -1,0 +1,92 @@
+"""initialize + VeScaleEngine on 2 and 3 gloo ranks: DeepSpeed-style training (accumulation,
+clipping, DeepSpeed's WarmupLR) equals single-process training of the same global batch."""
+import pytest
+import torch
+
+import fsdp_models as fm
+from dist_harness import RankPool
+from vescale_engine import initialize
+from vescale_engine.fsdp import full_state_dict
+
+MICRO, ACCUM, STEPS = 3, 2, 3
+OPT = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
+    "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": OPT},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                                 "warmup_num_steps": 4,
+                                                 "warmup_type": "linear"}},
+    "vescale": {"wrap_policy": {"module_classes": ["Block"]}, "granularity": {"default": "rows:16"}},
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def pool(request):
+    pool = RankPool(request.param)
+    yield pool
+    pool.close()
+
+
+def engine_rank(rank, world):
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    reference = fm.make("gpt")
+    ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
+    ref_sched = WarmupLR(ref_opt, **CONFIG["scheduler"]["params"])
+    engine, opt, _, sched = initialize(model=fm.make("gpt"), config=CONFIG)
+    assert engine.train_batch_size() == MICRO * ACCUM * world
+    gaps, lrs = [], []
+    for step in range(STEPS):
+        idx, tgt = fm.batch("gpt", step, MICRO * ACCUM * world)
+        loss = reference(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+        mine = idx[rank * MICRO * ACCUM:(rank + 1) * MICRO * ACCUM]
+        theirs = tgt[rank * MICRO * ACCUM:(rank + 1) * MICRO * ACCUM]
+        total = torch.zeros(())
+        for k in range(ACCUM):
+            boundary = engine.is_gradient_accumulation_boundary()
+            assert boundary == (k == ACCUM - 1)
+            out = engine(mine[k * MICRO:(k + 1) * MICRO], theirs[k * MICRO:(k + 1) * MICRO])
+            engine.backward(out)
+            engine.step()
+            total += out.detach() / ACCUM
+        torch.distributed.all_reduce(total)
+        gaps.append(abs(total.item() / world - loss.item()) / loss.item())
+        lrs.append((engine.get_lr()[0], ref_opt.param_groups[0]["lr"]))
+    full, ref = full_state_dict(engine.module), reference.state_dict()
+    diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref]).norm()
+    whole = (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
+    return max(gaps), whole, lrs, engine.global_steps, engine.global_samples
+
+
+def test_engine_matches_single_process(pool):
+    gap, whole, lrs, steps, samples = pool.run(engine_rank)[0]
+    assert gap < 1e-6 and whole < 1e-6, (gap, whole)
+    assert all(abs(a - b) < 1e-12 for a, b in lrs) and lrs[0][0] < lrs[-1][0]
+    assert steps == STEPS and samples == STEPS * ACCUM * MICRO * pool.world_size
+
+
+def bad_engine_rank(rank, world):
+    errors = []
+    for kwargs in (dict(config={**CONFIG, "vescale": {"wrap_policy": {"module_classes": ["Nope"]}}}),
+                   dict(config=CONFIG, optimizer=torch.optim.SGD(fm.make("gpt").parameters(),
+                                                                 lr=0.1)),
+                   dict(config={**CONFIG, "train_batch_size": 7}),
+                   dict(config=None)):
+        try:
+            initialize(model=fm.make("gpt"), **kwargs)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_engine_bad_input(pool):
+    errors = pool.run(bad_engine_rank)[0]
+    assert "match no module" in errors[0]
+    assert "not an instance" in errors[1]
+    assert "train_batch_size 7" in errors[2]
+    assert "no config" in errors[3]
