@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from .planner import BufferLayout
 
+from .ragged import _all_gather_flat as _all_gather
+
 # torch 2.13 prefers the *_single names; older releases only have the *_tensor ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
