@@ -90,3 +90,36 @@ def test_engine_bad_input(pool):
     assert "not an instance" in errors[1]
     assert "train_batch_size 7" in errors[2]
     assert "no config" in errors[3]
+
+
+def patched_rank(rank, world):
+    import deepspeed
+    import vescale_engine
+    from vescale_engine.engine import VeScaleEngine
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    vescale_engine.patch_deepspeed()  # idempotent
+    try:
+        assert deepspeed.initialize.__vescale_original__ is original
+        engine, *_ = deepspeed.initialize(model=fm.make("gpt"), config=CONFIG)
+        idx, tgt = fm.batch("gpt", 0, MICRO)
+        engine.backward(engine(idx, tgt))
+        return isinstance(engine, VeScaleEngine), engine.micro_steps
+    finally:
+        deepspeed.initialize = original
+
+
+def test_patch_deepspeed_routes_vescale_configs(pool):
+    is_ours, micro_steps = pool.run(patched_rank)[0]
+    assert is_ours and micro_steps == 0
+
+
+def test_patch_deepspeed_leaves_other_configs_to_deepspeed(monkeypatch):
+    import deepspeed
+    from vescale_engine import patch_deepspeed
+    calls = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: calls.append(kw) or "deepspeed")
+    patch_deepspeed()
+    plain = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    assert deepspeed.initialize(model="m", config=plain, distributed_port=1) == "deepspeed"
+    assert calls == [{"model": "m", "config": plain, "distributed_port": 1}]
