@@ -123,3 +123,26 @@ def test_patch_deepspeed_leaves_other_configs_to_deepspeed(monkeypatch):
     plain = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
     assert deepspeed.initialize(model="m", config=plain, distributed_port=1) == "deepspeed"
     assert calls == [{"model": "m", "config": plain, "distributed_port": 1}]
+
+
+def logging_rank(rank, world):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vescale_engine").addHandler(handler)
+    logging.getLogger("vescale_engine").setLevel(logging.INFO)
+    engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "steps_per_print": 2})
+    for step in range(4 * ACCUM):
+        idx, tgt = fm.batch("gpt", step, MICRO)
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    return [r.getMessage() for r in records]
+
+
+def test_progress_lines_on_rank_zero_every_steps_per_print(pool):
+    lines = pool.run(logging_rank)
+    assert lines[1:] == [[]] * (pool.world_size - 1)
+    assert [line.split(" | ")[0] for line in lines[0]] == ["step 2", "step 4"]
+    for field in ("loss ", "lr ", "grad norm ", "samples/s", "tokens/s", "peak mem "):
+        assert field in lines[0][0], lines[0][0]

@@ -2,7 +2,6 @@
 the scheduler, with DeepSpeed's signature and step semantics."""
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import torch
@@ -13,6 +12,7 @@ from . import fsdp
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
 from .optim import AdamW
+from .progress import Progress
 
 PG_TIMEOUT = timedelta(minutes=10)
 
@@ -112,9 +112,14 @@ class VeScaleEngine(nn.Module):
         from launcher.env import discover
         self.local_rank = discover().local_rank
         self._grad_norm = None
-        self._last_step_time = time.perf_counter()
+        self._loss = None
+        self._tokens = None
+        self.progress = Progress(config.steps_per_print, self.global_rank)
 
     def forward(self, *args, **kwargs):
+        first = args[0] if args else None  # token ids [batch, sequence] give tokens/s
+        self._tokens = first.numel() if isinstance(first, torch.Tensor) and \
+            not first.is_floating_point() else None
         return self.module(*args, **kwargs)
 
     def train_batch_size(self) -> int:
@@ -135,6 +140,7 @@ class VeScaleEngine(nn.Module):
     def backward(self, loss: torch.Tensor):
         """Scale by the accumulation steps and backpropagate; only the boundary micro-step
         reduce-scatters (earlier ones accumulate full gradients locally)."""
+        self._loss = loss.detach()
         scaled = loss / self.gradient_accumulation_steps()
         if self.is_gradient_accumulation_boundary():
             scaled.backward()
@@ -158,6 +164,11 @@ class VeScaleEngine(nn.Module):
             self.global_steps += 1
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.world_size,
+                                 self._tokens and self._tokens * self.world_size)
+        if self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self.progress.optimizer_step(self.global_steps, self._loss, self.get_lr()[0],
+                                         self._grad_norm)
 
     def zero_grad(self):
         self.optimizer.zero_grad()
