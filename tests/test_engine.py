@@ -146,3 +146,25 @@ def test_progress_lines_on_rank_zero_every_steps_per_print(pool):
     assert [line.split(" | ")[0] for line in lines[0]] == ["step 2", "step 4"]
     for field in ("loss ", "lr ", "grad norm ", "samples/s", "tokens/s", "peak mem "):
         assert field in lines[0][0], lines[0][0]
+
+
+def test_a_rank_that_never_joins_is_a_clear_error(tmp_path):
+    """Rank 0 of 2 starts alone: a one-line error after the configured timeout, no hang."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ("import sys; sys.path.insert(0, 'tests'); import fsdp_models as fm, vescale_engine\n"
+              "vescale_engine.initialize(model=fm.make('gpt'), config={"
+              "'train_batch_size': 2, 'vescale': {'process_group_timeout_s': 3}})\n")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "LaunchError: rank 0 of 2 (torchrun/deepspeed)" in last
+    assert "did not form within 3 s" in last

@@ -14,21 +14,30 @@ from .config import EngineConfig, build_config
 from .optim import AdamW
 from .progress import Progress
 
-PG_TIMEOUT = timedelta(minutes=10)
+DEFAULT_TIMEOUT_S = 600
 
 
-def _init_distributed():
-    """Join the process group the launcher describes (gloo on CPU, NCCL with CUDA)."""
+def _init_distributed(timeout_s: float):
+    """Join the process group the launcher describes (gloo on CPU, NCCL with CUDA); a rank
+    that never joins is a clear error after `timeout_s`, not an endless hang."""
     if dist.is_initialized():
         return
-    from launcher.env import discover
+    from launcher.env import LaunchError, discover
     where = discover()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if where.world_size > 1 and (where.master_addr is None or where.master_port is None):
-        raise RuntimeError(f"{where.launcher} launch without MASTER_ADDR/MASTER_PORT: set them "
-                           "or start with `vescale run`, torchrun or the deepspeed launcher")
-    dist.init_process_group(backend, init_method=f"tcp://{where.master_addr}:{where.master_port}",
-                            rank=where.rank, world_size=where.world_size, timeout=PG_TIMEOUT)
+        raise LaunchError(f"{where.launcher} launch without MASTER_ADDR/MASTER_PORT: set them "
+                          "or start with `vescale run`, torchrun or the deepspeed launcher")
+    address = f"{where.master_addr}:{where.master_port}"
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=where.rank,
+                                world_size=where.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as err:
+        raise LaunchError(f"rank {where.rank} of {where.world_size} ({where.launcher}): the "
+                          f"process group at {address} did not form within {timeout_s:g} s "
+                          f"({type(err).__name__}); check that every rank started and can "
+                          "reach MASTER_ADDR") from None
     if backend == "nccl":
         torch.cuda.set_device(where.local_rank)
 
@@ -193,9 +202,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         source = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
     if source is None:
         raise ValueError("no config: pass config=, config_params= or args.deepspeed_config")
+    from config_schemas.validate import read_config
+    raw = read_config(source)
     if dist_init_required is not False:
-        _init_distributed()
-    cfg = build_config(source, dist.get_world_size())  # every config error before wrapping
+        timeout = raw.get("vescale", {}).get("process_group_timeout_s", DEFAULT_TIMEOUT_S) \
+            if isinstance(raw, dict) else DEFAULT_TIMEOUT_S
+        _init_distributed(float(timeout) if isinstance(timeout, (int, float)) else
+                          DEFAULT_TIMEOUT_S)
+    cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     mesh = None
