@@ -196,12 +196,31 @@ def _run_validate(args) -> int:
     return 0
 
 
+def _add_run_parser(sub):
+    p = sub.add_parser("run", help="start N local ranks of a training script",
+                       description="Start N local ranks (RANK, WORLD_SIZE, LOCAL_RANK, "
+                                   "MASTER_ADDR/PORT as torchrun sets them), prefix their "
+                                   "output, stop all when one fails.")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N")
+    p.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="T",
+                   help="OMP_NUM_THREADS per rank (default: cores / N)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_run_run)
+
+
+def _run_run(args) -> int:
+    from launcher.run import run_local
+    return run_local(args.nproc, [args.script, *args.script_args], args.threads_per_rank)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vescale", description="veScale Engine tools")
     parser.add_argument("--version", action="version", version=f"vescale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(sub)
     _add_validate_parser(sub)
+    _add_run_parser(sub)
     return parser
 
 

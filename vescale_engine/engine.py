@@ -2,6 +2,7 @@
 the scheduler, with DeepSpeed's signature and step semantics."""
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 
 import torch
@@ -40,6 +41,21 @@ def _init_distributed(timeout_s: float):
                           "reach MASTER_ADDR") from None
     if backend == "nccl":
         torch.cuda.set_device(where.local_rank)
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group():
+    """At exit, wait (briefly) for the other ranks, then tear the group down: a gloo rank that
+    exits while a peer still talks to it aborts ("terminate called without an active
+    exception")."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        dist.destroy_process_group()
+    except (RuntimeError, dist.DistError):
+        pass  # a peer is gone: nothing left to coordinate with
 
 
 def _wrap(model: nn.Module, cfg: EngineConfig, mesh):
