@@ -1,0 +1,36 @@
+"""The README's main job: examples/train_gpt.py trains under `vescale run` and torchrun, and
+its loss falls."""
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ARGS = ["examples/train_gpt.py", "--steps", "12", "--layers", "2", "--dim", "64", "--seq", "64"]
+
+
+def losses(output):
+    match = re.search(r"trained 12 steps on 2 rank\(s\) in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)",
+                      output)
+    assert match, output[-3000:]
+    return float(match.group(1)), float(match.group(2))
+
+
+@pytest.mark.parametrize("launcher", ["vescale", "torchrun"])
+def test_example_trains_and_loss_falls(launcher):
+    if launcher == "vescale":
+        cmd = [sys.executable, "-m", "launcher.cli", "run", "--nproc", "2",
+               "--threads-per-rank", "1", *ARGS]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(port), *ARGS]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    first, last = losses(out.stdout)
+    assert last < first - 0.5
