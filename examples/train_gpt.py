@@ -21,16 +21,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", "--deepspeed_config", dest="deepspeed_config",
-                        default=os.path.join(HERE, "configs", "vescale_default.json"))
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--data", default=os.path.join(HERE, "data", "tinyshakespeare.txt"))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    vescale_engine.add_config_arguments(parser)
+    args = parser.parse_args()
+    args.deepspeed_config = args.deepspeed_config or os.path.join(HERE, "configs",
+                                                                  "vescale_default.json")
+    return args
 
 
 def main():

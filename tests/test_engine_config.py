@@ -56,3 +56,12 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
 def test_build_config_errors(config, world, message):
     with pytest.raises(ConfigError, match=message):
         build_config(config, world)
+
+
+def test_add_config_arguments_accepts_deepspeed_launcher_flags():
+    import argparse
+    from vescale_engine import add_config_arguments
+    parser = add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--local_rank=1", "--config", "c.json", "--deepspeed"])
+    assert (args.deepspeed_config, args.local_rank, args.deepspeed) == ("c.json", 1, True)
+    assert parser.parse_args(["--deepspeed_config", "d.json"]).deepspeed_config == "d.json"

@@ -15,7 +15,7 @@ _LAZY = {
     "fully_shard": "fsdp", "MixedPrecisionPolicy": "fsdp", "no_sync": "fsdp",
     "gathered_parameters": "fsdp", "full_state_dict": "fsdp", "sharded_state_dict": "fsdp",
     "clip_grad_norm_": "clip", "global_grad_norm": "clip",
-    "initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat",
+    "add_config_arguments": "config", "initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat",
 }
 _SUBMODULES = ("optim",)
 

@@ -10,6 +10,18 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
           "fp16": "float16", "float16": "float16"}
 
 
+def add_config_arguments(parser):
+    """DeepSpeed's argument group: --deepspeed_config (alias --config) and --local_rank, which
+    the deepspeed launcher inserts; returns the parser."""
+    group = parser.add_argument_group("veScale Engine")
+    group.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", default=None,
+                       metavar="CONFIG.json", help="engine config (DeepSpeed keys + 'vescale')")
+    group.add_argument("--deepspeed", action="store_true", help="accepted for compatibility")
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=-1,
+                       help="set by the deepspeed launcher")
+    return parser
+
+
 @dataclass(frozen=True)
 class BatchSizes:
     train_batch_size: int
