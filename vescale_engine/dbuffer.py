@@ -229,10 +229,6 @@ class DBuffer:
 
         return finish
 
-    def free_full_grad(self) -> None:
-        self.full_grad.untyped_storage().resize_(0)
-        self.full_grad_live = False
-
     # -- fused group operations ----------------------------------------------------------------
 
     def scale_grad(self, factor: float) -> None:

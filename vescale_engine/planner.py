@@ -224,7 +224,8 @@ def _min_shard(items, world_size: int, align: int) -> int:
     if best is None:  # S a multiple of every block: each tensor then fits at an aligned offset
         multiple = math.lcm(align, *(g for _, g, _ in items))
         room = sum(count * (n + math.lcm(g, align)) for n, g, count in items)
-        best = _min_shard_from(items, world_size, align, -(-room // world_size), 1)
+        best = _min_shard_from(items, world_size, align,
+                               _round_up(-(-room // world_size), multiple), 1)
     return best
 
 
