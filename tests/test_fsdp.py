@@ -178,6 +178,10 @@ def test_zero_copy_and_prefetch_order(pool):
         regather = first("all_gather", units[k], after=last_forward)
         assert regather < first("backward", units[k]), events
         assert first("backward", units[k + 1]) < regather, events
+    # The last block of the forward stays gathered into the backward, which starts with it.
+    last = units[-1]
+    assert not any(e[0] in ("reshard", "all_gather") and e[1].split("[")[0] == last
+                   for e in events[first("forward", last):first("post_backward", last)]), events
 
 
 

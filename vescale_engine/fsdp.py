@@ -248,9 +248,17 @@ class FSDPUnit:
                 for unit in self.ctx.order:
                     unit.reshard()
                     unit._reset_iteration()
-        elif self.reshard_after_forward:
+        elif self.reshard_after_forward and not self._runs_backward_first():
             self.reshard()
         return output
+
+    def _runs_backward_first(self) -> bool:
+        """Was this the last unit of the previous forward (so backward starts with it)?
+        Then keep it gathered: resharding it would only re-gather it moments later."""
+        if not torch.is_grad_enabled() or self.ctx is None:
+            return False
+        units = [u for u in self.ctx.last_order if not u.is_root]
+        return bool(units) and units[-1] is self
 
     def _begin_root_forward(self):
         self.is_root = True
@@ -289,7 +297,10 @@ class FSDPUnit:
             p.buffer.ensure_full_grad()
             p.unsharded.grad = p.buffer.full_grad_view(p.index)
         order = ctx.order
-        if self in order:  # the unit backward reaches next is the one before us in forward
+        if self.is_root:  # backward reaches the last unit of the forward first
+            if order and order[-1] is not self:
+                order[-1].unshard(async_op=True)
+        elif self in order:  # the unit backward reaches next is the one before us in forward
             i = order.index(self)
             if i > 0 and order[i - 1].reshard_after_forward and not order[i - 1].is_root:
                 order[i - 1].unshard(async_op=True)
