@@ -29,9 +29,23 @@ BAD = [
      "zero_optimization.offload_optimizer.device: 'cpu' is not allowed"),
     ({"zero_optimization": {"stage3_prefetch_bucket_sise": 1}},
      "did you mean 'stage3_prefetch_bucket_size'?"),
-    ({"fp16": {"enabled": True}}, "fp16.enabled: true is not allowed (allowed: false); fp16 "
-     "with loss scaling is not implemented yet"),
+    ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected boolean, got 'yes'"),
     ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale: 0 is out of range (must be > 0)"),
+    ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale: -1 is out of range (must be >= 0)"),
+    ({"fp16": {"initial_scale_power": 65}},
+     "fp16.initial_scale_power: 65 is out of range (must be <= 64)"),
+    ({"fp16": {"loss_scale_window": 0}},
+     "fp16.loss_scale_window: 0 is out of range (must be >= 1)"),
+    ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis: 0 is out of range (must be >= 1)"),
+    ({"fp16": {"loss_scale_windows": 100}},
+     "fp16.loss_scale_windows: unknown key; did you mean 'loss_scale_window'?"),
+    ({"fp16": {"fp16_master_weights_and_grads": True}},
+     "fp16.fp16_master_weights_and_grads: true is not allowed (allowed: false); master weights "
+     "and gradient shards are always fp32"),
+    ({"wall_clock_breakdown": "on"}, "wall_clock_breakdown: expected boolean, got 'on'"),
+    ({"csv_monitor": {"enabled": True, "output_dir": "x"}},
+     "csv_monitor.output_dir: unknown key; did you mean 'output_path'?"),
+    ({"tensorboard": {"job_name": 3}}, "tensorboard.job_name: expected string, got 3"),
     ({"bf16": {"enable": True}}, "bf16.enable: unknown key; did you mean 'enabled'?"),
     ({"vescale": {"granularity": {"default": "rows:0"}}},
      "vescale.granularity.default: 'rows:0' is not valid (expected element, rows:K"),
@@ -61,6 +75,15 @@ def test_bad_config_message(config, message):
         validate_config(config)
     assert message in "\n".join(err.value.messages)
     assert "\n" not in str(err.value)
+
+
+def test_fp16_with_deepspeed_keys_is_accepted_and_acted_on():
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+            "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
+    config, report = validate_config({"train_batch_size": 8, "fp16": fp16,
+                                      "wall_clock_breakdown": True,
+                                      "csv_monitor": {"enabled": True}})
+    assert report.not_acted_on == []
 
 
 def test_several_problems_all_reported_in_path_order():

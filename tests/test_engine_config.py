@@ -50,12 +50,31 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
 
 @pytest.mark.parametrize("config,world,message", [
     ({"train_batch_size": 8, "vescale": {"hsdp_replicate_size": 3}}, 4, "does not divide"),
-    ({"train_batch_size": 8, "fp16": {"enabled": True}}, 2, "fp16.enabled"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 2,
+     "fp16.enabled and bf16.enabled are both true: choose one"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True},
+      "vescale": {"mixed_precision": {"param_dtype": "bf16"}}}, 2,
+     "fp16.enabled computes in float16, but vescale.mixed_precision.param_dtype is 'bf16'"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 5}}, 2, "zero_optimization.stage"),
 ])
 def test_build_config_errors(config, world, message):
     with pytest.raises(ConfigError, match=message):
         build_config(config, world)
+
+
+def test_fp16_section_sets_float16_compute_and_keeps_the_scaling_keys():
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 1}
+    cfg = build_config({"train_batch_size": 4, "fp16": fp16}, world_size=2)
+    assert cfg.param_dtype == "float16" and cfg.fp16 == fp16 and not cfg.bf16
+    off = build_config({"train_batch_size": 4, "fp16": {"enabled": False}}, world_size=2)
+    assert off.param_dtype is None and off.fp16 == {}
+
+
+def test_monitor_and_breakdown_keys_are_acted_on():
+    cfg = build_config({"train_batch_size": 4, "wall_clock_breakdown": True,
+                        "csv_monitor": {"enabled": True, "output_path": "o", "job_name": "j"},
+                        "tensorboard": {"enabled": False}}, world_size=1)
+    assert cfg.wall_clock_breakdown and cfg.not_acted_on == ()
 
 
 def test_add_config_arguments_accepts_deepspeed_launcher_flags():

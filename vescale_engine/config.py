@@ -85,6 +85,7 @@ class EngineConfig:
     reshard_after_forward: bool = True
     hsdp_replicate_size: int = 1
     not_acted_on: tuple = ()
+    fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
 
 
 def build_config(source, world_size: int) -> EngineConfig:
@@ -96,10 +97,16 @@ def build_config(source, world_size: int) -> EngineConfig:
     if world_size % replicas:
         raise ConfigError([f"vescale.hsdp_replicate_size {replicas} does not divide the world "
                            f"size {world_size}"])
-    bf16 = config.get("bf16", {}).get("enabled", False)  # fp16 is refused by the schema
+    bf16 = config.get("bf16", {}).get("enabled", False)
+    fp16 = config.get("fp16", {}).get("enabled", False)
+    if bf16 and fp16:
+        raise ConfigError(["fp16.enabled and bf16.enabled are both true: choose one"])
     stage = config.get("zero_optimization", {}).get("stage", 3)
     mp = ves.get("mixed_precision", {})
-    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else None)
+    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else "fp16" if fp16 else None)
+    if fp16 and DTYPES[param_dtype] != "float16":
+        raise ConfigError([f"fp16.enabled computes in float16, but vescale.mixed_precision."
+                           f"param_dtype is {param_dtype!r}: drop one of them"])
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
     return EngineConfig(
@@ -124,4 +131,5 @@ def build_config(source, world_size: int) -> EngineConfig:
         reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
         hsdp_replicate_size=replicas,
         not_acted_on=tuple(report.not_acted_on),
+        fp16=dict(config.get("fp16", {})) if fp16 else {},
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ class CollectiveStats:
     bytes_copied: int = 0
     all_gathers: int = 0
     reduce_scatters: int = 0
+    wait_s: float = 0.0   # time spent waiting for collectives (wall_clock_breakdown)
     record: bool = False
     events: list = field(default_factory=list)
 
@@ -43,7 +45,21 @@ class CollectiveStats:
 
     def reset(self):
         self.bytes_copied = self.all_gathers = self.reduce_scatters = 0
+        self.wait_s = 0.0
         self.events.clear()
+
+
+class _TimedWork:
+    """A collective's handle whose wait() counts into STATS.wait_s: the communication that
+    compute did not hide."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self):
+        start = time.perf_counter()
+        self.work.wait()
+        STATS.wait_s += time.perf_counter() - start
 
 
 STATS = CollectiveStats()
@@ -177,7 +193,8 @@ class DBuffer:
             source = self.master
         STATS.all_gathers += 1
         STATS.log("all_gather", self.name)
-        return _all_gather(self.full, source, group=self.shard_group, async_op=async_op)
+        work = _all_gather(self.full, source, group=self.shard_group, async_op=async_op)
+        return _TimedWork(work) if async_op else work
 
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -212,7 +229,7 @@ class DBuffer:
                                                    device=self.grad.device)
         STATS.reduce_scatters += 1
         STATS.log("reduce_scatter", self.name)
-        work = _reduce_scatter(out, source, group=self.shard_group, async_op=True)
+        work = _TimedWork(_reduce_scatter(out, source, group=self.shard_group, async_op=True))
 
         def finish():
             work.wait()

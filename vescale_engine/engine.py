@@ -3,17 +3,26 @@ the scheduler, with DeepSpeed's signature and step semantics."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
 
 from . import fsdp
+from . import loss_scaler as scaling
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
+from .monitor import Monitors
 from .optim import AdamW
 from .progress import Progress
+from .timers import WallClockBreakdown
+
+LOG = logging.getLogger("vescale_engine")
 
 DEFAULT_TIMEOUT_S = 600
 
@@ -91,6 +100,10 @@ def _wrap(model: nn.Module, cfg: EngineConfig, mesh):
     return fsdp.fully_shard(model, **kwargs)
 
 
+# Config optimizer names served by our own classes; every other name is torch.optim's.
+OWN_OPTIMIZERS = {"AdamW": AdamW}
+
+
 def _optimizer(spec, client, params):
     if client is not None:
         if isinstance(client, torch.optim.Optimizer):
@@ -99,8 +112,47 @@ def _optimizer(spec, client, params):
         return client(params)
     spec = spec or {"type": "AdamW", "params": {}}
     name, kwargs = spec["type"], dict(spec.get("params", {}))
-    cls = AdamW if name == "AdamW" else getattr(torch.optim, name)
+    own = OWN_OPTIMIZERS.get(name)
+    if own is AdamW:
+        try:
+            return AdamW(params, **kwargs)
+        except ValueError as err:
+            if "hyperparameters" in str(err):
+                raise
+            # Groups that split a flat buffer (a subset of parameters, or different lr/betas
+            # in one buffer): torch's AdamW does the same math per parameter.
+            LOG.info("optimizer AdamW: per-buffer AdamW cannot step these parameter groups "
+                     "(%s); using torch.optim.AdamW", err)
+            return torch.optim.AdamW(params, **kwargs)
+    cls = own or getattr(torch.optim, name)
     return cls(params, **kwargs)
+
+
+def _map_model_parameters(model_parameters, names_before, module):
+    """DeepSpeed's model_parameters (parameters, or param-group dicts), taken before wrapping,
+    re-pointed at the parameters that replace them after wrapping (same names)."""
+    after = dict(module.named_parameters())
+
+    def mapped(p):
+        name = names_before.get(id(p))
+        if name is None or name not in after:
+            raise ValueError(f"model_parameters holds a tensor of shape {list(p.shape)} that "
+                             "is not a parameter of the model")
+        return after[name]
+
+    groups = []
+    for item in model_parameters:
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise ValueError("a model_parameters group dict needs a 'params' key")
+            params = item["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            groups.append({**item, "params": [mapped(p) for p in params]})
+        else:
+            groups.append(mapped(item))
+    if groups and any(isinstance(g, dict) for g in groups):
+        return [g if isinstance(g, dict) else {"params": [g]} for g in groups]
+    return groups
 
 
 def _scheduler(spec, client, optimizer):
@@ -121,7 +173,8 @@ def _scheduler(spec, client, optimizer):
 
 
 class VeScaleEngine(nn.Module):
-    """What DeepSpeed scripts call: engine(...), backward, step, no_sync, counters."""
+    """What DeepSpeed scripts call: engine(...), backward (or plain loss.backward()), step,
+    no_sync, train/eval, destroy, counters."""
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler):
         super().__init__()
@@ -132,20 +185,178 @@ class VeScaleEngine(nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self.skipped_steps = 0
+        self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
         from launcher.env import discover
         self.local_rank = discover().local_rank
-        self._grad_norm = None
-        self._loss = None
-        self._tokens = None
+        self.loss_scaler = scaling.from_config(config.fp16)  # None unless fp16
+        self.timers = WallClockBreakdown(config.wall_clock_breakdown)
+        self.monitor = Monitors(config.raw, self.global_rank)
         self.progress = Progress(config.steps_per_print, self.global_rank)
+        self._grad_norm = None
+        self._tokens = None
+        self._output_loss = None     # the last forward's output, when it is a scalar loss
+        self._window_losses = []     # this accumulation window's micro-batch losses
+        self._backward_graph = None  # autograd graph task the backward prologue ran for
+        self._in_engine_backward = False
+        self._user_no_sync = 0
+        self._sync_context = None
+        self._destroyed = False
+
+    # -- forward and backward ------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        self._check_alive()
         first = args[0] if args else None  # token ids [batch, sequence] give tokens/s
         self._tokens = first.numel() if isinstance(first, torch.Tensor) and \
             not first.is_floating_point() else None
-        return self.module(*args, **kwargs)
+        self.timers.start("forward")
+        out = self.module(*args, **kwargs)
+        self.timers.stop("forward")
+        self._output_loss = out.detach() if isinstance(out, torch.Tensor) and out.dim() == 0 \
+            and out.is_floating_point() else None
+        if torch.is_grad_enabled():
+            self._hook_outputs(out)
+        return out
+
+    def _hook_outputs(self, out):
+        """Plain `loss.backward()` (no engine.backward) must train exactly as engine.backward:
+        the gradient reaching the model's outputs is scaled here (1/accumulation steps, times
+        the fp16 loss scale), and the first one to arrive runs the backward prologue."""
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_grad_hook)
+
+    def _output_grad_hook(self, grad):
+        if self._in_engine_backward:  # engine.backward scaled the loss and ran the prologue
+            return grad
+        graph = torch._C._current_graph_task_id()
+        if graph != self._backward_graph:
+            self._backward_graph = graph
+            self._backward_prologue(self._output_loss)
+            Variable._execution_engine.queue_callback(self._backward_epilogue)
+        return grad * self._gradient_factor()
+
+    def _gradient_factor(self) -> float:
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        return scale / self.gradient_accumulation_steps()
+
+    def _backward_prologue(self, loss):
+        """Once per backward: note the loss, and make only the boundary micro-step
+        reduce-scatter (earlier ones accumulate full gradients locally)."""
+        self._check_alive()
+        if loss is not None:
+            self._window_losses.append(loss.float())
+        self.timers.start("backward")
+        self._sync_context = None
+        if self._user_no_sync or not self.is_gradient_accumulation_boundary():
+            self._sync_context = fsdp.no_sync(self.module)
+            self._sync_context.__enter__()
+
+    def _backward_epilogue(self):
+        if self._sync_context is not None:
+            self._sync_context.__exit__(None, None, None)
+            self._sync_context = None
+        self.timers.stop("backward")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """DeepSpeed's backward: divide by the accumulation steps (and multiply by the fp16 loss
+        scale), then backpropagate. Returns the loss divided by the accumulation steps."""
+        self._check_alive()
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("engine.backward needs a scalar loss tensor")
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        self._backward_prologue(loss.detach())
+        self._in_engine_backward = True
+        try:
+            (loss.float() * (scale / gas)).backward(retain_graph=retain_graph)
+        finally:
+            self._in_engine_backward = False
+            self._backward_epilogue()
+        return loss / gas
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, without communication."""
+        self._check_alive()
+        self._user_no_sync += 1
+        try:
+            yield
+        finally:
+            self._user_no_sync -= 1
+
+    # -- the optimizer step --------------------------------------------------------------------
+
+    def step(self, lr_kwargs=None):
+        """At the accumulation boundary: (fp16: overflow check and unscale), clip, optimizer
+        step, scheduler step, zero gradients. A step whose gradients overflowed is skipped on
+        every rank but still counts in global_steps, as in DeepSpeed."""
+        self._check_alive()
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.timers.start("optimizer")
+            self._take_model_step(lr_kwargs)
+            self.timers.stop("optimizer")
+            self.timers.optimizer_step_done()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.world_size,
+                                 self._tokens and self._tokens * self.world_size)
+        if boundary:
+            self._report()
+
+    def _take_model_step(self, lr_kwargs):
+        params = list(self.module.parameters())
+        clip = self.config.gradient_clipping
+        overflow = False
+        if self.loss_scaler is not None:
+            overflow, self._grad_norm = scaling.unscale_and_clip_(
+                params, self.loss_scaler.loss_scale, clip)
+            message = self.loss_scaler.update(overflow)
+            if message and self.global_rank == 0:
+                LOG.info("step %d: %s", self.global_steps + 1, message)
+        elif clip > 0:
+            self._grad_norm = clip_grad_norm_(params, clip)
+        else:
+            self._grad_norm = global_grad_norm(params)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.optimizer.zero_grad()
+        self.global_steps += 1
+
+    def _report(self):
+        """Rank 0's progress line and monitor events for the optimizer step just taken."""
+        losses, self._window_losses = self._window_losses, []
+        loss = torch.stack(losses).mean() if losses else None
+        extra = []
+        if self.loss_scaler is not None:
+            extra += [f"loss scale {self.loss_scaler.loss_scale:g}",
+                      f"skipped {self.skipped_steps}"]
+        if self.progress.due(self.global_steps):
+            breakdown = self.timers.line()
+            extra += [breakdown] if breakdown else []
+        self.progress.optimizer_step(self.global_steps, loss, self.get_lr()[0], self._grad_norm,
+                                     extra)
+        if self.monitor.enabled:
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if loss is not None:
+                events.insert(0, ("Train/Samples/train_loss", float(loss), self.global_samples))
+            if self._grad_norm is not None:
+                events.append(("Train/Samples/grad_norm", float(self._grad_norm),
+                               self.global_samples))
+            if self.loss_scaler is not None:
+                events.append(("Train/Samples/loss_scale", self.loss_scaler.loss_scale,
+                               self.global_samples))
+            self.monitor.write_events(events)
+
+    # -- DeepSpeed's accessors -----------------------------------------------------------------
 
     def train_batch_size(self) -> int:
         return self.config.batch.train_batch_size
@@ -159,43 +370,8 @@ class VeScaleEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def no_sync(self):
-        return fsdp.no_sync(self.module)
-
-    def backward(self, loss: torch.Tensor):
-        """Scale by the accumulation steps and backpropagate; only the boundary micro-step
-        reduce-scatters (earlier ones accumulate full gradients locally)."""
-        self._loss = loss.detach()
-        scaled = loss / self.gradient_accumulation_steps()
-        if self.is_gradient_accumulation_boundary():
-            scaled.backward()
-        else:
-            with self.no_sync():
-                scaled.backward()
-        return loss
-
-    def step(self):
-        """At the accumulation boundary: clip, optimizer step, scheduler step, zero gradients."""
-        if self.is_gradient_accumulation_boundary():
-            params = list(self.module.parameters())
-            if self.config.gradient_clipping > 0:
-                self._grad_norm = clip_grad_norm_(params, self.config.gradient_clipping)
-            else:
-                self._grad_norm = global_grad_norm(params)
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self.optimizer.zero_grad()
-            self.global_steps += 1
-        self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
-        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.world_size,
-                                 self._tokens and self._tokens * self.world_size)
-        if self.micro_steps % self.gradient_accumulation_steps() == 0:
-            self.progress.optimizer_step(self.global_steps, self._loss, self.get_lr()[0],
-                                         self._grad_norm)
-
     def zero_grad(self):
+        self._check_alive()
         self.optimizer.zero_grad()
 
     def get_lr(self):
@@ -203,6 +379,64 @@ class VeScaleEngine(nn.Module):
 
     def get_global_grad_norm(self):
         return None if self._grad_norm is None else float(self._grad_norm)
+
+    def fp16_enabled(self) -> bool:
+        return self.loss_scaler is not None
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16
+
+    def train(self, mode: bool = True):
+        self._check_alive()
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def destroy(self):
+        """Release what the engine holds: the units' hooks and full/gradient buffers, the
+        optimizer state, the monitors, the process group reference. Any later call is a clear
+        error. The module keeps its (sharded) parameters."""
+        if self._destroyed:
+            return
+        release_units(self.module)
+        self.optimizer.state.clear()
+        self.monitor.close()
+        self._window_losses = []
+        self.process_group = None
+        self._destroyed = True
+
+    def _check_alive(self):
+        if self._destroyed:
+            raise RuntimeError("this VeScaleEngine was destroyed (engine.destroy()); build a new "
+                               "one with initialize()")
+
+
+def release_units(module: nn.Module) -> None:
+    """Undo fully_shard's runtime on every unit under `module`: reshard, free gradient and full
+    buffers, and remove the forward hooks, so nothing of the engine runs or stays allocated."""
+    for sub in module.modules():
+        unit = fsdp.unit_of(sub)
+        if unit is None:
+            continue
+        unit.reshard()
+        for buf in unit.buffers:
+            buf.release_grad()
+            buf.full_grad.untyped_storage().resize_(0)
+            buf.full_grad_live = False
+        for p in unit.params:
+            p.sharded.grad = None
+        for hooks, fn in ((sub._forward_pre_hooks, unit.pre_forward),
+                          (sub._forward_hooks, unit.post_forward)):
+            for handle_id, hook in list(hooks.items()):
+                if hook == fn:
+                    del hooks[handle_id]
+                    sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+        del sub._vescale_unit
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -235,8 +469,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (replicas, dist.get_world_size() // replicas),
                                 mesh_dim_names=("replicate", "shard"))
+    names_before = {id(p): name for name, p in model.named_parameters()}
+    chosen = list(model_parameters) if model_parameters is not None else None  # before wrapping
     module = _wrap(model, cfg, mesh)
-    params = [p for p in module.parameters() if p.requires_grad]
+    if chosen is None:
+        params = [p for p in module.parameters() if p.requires_grad]
+    else:  # DeepSpeed: only these parameters (or groups) are optimized
+        params = _map_model_parameters(chosen, names_before, module)
     opt = _optimizer(cfg.optimizer, optimizer, params)
     sched = _scheduler(cfg.scheduler, lr_scheduler, opt)
     engine = VeScaleEngine(module, cfg, opt, sched)

@@ -1,5 +1,6 @@
 """Rank 0's progress line every `steps_per_print` optimizer steps: step, loss, learning rate,
-global gradient norm, throughput, step time and peak memory."""
+global gradient norm, throughput, step time and peak memory; the engine may add parts (loss
+scale and skipped steps under fp16, the wall-clock breakdown)."""
 from __future__ import annotations
 
 import logging
@@ -30,10 +31,14 @@ class Progress:
         self._samples += samples
         self._tokens += tokens or 0
 
-    def optimizer_step(self, step: int, loss, lr: float, grad_norm) -> str | None:
+    def due(self, step: int) -> bool:
+        """Will optimizer step `step` be reported?"""
+        return step % self.every == 0
+
+    def optimizer_step(self, step: int, loss, lr: float, grad_norm, extra=()) -> str | None:
         """Log (on rank 0) when `step` is a multiple of `every`; returns the line logged."""
         self._steps += 1
-        if step % self.every:
+        if not self.due(step):
             return None
         elapsed = max(time.perf_counter() - self._since, 1e-9)
         parts = [f"step {step}",
@@ -43,7 +48,7 @@ class Progress:
                  f"{self._samples / elapsed:.1f} samples/s",
                  f"{self._tokens / elapsed:.0f} tokens/s" if self._tokens else "",
                  f"step {elapsed / self._steps:.3f} s",
-                 f"peak mem {peak_memory_gb():.2f} GB"]
+                 f"peak mem {peak_memory_gb():.2f} GB", *extra]
         line = " | ".join(p for p in parts if p)
         self._since, self._samples, self._tokens, self._steps = time.perf_counter(), 0, 0, 0
         if self.rank == 0:

@@ -1,0 +1,128 @@
+"""fp16 loss scaling with DeepSpeed's `fp16` keys and semantics.
+
+Gradients of an fp16 model underflow unless the loss is multiplied by a large scale first. The
+scale is divided out again before the optimizer step (folded into gradient clipping: one pass
+over each flat gradient shard). When any rank's gradients hold inf or nan, the step is skipped
+on every rank and a dynamic scale is lowered; after `loss_scale_window` good steps in a row it
+is raised again (DeepSpeed's counting: after window + 1 good steps, then every window). With
+hysteresis H, only the H-th overflow since the last raise lowers it; an overflow at the
+minimum scale is an error, as in DeepSpeed.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .clip import _buffers_and_plain, global_grad_norm
+
+LOG = logging.getLogger("vescale_engine")
+
+
+class LossScaler:
+    """Static (`dynamic=False`: the scale never changes) or dynamic loss scale."""
+
+    def __init__(self, init_scale: float, dynamic: bool = True, scale_window: int = 1000,
+                 min_scale: float = 1.0, hysteresis: int = 2,
+                 consecutive_hysteresis: bool = False, scale_factor: float = 2.0):
+        self.cur_scale = float(init_scale)
+        self.dynamic = dynamic
+        self.scale_window = scale_window
+        self.min_scale = float(min_scale)
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.scale_factor = scale_factor
+        self.cur_hysteresis = hysteresis
+        self.good_steps = 0      # optimizer steps without overflow since the last change
+        self.overflows = 0       # skipped steps, for the log
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def update(self, overflow: bool) -> str | None:
+        """Account for one optimizer step; returns what changed, for rank 0's log."""
+        if overflow:
+            self.overflows += 1
+            self.good_steps = 0
+            if not self.dynamic:
+                return f"fp16 overflow: step skipped, static loss scale {self.cur_scale:g} kept"
+            if self.cur_scale == self.min_scale and self.cur_hysteresis <= 1:
+                raise FloatingPointError(
+                    f"fp16: gradients overflow at the minimum loss scale {self.min_scale:g}; "
+                    "lower fp16.min_loss_scale, the learning rate, or train in bf16")
+            if self.cur_hysteresis > 1:
+                self.cur_hysteresis -= 1
+                return (f"fp16 overflow: step skipped, loss scale {self.cur_scale:g} kept "
+                        f"(hysteresis left {self.cur_hysteresis})")
+            attempted = self.cur_scale
+            self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            return f"fp16 overflow: step skipped, loss scale {attempted:g} -> {self.cur_scale:g}"
+        if not self.dynamic:
+            return None
+        self.good_steps += 1
+        if self.consecutive_hysteresis:  # only overflows in a row count against the scale
+            self.cur_hysteresis = self.hysteresis
+        stable = self.good_steps - 1  # DeepSpeed counts the first good step as interval 0
+        if stable > 0 and stable % self.scale_window == 0:
+            self.cur_hysteresis = self.hysteresis
+            self.cur_scale *= self.scale_factor
+            return f"fp16: {self.scale_window} steps without overflow, loss scale -> " \
+                   f"{self.cur_scale:g}"
+        return None
+
+    def state_dict(self) -> dict:
+        return {"cur_scale": self.cur_scale, "cur_hysteresis": self.cur_hysteresis,
+                "good_steps": self.good_steps, "overflows": self.overflows,
+                "dynamic": self.dynamic}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"cur_scale", "cur_hysteresis", "good_steps"} - set(state)
+        if missing:
+            raise ValueError(f"loss scaler state lacks {sorted(missing)}")
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.good_steps = int(state["good_steps"])
+        self.overflows = int(state.get("overflows", 0))
+
+
+def from_config(fp16: dict) -> LossScaler | None:
+    """The scaler the `fp16` section asks for; None when fp16 is off."""
+    if not fp16.get("enabled", False):
+        return None
+    static = fp16.get("loss_scale", 0)
+    if static:
+        return LossScaler(static, dynamic=False)
+    return LossScaler(2.0 ** fp16.get("initial_scale_power", 16), dynamic=True,
+                      scale_window=fp16.get("loss_scale_window", 1000),
+                      min_scale=fp16.get("min_loss_scale", 1),
+                      hysteresis=fp16.get("hysteresis", 2),
+                      consecutive_hysteresis=fp16.get("consecutive_hysteresis", False))
+
+
+def scale_gradients_(parameters, factor: float) -> None:
+    """Multiply every gradient (flat shards once per buffer) by `factor`."""
+    buffers, plain = _buffers_and_plain(list(parameters))
+    for buf in buffers:
+        buf.scale_grad(factor)
+    for p in plain:
+        p.grad.detach().mul_(factor)
+
+
+def unscale_and_clip_(parameters, scale: float, max_norm: float, eps: float = 1e-6):
+    """One global norm (one all-reduce per shard group, so every rank sees the same value and
+    takes the same decision). Returns (overflow, norm of the unscaled gradients or None). On
+    overflow the gradients are left alone (the step is skipped); otherwise they are divided by
+    `scale` and, when `max_norm` > 0, clipped, in one pass."""
+    parameters = list(parameters)
+    scaled_norm = float(global_grad_norm(parameters))
+    if not math.isfinite(scaled_norm):
+        return True, None
+    norm = scaled_norm / scale
+    factor = 1.0 / scale
+    if max_norm > 0 and norm > max_norm:
+        factor *= max_norm / (norm + eps)
+    if factor != 1.0:
+        scale_gradients_(parameters, factor)
+    return False, torch.tensor(norm)
