@@ -197,21 +197,32 @@ def _run_validate(args) -> int:
 
 
 def _add_run_parser(sub):
-    p = sub.add_parser("run", help="start N local ranks of a training script",
-                       description="Start N local ranks (RANK, WORLD_SIZE, LOCAL_RANK, "
-                                   "MASTER_ADDR/PORT as torchrun sets them), prefix their "
-                                   "output, stop all when one fails.")
-    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N")
+    p = sub.add_parser("run", help="start the ranks of a training script",
+                       description="Start a training script's ranks: locally (torchrun's "
+                                   "environment, rank-prefixed output, all stopped when one "
+                                   "fails, each rank bound to its own cores on CPU), or "
+                                   "through mpirun or the deepspeed launcher over a hostfile.")
+    p.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+                   help="ranks per machine (default 1, or each host's slots in the hostfile)")
+    p.add_argument("--hostfile", metavar="F",
+                   help="machines for --launcher mpi/deepspeed: lines 'HOST slots=N', "
+                        "'HOST:N' or 'HOST'")
+    p.add_argument("--launcher", choices=["local", "mpi", "deepspeed"], default="local",
+                   help="local (default): ranks on this machine; mpi: mpirun (Open MPI); "
+                        "deepspeed: the deepspeed launcher")
     p.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="T",
-                   help="OMP_NUM_THREADS per rank (default: cores / N)")
+                   help="OMP_NUM_THREADS per rank (default: the rank's share of the cores)")
+    p.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
+                   help="local launcher on CPU: do not bind each rank to its own cores")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=_run_run)
 
 
 def _run_run(args) -> int:
-    from launcher.run import run_local
-    return run_local(args.nproc, [args.script, *args.script_args], args.threads_per_rank)
+    from launcher.run import launch
+    return launch(args.launcher, args.nproc, args.hostfile, [args.script, *args.script_args],
+                  args.threads_per_rank, args.bind_cores)
 
 
 def build_parser() -> argparse.ArgumentParser:

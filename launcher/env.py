@@ -1,17 +1,23 @@
 """Where this process sits in the job: rank, local rank, world size and master address, from
-whichever launcher started it (torchrun, the deepspeed launcher, Open MPI, MPICH/PMI, SLURM)."""
+whichever launcher started it (torchrun, the deepspeed launcher, Open MPI, MVAPICH, MPICH/PMI,
+SLURM, PMIx). MPI launchers say nothing about a master address: unless MASTER_ADDR is set,
+rank 0 shares its own (and a free port) with every rank over MPI."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
 
-# (rank, world size, local rank) variable names per launcher, first match wins.
+# (launcher, rank, world size, local rank) variable names, first match wins: torchrun and the
+# deepspeed launcher are checked first because they may run inside an MPI or SLURM job.
 _LAUNCHERS = (
     ("torchrun/deepspeed", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
     ("MPICH/PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ("SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
 )
+_MPI_LAUNCHERS = ("Open MPI", "MVAPICH", "MPICH/PMI", "PMIx")
 
 
 class LaunchError(RuntimeError):
@@ -28,19 +34,88 @@ class Placement:
     master_port: int | None
 
 
-def discover(env=None) -> Placement:
-    """Read the launch environment; a single process with no launcher is rank 0 of 1."""
+def discover(env=None, use_mpi: bool | None = None) -> Placement:
+    """Read the launch environment; a single process with no launcher is rank 0 of 1.
+
+    `use_mpi` (default: only when reading this process's own environment) lets an MPI rank
+    ask MPI what its environment leaves out: the master address and port, and the world size
+    and local rank under a PMIx-only launcher (`prterun`), which exports only PMIX_RANK."""
+    use_mpi = env is None if use_mpi is None else use_mpi
     env = os.environ if env is None else env
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
     for name, rank_var, size_var, local_var in _LAUNCHERS:
         if rank_var in env and size_var in env:
             rank, size = _int(env, rank_var), _int(env, size_var)
             local = _int(env, local_var) if local_var in env else 0
             if not 0 <= rank < size:
                 raise LaunchError(f"{rank_var}={rank} is outside {size_var}={size}")
-            port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
-            return Placement(name, rank, size, local, env.get("MASTER_ADDR"), port)
+            where = Placement(name, rank, size, local, env.get("MASTER_ADDR"), port)
+            return _with_master_from_mpi(where) if use_mpi else where
+    if "PMIX_RANK" in env:
+        rank = _int(env, "PMIX_RANK")
+        if not use_mpi:
+            raise LaunchError(f"PMIX_RANK={rank} without a world size: a PMIx launch is read "
+                              "through MPI (mpi4py), or set RANK/WORLD_SIZE/LOCAL_RANK")
+        comm = _mpi_world()
+        if comm.Get_rank() != rank:
+            raise LaunchError(f"PMIX_RANK={rank} but MPI says rank {comm.Get_rank()}")
+        local = comm.Split_type(_mpi().COMM_TYPE_SHARED).Get_rank()  # ranks on this machine
+        where = Placement("PMIx", rank, comm.Get_size(), local, env.get("MASTER_ADDR"), port)
+        return _with_master_from_mpi(where)
     return Placement("none", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"),
-                     _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500)
+                     port if port is not None else 29500)
+
+
+def _with_master_from_mpi(where: Placement) -> Placement:
+    """An MPI job of several ranks without MASTER_ADDR/MASTER_PORT: rank 0 broadcasts its host
+    and a free port (MPI is only started in this case: other launchers never load it)."""
+    complete = where.master_addr is not None and where.master_port is not None
+    if where.launcher not in _MPI_LAUNCHERS or where.world_size == 1 or complete:
+        return where
+    comm = _mpi_world()
+    if comm.Get_size() != where.world_size or comm.Get_rank() != where.rank:
+        raise LaunchError(f"{where.launcher} says rank {where.rank} of {where.world_size} but "
+                          f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}")
+    offer = None
+    if where.rank == 0:
+        offer = (socket.gethostname(), where.master_addr or _own_address(),
+                 where.master_port or _free_port())
+    host, addr, port = comm.bcast(offer, root=0)
+    if where.master_addr is None and host == socket.gethostname():
+        addr = "127.0.0.1"  # same machine as rank 0: loopback always reaches it
+    return replace(where, master_addr=addr, master_port=port)
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise LaunchError("an MPI launch without MASTER_ADDR/MASTER_PORT needs mpi4py to share "
+                          "rank 0's address: pip install 'vescale-engine[mpi]', or set "
+                          "MASTER_ADDR and MASTER_PORT for every rank") from None
+    return MPI
+
+
+def _mpi_world():
+    return _mpi().COMM_WORLD
+
+
+def _own_address() -> str:
+    """This machine's address as other machines see it: the hostname's address, or the
+    hostname itself when that resolves only to loopback here (a common /etc/hosts entry) and
+    may still resolve properly elsewhere."""
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return host
+    return host if addr.startswith("127.") else addr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def _int(env, name) -> int:

@@ -1,7 +1,16 @@
 """`vescale run`: ranks get torchrun's environment, output is prefixed, a failing rank stops
-the job with its status."""
+the job with its status; on CPU each rank is bound to its own cores; the mpirun and deepspeed
+command lines; hostfiles."""
+import ast
+import os
 import subprocess
 import sys
+
+import pytest
+
+from launcher import binding
+from launcher.hostfile import Host, HostfileError, read_hostfile
+from launcher.run import deepspeed_command, mpi_command
 
 
 def run(tmp_path, body, *args):
@@ -11,13 +20,16 @@ def run(tmp_path, body, *args):
                           capture_output=True, text=True, timeout=120)
 
 
+def rank_lines(out):
+    return sorted(line for line in out.stdout.splitlines() if line.startswith("[rank"))
+
+
 def test_ranks_get_environment_and_prefixes(tmp_path):
     out = run(tmp_path, "import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], "
                         "os.environ['LOCAL_RANK'], os.environ['OMP_NUM_THREADS'])\n",
               "--nproc", "3", "--threads-per-rank", "1")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert sorted(out.stdout.splitlines()) == ["[rank0] 0 3 0 1", "[rank1] 1 3 1 1",
-                                               "[rank2] 2 3 2 1"]
+    assert rank_lines(out) == ["[rank0] 0 3 0 1", "[rank1] 1 3 1 1", "[rank2] 2 3 2 1"]
 
 
 def test_one_rank_failing_stops_the_others(tmp_path):
@@ -42,3 +54,155 @@ def test_training_with_the_engine_under_vescale_run(tmp_path):
     out = run(tmp_path, body, "--nproc", "2", "--threads-per-rank", "1")
     assert out.returncode == 0, out.stdout[-3000:]
     assert "[rank0] done 2 2" in out.stdout and "[rank1] done 2 2" in out.stdout
+
+
+# --- core binding -----------------------------------------------------------------------------
+
+AFFINITY = "import os\nprint(sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])\n"
+
+
+def affinities(out):
+    """{rank: (cores the rank saw, its OMP_NUM_THREADS)} from the ranks' own prints."""
+    seen = {}
+    for line in rank_lines(out):
+        prefix, rest = line.split(" ", 1)
+        cores, threads = rest.rsplit(" ", 1)
+        seen[int(prefix[5:-1])] = (ast.literal_eval(cores), int(threads))
+    return seen
+
+
+def test_each_rank_runs_on_its_own_cores(tmp_path):
+    usable = sorted(os.sched_getaffinity(0))
+    nproc = min(2, len(usable))
+    out = run(tmp_path, AFFINITY, "--nproc", str(nproc))
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = affinities(out)
+    per_rank = len(usable) // nproc
+    assert seen == {r: (usable[r * per_rank:(r + 1) * per_rank], per_rank) for r in range(nproc)}
+    first, second = out.stdout.splitlines()[:2]
+    processor = binding.detect_processor()
+    assert first == (f"vescale run: {processor.brand}, {processor.logical_cores} logical cores, "
+                     f"{len(usable)} usable [{binding.core_ranges(usable)}]")
+    assert second.startswith("vescale run: rank 0 -> cores [") and \
+        second.endswith(f"OMP_NUM_THREADS={per_rank}" + (
+            f"; cores [{binding.core_ranges(usable[nproc * per_rank:])}] left idle"
+            if len(usable) % nproc else ""))
+
+
+def test_more_ranks_than_cores_share_them_round_robin(tmp_path):
+    """The launcher is itself confined to one core (as `taskset -c` would): every rank gets
+    that core, one thread, and the log says so."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    script = tmp_path / "job.py"
+    script.write_text(AFFINITY)
+    with binding.bound_to([core]):
+        out = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "3",
+                              str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert affinities(out) == {r: ([core], 1) for r in range(3)}
+    assert "3 ranks on 1 cores: cores shared round-robin, one thread each" in out.stdout
+
+
+def test_no_bind_cores_leaves_every_core_to_every_rank(tmp_path):
+    usable = sorted(os.sched_getaffinity(0))
+    out = run(tmp_path, AFFINITY, "--nproc", "2", "--no-bind-cores", "--threads-per-rank", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert affinities(out) == {0: (usable, 1), 1: (usable, 1)}
+    assert "no core binding (--no-bind-cores); OMP_NUM_THREADS=1" in out.stdout.splitlines()[0]
+
+
+def test_binding_plan():
+    b = binding.plan_binding(3, list(range(8)))
+    assert (b.cores, b.threads, b.shared, b.idle) == ([[0, 1], [2, 3], [4, 5]], 2, False, [6, 7])
+    b = binding.plan_binding(2, [4, 5, 6, 7], threads=1)
+    assert (b.cores, b.threads) == ([[4, 5], [6, 7]], 1)
+    b = binding.plan_binding(5, [0, 1])
+    assert (b.cores, b.threads, b.shared) == ([[0], [1], [0], [1], [0]], 1, True)
+    assert binding.core_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+# --- mpirun and deepspeed command lines -------------------------------------------------------
+
+def test_mpi_command_on_this_machine():
+    cmd = mpi_command(["train.py", "--x"], [Host("localhost", 4)], None, threads=1,
+                      env={"NCCL_DEBUG": "INFO", "HOME": "/root"}, as_root=True, usable_cores=2,
+                      mpirun="mpirun", python="py")
+    port = cmd[cmd.index("-x") + 3].split("=")[1]
+    assert port.isdigit()
+    assert cmd == ["mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
+                   "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+                   "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1",
+                   "-x", "NCCL_DEBUG=INFO", "py", "train.py", "--x"]
+
+
+def test_mpi_command_over_a_hostfile():
+    hosts = [Host("node1", 8), Host("node2", 8)]
+    cmd = mpi_command(["train.py"], hosts, "/tmp/hf", threads=4, env={"MASTER_PORT": "1234"},
+                      as_root=False, usable_cores=32, mpirun="mpirun", python="py")
+    assert cmd == ["mpirun", "-n", "16", "--hostfile", "/tmp/hf",
+                   "-x", "MASTER_ADDR=node1", "-x", "MASTER_PORT=1234",
+                   "-x", "OMP_NUM_THREADS=4", "-x", "PYTHONUNBUFFERED=1", "py", "train.py"]
+
+
+def test_deepspeed_command():
+    one = deepspeed_command(["train.py", "--c"], [Host("localhost", 2)], None,
+                            env={"MASTER_PORT": "4321"}, deepspeed="deepspeed")
+    assert one == ["deepspeed", "--num_gpus", "2", "--no_ssh_check", "--master_addr",
+                   "127.0.0.1", "--master_port", "4321", "train.py", "--c"]
+    two = deepspeed_command(["train.py"], [Host("a", 8), Host("b", 8)], "/tmp/hf", env={},
+                            deepspeed="deepspeed")
+    assert two == ["deepspeed", "--hostfile", "/tmp/hf", "--num_gpus", "8",
+                   "--master_port", "29500", "train.py"]
+
+
+def test_mpi_launch_translates_an_mpich_hostfile_and_nproc_overrides_slots(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:5  # MPICH form\n")
+    out = run(tmp_path, "import os\nprint(os.environ['OMPI_COMM_WORLD_RANK'], "
+                        "os.environ['OMPI_COMM_WORLD_SIZE'], os.environ['MASTER_ADDR'])\n",
+              "--launcher", "mpi", "--hostfile", str(hostfile), "--nproc", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    launched = out.stdout.splitlines()[0]
+    assert launched.startswith("vescale run: ") and " -n 2 --hostfile " in launched
+    assert sorted(out.stdout.splitlines()[1:]) == ["0 2 127.0.0.1", "1 2 127.0.0.1"]
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,message", [
+    ("node1 slots=4\nnode2 slots=x\n", r"hosts:2: slots must be a positive integer, got 'x'"),
+    ("node1 slots=0\n", r"hosts:1: slots must be a positive integer, got '0'"),
+    ("node1:two\n", r"hosts:1: slots must be a positive integer, got 'two'"),
+    ("node1 gpus=4\n", r"hosts:1: unknown field 'gpus'"),
+    ("node1 slots 4\n", r"hosts:1: cannot read 'node1 slots 4'"),
+    ("slots=4\n", r"hosts:1: 'slots=4' starts with a field"),
+    ("a slots=1\n# c\nb slots=1\na slots=2\n", r"hosts:4: host 'a' is listed twice \(first on "
+                                                r"line 1\)"),
+    ("# nothing\n\n", r"lists no hosts"),
+])
+def test_bad_hostfile(tmp_path, text, message):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(HostfileError, match=message):
+        read_hostfile(str(path))
+
+
+def test_hostfile_formats(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# cluster\nnode1 slots=8 max_slots=16\nnode2:4\nnode3\n\n")
+    assert read_hostfile(str(path)) == [Host("node1", 8), Host("node2", 4), Host("node3", 1)]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--launcher", "mpi", "--hostfile", "missing-hosts"], "hostfile missing-hosts not found"),
+    (["--hostfile", "tests/conftest.py"], "--hostfile needs --launcher mpi or --launcher "
+                                          "deepspeed"),
+    (["--launcher", "deepspeed", "--hostfile", "tests/conftest.py"],
+     "tests/conftest.py:1: cannot read"),
+])
+def test_bad_launch_is_one_line_before_anything_starts(tmp_path, args, message):
+    out = run(tmp_path, "print('started')\n", *args)
+    assert out.returncode == 2
+    assert "started" not in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vescale run: error: ") and message in lines[0]
