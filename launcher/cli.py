@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_validate_parser(sub)
     _add_run_parser(sub)
+    from launcher.checkpoint_cli import add_parsers as _add_checkpoint_parsers
+    _add_checkpoint_parsers(sub)
     return parser
 
 

