@@ -1,0 +1,140 @@
+"""Write docs/config_reference.md from the JSON Schema, so the reference cannot drift from the
+keys the validator accepts. Every key gets its type, default, allowed values, description and
+whether the engine acts on it (the schema's x-not-acted-on, inherited by nested keys).
+
+    python -m config_schemas.make_reference          # rewrite docs/config_reference.md
+    python -m config_schemas.make_reference --check  # exit 1 if the committed file is stale
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .validate import SCHEMA_PATH, load_schema
+
+REFERENCE_PATH = Path(__file__).resolve().parent.parent / "docs" / "config_reference.md"
+COMMAND = "python -m config_schemas.make_reference"
+
+
+def _resolve(node: dict) -> dict:
+    """The node with a local $ref replaced by its definition; the node's own keywords (an
+    x-not-acted-on or description next to the $ref) win over the definition's."""
+    ref = node.get("$ref")
+    if not ref:
+        return node
+    target = load_schema()["$defs"][ref.removeprefix("#/$defs/")]
+    return {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+
+
+def _type(node: dict) -> str:
+    if "enum" in node:
+        kinds = sorted({type(v).__name__ for v in node["enum"]})
+        return " or ".join({"str": "string", "int": "integer", "bool": "boolean",
+                            "float": "number"}.get(k, k) for k in kinds)
+    kind = node.get("type", "any")
+    return " or ".join(kind) if isinstance(kind, list) else kind
+
+
+def _allowed(node: dict) -> str:
+    parts = []
+    if "enum" in node:
+        values = ", ".join(f"`{json.dumps(v)}`" for v in node["enum"])
+        parts.append(values + (f" (only: {node['x-why']})" if "x-why" in node else ""))
+    for word, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="),
+                       ("exclusiveMaximum", "<")):
+        if word in node:
+            parts.append(f"{sign} {node[word]}")
+    if "pattern" in node:
+        parts.append(node.get("x-expected", f"matches `{node['pattern']}`"))
+    if node.get("type") == "array" and "items" in node:
+        items = _resolve(node["items"])
+        parts.append(f"list of {_type(items)}" + (", unique" if node.get("uniqueItems") else ""))
+    if "properties" in node:
+        parts.append("the keys below")
+    elif node.get("type") == "object" and "additionalProperties" not in node:
+        parts.append("any keys")
+    if "required" in node:
+        parts.append("requires " + ", ".join(f"`{k}`" for k in node["required"]))
+    return "; ".join(parts) or "any"
+
+
+def _default(node: dict) -> str:
+    return f"`{json.dumps(node['default'])}`" if "default" in node else "—"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _rows(properties: dict, prefix: str, not_acted_on: str | None) -> list:
+    """One row per key, depth first, nested keys after their parent."""
+    rows = []
+    for name, raw in properties.items():
+        node = _resolve(raw)
+        path = f"{prefix}.{name}" if prefix else name
+        why = node.get("x-not-acted-on") or not_acted_on
+        rows.append((path, node, why))
+        rows += _rows(node.get("properties", {}), path, why)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):  # a map from free-form names (e.g. glob patterns)
+            rows += [(f"{path}.<name>", _resolve(extra), why)]
+    return rows
+
+
+def render() -> str:
+    schema = load_schema()
+    lines = [
+        "# Configuration reference",
+        "",
+        f"Generated from `config_schemas/{SCHEMA_PATH.name}` by `{COMMAND}`; do not edit by "
+        "hand (tests/test_docs.py fails when this file and the schema disagree).",
+        "",
+        schema.get("description", ""),
+        "",
+        "Validate a config with `vescale validate CONFIG.json` (exit status 2 on error). Keys "
+        "marked *no* under **Acted on** are accepted so that DeepSpeed configs load unchanged, "
+        "and are listed once, by name, when a config uses them. Values outside **Allowed** are "
+        "errors, never silently ignored. **Default** is the schema's `default` where it states "
+        "one; — means the schema states none (a description may name it; DeepSpeed's keys "
+        "default as in DeepSpeed).",
+        "",
+    ]
+    top = schema["properties"]
+    scalar = {k: v for k, v in top.items() if "properties" not in _resolve(v)}
+    sections = [("Top-level keys", scalar, "")] + [
+        (f"`{k}`", {k: v}, "") for k, v in top.items() if k not in scalar]
+    for title, props, prefix in sections:
+        lines += [f"## {title}", "",
+                  "| Key | Type | Default | Allowed | Acted on | Description |",
+                  "|---|---|---|---|---|---|"]
+        for path, node, why in _rows(props, prefix, None):
+            acted = f"no: {why}" if why else "yes"
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                f"`{path}`", _type(node), _default(node), _allowed(node), acted,
+                node.get("description", ""))) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="do not write; exit 1 if the file differs from the schema's")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = REFERENCE_PATH.read_text() if REFERENCE_PATH.exists() else ""
+        if current != text:
+            print(f"{REFERENCE_PATH} is out of date with the schema; regenerate it with "
+                  f"`{COMMAND}`", file=sys.stderr)
+            return 1
+        return 0
+    REFERENCE_PATH.write_text(text)
+    print(f"wrote {REFERENCE_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The docs match the code: the config reference is the schema's (regenerated, not edited), and
+every config snippet, config key, Python name and file the migration guide and the benchmarks
+page mention exists and validates."""
+import ast
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from config_schemas import make_reference
+from config_schemas.validate import load_schema, validate_config
+
+ROOT = Path(__file__).resolve().parent.parent
+MIGRATION = ROOT / "examples" / "migrate_from_deepspeed.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+
+
+def _blocks(text, language):
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def _schema_paths():
+    """Every dotted key path the schema accepts."""
+    schema = load_schema()
+    paths = set()
+
+    def walk(node, prefix):
+        node = make_reference._resolve(node)
+        for name, child in node.get("properties", {}).items():
+            path = f"{prefix}.{name}" if prefix else name
+            paths.add(path)
+            walk(child, path)
+
+    walk(schema, "")
+    return paths
+
+
+def test_config_reference_is_generated_from_the_schema():
+    committed = make_reference.REFERENCE_PATH.read_text()
+    assert committed == make_reference.render(), (
+        f"docs/config_reference.md is out of date with the schema: run "
+        f"`{make_reference.COMMAND}` and commit the result")
+
+
+def test_config_reference_lists_every_schema_key():
+    text = make_reference.render()
+    listed = set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
+    missing = _schema_paths() - listed
+    assert not missing, missing
+
+
+def test_config_reference_check_mode_reports_a_stale_file(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "config_reference.md"
+    stale.write_text("old\n")
+    monkeypatch.setattr(make_reference, "REFERENCE_PATH", stale)
+    assert make_reference.main(["--check"]) == 1
+    assert make_reference.COMMAND in capsys.readouterr().err
+    assert make_reference.main([]) == 0 and make_reference.main(["--check"]) == 0
+    assert stale.read_text() == make_reference.render()
+
+
+def test_migration_config_snippets_validate():
+    snippets = _blocks(MIGRATION.read_text(), "json")
+    assert snippets
+    for snippet in snippets:
+        config, report = validate_config(json.loads(snippet))
+        assert "vescale" in config  # the section that routes deepspeed.initialize to us
+        # The guide says overlap_comm and reduce_bucket_size are reported as not acted on.
+        assert any(line.startswith("zero_optimization.overlap_comm") for line in
+                   report.not_acted_on), report.not_acted_on
+
+
+def test_migration_config_keys_exist_in_the_schema():
+    keys = re.findall(r"^\| `([a-z0-9_.]+)` \|", MIGRATION.read_text(), flags=re.M)
+    assert len(keys) >= 15
+    unknown = sorted(set(keys) - _schema_paths())
+    assert not unknown, unknown
+
+
+def test_migration_python_snippets_parse():
+    snippets = _blocks(MIGRATION.read_text(), "python")
+    assert len(snippets) >= 3
+    for snippet in snippets:
+        ast.parse(snippet)
+
+
+def _resolve_dotted(name):
+    parts = name.split(".")
+    obj = importlib.import_module(parts[0])
+    for part in parts[1:]:
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(f"{obj.__name__}.{part}")
+    return obj
+
+
+def test_migration_python_names_exist():
+    text = MIGRATION.read_text()
+    names = set(re.findall(r"\b((?:vescale_engine|deepspeed)(?:\.[A-Za-z_]\w*)+)", text))
+    assert {"vescale_engine.patch_deepspeed", "vescale_engine.initialize",
+            "deepspeed.initialize", "deepspeed.init_distributed"} <= names
+    for name in sorted(names):
+        _resolve_dotted(name)  # raises if the guide names something that does not exist
+
+
+def test_migration_engine_calls_exist():
+    from vescale_engine.engine import VeScaleEngine
+    text = MIGRATION.read_text()
+    called = set(re.findall(r"`engine\.(\w+)\(", text))
+    attributes = set(re.findall(r"`engine\.(\w+)`", text))
+    assert {"backward", "step", "no_sync", "train", "eval", "destroy"} <= called
+    missing = sorted(n for n in called if not callable(getattr(VeScaleEngine, n, None)))
+    assert not missing, missing
+    init = inspect.getsource(VeScaleEngine.__init__)
+    missing = sorted(n for n in attributes if f"self.{n} =" not in init)
+    assert not missing, missing
+
+
+def test_migration_commands_name_existing_files():
+    text = MIGRATION.read_text()
+    paths = set(re.findall(r"\b((?:examples|tests|docs|config_schemas)/[\w./-]+\.(?:py|json|md))",
+                           text))
+    assert "examples/train_gpt.py" in paths
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, missing
+    for link in re.findall(r"\]\(([^)]+)\)", text):
+        assert (MIGRATION.parent / link).resolve().exists(), link
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").iterdir()
+                                            if p.suffix in (".py", ".sh")))
+def test_benchmarks_page_lists_every_script(script):
+    assert f"benchmarks/{script}" in BENCHMARKS.read_text()
+
+
+def test_benchmarks_page_links_exist_and_numbers_come_from_them():
+    """Every linked results file exists, and every bold headline number in a section is
+    found in the results file that section links."""
+    text = BENCHMARKS.read_text()
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert sections
+    checked = 0
+    for section in sections:
+        links = re.findall(r"\]\((\.\./benchmarks/results/[^)]+\.md)\)", section)
+        for link in links:
+            assert (BENCHMARKS.parent / link).resolve().exists(), link
+        sources = "".join((BENCHMARKS.parent / link).resolve().read_text() for link in links)
+        for number in re.findall(r"\*\*(-?[0-9][0-9.,]*)[x%]?\*\*", section):
+            assert number in sources, (section.splitlines()[0], number)
+            checked += 1
+    assert checked >= 10, checked
