@@ -111,8 +111,10 @@ def mpi_command(argv, hosts, hostfile, threads, env, as_root, usable_cores,
         cmd += ["--hostfile", hostfile]
     if as_root:
         cmd.append("--allow-run-as-root")  # Open MPI refuses root without it
-    if hostfile is None and total > usable_cores:
-        cmd.append("--oversubscribe")  # otherwise Open MPI refuses more ranks than cores
+    if _single_machine(hosts) and total > usable_cores:
+        # Otherwise Open MPI refuses more ranks than cores (or, with a hostfile's slots, to
+        # bind them); oversubscribed, it leaves the ranks unbound.
+        cmd.append("--oversubscribe")
     exported = {"MASTER_ADDR": addr, "MASTER_PORT": port, "OMP_NUM_THREADS": str(threads),
                 "PYTHONUNBUFFERED": "1"}
     exported.update({k: v for k, v in env.items()
@@ -123,12 +125,14 @@ def mpi_command(argv, hosts, hostfile, threads, env, as_root, usable_cores,
 
 
 def deepspeed_command(argv, hosts, hostfile, env, deepspeed=None) -> list:
-    """The `deepspeed` launcher command line. --num_gpus is always given: without it the
-    launcher counts accelerators and finds none on a CPU machine."""
+    """The `deepspeed` launcher command line."""
     cmd = [deepspeed or _tool("deepspeed")]
     if hostfile:
         cmd += ["--hostfile", hostfile]
-    cmd += ["--num_gpus", str(hosts[0].slots)]
+    if len({h.slots for h in hosts}) == 1:
+        # Ranks per host. Needed without a hostfile (on CPU DeepSpeed finds no accelerators to
+        # count); with hosts of different sizes the hostfile's slots say it instead.
+        cmd += ["--num_gpus", str(hosts[0].slots)]
     if len(hosts) == 1:
         # One host: DeepSpeed starts the ranks here without ssh, but would first ssh to the
         # host to check it and to ask its address; say both.

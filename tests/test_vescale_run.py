@@ -56,6 +56,18 @@ def test_training_with_the_engine_under_vescale_run(tmp_path):
     assert "[rank0] done 2 2" in out.stdout and "[rank1] done 2 2" in out.stdout
 
 
+@pytest.mark.parametrize("launcher", ["mpi", "deepspeed"])
+def test_a_failing_rank_fails_the_job_under_mpirun_and_deepspeed(tmp_path, launcher):
+    """Rank 1 fails at once; the other would sleep past run()'s 120 s timeout unless the
+    launcher stops it."""
+    body = ("import os, sys, time\n"
+            "rank = os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))\n"
+            "if rank == '1': sys.exit(7)\n"
+            "time.sleep(600)\n")
+    out = run(tmp_path, body, "--launcher", launcher, "--nproc", "2")
+    assert out.returncode == 7, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 # --- core binding -----------------------------------------------------------------------------
 
 AFFINITY = "import os\nprint(sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])\n"
@@ -153,6 +165,21 @@ def test_deepspeed_command():
                             deepspeed="deepspeed")
     assert two == ["deepspeed", "--hostfile", "/tmp/hf", "--num_gpus", "8",
                    "--master_port", "29500", "train.py"]
+    uneven = deepspeed_command(["train.py"], [Host("a", 8), Host("b", 4)], "/tmp/hf",
+                               env={"MASTER_ADDR": "a"}, deepspeed="deepspeed")
+    assert uneven == ["deepspeed", "--hostfile", "/tmp/hf", "--master_addr", "a",
+                      "--master_port", "29500", "train.py"]
+
+
+def test_mpi_oversubscribes_only_this_machine():
+    one = mpi_command(["t.py"], [Host("localhost", 3)], "/tmp/hf", threads=1, env={},
+                      as_root=False, usable_cores=2, mpirun="mpirun", python="py")
+    assert one[:5] == ["mpirun", "-n", "3", "--hostfile", "/tmp/hf"] and "--oversubscribe" in one
+    fits = mpi_command(["t.py"], [Host("localhost", 2)], None, threads=1, env={},
+                       as_root=False, usable_cores=2, mpirun="mpirun", python="py")
+    remote = mpi_command(["t.py"], [Host("node1", 64)], "/tmp/hf", threads=1, env={},
+                         as_root=False, usable_cores=2, mpirun="mpirun", python="py")
+    assert "--oversubscribe" not in fits and "--oversubscribe" not in remote
 
 
 def test_mpi_launch_translates_an_mpich_hostfile_and_nproc_overrides_slots(tmp_path):
