@@ -2,6 +2,7 @@
 the one-line migration (`vescale_engine.patch_deepspeed()` plus a "vescale" section), by our
 engine: losses and final parameters equal each other and single-process training of the same
 global batch, with gradient accumulation 2, global-norm clipping and DeepSpeed's WarmupLR.
+Our engine also resumes from DeepSpeed's ZeRO-3 checkpoint and continues with DeepSpeed's losses.
 
 Tolerance: 1e-5 relative. The three runs do the same fp32 arithmetic in different orders (one
 backward over the global batch vs per-rank micro-batches whose gradients are summed by an
@@ -155,3 +156,48 @@ def test_deepspeed_zero3_and_vescale_train_the_same(pool):
             assert r[key] < TOLERANCE, (rank, key, r[key])
     # Each rank saw its own data: the micro-batch losses differ between ranks.
     assert results[0]["ves_micro"] != results[1]["ves_micro"]
+
+
+RESUME_CONFIG = {k: v for k, v in DEEPSPEED_CONFIG.items() if k != "scheduler"}  # constant lr
+
+
+def resume_from_deepspeed_rank(rank, world, save_dir):
+    """DeepSpeed trains STEPS steps and saves a ZeRO-3 checkpoint, then trains STEPS more; our
+    engine loads that checkpoint (imported from DeepSpeed's files) and trains the same STEPS
+    more: the same losses."""
+    import deepspeed
+    import vescale_engine
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def run(engine, first_step):
+        losses = []
+        for step in range(first_step, first_step + STEPS):
+            for idx, tgt in _my_micro_batches(step, rank, world):
+                loss = engine(idx, tgt)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses
+
+    model = fm.make("gpt")
+    ds_engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                         config=RESUME_CONFIG)
+    run(ds_engine, 0)
+    ds_engine.save_checkpoint(save_dir, tag="ds")
+    ds_after = run(ds_engine, STEPS)
+    ds_engine.destroy()
+
+    config = {**RESUME_CONFIG, "optimizer": {"type": "AdamW", "params": OPT},
+              "vescale": VESCALE_CONFIG["vescale"]}
+    engine, *_ = vescale_engine.initialize(model=fm.make("gpt", seed=1), config=config)
+    engine.load_checkpoint(save_dir)  # DeepSpeed's save dir, as a DeepSpeed script passes it
+    resumed_at = engine.global_steps
+    return ds_after, run(engine, STEPS), resumed_at
+
+
+def test_resume_a_deepspeed_zero3_checkpoint(pool, tmp_path):
+    results = pool.run(resume_from_deepspeed_rank, str(tmp_path), timeout=600)
+    for rank, (ds_after, ours, resumed_at) in enumerate(results):
+        assert resumed_at == STEPS, resumed_at
+        assert _close(ours, ds_after), (rank, ours, ds_after)
