@@ -133,12 +133,14 @@ def deepspeed_command(argv, hosts, hostfile, env, deepspeed=None) -> list:
         # Ranks per host. Needed without a hostfile (on CPU DeepSpeed finds no accelerators to
         # count); with hosts of different sizes the hostfile's slots say it instead.
         cmd += ["--num_gpus", str(hosts[0].slots)]
-    if len(hosts) == 1:
-        # One host: DeepSpeed starts the ranks here without ssh, but would first ssh to the
-        # host to check it and to ask its address; say both.
+    if _single_machine(hosts):
+        # DeepSpeed starts a one-host job here without ssh, but would first ssh to the host to
+        # check it and to ask its address; say both.
         addr, port = _master(hosts, env)
         cmd += ["--no_ssh_check", "--master_addr", addr, "--master_port", port]
     else:
+        if len(hosts) == 1:
+            cmd.append("--force_multi")  # else DeepSpeed runs a lone remote host's ranks here
         if env.get("MASTER_ADDR"):
             cmd += ["--master_addr", env["MASTER_ADDR"]]  # else DeepSpeed asks the first host
         cmd += ["--master_port", env.get("MASTER_PORT", str(DEFAULT_PORT))]

@@ -165,6 +165,10 @@ def test_deepspeed_command():
                             deepspeed="deepspeed")
     assert two == ["deepspeed", "--hostfile", "/tmp/hf", "--num_gpus", "8",
                    "--master_port", "29500", "train.py"]
+    remote = deepspeed_command(["train.py"], [Host("node7", 4)], "/tmp/hf", env={},
+                               deepspeed="deepspeed")
+    assert remote == ["deepspeed", "--hostfile", "/tmp/hf", "--num_gpus", "4", "--force_multi",
+                      "--master_port", "29500", "train.py"]
     uneven = deepspeed_command(["train.py"], [Host("a", 8), Host("b", 4)], "/tmp/hf",
                                env={"MASTER_ADDR": "a"}, deepspeed="deepspeed")
     assert uneven == ["deepspeed", "--hostfile", "/tmp/hf", "--master_addr", "a",
