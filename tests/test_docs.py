@@ -116,7 +116,8 @@ def test_migration_engine_calls_exist():
     missing = sorted(n for n in called if not callable(getattr(VeScaleEngine, n, None)))
     assert not missing, missing
     init = inspect.getsource(VeScaleEngine.__init__)
-    missing = sorted(n for n in attributes if f"self.{n} =" not in init)
+    missing = sorted(n for n in attributes
+                     if f"self.{n} =" not in init and not callable(getattr(VeScaleEngine, n, None)))
     assert not missing, missing
 
 
