@@ -4,6 +4,7 @@ SLURM, PMIx). MPI launchers say nothing about a master address: unless MASTER_AD
 rank 0 shares its own (and a free port) with every rank over MPI."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass, replace
@@ -56,11 +57,10 @@ def discover(env=None, use_mpi: bool | None = None) -> Placement:
         if not use_mpi:
             raise LaunchError(f"PMIX_RANK={rank} without a world size: a PMIx launch is read "
                               "through MPI (mpi4py), or set RANK/WORLD_SIZE/LOCAL_RANK")
-        comm = _mpi_world()
-        if comm.Get_rank() != rank:
-            raise LaunchError(f"PMIX_RANK={rank} but MPI says rank {comm.Get_rank()}")
-        local = comm.Split_type(_mpi().COMM_TYPE_SHARED).Get_rank()  # ranks on this machine
-        where = Placement("PMIx", rank, comm.Get_size(), local, env.get("MASTER_ADDR"), port)
+        mpi_rank, size, local = _mpi_layout()
+        if mpi_rank != rank:
+            raise LaunchError(f"PMIX_RANK={rank} but MPI says rank {mpi_rank}")
+        where = Placement("PMIx", rank, size, local, env.get("MASTER_ADDR"), port)
         return _with_master_from_mpi(where)
     return Placement("none", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"),
                      port if port is not None else 29500)
@@ -72,18 +72,34 @@ def _with_master_from_mpi(where: Placement) -> Placement:
     complete = where.master_addr is not None and where.master_port is not None
     if where.launcher not in _MPI_LAUNCHERS or where.world_size == 1 or complete:
         return where
-    comm = _mpi_world()
-    if comm.Get_size() != where.world_size or comm.Get_rank() != where.rank:
+    mpi_rank, size, _ = _mpi_layout()
+    if size != where.world_size or mpi_rank != where.rank:
         raise LaunchError(f"{where.launcher} says rank {where.rank} of {where.world_size} but "
-                          f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}")
-    offer = None
-    if where.rank == 0:
-        offer = (socket.gethostname(), where.master_addr or _own_address(),
-                 where.master_port or _free_port())
-    host, addr, port = comm.bcast(offer, root=0)
-    if where.master_addr is None and host == socket.gethostname():
-        addr = "127.0.0.1"  # same machine as rank 0: loopback always reaches it
+                          f"MPI says rank {mpi_rank} of {size}")
+    addr, port = _master_from_rank_zero(where.master_addr, where.master_port)
     return replace(where, master_addr=addr, master_port=port)
+
+
+# Both are asked once per process: they are collectives (every rank must call them, as often
+# as the others), while discover() may be called again, by any rank, at any time.
+@functools.lru_cache(maxsize=None)
+def _mpi_layout() -> tuple:
+    """(rank, world size, rank among the ranks on this machine) as MPI sees them."""
+    mpi = _mpi()
+    world = mpi.COMM_WORLD
+    return world.Get_rank(), world.Get_size(), world.Split_type(mpi.COMM_TYPE_SHARED).Get_rank()
+
+
+@functools.lru_cache(maxsize=None)
+def _master_from_rank_zero(known_addr, known_port) -> tuple:
+    """Rank 0's host and a free port there (or the parts already known), on every rank."""
+    offer = None
+    if _mpi_layout()[0] == 0:
+        offer = (socket.gethostname(), known_addr or _own_address(), known_port or _free_port())
+    host, addr, port = _mpi().COMM_WORLD.bcast(offer, root=0)
+    if known_addr is None and host == socket.gethostname():
+        addr = "127.0.0.1"  # same machine as rank 0: loopback always reaches it
+    return addr, port
 
 
 def _mpi():
@@ -94,10 +110,6 @@ def _mpi():
                           "rank 0's address: pip install 'vescale-engine[mpi]', or set "
                           "MASTER_ADDR and MASTER_PORT for every rank") from None
     return MPI
-
-
-def _mpi_world():
-    return _mpi().COMM_WORLD
 
 
 def _own_address() -> str:

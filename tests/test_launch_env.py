@@ -53,6 +53,7 @@ def test_mpi_launch_without_master_address_is_left_to_mpi_when_mpi_is_not_used()
 PRINT_PLACEMENT = ("import sys; sys.path.insert(0, {root!r})\n"
                    "from launcher.env import discover\n"
                    "p = discover()\n"
+                   "assert discover() == p  # again (the engine asks twice): no new collective\n"
                    "print(repr((p.launcher, p.rank, p.world_size, p.local_rank, p.master_addr, "
                    "p.master_port, 'mpi4py' in sys.modules)))\n")
 MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
