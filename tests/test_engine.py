@@ -168,3 +168,314 @@ def test_a_rank_that_never_joins_is_a_clear_error(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert "LaunchError: rank 0 of 2 (torchrun/deepspeed)" in last
     assert "did not form within 3 s" in last
+
+
+# -- fp16 with loss scaling -------------------------------------------------------------------
+
+FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}
+
+
+def _local_params(engine):
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _train_step(engine, rank, step, poison=False):
+    """One optimizer step over ACCUM micro-batches of this rank's slice; `poison` puts an inf
+    into one gradient element on rank 0 only, before the boundary step."""
+    idx, tgt = fm.batch("gpt", step, MICRO * ACCUM * engine.world_size)
+    idx, tgt = (t[rank * MICRO * ACCUM:(rank + 1) * MICRO * ACCUM] for t in (idx, tgt))
+    losses = []
+    for k in range(ACCUM):
+        loss = engine(idx[k * MICRO:(k + 1) * MICRO], tgt[k * MICRO:(k + 1) * MICRO])
+        engine.backward(loss)
+        losses.append(loss.float().item())
+        if poison and k == ACCUM - 1 and rank == 0:
+            grad = next(p.grad for p in engine.module.parameters()
+                        if p.grad is not None and p.grad.numel())
+            grad[0] = float("inf")
+        engine.step()
+    return sum(losses) / len(losses)
+
+
+def fp16_overflow_rank(rank, world):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vescale_engine").addHandler(handler)
+    logging.getLogger("vescale_engine").setLevel(logging.INFO)
+    engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "fp16": FP16,
+                                                          "steps_per_print": 100})
+    assert engine.fp16_enabled() and engine.module.blocks[0].qkv.weight.dtype == torch.float32
+    before, lr_before = _local_params(engine), engine.get_lr()[0]
+    _train_step(engine, rank, 0, poison=True)  # only rank 0's gradients overflow
+    after = _local_params(engine)
+    skipped = dict(unchanged=all(torch.equal(a, b) for a, b in zip(before, after)),
+                   scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
+                   steps=engine.global_steps, lr_kept=engine.get_lr()[0] == lr_before)
+    losses = [_train_step(engine, rank, step) for step in range(1, 4)]
+    trained = dict(changed=not all(torch.equal(a, b) for a, b in zip(after, _local_params(engine))),
+                   scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
+                   steps=engine.global_steps, lr_moved=engine.get_lr()[0] > lr_before,
+                   finite=all(abs(x) < 1e4 for x in losses))
+    # The scale can also start too high: 2**40 makes the fp16 loss gradient itself inf.
+    high, *_ = initialize(model=fm.make("gpt"), config={
+        **CONFIG, "fp16": {"enabled": True, "initial_scale_power": 40}})
+    high_before = _local_params(high)
+    _train_step(high, rank, 0)
+    first = (high.loss_scaler.loss_scale, high.skipped_steps,
+             all(torch.equal(a, b) for a, b in zip(high_before, _local_params(high))))
+    _train_step(high, rank, 1)  # hysteresis 2 (the default): the second overflow lowers it
+    second = (high.loss_scaler.loss_scale, high.skipped_steps, high.global_steps)
+    messages = [r.getMessage() for r in records]
+    logging.getLogger("vescale_engine").removeHandler(handler)
+    return skipped, trained, first, second, messages
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(pool):
+    results = pool.run(fp16_overflow_rank)
+    for skipped, trained, first, second, _ in results:
+        assert skipped == dict(unchanged=True, scale=128.0, skipped=1, steps=1, lr_kept=True)
+        # window 2, DeepSpeed's counting: raised on the third good step after the overflow
+        assert trained == dict(changed=True, scale=256.0, skipped=1, steps=4, lr_moved=True,
+                               finite=True)
+        assert first == (2.0 ** 40, 1, True)
+        assert second == (2.0 ** 39, 2, 2)
+    messages = results[0][4]
+    assert "step 1: fp16 overflow: step skipped, loss scale 256 -> 128" in messages
+    assert any("loss scale 128 -> 256" in m for m in messages), messages
+    assert any("hysteresis left 1" in m for m in messages), messages
+    assert all(r[4] == [] for r in results[1:])
+
+
+def fp16_vs_fp32_rank(rank, world):
+    curves = {}
+    for name, extra in (("fp32", {}), ("fp16", {"fp16": {"enabled": True,
+                                                          "initial_scale_power": 12}})):
+        engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, **extra,
+                                                              "steps_per_print": 100})
+        curve = [_train_step(engine, rank, step) for step in range(6)]
+        total = torch.tensor(curve)
+        torch.distributed.all_reduce(total)
+        curves[name] = (total / world).tolist()
+        curves[name + "_skipped"] = engine.skipped_steps
+    return curves
+
+
+def test_fp16_training_tracks_fp32(pool):
+    curves = pool.run(fp16_vs_fp32_rank)[0]
+    assert curves["fp16_skipped"] == 0 and curves["fp32_skipped"] == 0
+    gaps = [abs(a - b) / b for a, b in zip(curves["fp16"], curves["fp32"])]
+    assert max(gaps) < 5e-3, (gaps, curves)
+    assert curves["fp16"][-1] < curves["fp16"][0]
+
+
+# -- plain loss.backward() ---------------------------------------------------------------------
+
+def backward_styles_rank(rank, world, extra):
+    results = {}
+    for style in ("engine", "plain"):
+        engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, **extra,
+                                                              "steps_per_print": 100})
+        losses = []
+        for step in range(3):
+            idx, tgt = fm.batch("gpt", step, MICRO * ACCUM * world)
+            idx, tgt = (t[rank * MICRO * ACCUM:(rank + 1) * MICRO * ACCUM] for t in (idx, tgt))
+            for k in range(ACCUM):
+                loss = engine(idx[k * MICRO:(k + 1) * MICRO], tgt[k * MICRO:(k + 1) * MICRO])
+                if style == "engine":
+                    engine.backward(loss)
+                else:
+                    loss.backward()
+                engine.step()
+                losses.append(loss.item())
+        results[style] = (losses, full_state_dict(engine.module), engine.global_steps,
+                          engine.get_global_grad_norm())
+    (l1, s1, g1, n1), (l2, s2, g2, n2) = results["engine"], results["plain"]
+    worst = max((s1[k] - s2[k]).abs().max().item() for k in s1)
+    return l1 == l2, worst, g1 == g2 == 3, n1 == n2
+
+
+@pytest.mark.parametrize("extra", [{}, {"fp16": {"enabled": True, "initial_scale_power": 10}}],
+                         ids=["fp32", "fp16"])
+def test_plain_loss_backward_equals_engine_backward(pool, extra):
+    for same_losses, worst, steps_ok, same_norm in pool.run(backward_styles_rank, extra):
+        assert same_losses and worst == 0.0 and steps_ok and same_norm, (worst,)
+
+
+# -- model_parameters -----------------------------------------------------------------------------
+
+def model_parameters_rank(rank, world):
+    reference = fm.make("gpt")
+    model = fm.make("gpt")
+
+    def groups(m):
+        named = [(n, p) for n, p in m.named_parameters() if not n.startswith("wpe")]  # frozen
+        decay = [p for n, p in named if p.dim() == 2]
+        rest = [p for n, p in named if p.dim() != 2]
+        return [{"params": decay, "weight_decay": 0.1},
+                {"params": rest, "weight_decay": 0.0, "lr": 5e-4}]
+
+    ref_opt = torch.optim.AdamW(groups(reference), lr=1e-3, eps=1e-6)
+    engine, opt, _, _ = initialize(model=model, model_parameters=groups(model), config={
+        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 100, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
+        "vescale": {"wrap_policy": {"module_classes": ["Block"]}}})
+    wpe_before = full_state_dict(engine.module)["wpe.weight"]
+    for step in range(2):
+        idx, tgt = fm.batch("gpt", step, MICRO * world)
+        reference(idx, tgt).backward()
+        # the norm covers only the optimized parameters (wpe has a gradient but is not stepped)
+        torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]],
+                                       0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine(idx[rank * MICRO:(rank + 1) * MICRO],
+                               tgt[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+    full, ref = full_state_dict(engine.module), reference.state_dict()
+    diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref]).norm()
+    worst = (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
+    errors = []
+    for bad in ([torch.nn.Parameter(torch.zeros(3))], [{"lr": 1.0}]):
+        try:
+            initialize(model=fm.make("gpt"), model_parameters=bad, config=CONFIG)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return (worst, torch.equal(full["wpe.weight"], wpe_before),
+            [g["lr"] for g in opt.param_groups], errors)
+
+
+def test_model_parameters_and_param_groups_as_deepspeed(pool):
+    worst, wpe_frozen, lrs, errors = pool.run(model_parameters_rank)[0]
+    assert worst < 1e-6 and wpe_frozen and lrs == [1e-3, 5e-4], (worst, lrs)
+    assert "not a parameter of the model" in errors[0]
+    assert "needs a 'params' key" in errors[1]
+
+
+# -- wall-clock breakdown, monitors ---------------------------------------------------------------
+
+def breakdown_rank(rank, world, out_dir):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vescale_engine").addHandler(handler)
+    logging.getLogger("vescale_engine").setLevel(logging.INFO)
+    monitor = {"enabled": True, "output_path": out_dir, "job_name": "job"}
+    engine, *_ = initialize(model=fm.make("gpt"), config={
+        **CONFIG, "steps_per_print": 2, "wall_clock_breakdown": True,
+        "fp16": {"enabled": True, "initial_scale_power": 10},
+        "csv_monitor": monitor, "tensorboard": monitor})
+    losses = [_train_step(engine, rank, step) for step in range(3)]
+    logging.getLogger("vescale_engine").removeHandler(handler)
+    return [r.getMessage() for r in records], losses, engine.global_samples, engine.get_lr()[0]
+
+
+def test_wall_clock_breakdown_and_csv_monitor(pool, tmp_path):
+    import csv
+    results = pool.run(breakdown_rank, str(tmp_path))
+    lines, losses, samples, last_lr = results[0]
+    progress = [m for m in lines if m.startswith("step 2 |")]
+    assert len(progress) == 1, lines
+    parts = dict(p.rsplit(" ", 2)[:2] for p in progress[0].split(" | ") if p.endswith(" ms"))
+    assert set(parts) == {"forward", "backward", "communication", "optimizer"}, progress
+    assert all(float(v) > 0 for v in parts.values()), parts
+    assert "loss scale 1024" in progress[0] and "skipped 0" in progress[0]
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        tensorboard = True
+    except ImportError:
+        tensorboard = False
+    warned = [m for m in lines if "torch.utils.tensorboard does not import" in m]
+    assert len(warned) == (0 if tensorboard else 1)
+    assert all(r[0] == [] for r in results[1:])  # ranks other than 0 log nothing
+    job = tmp_path / "job"
+    names = {"train_loss", "lr", "grad_norm", "loss_scale"}
+    csvs = sorted(p.name for p in job.glob("*.csv"))
+    assert csvs == sorted(f"Train_Samples_{n}.csv" for n in names), csvs
+    step_samples = [str(MICRO * ACCUM * pool.world_size * k) for k in (1, 2, 3)]
+    for name in names:
+        rows = list(csv.reader(open(job / f"Train_Samples_{name}.csv")))
+        assert rows[0] == ["step", name] and [r[0] for r in rows[1:]] == step_samples, rows
+    rows = list(csv.reader(open(job / "Train_Samples_train_loss.csv")))
+    assert [float(r[1]) for r in rows[1:]] == pytest.approx(losses, rel=1e-6)  # rank 0's mean
+    rows = list(csv.reader(open(job / "Train_Samples_lr.csv")))
+    assert float(rows[-1][1]) == pytest.approx(last_lr) and samples == int(step_samples[-1])
+    if tensorboard:
+        assert list(job.glob("events.out.tfevents.*"))
+
+
+# -- train / eval / destroy ----------------------------------------------------------------------
+
+def lifecycle_rank(rank, world):
+    engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "steps_per_print": 100})
+    _train_step(engine, rank, 0)
+    engine.eval()
+    modes = [not any(m.training for m in engine.module.modules())]
+    with torch.no_grad():
+        idx, tgt = fm.batch("gpt", 9, MICRO)
+        eval_loss = engine(idx, tgt).item()
+    engine.train()
+    modes.append(all(m.training for m in engine.module.modules()))
+    same_loss_with_grad = engine(idx, tgt).item() == eval_loss  # a forward without backward
+    _train_step(engine, rank, 1)
+    module = engine.module
+    engine.destroy()
+    released = (engine.optimizer.state == {} and engine.process_group is None
+                and all(not hasattr(m, "_vescale_unit") for m in module.modules())
+                and all(not m._forward_pre_hooks and not m._forward_hooks
+                        for m in module.modules())
+                and all(p.grad is None for p in module.parameters()))
+    errors = []
+    for call in (lambda: engine(idx, tgt), engine.step, engine.train,
+                 lambda: engine.backward(torch.zeros((), requires_grad=True))):
+        try:
+            call()
+            errors.append(None)
+        except RuntimeError as err:
+            errors.append(str(err))
+    engine.destroy()  # a second destroy is harmless
+    again, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "steps_per_print": 100})
+    return modes, same_loss_with_grad, released, errors, _train_step(again, rank, 0)
+
+
+def test_train_eval_destroy(pool):
+    for modes, same_loss, released, errors, loss in pool.run(lifecycle_rank):
+        assert modes == [True, True] and same_loss and released
+        assert all(e and "was destroyed" in e for e in errors), errors
+        assert 0 < loss < 100
+
+
+# -- loss scaler alone ---------------------------------------------------------------------------
+
+def test_loss_scaler_follows_deepspeed_dynamic_scaling():
+    from vescale_engine.loss_scaler import LossScaler, from_config
+    scaler = from_config({"enabled": True, "initial_scale_power": 4, "loss_scale_window": 3,
+                          "hysteresis": 2, "min_loss_scale": 4})
+    assert scaler.loss_scale == 16
+    assert "hysteresis left 1" in scaler.update(True) and scaler.loss_scale == 16
+    assert scaler.update(True).endswith("16 -> 8") and scaler.loss_scale == 8
+    assert [scaler.update(False) for _ in range(3)] == [None] * 3
+    assert scaler.update(False).endswith("loss scale 8 -> 16")  # 4th good step: stable interval 3
+    state = scaler.state_dict()
+    scaler.update(True)  # hysteresis restored by the raise: kept once
+    assert scaler.loss_scale == 16
+    assert scaler.update(True).endswith("16 -> 8")
+    assert scaler.update(True).endswith("8 -> 4")
+    with pytest.raises(FloatingPointError, match="minimum loss scale 4"):
+        scaler.update(True)
+    restored = LossScaler(1.0)
+    restored.load_state_dict(state)
+    assert restored.loss_scale == 16 and restored.state_dict() == state
+    with pytest.raises(ValueError, match="lacks"):
+        restored.load_state_dict({"cur_scale": 2.0})
+    consecutive = LossScaler(8, hysteresis=2, consecutive_hysteresis=True)
+    for _ in range(3):  # an overflow, then a good step: hysteresis restored, scale kept
+        consecutive.update(True)
+        consecutive.update(False)
+    assert consecutive.loss_scale == 8
+    static = from_config({"enabled": True, "loss_scale": 128})
+    assert "static loss scale 128 kept" in static.update(True) and static.loss_scale == 128
+    assert from_config({"enabled": False}) is None

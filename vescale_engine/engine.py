@@ -18,6 +18,7 @@ from . import loss_scaler as scaling
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
 from .monitor import Monitors
+from . import optim
 from .optim import AdamW
 from .progress import Progress
 from .timers import WallClockBreakdown
@@ -70,9 +71,10 @@ def _leave_process_group():
 def _wrap(model: nn.Module, cfg: EngineConfig, mesh):
     """Units by the wrap policy (class names, or the smallest subtrees with min_params
     parameters), innermost first, then the root."""
+    granularity = optim.sharding_granularity(  # the granularity the optimizer needs
+        cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                  granularity={"default": cfg.granularity,
-                               "overrides": cfg.granularity_overrides},
+                  granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=fsdp.MixedPrecisionPolicy(
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
@@ -124,6 +126,8 @@ def _optimizer(spec, client, params):
             LOG.info("optimizer AdamW: per-buffer AdamW cannot step these parameter groups "
                      "(%s); using torch.optim.AdamW", err)
             return torch.optim.AdamW(params, **kwargs)
+    if name in optim.OURS:  # AdamW8bit, Muon: JSON lists become the tuples they take
+        return optim.build_optimizer(name, params, kwargs)
     cls = own or getattr(torch.optim, name)
     return cls(params, **kwargs)
 
@@ -309,7 +313,9 @@ class VeScaleEngine(nn.Module):
             self._report()
 
     def _take_model_step(self, lr_kwargs):
-        params = list(self.module.parameters())
+        # Norm, clipping and overflow over what the optimizer steps (model_parameters may be
+        # a subset), as DeepSpeed's ZeRO does.
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         clip = self.config.gradient_clipping
         overflow = False
         if self.loss_scaler is not None:
@@ -329,6 +335,7 @@ class VeScaleEngine(nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.optimizer.zero_grad()
+        self.module.zero_grad(set_to_none=True)  # parameters outside the optimizer too
         self.global_steps += 1
 
     def _report(self):

@@ -68,8 +68,8 @@ class LossScaler:
         if stable > 0 and stable % self.scale_window == 0:
             self.cur_hysteresis = self.hysteresis
             self.cur_scale *= self.scale_factor
-            return f"fp16: {self.scale_window} steps without overflow, loss scale -> " \
-                   f"{self.cur_scale:g}"
+            return f"fp16: no overflow for {self.scale_window} steps, loss scale " \
+                   f"{self.cur_scale / self.scale_factor:g} -> {self.cur_scale:g}"
         return None
 
     def state_dict(self) -> dict:
