@@ -12,6 +12,9 @@ medians reported. A step is one optimizer step (all its micro-batches).
 
     python benchmarks/end_to_end.py            # writes benchmarks/results/end_to_end.{md,png}
     python benchmarks/end_to_end.py --small --rounds 1 --steps 2   # a quick smoke run
+
+The glibc heap matters on CPU (see benchmarks/results/fsdp_step_time_mmap.md): a run with
+MALLOC_MMAP_THRESHOLD_ set records it in the results' command line.
 """
 from __future__ import annotations
 
