@@ -241,7 +241,8 @@ class VeScaleEngine(nn.Module):
             self._backward_graph = graph
             self._backward_prologue(self._output_loss)
             Variable._execution_engine.queue_callback(self._backward_epilogue)
-        return grad * self._gradient_factor()
+        factor = self._gradient_factor()
+        return grad if factor == 1.0 else grad * factor
 
     def _gradient_factor(self) -> float:
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
@@ -276,7 +277,9 @@ class VeScaleEngine(nn.Module):
         self._backward_prologue(loss.detach())
         self._in_engine_backward = True
         try:
-            (loss.float() * (scale / gas)).backward(retain_graph=retain_graph)
+            # Multiplied in fp32: an fp16 loss times the scale would overflow before backward.
+            scaled = loss if scale == gas == 1 else loss.float() * (scale / gas)
+            scaled.backward(retain_graph=retain_graph)
         finally:
             self._in_engine_backward = False
             self._backward_epilogue()
