@@ -32,7 +32,8 @@ def _type(node: dict) -> str:
     if "enum" in node:
         kinds = sorted({type(v).__name__ for v in node["enum"]})
         return " or ".join({"str": "string", "int": "integer", "bool": "boolean",
-                            "float": "number"}.get(k, k) for k in kinds)
+                            "float": "number", "NoneType": "null"}.get(k, k)
+                            for k in kinds)
     kind = node.get("type", "any")
     return " or ".join(kind) if isinstance(kind, list) else kind
 
@@ -50,9 +51,19 @@ def _allowed(node: dict) -> str:
         parts.append(node.get("x-expected", f"matches `{node['pattern']}`"))
     if node.get("type") == "array" and "items" in node:
         items = _resolve(node["items"])
-        parts.append(f"list of {_type(items)}" + (", unique" if node.get("uniqueItems") else ""))
+        inner = _allowed(items)
+        parts.append(f"list of {_type(items)}" + (f" ({inner})" if inner != "any" else "") +
+                     (", unique" if node.get("uniqueItems") else ""))
+    sizes = (node.get("minItems"), node.get("maxItems"))
+    if sizes[0] is not None and sizes[0] == sizes[1]:
+        parts.append(f"exactly {sizes[0]} items")
+    elif any(n is not None for n in sizes):
+        parts.append(" ".join(f"{w} {n} items" for w, n in zip(("at least", "at most"), sizes)
+                              if n is not None))
     if "properties" in node:
         parts.append("the keys below")
+    elif isinstance(node.get("additionalProperties"), dict):
+        parts.append("names mapped to values as in the `<name>` row below")
     elif node.get("type") == "object" and "additionalProperties" not in node:
         parts.append("any keys")
     if "required" in node:
@@ -68,18 +79,45 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _rows(properties: dict, prefix: str, not_acted_on: str | None) -> list:
-    """One row per key, depth first, nested keys after their parent."""
+def _condition(branch: dict, path: str) -> str:
+    """`if` of a conditional branch in words: "when `optimizer.type` is "Muon""."""
+    words = []
+    for key, test in branch.get("if", {}).get("properties", {}).items():
+        values = [test["const"]] if "const" in test else test.get("enum", [])
+        words.append(f"`{path}.{key}` is " + " or ".join(json.dumps(v) for v in values))
+    return " and ".join(words)
+
+
+def branches(node: dict, path: str):
+    """(condition, schema) for each conditional part of `node` (allOf/anyOf/oneOf entries,
+    with if/then/else): the keys they add apply only when the condition holds."""
+    for keyword in ("allOf", "anyOf", "oneOf"):
+        for branch in node.get(keyword, []):
+            cond = _condition(branch, path)
+            if "then" in branch:
+                yield f"when {cond}", branch["then"]
+            if "else" in branch:
+                yield f"unless {cond}", branch["else"]
+            if "if" not in branch:
+                yield f"({keyword})", branch
+
+
+def _rows(properties: dict, prefix: str, not_acted_on: str | None, condition: str = "") -> list:
+    """One row per key, depth first, nested keys after their parent; keys that a condition
+    adds (optimizer params per optimizer type, say) after the unconditional ones."""
     rows = []
     for name, raw in properties.items():
         node = _resolve(raw)
         path = f"{prefix}.{name}" if prefix else name
         why = node.get("x-not-acted-on") or not_acted_on
-        rows.append((path, node, why))
-        rows += _rows(node.get("properties", {}), path, why)
+        rows.append((path, node, why, condition))
+        rows += _rows(node.get("properties", {}), path, why, condition)
         extra = node.get("additionalProperties")
         if isinstance(extra, dict):  # a map from free-form names (e.g. glob patterns)
-            rows += [(f"{path}.<name>", _resolve(extra), why)]
+            rows.append((f"{path}.<name>", _resolve(extra), why, condition))
+        for cond, branch in branches(node, path):
+            both = f"{condition}, {cond}" if condition else cond
+            rows += _rows(branch.get("properties", {}), path, why, both)
     return rows
 
 
@@ -109,10 +147,10 @@ def render() -> str:
         lines += [f"## {title}", "",
                   "| Key | Type | Default | Allowed | Acted on | Description |",
                   "|---|---|---|---|---|---|"]
-        for path, node, why in _rows(props, prefix, None):
+        for path, node, why, condition in _rows(props, prefix, None):
             acted = f"no: {why}" if why else "yes"
             lines.append("| " + " | ".join(_cell(c) for c in (
-                f"`{path}`", _type(node), _default(node), _allowed(node), acted,
+                f"`{path}`" + (f" ({condition})" if condition else ""), _type(node), _default(node), _allowed(node), acted,
                 node.get("description", ""))) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -33,6 +33,8 @@ def _schema_paths():
             path = f"{prefix}.{name}" if prefix else name
             paths.add(path)
             walk(child, path)
+        for _, branch in make_reference.branches(node, prefix):  # keys added conditionally
+            walk(branch, prefix)
 
     walk(schema, "")
     return paths
