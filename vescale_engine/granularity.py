@@ -9,18 +9,20 @@ import math
 import re
 from dataclasses import dataclass
 
-GRANULARITY_HELP = "element, rows:K, tile:RxC or tensor"
+GRANULARITY_HELP = "element, block:N, rows:K, tile:RxC, matrix or tensor"
 
 
 @dataclass(frozen=True)
 class Granularity:
-    kind: str  # "element" | "rows" | "tile" | "tensor"
-    rows: int = 1
+    kind: str  # "element" | "block" | "rows" | "tile" | "matrix" | "tensor"
+    rows: int = 1  # rows per block; for "block", the block length in elements
     cols: int = 1
 
     def __str__(self) -> str:
         if self.kind == "rows":
             return f"rows:{self.rows}"
+        if self.kind == "block":
+            return f"block:{self.rows}"
         if self.kind == "tile":
             return f"tile:{self.rows}x{self.cols}"
         return self.kind
@@ -39,6 +41,10 @@ class Granularity:
             block = 1
         elif self.kind == "tensor":
             block = numel
+        elif self.kind == "matrix":  # each matrix (each expert of a stack) whole on one rank
+            block = shape[-2] * shape[-1] if len(shape) >= 2 else 1
+        elif self.kind == "block":  # N consecutive elements, whatever the shape (quantization)
+            block = self.rows
         elif self.kind == "rows":
             block = self.rows * (shape[-1] if len(shape) >= 2 else 1)
         else:  # tile: the R whole rows that enclose an R x C tile
@@ -54,16 +60,20 @@ class Granularity:
 
 
 def parse_granularity(spec) -> Granularity:
-    """Parse 'element', 'rows:K', 'tile:RxC' or 'tensor' (a Granularity passes through)."""
+    """Parse 'element', 'block:N', 'rows:K', 'tile:RxC', 'matrix' or 'tensor' (a Granularity
+    passes through)."""
     if isinstance(spec, Granularity):
         return spec
     text = str(spec).strip().lower()
-    if text in ("element", "tensor"):
+    if text in ("element", "matrix", "tensor"):
         return Granularity(text)
+    match = re.fullmatch(r"block:(\d+)", text)
+    if match and int(match.group(1)) > 0:
+        return Granularity("block", rows=int(match.group(1)))
     match = re.fullmatch(r"rows:(\d+)", text)
     if match and int(match.group(1)) > 0:
         return Granularity("rows", rows=int(match.group(1)))
     match = re.fullmatch(r"tile:(\d+)x(\d+)", text)
     if match and int(match.group(1)) > 0 and int(match.group(2)) > 0:
         return Granularity("tile", rows=int(match.group(1)), cols=int(match.group(2)))
-    raise ValueError(f"unknown granularity {spec!r} (expected {GRANULARITY_HELP}, K, R, C > 0)")
+    raise ValueError(f"unknown granularity {spec!r} (expected {GRANULARITY_HELP}, N, K, R, C > 0)")

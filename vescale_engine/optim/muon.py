@@ -1,0 +1,330 @@
+"""Muon on RaggedShard-sharded parameters, with AdamW for what is not a hidden matrix.
+
+Per matrix (every 2-D weight, and each expert matrix of a stacked 3-D expert tensor):
+momentum on the local shard; the matrix gathered whole on one root rank by a RaggedShard
+redistribution (one uneven all-to-all); Newton-Schulz there; the result scattered back the same
+way; the update applied to the local shard. Roots are chosen once, deterministically, to balance
+Newton-Schulz FLOPs over ranks. Redistributions are asynchronous: the gather of matrix i+1 is in
+flight while matrix i is orthogonalized, and scatters are waited for only at the end.
+
+A matrix that already lives whole on one rank (always, when the planner shards with the
+`matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
+
+Hyperparameters take `torch.optim.Muon`'s names and defaults, and its step is reproduced
+operation by operation (momentum as `lerp`, Nesterov, Newton-Schulz in bf16 on the transpose of
+a tall matrix, decoupled weight decay with the unadjusted lr, `adjust_lr_fn`), so a user moving
+from it changes nothing. Embeddings, the output head, norms and biases go to AdamW, chosen by
+name patterns (matched against every dotted suffix of a parameter's name, so "head.*" matches
+"model.head.weight" as well as the name inside its FSDP unit) and by shape.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..ragged import RaggedShard, ragged_to_root, root_to_ragged
+
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
+DEFAULT_EPS = 1e-7
+DEFAULT_NS_STEPS = 5
+DEFAULT_ADAMW_PATTERNS = ("*embed*", "wte.*", "wpe.*", "lm_head.*", "head.*", "output.*",
+                          "*norm*", "ln*", "*bias")
+NS_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+             "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64}
+MODES = ("gather", "tensor")
+
+
+def newton_schulz(matrix: torch.Tensor, coefficients, steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalization (torch.optim.Muon's sequence of operations),
+    computed in `dtype`; returns a tensor of that dtype."""
+    a, b, c = coefficients
+    x = matrix.to(dtype)
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:  # iterate on the wide side: the Gram matrix is the smaller one
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate scaling for a rows x cols matrix."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def ns_flops(rows: int, cols: int, steps: int) -> int:
+    """Multiply-adds of Newton-Schulz on a rows x cols matrix (what root choice balances)."""
+    small, large = min(rows, cols), max(rows, cols)
+    return steps * (2 * small * small * large + small ** 3)
+
+
+@dataclass
+class _Matrix:
+    """One matrix Muon orthogonalizes: a parameter, or one expert of a stacked parameter."""
+    param: int            # index into the Muon parameter list
+    rows: int
+    cols: int
+    lo: int               # this rank's slice of the parameter's local piece: [lo, hi)
+    hi: int
+    spec: RaggedShard     # the matrix's element layout over ranks
+    root: int
+    one_hot: bool         # already whole on `root`: no communication
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+class Muon(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=DEFAULT_NS_COEFFICIENTS, eps=DEFAULT_EPS,
+                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, *, ns_dtype="bf16",
+                 mode="gather", adamw_patterns=DEFAULT_ADAMW_PATTERNS, adamw_lr=None,
+                 adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=None):
+        _check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps,
+                               adjust_lr_fn, ns_dtype, mode)
+        params = list(params)
+        if any(isinstance(p, dict) for p in params):
+            raise ValueError("Muon builds its own parameter groups (Muon matrices, AdamW for the "
+                             "rest): pass parameters, not groups")
+        shared = [p for p in params if getattr(p, "_vescale", None) is None]
+        if shared:
+            raise ValueError("vescale_engine.optim.Muon needs parameters sharded by "
+                             "vescale_engine.fully_shard; use torch.optim.Muon for a plain "
+                             f"parameter of shape {list(shared[0].shape)}")
+        self.mode = mode
+        self.ns_dtype = NS_DTYPES[ns_dtype]
+        self.adamw_patterns = tuple(adamw_patterns)
+        matrices = [p for p in params if is_muon_matrix(p._vescale.fqn, p._vescale.shape,
+                                                        self.adamw_patterns)]
+        chosen = {id(p) for p in matrices}
+        others = [p for p in params if id(p) not in chosen]
+        if not matrices:
+            described = ", ".join(f"{p._vescale.fqn} {list(p._vescale.shape)}" for p in params)
+            raise ValueError("Muon: no 2-D (or stacked 3-D) parameter outside the AdamW name "
+                             f"patterns {list(self.adamw_patterns)}; the parameters are: "
+                             f"{described}. Use AdamW, or change adamw_patterns")
+        groups = [dict(params=matrices, use_muon=True)]
+        if others:
+            groups.append(dict(params=others, use_muon=False,
+                               lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas),
+                               eps=adamw_eps, weight_decay=weight_decay
+                               if adamw_weight_decay is None else adamw_weight_decay))
+        super().__init__(groups, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                      nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
+                                      eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
+        self._sharded = [p._vescale for p in matrices]
+        self._matrices = self._plan_matrices(ns_steps)
+        self.bytes_sent = 0  # bytes this rank sent for Muon in the last step (gathers + scatters)
+        self.record_trace = False  # tests: log ("gather" | "ns" | "scatter", matrix) in order
+        self.trace = []
+
+    # -- which rank orthogonalizes what ----------------------------------------------------------
+
+    def _plan_matrices(self, ns_steps):
+        """Every matrix's layout and root: matrices already whole on one rank stay there; the
+        others go, largest first, to the least-loaded rank (ties: the rank holding most of it,
+        then the lowest rank), so every rank computes the same assignment."""
+        matrices = []
+        for index, sp in enumerate(self._sharded):
+            buf = sp.buffer
+            placement = buf.layout.placements[sp.index]
+            world = buf.world_size
+            spec = RaggedShard(sp.shape, sp.block, placement.local_units(world))
+            rows, cols = sp.shape[-2], sp.shape[-1]
+            local_start, local_end = spec.local_range(buf.rank)
+            for e in range(math.prod(sp.shape[:-2])):
+                lo_e, hi_e = e * rows * cols, (e + 1) * rows * cols
+                units = [max(0, min(hi, hi_e) - max(lo, lo_e)) for lo, hi in spec.ranges()]
+                lo = min(max(local_start, lo_e), local_end) - local_start
+                hi = max(min(local_end, hi_e), local_start) - local_start
+                owner = [r for r, u in enumerate(units) if u == rows * cols]
+                matrices.append(_Matrix(index, rows, cols, lo, max(lo, hi),
+                                        RaggedShard((rows, cols), 1, units),
+                                        owner[0] if owner else -1, bool(owner)))
+        world = self._sharded[0].buffer.world_size
+        load = [0] * world
+        for m in matrices:
+            if m.one_hot:
+                load[m.root] += ns_flops(m.rows, m.cols, ns_steps)
+        pending = sorted((m for m in matrices if not m.one_hot),
+                         key=lambda m: -ns_flops(m.rows, m.cols, ns_steps))
+        for m in pending:
+            m.root = min(range(world), key=lambda r: (load[r], -m.spec.local_units[r], r))
+            load[m.root] += ns_flops(m.rows, m.cols, ns_steps)
+        self.ns_load = load
+        return matrices
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group):
+        params = group["params"]
+        with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+        if not with_grad:
+            return
+        momentum = group["momentum"]
+        bufs = []
+        for i in with_grad:
+            state = self.state[params[i]]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(params[i].grad)
+            bufs.append(state["momentum_buffer"])
+        grads = [params[i].grad for i in with_grad]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = dict(zip(with_grad, [g.lerp(b, momentum) for g, b in zip(grads, bufs)]
+                           if group["nesterov"] else bufs))
+        todo = [m for m in self._matrices if m.param in updates]
+        results = self._orthogonalize(todo, updates, group)
+        lr, decay = group["lr"], group["weight_decay"]
+        for i in with_grad:
+            params[i].mul_(1 - lr * decay)
+        for m, local in zip(todo, results):
+            if m.hi > m.lo:
+                params[m.param][m.lo:m.hi].add_(
+                    local, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
+
+    def _orthogonalize(self, todo, updates, group):
+        """This rank's piece of every matrix's Newton-Schulz result. Gathers run one matrix
+        ahead of the Newton-Schulz that uses them; scatters are waited for at the end."""
+        if not todo:
+            return []
+        buf = self._sharded[0].buffer
+        rank, pg, device = buf.rank, buf.shard_group, buf.master.device
+        ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
+                  eps=group["eps"], dtype=self.ns_dtype)
+        self.bytes_sent = 0
+
+        def log(what, k):
+            if self.record_trace:
+                self.trace.append((what, k))
+
+        def gather(k):
+            m = todo[k]
+            local = updates[m.param][m.lo:m.hi]
+            if m.one_hot:
+                return None
+            log("gather", k)
+            if rank != m.root:
+                self.bytes_sent += local.numel() * local.element_size()
+            return ragged_to_root(local, m.spec, m.root, group=pg, async_op=True)
+
+        results = [None] * len(todo)
+        scatters = []
+        handle = gather(0)
+        for k, m in enumerate(todo):
+            following = gather(k + 1) if k + 1 < len(todo) else None
+            if m.one_hot:
+                full = updates[m.param][m.lo:m.hi].view(m.rows, m.cols) if rank == m.root \
+                    else None
+            else:
+                full = handle.wait()
+            log("ns", k)
+            out = newton_schulz(full, **ns) if rank == m.root else None
+            if m.one_hot:
+                results[k] = out.reshape(-1) if out is not None else \
+                    torch.empty(0, dtype=self.ns_dtype, device=device)
+            else:
+                if rank == m.root:
+                    out = out.contiguous()
+                    self.bytes_sent += (m.numel - m.spec.local_numel(rank)) * out.element_size()
+                log("scatter", k)
+                scatters.append((k, root_to_ragged(out, m.spec, m.root, group=pg, async_op=True,
+                                                   dtype=self.ns_dtype, device=device)))
+            handle = following
+        for k, pending in scatters:
+            results[k] = pending.wait()
+        return results
+
+    def _adamw_step(self, group):
+        params = [p for p in group["params"] if p.grad is not None and p.numel()]
+        if not params:
+            return
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        # torch.optim.AdamW's update over all of them in one fused call (one pass over memory).
+        _fused_adamw([p for p in params], [p.grad for p in params],
+                     [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                     [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+                     weight_decay=group["weight_decay"], eps=group["eps"])
+
+
+def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
+                 weight_decay, eps):
+    torch._foreach_add_(steps, 1)  # the fused kernel reads the already-advanced step
+    if _FUSED is not None and params[0].device.type in ("cpu", "cuda"):
+        _FUSED(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        n = step.item()
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** n)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** n))
+
+
+_FUSED = getattr(torch, "_fused_adamw_", None)
+
+
+def is_muon_matrix(name: str, shape, adamw_patterns=DEFAULT_ADAMW_PATTERNS) -> bool:
+    """Muon takes 2-D weights and stacked 3-D expert weights whose name matches no AdamW
+    pattern; everything else (vectors, embeddings, the head, higher-rank tensors) is AdamW's."""
+    if len(shape) not in (2, 3) or min(shape) == 0:
+        return False
+    parts = name.split(".")
+    suffixes = [".".join(parts[i:]) for i in range(len(parts))]
+    return not any(fnmatch.fnmatchcase(suffix, pattern) for pattern in adamw_patterns
+                   for suffix in suffixes)
+
+
+def _check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn,
+                           ns_dtype, mode):
+    """torch.optim.Muon's checks, plus ours (dtype, mode)."""
+    if not 0.0 <= lr:
+        raise ValueError(f"Muon lr should be >= 0 but is: {lr}")
+    if not 0.0 <= momentum:
+        raise ValueError(f"Muon momentum should be >= 0 but is: {momentum}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Muon weight_decay should be >= 0 but is: {weight_decay}")
+    if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
+        raise ValueError(f"Muon adjust_lr_fn {adjust_lr_fn!r} is not supported (use 'original' "
+                         "or 'match_rms_adamw')")
+    if len(tuple(ns_coefficients)) != 3:
+        raise ValueError(f"Muon ns_coefficients must be 3 numbers, got {ns_coefficients}")
+    if not 0 < ns_steps < 100:
+        raise ValueError(f"Muon ns_steps must be in 1..99, got {ns_steps}")
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"Muon ns_dtype {ns_dtype!r} is not one of {', '.join(NS_DTYPES)}")
+    if mode not in MODES:
+        raise ValueError(f"Muon mode {mode!r} is not one of {', '.join(MODES)}")
