@@ -1,0 +1,173 @@
+"""AdamW8bit vs fp32 AdamW on the example GPT (examples/train_gpt.py: char-level Tiny
+Shakespeare, examples/configs/vescale_default.json): optimizer-state bytes, step time, and the
+loss curves of both on one PNG.
+
+Both runs use the example's config with only the optimizer type changed (same lr, betas, weight
+decay, warm-up + cosine schedule, clipping, seed and batches). The final loss is the mean of the
+last 10 steps; the target is AdamW8bit within 2% of fp32 AdamW, and state memory <= 0.3x.
+
+    python benchmarks/adamw8bit.py               # the example's 300 steps on 2 ranks (the lead's)
+    python benchmarks/adamw8bit.py --smoke       # 20 steps of a smaller model: a check it runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SYSTEMS = ("AdamW", "AdamW8bit")
+
+
+def worker(args):
+    import torch
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt_model import GPT, GPTConfig
+    from vescale_engine import initialize
+
+    torch.set_num_threads(1)
+    with open(os.path.join(ROOT, "examples", "configs", "vescale_default.json")) as f:
+        config = json.load(f)
+    config["optimizer"]["type"] = args.system
+    if args.system == "AdamW8bit":
+        config["optimizer"]["params"]["block"] = args.block
+    config["scheduler"]["params"]["total_num_steps"] = args.steps
+    config["scheduler"]["params"]["warmup_num_steps"] = max(1, args.steps // 10)
+    config["steps_per_print"] = 10 ** 6
+    text = open(os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt"),
+                encoding="utf-8").read()
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=args.seq, n_layer=args.layers,
+                          n_head=max(1, args.dim // 32), n_embd=args.dim))
+    params = sum(p.numel() for p in model.parameters())  # before sharding replaces them
+    engine, opt, _, _ = initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(args.rank)
+    micro = engine.train_micro_batch_size_per_gpu()
+    losses, times = [], []
+    for step in range(args.steps):
+        starts = torch.randint(0, len(data) - args.seq - 1, (micro,), generator=gen)
+        batch = torch.stack([data[s:s + args.seq + 1] for s in starts])
+        t0 = time.perf_counter()
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / engine.world_size)
+    if args.system == "AdamW8bit":
+        state_bytes = opt.state_bytes()
+    else:
+        state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
+                          for t in s.values())
+    torch.distributed.barrier()
+    print(json.dumps({"rank": args.rank, "losses": losses, "state_bytes": state_bytes,
+                      "step_s": statistics.median(times[min(2, len(times) - 1):]),
+                      "params": params}), flush=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(system, args):
+    port = free_port()
+    procs = []
+    for rank in range(args.world):
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--system", system, "--rank", str(rank),
+             "--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim),
+             "--seq", str(args.seq), "--block", args.block],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=7200)
+        if proc.returncode:
+            raise SystemExit(f"{system} rank failed:\n{err[-3000:]}")
+        results.append(json.loads([line for line in out.splitlines()
+                                   if line.startswith("{")][-1]))
+    return {"losses": results[0]["losses"], "state_bytes": sum(r["state_bytes"] for r in results),
+            "step_s": max(r["step_s"] for r in results), "params": results[0]["params"]}
+
+
+def chart(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for system, run in runs.items():
+        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=system, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title("example GPT: fp32 AdamW vs block-wise 8-bit AdamW")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--system", choices=SYSTEMS)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--block", default="block:256", help="AdamW8bit quantization block")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.steps, args.layers, args.dim, args.seq = 20, 2, 64, 64
+    stem = "adamw8bit_smoke" if args.smoke else "adamw8bit"
+    runs = {system: launch(system, args) for system in SYSTEMS}
+    png = os.path.join(HERE, "results", stem + ".png")
+    os.makedirs(os.path.dirname(png), exist_ok=True)
+    chart(runs, png)
+    final = {s: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for s, r in runs.items()}
+    gap = (final["AdamW8bit"] - final["AdamW"]) / final["AdamW"]
+    ratio = runs["AdamW8bit"]["state_bytes"] / runs["AdamW"]["state_bytes"]
+    lines = ["# AdamW8bit vs fp32 AdamW on the example GPT", "",
+             f"Produced by `python benchmarks/adamw8bit.py {' '.join(sys.argv[1:])}`: "
+             f"examples/configs/vescale_default.json with only the optimizer type changed, "
+             f"{args.world} ranks on gloo, GPT {args.layers} layers width {args.dim} sequence "
+             f"{args.seq} ({runs['AdamW']['params'] / 1e6:.2f}M parameters), {args.steps} steps, "
+             f"AdamW8bit block {args.block}, dynamic map.", ""]
+    if args.smoke:
+        lines += ["**Smoke run** (small model, 20 steps: checks that it runs; numbers are not "
+                  "the result).", ""]
+    lines += ["| optimizer | state bytes (all ranks) | step time (s, median) | final loss "
+              "(last 10 steps) |", "|---|---:|---:|---:|"]
+    for s in SYSTEMS:
+        lines.append(f"| {s} | {runs[s]['state_bytes']:,} | {runs[s]['step_s']:.4f} | "
+                     f"{final[s]:.4f} |")
+    lines += ["", f"- State memory AdamW8bit / AdamW: **{ratio:.3f}** (target <= 0.3: "
+                  f"{'met' if ratio <= 0.3 else 'MISSED'}).",
+              f"- Final loss gap: **{gap:+.2%}** (target within 2%: "
+              f"{'met' if abs(gap) <= 0.02 else 'MISSED'}).",
+              f"- Loss curves: `{os.path.relpath(png, ROOT)}`."]
+    with open(os.path.join(HERE, "results", stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
