@@ -336,6 +336,12 @@ def model_parameters_rank(rank, world):
     full, ref = full_state_dict(engine.module), reference.state_dict()
     diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref]).norm()
     worst = (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
+    plain_model = fm.make("gpt")
+    plain, plain_opt, _, _ = initialize(model=plain_model, config=CONFIG, model_parameters=(
+        p for p in plain_model.parameters() if p.requires_grad))  # a generator, as scripts pass
+    plain_ok = (len(plain_opt.param_groups) == 1 and
+                [id(p) for p in plain_opt.param_groups[0]["params"]] ==
+                [id(p) for p in plain.module.parameters()])
     errors = []
     for bad in ([torch.nn.Parameter(torch.zeros(3))], [{"lr": 1.0}]):
         try:
@@ -344,12 +350,12 @@ def model_parameters_rank(rank, world):
         except ValueError as err:
             errors.append(str(err))
     return (worst, torch.equal(full["wpe.weight"], wpe_before),
-            [g["lr"] for g in opt.param_groups], errors)
+            [g["lr"] for g in opt.param_groups], plain_ok, errors)
 
 
 def test_model_parameters_and_param_groups_as_deepspeed(pool):
-    worst, wpe_frozen, lrs, errors = pool.run(model_parameters_rank)[0]
-    assert worst < 1e-6 and wpe_frozen and lrs == [1e-3, 5e-4], (worst, lrs)
+    worst, wpe_frozen, lrs, plain_ok, errors = pool.run(model_parameters_rank)[0]
+    assert worst < 1e-6 and wpe_frozen and lrs == [1e-3, 5e-4] and plain_ok, (worst, lrs)
     assert "not a parameter of the model" in errors[0]
     assert "needs a 'params' key" in errors[1]
 

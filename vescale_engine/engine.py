@@ -132,31 +132,37 @@ def _optimizer(spec, client, params):
     return cls(params, **kwargs)
 
 
-def _map_model_parameters(model_parameters, names_before, module):
-    """DeepSpeed's model_parameters (parameters, or param-group dicts), taken before wrapping,
-    re-pointed at the parameters that replace them after wrapping (same names)."""
-    after = dict(module.named_parameters())
+def _named_model_parameters(model_parameters, model):
+    """DeepSpeed's model_parameters (parameters, or param-group dicts) as parameter names,
+    checked before wrapping: wrapping replaces every parameter object, names stay."""
+    names = {id(p): name for name, p in model.named_parameters()}
 
-    def mapped(p):
-        name = names_before.get(id(p))
-        if name is None or name not in after:
+    def name_of(p):
+        if id(p) not in names:
             raise ValueError(f"model_parameters holds a tensor of shape {list(p.shape)} that "
                              "is not a parameter of the model")
-        return after[name]
+        return names[id(p)]
 
-    groups = []
+    groups, any_dict = [], False
     for item in model_parameters:
         if isinstance(item, dict):
+            any_dict = True
             if "params" not in item:
                 raise ValueError("a model_parameters group dict needs a 'params' key")
             params = item["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            groups.append({**item, "params": [mapped(p) for p in params]})
+            groups.append({**item, "params": [name_of(p) for p in params]})
         else:
-            groups.append(mapped(item))
-    if groups and any(isinstance(g, dict) for g in groups):
-        return [g if isinstance(g, dict) else {"params": [g]} for g in groups]
+            groups.append({"params": [name_of(item)]})
+    if not any_dict:  # plain parameters: one group, as torch makes of them
+        return [{"params": [n for g in groups for n in g["params"]]}]
     return groups
+
+
+def _resolve_named_parameters(groups, module):
+    """The wrapped module's parameters for the names `_named_model_parameters` returned."""
+    by_name = dict(module.named_parameters())
+    return [{**g, "params": [by_name[n] for n in g["params"]]} for g in groups]
 
 
 def _scheduler(spec, client, optimizer):
@@ -425,7 +431,8 @@ class VeScaleEngine(nn.Module):
         if self._destroyed:
             return
         release_units(self.module)
-        self.optimizer.state.clear()
+        if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
+            self.optimizer.state.clear()
         self.monitor.close()
         self._window_losses = []
         self.process_group = None
@@ -490,13 +497,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (replicas, dist.get_world_size() // replicas),
                                 mesh_dim_names=("replicate", "shard"))
-    names_before = {id(p): name for name, p in model.named_parameters()}
-    chosen = list(model_parameters) if model_parameters is not None else None  # before wrapping
+    chosen = None if model_parameters is None else \
+        _named_model_parameters(model_parameters, model)  # only these are optimized
     module = _wrap(model, cfg, mesh)
     if chosen is None:
         params = [p for p in module.parameters() if p.requires_grad]
-    else:  # DeepSpeed: only these parameters (or groups) are optimized
-        params = _map_model_parameters(chosen, names_before, module)
+    else:
+        params = _resolve_named_parameters(chosen, module)
     opt = _optimizer(cfg.optimizer, optimizer, params)
     sched = _scheduler(cfg.scheduler, lr_scheduler, opt)
     engine = VeScaleEngine(module, cfg, opt, sched)
