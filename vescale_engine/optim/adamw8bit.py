@@ -84,8 +84,8 @@ class AdamW8bit(torch.optim.Optimizer):
                     decay[start:end] = group["weight_decay"]
             trainable = [sp.sharded for sp, _ in members if sp.sharded.requires_grad]
             if trainable and buf.shard_size:
-                entries.append((buf, first, decay, trainable[0],
-                                BlockQuantizer(shard_segments(buf), self.quant_map)))
+                entries.append((buf, first, decay, trainable[0], BlockQuantizer(
+                    shard_segments(buf).to(buf.master.device), self.quant_map)))
         return entries
 
     def _block_of(self, sp) -> int:
@@ -106,11 +106,11 @@ class AdamW8bit(torch.optim.Optimizer):
                 continue
             state = self.state.setdefault(buf.master, {})
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=buf.master.device)
                 state["exp_avg_codes"] = torch.zeros_like(buf.master, dtype=torch.int8)
-                state["exp_avg_scales"] = torch.zeros(quantizer.num_blocks)
+                state["exp_avg_scales"] = buf.master.new_zeros(quantizer.num_blocks)
                 state["exp_avg_sq_codes"] = torch.zeros_like(buf.master, dtype=torch.uint8)
-                state["exp_avg_sq_scales"] = torch.zeros(quantizer.num_blocks)
+                state["exp_avg_sq_scales"] = buf.master.new_zeros(quantizer.num_blocks)
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             moments = {
                 "step": state["step"],
