@@ -522,10 +522,10 @@ def _check_model_keys(path, metadata, sd, strict):
             what.append(f"missing keys {_short(k[6:] for k in missing)}")
         if unexpected:
             what.append(f"unexpected keys {_short(k[6:] for k in unexpected)}")
-        other = " (a checkpoint of another model?)" if not wanted & saved else ""
+        other = " (a checkpoint of another model?)" if 2 * len(wanted & saved) < len(wanted) else ""
         raise CheckpointError(f"checkpoint {path} does not match the model{other}: "
                               + "; ".join(what))
-    for key in wanted & saved:
+    for key in sorted(wanted & saved):
         _check_shape(path, metadata, key, sd[key])
     for key in missing:
         del sd[key]
@@ -542,7 +542,7 @@ def _check_shape(path, metadata, key, obj):
                               f"is {list(shape)}")
 
 
-def _optimizer_targets(path, metadata, optimizer, params, names_of):
+def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped):
     """Entries to load the optimizer state into: our interface's views where the optimizer
     defines its state, else state made for the names the checkpoint holds (torch optimizers)."""
     saved = {k for k in metadata.state_dict_metadata if k.startswith("optim.state.")}
@@ -567,6 +567,9 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of):
     else:
         state = optimizer_state(optimizer, create=True)
     entries = _optimizer_entries(optimizer, names_of, state)
+    for key in set(entries) - saved:  # parameters load_module_strict=False skipped: fresh state
+        if any(key.startswith(f"optim.state.{name}.") for name in skipped):
+            del entries[key]
     missing = sorted(set(entries) - saved)
     if missing:
         raise CheckpointError(f"checkpoint {path} has no optimizer state {_short(missing)}")
@@ -600,7 +603,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         warnings.warn(message, stacklevel=3)
     full_load = not load_module_only
     if full_load and load_optimizer_states:
-        sd.update(_optimizer_targets(path, metadata, engine.optimizer, params, names_of))
+        sd.update(_optimizer_targets(path, metadata, engine.optimizer, params, names_of,
+                                     set(skipped)))
     rng = {k: torch.empty(metadata.state_dict_metadata[k].size,
                           dtype=metadata.state_dict_metadata[k].properties.dtype)
            for k in metadata.state_dict_metadata if k.startswith(f"rng.rank{rank}.")}
