@@ -1,0 +1,152 @@
+"""Checkpoint save/load time and bytes written: vescale_engine vs DeepSpeed ZeRO-3, 2 ranks, gloo.
+
+The example model (examples/gpt_model.py, default GPTConfig) and config
+(examples/configs/vescale_default.json; DeepSpeed gets the same JSON without the "vescale" key
+and with torch's AdamW). Each system trains one step (so optimizer state exists), then saves
+`--repeats` times (a new tag each time) and loads the last one `--repeats` times into a fresh
+engine. Reported: median seconds (slowest rank) and bytes on disk per checkpoint.
+
+    python benchmarks/checkpoint_io.py            # writes benchmarks/results/checkpoint_io.md
+    python benchmarks/checkpoint_io.py --smoke    # tiny model, writes checkpoint_io_smoke.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIG = os.path.join(ROOT, "examples", "configs", "vescale_default.json")
+SYSTEMS = ("vescale", "deepspeed")
+
+
+def _dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt_model import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    with open(CONFIG) as f:
+        config = json.load(f)
+    config["train_micro_batch_size_per_gpu"] = 2
+    cfg = GPTConfig(**({"vocab_size": 512, "block_size": 32, "n_layer": 2, "n_embd": 128,
+                        "n_head": 2} if args.smoke else {}))
+
+    def make():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if args.system == "vescale":
+            import vescale_engine
+            return vescale_engine.initialize(model=model, config=config)[0]
+        import deepspeed
+        ds = {k: v for k, v in config.items() if k != "vescale"}
+        ds["optimizer"] = {"type": "AdamW", "params": {**config["optimizer"]["params"],
+                                                       "torch_adam": True}}
+        deepspeed.init_distributed(dist_backend="gloo")
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                    config=ds)[0]
+
+    engine = make()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size),
+                        generator=torch.Generator().manual_seed(dist.get_rank()))
+    logits_or_loss = engine(idx, idx)
+    loss = logits_or_loss[1] if isinstance(logits_or_loss, tuple) else logits_or_loss
+    engine.backward(loss)
+    engine.step()
+    params = sum(p.numel() for p in GPT(cfg).parameters())  # the engines hold shards
+
+    def timed(fn):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        took = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return took.item()
+
+    saves, sizes = [], []
+    for i in range(args.repeats):
+        tag = f"bench{i}"
+        saves.append(timed(lambda: engine.save_checkpoint(args.dir, tag=tag)))
+        sizes.append(_dir_bytes(os.path.join(args.dir, tag)))
+    fresh = make()
+    loads = [timed(lambda: fresh.load_checkpoint(args.dir, tag=f"bench{args.repeats - 1}"))
+             for _ in range(args.repeats)]
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"system": args.system, "params": params,
+                                      "save_s": statistics.median(saves),
+                                      "load_s": statistics.median(loads),
+                                      "bytes": statistics.median(sizes)}), flush=True)
+
+
+def run_system(system, args):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    scratch = tempfile.mkdtemp(prefix=f"ckpt-bench-{system}-")
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, __file__, "--worker", "--system", system, "--dir", scratch,
+               "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate()[0] for p in procs]
+    shutil.rmtree(scratch, ignore_errors=True)
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{system} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    line = next(l for l in outputs[0].splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, quick check")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="markdown output path")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    results = [run_system(s, args) for s in SYSTEMS]
+    out = args.out or os.path.join(HERE, "results", "checkpoint_io_smoke.md" if args.smoke
+                                   else "checkpoint_io.md")
+    command = "python benchmarks/checkpoint_io.py" + (" --smoke" if args.smoke else "") + \
+        (f" --repeats {args.repeats}" if args.repeats != 3 else "")
+    lines = [f"# Checkpoint save/load, 2 ranks (gloo, CPU){' — smoke run' if args.smoke else ''}",
+             "", f"Command: `{command}`", "",
+             f"Model: examples/gpt_model.py ({results[0]['params']:,} parameters), config "
+             "examples/configs/vescale_default.json; one training step, then "
+             f"{args.repeats} saves and {args.repeats} loads; medians, slowest rank.", "",
+             "| system | save (s) | load (s) | bytes on disk |", "|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['system']} | {r['save_s']:.3f} | {r['load_s']:.3f} | "
+                     f"{int(r['bytes']):,} |")
+    lines += ["", "vescale: DCP files (true shapes; loads on any world size), fsynced, CRC32 of "
+              "every file; the tied head is written under both names so that a plain model's "
+              "state_dict loads. DeepSpeed: torch.save per rank (same world size only)."]
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
