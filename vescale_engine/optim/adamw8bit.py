@@ -88,6 +88,14 @@ class AdamW8bit(torch.optim.Optimizer):
                     shard_segments(buf).to(buf.master.device), self.quant_map)))
         return entries
 
+    @staticmethod
+    def _new_state(buf, quantizer) -> dict:
+        return {"step": torch.zeros((), dtype=torch.float32, device=buf.master.device),
+                "exp_avg_codes": torch.zeros_like(buf.master, dtype=torch.int8),
+                "exp_avg_scales": buf.master.new_zeros(quantizer.num_blocks),
+                "exp_avg_sq_codes": torch.zeros_like(buf.master, dtype=torch.uint8),
+                "exp_avg_sq_scales": buf.master.new_zeros(quantizer.num_blocks)}
+
     def _block_of(self, sp) -> int:
         try:
             return self.granularity.block_size(sp.shape)
@@ -104,13 +112,9 @@ class AdamW8bit(torch.optim.Optimizer):
         for buf, group, decay, probe, quantizer in self._buffers:
             if probe.grad is None:  # no backward since zero_grad: like torch, skip
                 continue
-            state = self.state.setdefault(buf.master, {})
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=buf.master.device)
-                state["exp_avg_codes"] = torch.zeros_like(buf.master, dtype=torch.int8)
-                state["exp_avg_scales"] = buf.master.new_zeros(quantizer.num_blocks)
-                state["exp_avg_sq_codes"] = torch.zeros_like(buf.master, dtype=torch.uint8)
-                state["exp_avg_sq_scales"] = buf.master.new_zeros(quantizer.num_blocks)
+            if not self.state.get(buf.master):
+                self.state[buf.master] = self._new_state(buf, quantizer)
+            state = self.state[buf.master]
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             moments = {
                 "step": state["step"],
@@ -128,6 +132,40 @@ class AdamW8bit(torch.optim.Optimizer):
             quantizer.quantize(moments["exp_avg_sq"], False, state["exp_avg_sq_codes"],
                                state["exp_avg_sq_scales"])
         return loss
+
+    # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
+
+    def checkpoint_state(self, create: bool) -> dict:
+        """{parameter: {name: view}}: the moments restored to fp32, one element per parameter
+        element, so a checkpoint reshards to any mesh or granularity; `step` as a 0-d tensor.
+        With `create`, missing state is made first; `checkpoint_state_loaded` requantizes what
+        was loaded into these views (exactly what was saved: the restored values quantize back
+        to the same codes and scales)."""
+        self._restored = []
+        out = {}
+        for buf, group, decay, probe, quantizer in self._buffers:
+            if create and not self.state.get(buf.master):
+                self.state[buf.master] = self._new_state(buf, quantizer)
+            state = self.state.get(buf.master)
+            if not state:
+                continue
+            exp_avg, exp_avg_sq = self.moments(buf)
+            self._restored.append((buf, quantizer, exp_avg, exp_avg_sq))
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p._vescale.buffer is buf:
+                        start, end = buf.local_ranges[p._vescale.index]
+                        out[p] = {"step": state["step"], "exp_avg": exp_avg[start:end],
+                                  "exp_avg_sq": exp_avg_sq[start:end]}
+        return out
+
+    def checkpoint_state_loaded(self) -> None:
+        for buf, quantizer, exp_avg, exp_avg_sq in getattr(self, "_restored", []):
+            state = self.state[buf.master]
+            quantizer.quantize(exp_avg, True, state["exp_avg_codes"], state["exp_avg_scales"])
+            quantizer.quantize(exp_avg_sq, False, state["exp_avg_sq_codes"],
+                               state["exp_avg_sq_scales"])
+        self._restored = []
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (codes, scales, segment lengths, steps)."""

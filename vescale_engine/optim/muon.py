@@ -259,16 +259,33 @@ class Muon(torch.optim.Optimizer):
             results[k] = pending.wait()
         return results
 
+    # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
+
+    def checkpoint_state(self, create: bool) -> dict:
+        """{parameter: {name: tensor}}: Muon's momentum and AdamW's moments are element-wise
+        views of each parameter's local piece, steps 0-d: all reshard on load."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if create and not self.state.get(p):
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if group["use_muon"] \
+                        else self._new_adamw_state(p)
+                if self.state.get(p):
+                    out[p] = dict(self.state[p])
+        return out
+
+    @staticmethod
+    def _new_adamw_state(p) -> dict:
+        return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
     def _adamw_step(self, group):
         params = [p for p in group["params"] if p.grad is not None and p.numel()]
         if not params:
             return
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
+            if not self.state.get(p):
+                self.state[p] = self._new_adamw_state(p)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         # torch.optim.AdamW's update over all of them in one fused call (one pass over memory).
