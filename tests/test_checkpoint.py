@@ -17,6 +17,7 @@ from dist_harness import RankPool, scratch_dir
 
 GLOBAL, SAVE_AT, AFTER = 12, 2, 2
 OPT = {"lr": 3e-3, "eps": 1e-6, "weight_decay": 0.01}
+KINDS = ("ours", "torch", "sgd", "adamw8bit", "muon")  # every optimizer we ship, and torch's
 
 
 def config(world, granularity="rows:16", scheduler=True):
@@ -38,8 +39,12 @@ def make_engine(world, opt_kind, granularity="rows:16", model=None, scheduler=Tr
         optimizer = lambda params: torch.optim.AdamW(params, **OPT)  # noqa: E731
     elif opt_kind == "sgd":
         optimizer = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
-    engine, *_ = initialize(model=model or fm.make("gpt"), optimizer=optimizer,
-                            config=config(world, granularity, scheduler))
+    cfg = config(world, granularity, scheduler)
+    if opt_kind == "adamw8bit":  # its quantization blocks become the shard blocks
+        cfg["optimizer"] = {"type": "AdamW8bit", "params": {**OPT, "block": "block:64"}}
+    elif opt_kind == "muon":
+        cfg["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "ns_dtype": "fp32"}}
+    engine, *_ = initialize(model=model or fm.make("gpt"), optimizer=optimizer, config=cfg)
     return engine
 
 
@@ -94,7 +99,7 @@ def root():
 def saved(root, pools):
     """Two-rank runs with our AdamW, torch's AdamW and SGD: checkpoint at step 2, then 2 more."""
     out = {}
-    for kind in ("ours", "torch", "sgd"):
+    for kind in KINDS:
         out[kind] = pools(2).run(save_and_continue, os.path.join(root, kind), kind)
     out["fsdp2"] = pools(2).run(fsdp2_load, os.path.join(root, "ours", "global_step2"))
     return out
@@ -113,7 +118,7 @@ def test_save_layout_and_latest(saved, root):
 
 
 @pytest.mark.parametrize("world,granularity", [(1, "rows:1"), (3, "rows:16"), (4, "tile:8x8")])
-@pytest.mark.parametrize("kind", ["ours", "torch", "sgd"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_on_other_world_sizes_matches_uninterrupted(saved, root, pools, world, granularity,
                                                           kind):
     expected = saved[kind][0][2]
