@@ -414,3 +414,21 @@ def test_convert_zero_bad_input_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"no 'latest' file"):
         convert_zero(str(tmp_path), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero1_and_zero2_checkpoints_convert(pools, tmp_path, stage):
+    from vescale_engine.checkpoint import consolidate
+    from vescale_engine.checkpoint_zero import convert_zero
+    ds_dir = str(tmp_path / "ds")
+    weights, moments, _ = pools(2).run(deepspeed_train_and_save, ds_dir, stage)[0]
+    path = convert_zero(ds_dir, str(tmp_path / "out"))
+    full = consolidate(path)
+    for name in weights:
+        assert torch.equal(full[name], weights[name]), name
+    state = {f"optim.state.{n}.{k}": torch.empty(weights[n].shape)
+             for n in weights for k in ("exp_avg", "exp_avg_sq")}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    for name in weights:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[f"optim.state.{name}.{k}"], moments[name][k]), (name, k)
