@@ -24,28 +24,27 @@ parameter's local numel (element-wise state: saved with the parameter's global s
 reshards) or a 0-d scalar (`step`: saved once). With `create=True` the optimizer allocates
 missing state first so that loading can write into the returned views; an optional
 `optimizer.checkpoint_state_loaded()` runs after loading (e.g. to requantize from the views).
-Our AdamW and torch's element-wise optimizers (AdamW, Adam, SGD, ...) are handled here.
+Our AdamW and torch's element-wise optimizers (AdamW, Adam, SGD, ...) need no such method
+(checkpoint_state.py adapts them). Modules: checkpoint_dcp.py (pieces as DCP chunks),
+checkpoint_state.py (named entries, plain data), checkpoint_zero.py (DeepSpeed import).
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import random
 import shutil
 import warnings
-import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .ragged import RaggedShard, box_decomposition
+from .checkpoint_dcp import CheckpointError, LoadPlanner, RaggedPiece, SavePlanner
+from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_state,
+                               persistent_buffers, piece, restore_rng, rng_entries,
+                               sharded_params, to_json, write_json)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
            "STATE_FILE", "LATEST_FILE"]
@@ -56,308 +55,20 @@ STATE_FILE = "vescale_state.json"
 LATEST_FILE = "latest"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (or state that cannot be saved); names file or key."""
-
-
-# ---------------------------------------------------------------------------------------------
-# A ragged flat piece as DCP chunks.
-
-class RaggedPiece:
-    """This rank's flat range [start, start + numel) of a tensor of `shape`, as the boxes DCP
-    reads and writes. Every box of `box_decomposition` covers a contiguous flat range, so each
-    box is a view of `local` and loading writes straight into it."""
-
-    def __init__(self, local: torch.Tensor, shape, start: int):
-        self.local = local
-        self.shape = torch.Size(shape)
-        self.boxes = {}  # offsets -> (sizes, flat begin in local)
-        at = 0
-        for offsets, sizes in box_decomposition(self.shape, start, start + local.numel()):
-            self.boxes[torch.Size(offsets)] = (torch.Size(sizes), at)
-            at += math.prod(sizes)
-
-    def chunks(self):
-        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, (s, _) in self.boxes.items()]
-
-    def write_items(self, fqn):
-        props = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(o, s),
-                                                      properties=props, size=self.shape))
-                for o, (s, _) in self.boxes.items()]
-
-    def box(self, offsets) -> torch.Tensor:
-        sizes, at = self.boxes[torch.Size(offsets)]
-        return self.local[at:at + math.prod(sizes)].view(sizes)
-
-
-def _flatten(state_dict):
-    for fqn, obj in state_dict.items():
-        if isinstance(obj, dict):
-            raise TypeError(f"checkpoint state must be flat, {fqn!r} is a dict")
-    return state_dict
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """The default planner, plus RaggedPiece values written as their boxes."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        items = [i for i in plan.items if not isinstance(self.state_dict[i.index.fqn], RaggedPiece)]
-        for fqn, obj in self.state_dict.items():
-            if isinstance(obj, RaggedPiece):
-                items += obj.write_items(fqn)
-        self.plan = type(plan)(items, planner_data=plan.planner_data, storage_data=plan.storage_data,
-                               usable=plan.usable)
-        return self.plan
-
-    def lookup_object(self, index):
-        obj = self.state_dict[index.fqn]
-        return obj.box(index.offset) if isinstance(obj, RaggedPiece) else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """The default planner, plus RaggedPiece targets; never unpickles (we save no blobs)."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
-                         allow_partial_load=True)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        # not the default's: its meta-tensor initialisation replaces our pieces by None
-        self.state_dict = self.original_state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self):
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-        plain = {k: v for k, v in self.state_dict.items() if not isinstance(v, RaggedPiece)}
-        saved, self.state_dict = self.state_dict, plain
-        plan = super().create_local_plan()
-        self.state_dict = saved
-        items = list(plan.items)
-        for fqn, obj in saved.items():
-            if isinstance(obj, RaggedPiece) and obj.boxes:
-                items += create_read_items_for_chunk_list(
-                    fqn, self.metadata.state_dict_metadata[fqn], obj.chunks())
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index):
-        obj = self.state_dict[index.fqn]
-        return obj.box(index.offset) if isinstance(obj, RaggedPiece) else super().lookup_tensor(index)
-
-    def load_bytes(self, read_item, value):
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
-                              "vescale checkpoints hold tensors only and never unpickle")
-
-
-# ---------------------------------------------------------------------------------------------
-# What the engine holds, as named pieces.
-
-def _sharded_params(module):
-    """[(ShardedParameter or plain parameter, [every fqn it has], RaggedShard-local start)]:
-    tied parameters once, with all their names (a plain model's state_dict has them all)."""
-    seen, out = {}, []
-    for fqn, p in module.named_parameters(remove_duplicate=False):
-        key = id(getattr(p, "_vescale", p))
-        if key in seen:
-            seen[key][1].append(fqn)
-            continue
-        entry = [p, [fqn]]
-        seen[key] = entry
-        out.append(entry)
-    return out
-
-
-def _local_start(p) -> int:
-    sp = getattr(p, "_vescale", None)
-    if sp is None:
-        return 0
-    buf = sp.buffer
-    placement = buf.layout.placements[sp.index]
-    start, end = RaggedShard(sp.shape, sp.block, placement.local_units(buf.world_size)).local_range(buf.rank)
-    assert end - start == p.numel(), (sp.fqn, start, end, p.numel())
-    return start
-
-
-def _global_shape(p):
-    sp = getattr(p, "_vescale", None)
-    return tuple(sp.shape) if sp is not None else tuple(p.shape)
-
-
-def _piece(p, local):
-    """A parameter-shaped entry: RaggedPiece over the local range, or the plain tensor."""
-    if getattr(p, "_vescale", None) is None:
-        return local.view(p.shape) if local.dim() else local
-    return RaggedPiece(local, _global_shape(p), _local_start(p))
-
-
-def _persistent_buffers(module):
-    names = set(module.state_dict(keep_vars=True))
-    return [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in names]
-
-
-def optimizer_state(optimizer, create: bool) -> dict:
-    """{parameter: {name: tensor}}: 1-D local views of element-wise state, 0-d scalars."""
-    if hasattr(optimizer, "checkpoint_state"):
-        return optimizer.checkpoint_state(create)
-    from .optim.adamw import AdamW
-    if isinstance(optimizer, AdamW):
-        return _vescale_adamw_state(optimizer, create)
-    out = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            out[p] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return out
-
-
-def _vescale_adamw_state(opt, create):
-    """Our AdamW keeps flat state per buffer; each parameter's state is its slice of it."""
-    out = {}
-    for buf, _group, _decay, _probe in opt._buffers:
-        state = opt.state.setdefault(buf.master, {})
-        if not state and create:
-            state.update(step=torch.zeros((), dtype=torch.float32),
-                         exp_avg=torch.zeros_like(buf.master),
-                         exp_avg_sq=torch.zeros_like(buf.master))
-        if not state:
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                sp = p._vescale
-                if sp.buffer is buf:
-                    start, end = buf.local_ranges[sp.index]
-                    out[p] = {"step": state["step"], "exp_avg": state["exp_avg"][start:end],
-                              "exp_avg_sq": state["exp_avg_sq"][start:end]}
-    return out
-
-
-def _optimizer_entries(optimizer, names_of, state):
-    entries = {}
-    for p, named in state.items():
-        for name, t in named.items():
-            key = f"optim.state.{names_of[id(p)][0]}.{name}"
-            if t.dim() == 0:
-                entries[key] = t
-            elif t.dim() == 1 and t.numel() == p.numel():
-                entries[key] = _piece(p, t)
-            else:
-                raise CheckpointError(f"optimizer state {key} has shape {list(t.shape)}; the "
-                                      f"checkpoint interface takes 0-d or {p.numel()} elements")
-    return entries
-
-
-def _rng_entries(rank):
-    import numpy as np
-    entries = {f"rng.rank{rank}.torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        entries[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
-    version, mt, gauss = random.getstate()
-    entries[f"rng.rank{rank}.python"] = torch.tensor([version, *mt, -1 if gauss is None else 1],
-                                                     dtype=torch.int64)
-    entries[f"rng.rank{rank}.python_gauss"] = torch.tensor(0.0 if gauss is None else gauss,
-                                                           dtype=torch.float64)
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    entries[f"rng.rank{rank}.numpy"] = torch.tensor([*keys.astype("int64"), pos, has_gauss],
-                                                    dtype=torch.int64)
-    entries[f"rng.rank{rank}.numpy_gauss"] = torch.tensor(cached, dtype=torch.float64)
-    return entries
-
-
-def _restore_rng(rank, loaded):
-    import numpy as np
-    pre = f"rng.rank{rank}."
-    if pre + "torch" not in loaded:
-        return False
-    torch.set_rng_state(loaded[pre + "torch"])
-    if pre + "cuda" in loaded and torch.cuda.is_available():
-        torch.cuda.set_rng_state(loaded[pre + "cuda"])
-    py = loaded[pre + "python"].tolist()
-    gauss = loaded[pre + "python_gauss"].item() if py[-1] == 1 else None
-    random.setstate((py[0], tuple(py[1:-1]), gauss))
-    nps = loaded[pre + "numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(nps[:-2], dtype=np.uint32), nps[-2], nps[-1],
-                         loaded[pre + "numpy_gauss"].item()))
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain data: JSON, with tensors as lists (safe to read back).
-
-def _to_json(value, where):
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, (str, int)):
-                raise CheckpointError(f"{where}: key {k!r} is not a string or int")
-            out[str(k) if isinstance(k, str) else f"__int__{k}"] = _to_json(v, f"{where}[{k!r}]")
-        return out
-    raise CheckpointError(f"{where} is a {type(value).__name__}; checkpoints keep plain data "
-                          "only (None, bool, int, float, str, list, dict, tensor)")
-
-
-def _from_json(value):
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if isinstance(value, dict):
-        if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
-        return {(int(k[7:]) if k.startswith("__int__") else k): _from_json(v)
-                for k, v in value.items()}
-    return value
-
-
-def _write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _crc32(path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 # ---------------------------------------------------------------------------------------------
 # Save.
 
 def engine_state_dict(engine, rank):
     """Everything DCP holds for this rank, plus the names of each parameter."""
-    params = _sharded_params(engine.module)
+    params = sharded_params(engine.module)
     names_of = {id(p): names for p, names in params}
     sd = {}
     for p, names in params:
-        piece = _piece(p, p.detach().reshape(-1) if getattr(p, "_vescale", None) is None
-                       else p.detach())
+        entry = piece(p, p.detach().reshape(-1) if getattr(p, "_vescale", None) is None
+                      else p.detach())
         for name in names:
-            sd[f"model.{name}"] = piece
-    for name, b in _persistent_buffers(engine.module):
+            sd[f"model.{name}"] = entry
+    for name, b in persistent_buffers(engine.module):
         sd[f"model.{name}"] = b.detach()
     return sd, params, names_of
 
@@ -371,20 +82,20 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
              "global_steps": engine.global_steps, "global_samples": engine.global_samples,
              "micro_steps": engine.micro_steps,
              "optimizer": {"class": type(engine.optimizer).__name__,
-                           "param_groups": [{k: _to_json(v, f"param_groups[{i}][{k!r}]")
+                           "param_groups": [{k: to_json(v, f"param_groups[{i}][{k!r}]")
                                              for k, v in g.items() if k != "params"}
                                             for i, g in enumerate(engine.optimizer.param_groups)]},
-             "client_state": _to_json(dict(client_state or {}), "client_state")}
+             "client_state": to_json(dict(client_state or {}), "client_state")}
     if engine.lr_scheduler is not None:
-        state["lr_scheduler"] = _to_json(engine.lr_scheduler.state_dict(), "lr_scheduler")
+        state["lr_scheduler"] = to_json(engine.lr_scheduler.state_dict(), "lr_scheduler")
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is not None:
-        state["loss_scaler"] = _to_json(scaler.state_dict(), "loss_scaler")
+        state["loss_scaler"] = to_json(scaler.state_dict(), "loss_scaler")
 
     sd, params, names_of = engine_state_dict(engine, rank)
-    sd.update(_optimizer_entries(engine.optimizer, names_of,
+    sd.update(optimizer_entries(engine.optimizer, names_of,
                                  optimizer_state(engine.optimizer, create=False)))
-    sd.update(_rng_entries(rank))
+    sd.update(rng_entries(rank))
     state["model_keys"] = sorted(k[6:] for k in sd if k.startswith("model."))
 
     partial = os.path.join(save_dir, f".{tag}.partial")
@@ -395,25 +106,25 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         os.makedirs(partial)
     dist.barrier()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-             planner=_SavePlanner())
+             planner=SavePlanner())
     mine = {f: {"bytes": os.path.getsize(os.path.join(partial, f)),
-                "crc32": _crc32(os.path.join(partial, f))}
+                "crc32": crc32(os.path.join(partial, f))}
             for f in os.listdir(partial) if f.startswith(f"__{rank}_")}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         files = {name: info for part in gathered for name, info in part.items()}
         meta = os.path.join(partial, ".metadata")
-        files[".metadata"] = {"bytes": os.path.getsize(meta), "crc32": _crc32(meta)}
+        files[".metadata"] = {"bytes": os.path.getsize(meta), "crc32": crc32(meta)}
         state["files"] = files
-        _write_json(os.path.join(partial, STATE_FILE), state)
-        _fsync_dir(partial)
-        _publish(save_dir, partial, final, tag, save_latest)
+        write_json(os.path.join(partial, STATE_FILE), state)
+        fsync_dir(partial)
+        publish(save_dir, partial, final, tag, save_latest)
     dist.barrier()  # nobody returns before the checkpoint is visible
     return final
 
 
-def _publish(save_dir, partial, final, tag, save_latest):
+def publish(save_dir, partial, final, tag, save_latest):
     """Make the finished checkpoint visible, then point `latest` at it: renames only."""
     if os.path.exists(final):  # saving a tag again replaces it
         old = os.path.join(save_dir, f".{tag}.old")
@@ -423,7 +134,7 @@ def _publish(save_dir, partial, final, tag, save_latest):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(partial, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     if save_latest:
         tmp = os.path.join(save_dir, f".{LATEST_FILE}.tmp")
         with open(tmp, "w") as f:
@@ -431,7 +142,7 @@ def _publish(save_dir, partial, final, tag, save_latest):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(save_dir, LATEST_FILE))
-        _fsync_dir(save_dir)
+        fsync_dir(save_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,7 +197,7 @@ def verify_files(path, state, names=None):
         if size != info["bytes"]:
             raise CheckpointError(f"{file} is truncated or overwritten: {size} bytes, the "
                                   f"checkpoint wrote {info['bytes']}")
-        if (names is None or name in names) and _crc32(file) != info["crc32"]:
+        if (names is None or name in names) and crc32(file) != info["crc32"]:
             raise CheckpointError(f"{file} is corrupted: CRC32 mismatch")
 
 
@@ -546,8 +257,8 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped):
     """Entries to load the optimizer state into: our interface's views where the optimizer
     defines its state, else state made for the names the checkpoint holds (torch optimizers)."""
     saved = {k for k in metadata.state_dict_metadata if k.startswith("optim.state.")}
-    own = hasattr(optimizer, "checkpoint_state") or type(optimizer).__name__ == "AdamW" and \
-        type(optimizer).__module__.startswith("vescale_engine")
+    from .optim.adamw import AdamW
+    own = hasattr(optimizer, "checkpoint_state") or isinstance(optimizer, AdamW)
     if not own:  # torch optimizers: make the state the checkpoint has, then fill it
         by_param = {}
         for p, names in params:
@@ -566,7 +277,7 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped):
         return {}
     else:
         state = optimizer_state(optimizer, create=True)
-    entries = _optimizer_entries(optimizer, names_of, state)
+    entries = optimizer_entries(optimizer, names_of, state)
     for key in set(entries) - saved:  # parameters load_module_strict=False skipped: fresh state
         if any(key.startswith(f"optim.state.{name}.") for name in skipped):
             del entries[key]
@@ -621,7 +332,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     if any(problems):
         raise CheckpointError(next(p for p in problems if p))
 
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner())
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner())
     if hasattr(engine.optimizer, "checkpoint_state_loaded") and full_load and load_optimizer_states:
         engine.optimizer.checkpoint_state_loaded()
 
@@ -632,19 +343,19 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                 raise CheckpointError(f"checkpoint {path}: {len(groups)} optimizer param groups, "
                                       f"the engine has {len(engine.optimizer.param_groups)}")
             for group, saved in zip(engine.optimizer.param_groups, groups):
-                for k, v in _from_json(saved).items():
+                for k, v in from_json(saved).items():
                     if k in group:
                         group[k] = tuple(v) if isinstance(group[k], tuple) else v
         if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in state:
-            engine.lr_scheduler.load_state_dict(_from_json(state["lr_scheduler"]))
+            engine.lr_scheduler.load_state_dict(from_json(state["lr_scheduler"]))
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in state:
-            scaler.load_state_dict(_from_json(state["loss_scaler"]))
+            scaler.load_state_dict(from_json(state["loss_scaler"]))
         engine.global_steps = state["global_steps"]
         engine.global_samples = state["global_samples"]
         engine.micro_steps = state["micro_steps"]
-        _restore_rng(rank, rng)
-    return path, _from_json(state["client_state"])
+        restore_rng(rank, rng)
+    return path, from_json(state["client_state"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,7 +372,7 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
     metadata = read_metadata(path)
     sd = {k: torch.empty(md.size, dtype=md.properties.dtype)
           for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
     full = {k[6:]: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     if out is not None:
         _write_state_dict(full, os.fspath(out))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import checkpoint as ckpt
+from .checkpoint_state import crc32, fsync_dir, to_json, write_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
 
@@ -185,7 +186,7 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
              "global_samples": int(model.get("global_samples") or 0),
              "micro_steps": int(model.get("global_steps") or 0),
              "optimizer": {"class": "DeepSpeedZeRO", "param_groups": [
-                 {k: ckpt._to_json(v, k) for k, v in g.items()} for g in groups]},
+                 {k: to_json(v, k) for k, v in g.items()} for g in groups]},
              "client_state": {}, "model_keys": sorted(k[6:] for k in sd if k.startswith("model.")),
              "imported_from": "deepspeed"}
     os.makedirs(out_dir, exist_ok=True)
@@ -194,11 +195,11 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
     os.makedirs(partial)
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=True)
     state["files"] = {f: {"bytes": os.path.getsize(os.path.join(partial, f)),
-                          "crc32": ckpt._crc32(os.path.join(partial, f))}
+                          "crc32": crc32(os.path.join(partial, f))}
                       for f in os.listdir(partial)}
-    ckpt._write_json(os.path.join(partial, ckpt.STATE_FILE), state)
-    ckpt._fsync_dir(partial)
-    ckpt._publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
+    write_json(os.path.join(partial, ckpt.STATE_FILE), state)
+    fsync_dir(partial)
+    ckpt.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
 
 
 def ensure_vescale_checkpoint(path):

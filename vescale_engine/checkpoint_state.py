@@ -1,0 +1,199 @@
+"""What a checkpoint holds, as named entries: the engine's parameters and buffers, optimizer
+state through the `checkpoint_state` interface, each rank's generators, and plain data as JSON
+(the only thing besides DCP's tensors that a checkpoint stores; safe to read back)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+
+import torch
+
+from .checkpoint_dcp import CheckpointError, RaggedPiece
+from .ragged import RaggedShard
+
+
+def sharded_params(module):
+    """[[parameter, [every fqn it has]]]: tied parameters once, with all their names (a plain
+    model's state_dict has them all; the first name keys the optimizer state)."""
+    seen, out = {}, []
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        key = id(getattr(p, "_vescale", p))
+        if key in seen:
+            seen[key][1].append(fqn)
+            continue
+        entry = [p, [fqn]]
+        seen[key] = entry
+        out.append(entry)
+    return out
+
+
+def _local_start(p) -> int:
+    sp = getattr(p, "_vescale", None)
+    if sp is None:
+        return 0
+    buf = sp.buffer
+    placement = buf.layout.placements[sp.index]
+    start, end = RaggedShard(sp.shape, sp.block, placement.local_units(buf.world_size)).local_range(buf.rank)
+    assert end - start == p.numel(), (sp.fqn, start, end, p.numel())
+    return start
+
+
+def _global_shape(p):
+    sp = getattr(p, "_vescale", None)
+    return tuple(sp.shape) if sp is not None else tuple(p.shape)
+
+
+def piece(p, local):
+    """A parameter-shaped entry: RaggedPiece over the local range, or the plain tensor."""
+    if getattr(p, "_vescale", None) is None:
+        return local.view(p.shape) if local.dim() else local
+    return RaggedPiece(local, _global_shape(p), _local_start(p))
+
+
+def persistent_buffers(module):
+    names = set(module.state_dict(keep_vars=True))
+    return [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in names]
+
+
+def optimizer_state(optimizer, create: bool) -> dict:
+    """{parameter: {name: tensor}}: 1-D local views of element-wise state, 0-d scalars."""
+    if hasattr(optimizer, "checkpoint_state"):
+        return optimizer.checkpoint_state(create)
+    from .optim.adamw import AdamW
+    if isinstance(optimizer, AdamW):
+        return _vescale_adamw_state(optimizer, create)
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            out[p] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return out
+
+
+def _vescale_adamw_state(opt, create):
+    """Our AdamW keeps flat state per buffer; each parameter's state is its slice of it."""
+    out = {}
+    for buf, _group, _decay, _probe in opt._buffers:
+        state = opt.state.setdefault(buf.master, {})
+        if not state and create:
+            state.update(step=torch.zeros((), dtype=torch.float32),
+                         exp_avg=torch.zeros_like(buf.master),
+                         exp_avg_sq=torch.zeros_like(buf.master))
+        if not state:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                sp = p._vescale
+                if sp.buffer is buf:
+                    start, end = buf.local_ranges[sp.index]
+                    out[p] = {"step": state["step"], "exp_avg": state["exp_avg"][start:end],
+                              "exp_avg_sq": state["exp_avg_sq"][start:end]}
+    return out
+
+
+def optimizer_entries(optimizer, names_of, state):
+    entries = {}
+    for p, named in state.items():
+        for name, t in named.items():
+            key = f"optim.state.{names_of[id(p)][0]}.{name}"
+            if t.dim() == 0:
+                entries[key] = t
+            elif t.dim() == 1 and t.numel() == p.numel():
+                entries[key] = piece(p, t)
+            else:
+                raise CheckpointError(f"optimizer state {key} has shape {list(t.shape)}; the "
+                                      f"checkpoint interface takes 0-d or {p.numel()} elements")
+    return entries
+
+
+def rng_entries(rank):
+    import numpy as np
+    entries = {f"rng.rank{rank}.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        entries[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    version, mt, gauss = random.getstate()
+    entries[f"rng.rank{rank}.python"] = torch.tensor([version, *mt, -1 if gauss is None else 1],
+                                                     dtype=torch.int64)
+    entries[f"rng.rank{rank}.python_gauss"] = torch.tensor(0.0 if gauss is None else gauss,
+                                                           dtype=torch.float64)
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    entries[f"rng.rank{rank}.numpy"] = torch.tensor([*keys.astype("int64"), pos, has_gauss],
+                                                    dtype=torch.int64)
+    entries[f"rng.rank{rank}.numpy_gauss"] = torch.tensor(cached, dtype=torch.float64)
+    return entries
+
+
+def restore_rng(rank, loaded):
+    import numpy as np
+    pre = f"rng.rank{rank}."
+    if pre + "torch" not in loaded:
+        return False
+    torch.set_rng_state(loaded[pre + "torch"])
+    if pre + "cuda" in loaded and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loaded[pre + "cuda"])
+    py = loaded[pre + "python"].tolist()
+    gauss = loaded[pre + "python_gauss"].item() if py[-1] == 1 else None
+    random.setstate((py[0], tuple(py[1:-1]), gauss))
+    nps = loaded[pre + "numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(nps[:-2], dtype=np.uint32), nps[-2], nps[-1],
+                         loaded[pre + "numpy_gauss"].item()))
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain data: JSON, with tensors as lists (safe to read back).
+
+def to_json(value, where):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"{where}: key {k!r} is not a string or int")
+            out[str(k) if isinstance(k, str) else f"__int__{k}"] = to_json(v, f"{where}[{k!r}]")
+        return out
+    raise CheckpointError(f"{where} is a {type(value).__name__}; checkpoints keep plain data "
+                          "only (None, bool, int, float, str, list, dict, tensor)")
+
+
+def from_json(value):
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        return {(int(k[7:]) if k.startswith("__int__") else k): from_json(v)
+                for k, v in value.items()}
+    return value
+
+
+def write_json(path, data):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def crc32(path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
