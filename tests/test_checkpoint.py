@@ -432,3 +432,55 @@ def test_deepspeed_zero1_and_zero2_checkpoints_convert(pools, tmp_path, stage):
     for name in weights:
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[f"optim.state.{name}.{k}"], moments[name][k]), (name, k)
+
+
+def fp16_and_partial_loads(rank, world, root):
+    """fp16: the loss scaler and skipped-step count come back. load_module_only and
+    load_optimizer_states=False leave the other state alone."""
+    cfg = {**config(world), "fp16": {"enabled": True, "initial_scale_power": 40, "hysteresis": 1}}
+    from vescale_engine import initialize
+    engine, *_ = initialize(model=fm.make("gpt"), config=cfg)
+    train(engine, rank, world, 2)  # 2**40 overflows: the first step is skipped, the scale drops
+    saved_scaler, skipped = engine.loss_scaler.state_dict(), engine.skipped_steps
+    engine.save_checkpoint(root, tag="fp16")
+    fresh, *_ = initialize(model=fm.make("gpt"), config=cfg)
+    fresh.load_checkpoint(root, tag="fp16")
+    fp16 = (fresh.loss_scaler.state_dict() == saved_scaler, fresh.skipped_steps == skipped,
+            skipped >= 1)
+    weights = full_weights(engine)
+
+    module_only = make_engine(world, "ours")
+    module_only.load_checkpoint(root, tag="fp16", load_module_only=True)
+    loaded = full_weights(module_only)
+    only = (all(torch.equal(loaded[k], weights[k]) for k in weights),
+            module_only.global_steps == 0, not module_only.optimizer.state)
+    no_optim = make_engine(world, "ours")
+    no_optim.load_checkpoint(root, tag="fp16", load_optimizer_states=False)
+    return fp16, only, (no_optim.global_steps == 2, not no_optim.optimizer.state)
+
+
+def test_fp16_scaler_and_partial_loads(pools, tmp_path):
+    fp16, only, no_optim = pools(2).run(fp16_and_partial_loads, str(tmp_path))[0]
+    assert fp16 == (True, True, True)
+    assert only == (True, True, True)
+    assert no_optim == (True, True)
+
+
+def test_cli_bad_input_is_one_line(saved, root, tmp_path, capsys):
+    from launcher.cli import main
+    good = os.path.join(root, "ours")
+    cases = {
+        ("consolidate", str(tmp_path / "nope"), str(tmp_path / "m.pt")): "nope does not exist",
+        ("consolidate", good, str(tmp_path / "m.txt")): "must end in .pt, .pth, .bin or .safetensors",
+        ("convert-zero", str(tmp_path / "nope"), str(tmp_path / "o")): "nope does not exist",
+        ("convert-zero", good, str(tmp_path / "o")): "not a DeepSpeed ZeRO checkpoint",
+    }
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        cases[("consolidate", good, str(tmp_path / "m.safetensors"))] = "needs the safetensors"
+    for argv, expected in cases.items():
+        assert main(list(argv)) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "\n" not in err, (argv, err)
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("m.*"))

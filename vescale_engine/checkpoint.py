@@ -81,6 +81,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     state = {"format": FORMAT, "tag": tag, "world_size": dist.get_world_size(),
              "global_steps": engine.global_steps, "global_samples": engine.global_samples,
              "micro_steps": engine.micro_steps,
+             "skipped_steps": getattr(engine, "skipped_steps", 0),  # fp16 overflow skips
              "optimizer": {"class": type(engine.optimizer).__name__,
                            "param_groups": [{k: to_json(v, f"param_groups[{i}][{k!r}]")
                                              for k, v in g.items() if k != "params"}
@@ -354,6 +355,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         engine.global_steps = state["global_steps"]
         engine.global_samples = state["global_samples"]
         engine.micro_steps = state["micro_steps"]
+        if hasattr(engine, "skipped_steps"):
+            engine.skipped_steps = state.get("skipped_steps", 0)
         restore_rng(rank, rng)
     return path, from_json(state["client_state"])
 
