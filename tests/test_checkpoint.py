@@ -338,13 +338,15 @@ def save_again(rank, world, root):
 
 # -- DeepSpeed ZeRO import -------------------------------------------------------------------------
 
-def deepspeed_train_and_save(rank, world, ds_dir, stage):
+def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=()):
     """Real DeepSpeed ZeRO (torch AdamW) on these ranks: 2 steps, save, 2 more steps."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     model = fm.make("gpt")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in freeze)
     ds_config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // world,
                  "optimizer": {"type": "AdamW", "params": {**OPT, "torch_adam": True}},
                  "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
@@ -355,6 +357,10 @@ def deepspeed_train_and_save(rank, world, ds_dir, stage):
     engine.save_checkpoint(ds_dir)
     weights, moments = {}, {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:  # frozen: no fp32 master, no optimizer state
+            with deepspeed.zero.GatheredParameters([p]):
+                weights[name] = p.detach().float().clone()
+            continue
         weights[name] = safe_get_full_fp32_param(p).clone()
         moments[name] = {k: safe_get_full_optimizer_state(p, k).clone()
                          for k in ("exp_avg", "exp_avg_sq")}
@@ -416,20 +422,26 @@ def test_convert_zero_bad_input_names_the_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_deepspeed_zero1_and_zero2_checkpoints_convert(pools, tmp_path, stage):
+@pytest.mark.parametrize("stage,freeze", [(1, ()), (2, ()), (2, ("wpe.weight",)),
+                                          (3, ("wpe.weight", "blocks.1.fc.bias"))])
+def test_deepspeed_zero_checkpoints_convert(pools, tmp_path, stage, freeze):
+    """ZeRO-1 and 2, and frozen parameters (kept outside the optimizer files) at 2 and 3."""
     from vescale_engine.checkpoint import consolidate
     from vescale_engine.checkpoint_zero import convert_zero
     ds_dir = str(tmp_path / "ds")
-    weights, moments, _ = pools(2).run(deepspeed_train_and_save, ds_dir, stage)[0]
+    weights, moments, _ = pools(2).run(deepspeed_train_and_save, ds_dir, stage, freeze)[0]
+    model_file = "zero_pp_rank_1_mp_rank_00_model_states.pt" if stage == 3 else \
+        "mp_rank_00_model_states.pt"
+    frozen = torch.load(os.path.join(ds_dir, "global_step2", model_file), weights_only=True)
+    assert sorted(frozen["frozen_param_shapes"] or {}) == sorted(freeze)
     path = convert_zero(ds_dir, str(tmp_path / "out"))
     full = consolidate(path)
     for name in weights:
         assert torch.equal(full[name], weights[name]), name
     state = {f"optim.state.{n}.{k}": torch.empty(weights[n].shape)
-             for n in weights for k in ("exp_avg", "exp_avg_sq")}
+             for n in weights if n not in freeze for k in ("exp_avg", "exp_avg_sq")}
     dcp.load(state, checkpoint_id=path, no_dist=True)
-    for name in weights:
+    for name in moments:
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[f"optim.state.{name}.{k}"], moments[name][k]), (name, k)
 

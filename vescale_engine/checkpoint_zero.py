@@ -89,7 +89,7 @@ def read_zero(path):
     optim = [_load(f)["optimizer_state_dict"] for f in _rank_files(path)]
     world = len(optim)
     stage = _stage(optim[0]["zero_stage"])
-    weights, moments, groups = {}, {}, []
+    weights, moments, groups = _frozen(path, model, stage, world), {}, []
     for g, shapes in enumerate(model["param_shapes"]):
         if stage == 3:
             flats = [o["fp32_flat_groups"][g] for o in optim]
@@ -118,6 +118,23 @@ def read_zero(path):
                 moments.setdefault(name, {})["step"] = torch.as_tensor(
                     states[0]["step"], dtype=torch.float32).reshape(())
     return weights, moments, model, groups
+
+
+def _frozen(path, model, stage, world):
+    """Parameters with requires_grad=False: not in the optimizer files. ZeRO-1/2 keep them
+    whole in the model file; ZeRO-3 keeps each rank's partition in that rank's model file."""
+    shapes = model.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    if stage != 3:
+        return {name: model["frozen_param_fragments"][name].float().view(tuple(shape)).clone()
+                for name, shape in shapes.items()}
+    files = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in
+             range(world)]
+    fragments = [model["frozen_param_fragments"]] + [_load(f)["frozen_param_fragments"]
+                                                     for f in files[1:]]
+    return {name: torch.cat([f[name].reshape(-1) for f in fragments])[:math.prod(shape)]
+            .float().view(tuple(shape)).clone() for name, shape in shapes.items()}
 
 
 def _split(stage, world, shapes, parts, paddings, where):
@@ -184,7 +201,8 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
     state = {"format": ckpt.FORMAT, "tag": tag, "world_size": 1,
              "global_steps": int(model.get("global_steps") or 0),
              "global_samples": int(model.get("global_samples") or 0),
-             "micro_steps": int(model.get("global_steps") or 0),
+             "micro_steps": int(model.get("global_steps") or 0) * int(
+                 (model.get("ds_config") or {}).get("gradient_accumulation_steps") or 1),
              "optimizer": {"class": "DeepSpeedZeRO", "param_groups": [
                  {k: to_json(v, k) for k, v in g.items()} for g in groups]},
              "client_state": {}, "model_keys": sorted(k[6:] for k in sd if k.startswith("model.")),
