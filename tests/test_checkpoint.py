@@ -1,6 +1,7 @@
 """Checkpoints on gloo ranks: save on 2, load on 1, 3 and 4 (other granularity) and continue with
 the uninterrupted run's losses; plain-model, consolidate and FSDP2 loading; DeepSpeed ZeRO-3
 import; a save killed by SIGKILL; bad input."""
+import math
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ def config(world, granularity="rows:16", scheduler=True):
     return cfg
 
 
-def make_engine(world, opt_kind, granularity="rows:16", model=None, scheduler=True):
+def make_engine(world, opt_kind, granularity="rows:16", model=None, scheduler=True, hsdp=1):
     from vescale_engine import initialize
     optimizer = None
     if opt_kind == "torch":
@@ -40,6 +41,7 @@ def make_engine(world, opt_kind, granularity="rows:16", model=None, scheduler=Tr
     elif opt_kind == "sgd":
         optimizer = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
     cfg = config(world, granularity, scheduler)
+    cfg["vescale"]["hsdp_replicate_size"] = hsdp
     if opt_kind == "adamw8bit":  # its quantization blocks become the shard blocks
         cfg["optimizer"] = {"type": "AdamW8bit", "params": {**OPT, "block": "block:64"}}
     elif opt_kind == "muon":
@@ -67,8 +69,8 @@ def full_weights(engine):
     return full_state_dict(engine.module)
 
 
-def save_and_continue(rank, world, root, opt_kind):
-    engine = make_engine(world, opt_kind)
+def save_and_continue(rank, world, root, opt_kind, hsdp=1):
+    engine = make_engine(world, opt_kind, hsdp=hsdp)
     train(engine, rank, world, SAVE_AT)
     torch.manual_seed(100 + rank)  # per-rank RNG must come back on load
     path = engine.save_checkpoint(root, client_state={"epoch": 3, "note": "hi"})
@@ -496,3 +498,15 @@ def test_cli_bad_input_is_one_line(saved, root, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert expected in err and "\n" not in err, (argv, err)
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob("m.*"))
+
+
+def test_hsdp_checkpoint_written_once_per_shard_and_reshards(root, pools):
+    """4 ranks as 2 replicas x 2 shards: replicas hold the same pieces and DCP writes each box
+    once; the checkpoint resumes on 3 plain-sharded ranks with the uninterrupted losses."""
+    where = os.path.join(root, "hsdp")
+    expected = pools(4).run(save_and_continue, where, "ours", 2)[0][2]
+    md = dcp.FileSystemReader(os.path.join(where, "global_step2")).read_metadata()
+    chunks = md.state_dict_metadata["model.blocks.0.fc.weight"].chunks
+    assert sum(math.prod(c.sizes) for c in chunks) == 256 * 64  # no box twice
+    losses = pools(3).run(load_and_continue, where, "ours", "rows:1")[0][3]
+    assert max(abs(a - b) / b for a, b in zip(losses, expected)) < 1e-5, (losses, expected)
