@@ -318,3 +318,18 @@ def test_checkpoint_round_trip_is_exact(pool):
     from dist_harness import scratch_dir
     same_state, differ = pool.run(checkpoint_rank, scratch_dir())[0]
     assert same_state and differ == [], differ
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "linear"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_nearest_code_lookup_equals_bucketize(kind, signed):
+    """The flat-pass nearest-code search agrees with a binary search everywhere, including on
+    every midpoint and its neighbouring floats (where a rounding could go either way)."""
+    from vescale_engine.optim.quantize import _midpoints, nearest_codes
+    mid = _midpoints(kind, signed)
+    low = -1.0 if signed else 0.0
+    x = torch.cat([torch.rand(100000, generator=torch.Generator().manual_seed(3)) * (1 - low)
+                   + low, mid, torch.nextafter(mid, torch.tensor(2.0)),
+                   torch.nextafter(mid, torch.tensor(-2.0)), torch.tensor([0.0, -0.0, 1.0, low]),
+                   torch.logspace(-30, 0, 1000) * (-1 if signed else 1)]).clamp(low, 1.0)
+    assert torch.equal(nearest_codes(x, kind, signed), torch.bucketize(x, mid))
