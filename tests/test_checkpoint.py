@@ -510,3 +510,32 @@ def test_hsdp_checkpoint_written_once_per_shard_and_reshards(root, pools):
     assert sum(math.prod(c.sizes) for c in chunks) == 256 * 64  # no box twice
     losses = pools(3).run(load_and_continue, where, "ours", "rows:1")[0][3]
     assert max(abs(a - b) / b for a, b in zip(losses, expected)) < 1e-5, (losses, expected)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_doctored_metadata_is_refused_without_running_it(saved, root, tmp_path):
+    """Even with sizes and CRCs rewritten to match, DCP's pickled .metadata is read with an
+    allow-list: a payload is an error, never executed."""
+    import json
+    import pickle
+    import zlib
+    from vescale_engine.checkpoint import CheckpointError, consolidate
+    copy = tmp_path / "global_step2"
+    shutil.copytree(os.path.join(root, "ours", "global_step2"), copy)
+    marker = tmp_path / "pwned"
+    data = pickle.dumps(_Payload(str(marker)))
+    (copy / ".metadata").write_bytes(data)
+    state = json.loads((copy / "vescale_state.json").read_text())
+    state["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (copy / "vescale_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"\.metadata: not DCP metadata \(posix\.mkdir is "
+                                              r"not allowed"):
+        consolidate(str(copy))
+    assert not marker.exists()

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .checkpoint_dcp import CheckpointError, LoadPlanner, RaggedPiece, SavePlanner
+from .checkpoint_dcp import CheckpointError, LoadPlanner, RaggedPiece, SafeReader, SavePlanner
 from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_state,
                                persistent_buffers, piece, restore_rng, rng_entries,
                                sharded_params, to_json, write_json)
@@ -58,7 +58,7 @@ LATEST_FILE = "latest"
 # ---------------------------------------------------------------------------------------------
 # Save.
 
-def engine_state_dict(engine, rank):
+def engine_state_dict(engine):
     """Everything DCP holds for this rank, plus the names of each parameter."""
     params = sharded_params(engine.module)
     names_of = {id(p): names for p, names in params}
@@ -93,7 +93,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     if scaler is not None:
         state["loss_scaler"] = to_json(scaler.state_dict(), "loss_scaler")
 
-    sd, params, names_of = engine_state_dict(engine, rank)
+    sd, params, names_of = engine_state_dict(engine)
     sd.update(optimizer_entries(engine.optimizer, names_of,
                                  optimizer_state(engine.optimizer, create=False)))
     sd.update(rng_entries(rank))
@@ -203,7 +203,7 @@ def verify_files(path, state, names=None):
 
 
 def read_metadata(path):
-    return dcp.FileSystemReader(path).read_metadata()
+    return SafeReader(path).read_metadata()
 
 
 def _files_for(metadata, sd):
@@ -246,7 +246,7 @@ def _check_model_keys(path, metadata, sd, strict):
 
 def _check_shape(path, metadata, key, obj):
     md = metadata.state_dict_metadata[key]
-    shape = obj.shape if isinstance(obj, RaggedPiece) else obj.shape
+    shape = obj.shape  # a RaggedPiece's is the global shape
     if not hasattr(md, "size"):
         raise CheckpointError(f"checkpoint {path}: {key!r} is not a tensor")
     if tuple(md.size) != tuple(shape):
@@ -306,7 +306,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     verify_files(path, state, names={".metadata"})
     metadata = read_metadata(path)
 
-    sd, params, names_of = engine_state_dict(engine, rank)
+    sd, params, names_of = engine_state_dict(engine)
     skipped, unexpected = _check_model_keys(path, metadata, sd, load_module_strict)
     if skipped or unexpected:
         message = (f"load_checkpoint {path} (load_module_strict=False): skipped missing "
@@ -333,7 +333,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     if any(problems):
         raise CheckpointError(next(p for p in problems if p))
 
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner())
+    dcp.load(sd, storage_reader=SafeReader(path), planner=LoadPlanner())
     if hasattr(engine.optimizer, "checkpoint_state_loaded") and full_load and load_optimizer_states:
         engine.optimizer.checkpoint_state_loaded()
 
@@ -375,7 +375,7 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
     metadata = read_metadata(path)
     sd = {k: torch.empty(md.size, dtype=md.properties.dtype)
           for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
+    dcp.load(sd, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
     full = {k[6:]: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     if out is not None:
         _write_state_dict(full, os.fspath(out))

@@ -6,17 +6,21 @@ subclass DCP's default ones only to write and read those boxes.
 """
 from __future__ import annotations
 
+import collections
 import math
+import os
+import pickle
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
+                                                   StorageMeta, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .ragged import box_decomposition
 
-__all__ = ["CheckpointError", "RaggedPiece", "SavePlanner", "LoadPlanner"]
+__all__ = ["CheckpointError", "RaggedPiece", "SavePlanner", "LoadPlanner", "SafeReader"]
 
 
 class CheckpointError(ValueError):
@@ -107,3 +111,47 @@ class LoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value):
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
                               "vescale checkpoints hold tensors only and never unpickle")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP pickles `.metadata`; this reads it with only DCP's metadata classes, torch.Size,
+    dtypes and paths allowed, so a doctored file cannot run code."""
+
+    def find_class(self, module, name):
+        import pathlib
+
+        from torch.distributed.checkpoint import filesystem, metadata
+        allowed = {
+            "torch.distributed.checkpoint.metadata": lambda: isinstance(
+                getattr(metadata, name, None), type) and getattr(metadata, name),
+            "torch.distributed.checkpoint.filesystem": lambda: name == "_StorageInfo" and
+            filesystem._StorageInfo,
+            "torch": lambda: (name == "Size" and torch.Size) or isinstance(
+                getattr(torch, name, None), torch.dtype) and getattr(torch, name),
+            "torch.serialization": lambda: name == "_get_layout" and
+            torch.serialization._get_layout,
+            "pathlib": lambda: name in ("PosixPath", "WindowsPath", "PurePosixPath",
+                                        "PureWindowsPath") and getattr(pathlib, name),
+            "collections": lambda: name == "OrderedDict" and collections.OrderedDict,
+        }
+        found = allowed.get(module, lambda: None)()
+        if not found:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        return found
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader (tensors already come through torch.load(weights_only=True)) with a
+    restricted unpickler for `.metadata`."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = os.path.join(self.path, ".metadata")
+        try:
+            with open(path, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"{path}: not DCP metadata ({err})") from None
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
