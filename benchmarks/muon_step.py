@@ -10,7 +10,10 @@ all-gathers them again for Newton-Schulz, round-robin over ranks.
 
 Which parameters get Muon is made the same on both sides: DeepSpeed applies Muon to every 2-D
 parameter whose name lacks "embed"/"lm_head" (so the GPT's wte/wpe too), and our adamw_patterns
-are set to match. Newton-Schulz runs in fp32 on both (DeepSpeed's CPU accelerator has no fp16).
+are set to match. Both run the same Newton-Schulz: torch.optim.Muon's quintic iteration in bf16
+(DeepSpeed's `ns_method: "standard"`; its default `"gram"` is a different, cheaper algorithm
+for very rectangular matrices (Gram Newton-Schulz), which would compare algorithms rather than
+how the matrices are distributed).
 
 Bytes are counted by wrapping torch.distributed's collectives before either engine is imported:
 what one rank sends under the usual algorithms (ring all-gather/reduce-scatter (w-1)/w of the
@@ -112,13 +115,13 @@ def _config(system, args) -> dict:
               "steps_per_print": 10 ** 6, "gradient_clipping": 1.0}
     if system == "deepspeed":
         config["optimizer"] = {"type": "Muon", "params": dict(MUON, betas=[0.9, 0.95],
-                                                              eps=1e-8)}
+                                                              eps=1e-8, ns_method="standard")}
         config["zero_optimization"] = {"stage": 3, "reduce_scatter": False,
                                        "overlap_comm": False, "contiguous_gradients": True,
                                        "stage3_param_persistence_threshold": 0}
     else:
         config["optimizer"] = {"type": "Muon", "params": dict(
-            MUON, ns_dtype="fp32", mode=system.split("-")[1], adamw_betas=[0.9, 0.95],
+            MUON, ns_dtype="bf16", mode=system.split("-")[1], adamw_betas=[0.9, 0.95],
             adamw_patterns=["*norm*", "ln*", "*bias", "lm_head.*"])}
         config["zero_optimization"] = {"stage": 3}
         config["vescale"] = {"wrap_policy": {"module_classes": ["Block"]},
@@ -249,7 +252,7 @@ def main():
              f"machine's CPUs (gloo, OMP_NUM_THREADS=1 per rank). GPT {args.layers} layers, width "
              f"{args.dim}, sequence {args.seq}, vocabulary {args.vocab}, micro-batch "
              f"{args.batch} per rank, fp32; Muon lr {MUON['lr']}, momentum {MUON['momentum']}, "
-             f"Newton-Schulz in fp32; median over {args.rounds} alternated round(s) of the "
+             f"Newton-Schulz in bf16 on both; median over {args.rounds} alternated round(s) of the "
              f"per-run median ({args.steps} steps after {args.warmup} warm-up). Bytes: what one "
              "rank sends (see the script's docstring for the rules).", ""]
     if args.smoke:
