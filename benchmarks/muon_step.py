@@ -283,6 +283,9 @@ def main():
                        f"(target >= {TARGET}: {'met' if speedup >= TARGET else 'MISSED'}); "
                        f"gather mode {med['deepspeed']['step_s'] / med['vescale-gather']['step_s']:.2f}x, "
                        f"tensor mode {med['deepspeed']['step_s'] / med['vescale-tensor']['step_s']:.2f}x; "
+                       f"engine.step alone (clipping + optimizer): DeepSpeed / ours = "
+                       f"{med['deepspeed']['opt_s'] / med['vescale-gather']['opt_s']:.2f}x gather, "
+                       f"{med['deepspeed']['opt_s'] / med['vescale-tensor']['opt_s']:.2f}x tensor; "
                        f"bytes per step ours (gather) / DeepSpeed = "
                        f"{med['vescale-gather']['step_bytes'] / max(1, med['deepspeed']['step_bytes']):.2f}.")
     lines += ["", *summary]
