@@ -48,7 +48,7 @@ BAD = [
     ({"tensorboard": {"job_name": 3}}, "tensorboard.job_name: expected string, got 3"),
     ({"bf16": {"enable": True}}, "bf16.enable: unknown key; did you mean 'enabled'?"),
     ({"vescale": {"granularity": {"default": "rows:0"}}},
-     "vescale.granularity.default: 'rows:0' is not valid (expected element, rows:K"),
+     "vescale.granularity.default: 'rows:0' is not valid (expected element, block:N, rows:K"),
     ({"vescale": {"granularity": {"overrides": {"*.experts.*": "tile:32"}}}},
      "vescale.granularity.overrides.*.experts.*: 'tile:32' is not valid"),
     ({"vescale": {"mixed_precision": {"param_dtype": "int8"}}},
@@ -122,3 +122,8 @@ def test_validate_command(tmp_path):
     out = vescale("validate", str(broken))
     assert out.returncode == 2 and "not valid JSON" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_granularity_kinds_the_optimizers_use_are_accepted():
+    for kind in ("block:256", "matrix", "tile:32x32", "element", "tensor"):
+        assert check_config({"vescale": {"granularity": {"default": kind}}}).errors == [], kind

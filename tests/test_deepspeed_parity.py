@@ -34,10 +34,10 @@ DEEPSPEED_CONFIG = {
     "scheduler": {"type": "WarmupLR", "params": SCHED},
     "zero_optimization": {"stage": 3},
 }
-# The migrated config: DeepSpeed's keys unchanged but for torch_adam (our AdamW is always the
-# plain AdamW update, and the key is DeepSpeed's implementation switch), plus a vescale section.
+# The migrated config: DeepSpeed's keys unchanged (torch_adam included: it picks DeepSpeed's
+# kernel, and ours computes the same update), plus a vescale section.
 VESCALE_CONFIG = {
-    **DEEPSPEED_CONFIG, "optimizer": {"type": "AdamW", "params": OPT},
+    **DEEPSPEED_CONFIG,
     "vescale": {"wrap_policy": {"module_classes": ["Block"]},
                 "granularity": {"default": "rows:16"}},
 }

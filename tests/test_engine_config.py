@@ -84,3 +84,30 @@ def test_add_config_arguments_accepts_deepspeed_launcher_flags():
     args = parser.parse_args(["--local_rank=1", "--config", "c.json", "--deepspeed"])
     assert (args.deepspeed_config, args.local_rank, args.deepspeed) == ("c.json", 1, True)
     assert parser.parse_args(["--deepspeed_config", "d.json"]).deepspeed_config == "d.json"
+
+
+def test_optimizer_section_keeps_deepspeeds_adam_meaning():
+    from vescale_engine.from_config import optimizer_spec
+    # "Adam" is AdamW unless adam_w_mode is false; weight decay defaults to FusedAdam's 0.
+    assert optimizer_spec({"type": "Adam", "params": {"lr": 1e-3}}) == \
+        ("AdamW", {"lr": 1e-3, "weight_decay": 0.0})
+    assert optimizer_spec({"type": "Adam", "params": {"adam_w_mode": False}}) == \
+        ("Adam", {"weight_decay": 0.0})
+    assert optimizer_spec({"type": "AdamW", "params": {"adam_w_mode": False}})[0] == "AdamW"
+    # torch_adam: torch's class, so torch's default weight decay (our AdamW's too).
+    assert optimizer_spec({"type": "AdamW", "params": {"torch_adam": True}}) == ("AdamW", {})
+    assert optimizer_spec(None) == ("AdamW", {"weight_decay": 0.0})
+    assert optimizer_spec({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}) == \
+        ("SGD", {"lr": 0.1, "momentum": 0.9})
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"type": "AdamW", "params": {"fp32_optimizer_states": True}},
+     "optimizer.params.fp32_optimizer_states: not a parameter of AdamW"),
+    ({"type": "SGD", "params": {"betas": [0.9, 0.99]}},
+     r"optimizer.params.betas: not a parameter of SGD \(accepted: lr, momentum"),
+])
+def test_optimizer_keys_the_class_does_not_take_are_one_line_errors(spec, message):
+    from vescale_engine.from_config import optimizer_spec
+    with pytest.raises(ValueError, match=message):
+        optimizer_spec(spec)

@@ -241,10 +241,14 @@ class DBuffer:
             elif not direct:
                 self.grad.copy_(out)  # a staging copy: only when reduce and master dtypes differ
                 STATS.bytes_copied += out.numel() * out.element_size()
-            self.full_grad.untyped_storage().resize_(0)
-            self.full_grad_live = False
+            self.drop_full_grad()
 
         return finish
+
+    def drop_full_grad(self) -> None:
+        """Free the full gradient buffer (after its reduce-scatter, or at teardown)."""
+        self.full_grad.untyped_storage().resize_(0)
+        self.full_grad_live = False
 
     # -- fused group operations ----------------------------------------------------------------
 

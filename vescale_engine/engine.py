@@ -2,10 +2,8 @@
 the scheduler, with DeepSpeed's signature and step semantics."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,169 +15,17 @@ from . import fsdp
 from . import loss_scaler as scaling
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
+from .distributed import join_process_group
+from .from_config import (build_optimizer, build_scheduler, named_model_parameters,
+                          optimizer_spec, resolve_named_parameters)
 from .monitor import Monitors
-from . import optim
-from .optim import AdamW
 from .progress import Progress
 from .timers import WallClockBreakdown
+from .wrap import device_mesh, wrap_model
 
 LOG = logging.getLogger("vescale_engine")
 
 DEFAULT_TIMEOUT_S = 600
-
-
-def _init_distributed(timeout_s: float):
-    """Join the process group the launcher describes (gloo on CPU, NCCL with CUDA); a rank
-    that never joins is a clear error after `timeout_s`, not an endless hang."""
-    if dist.is_initialized():
-        return
-    from launcher.env import LaunchError, discover
-    where = discover()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if where.world_size > 1 and (where.master_addr is None or where.master_port is None):
-        raise LaunchError(f"{where.launcher} launch without MASTER_ADDR/MASTER_PORT: set them "
-                          "or start with `vescale run`, torchrun or the deepspeed launcher")
-    address = f"{where.master_addr}:{where.master_port}"
-    try:
-        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=where.rank,
-                                world_size=where.world_size,
-                                timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as err:
-        raise LaunchError(f"rank {where.rank} of {where.world_size} ({where.launcher}): the "
-                          f"process group at {address} did not form within {timeout_s:g} s "
-                          f"({type(err).__name__}); check that every rank started and can "
-                          "reach MASTER_ADDR") from None
-    if backend == "nccl":
-        torch.cuda.set_device(where.local_rank)
-    atexit.register(_leave_process_group)
-
-
-def _leave_process_group():
-    """At exit, wait (briefly) for the other ranks, then tear the group down: a gloo rank that
-    exits while a peer still talks to it aborts ("terminate called without an active
-    exception")."""
-    if not dist.is_initialized():
-        return
-    try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=30))
-        dist.destroy_process_group()
-    except (RuntimeError, dist.DistError):
-        pass  # a peer is gone: nothing left to coordinate with
-
-
-def _wrap(model: nn.Module, cfg: EngineConfig, mesh):
-    """Units by the wrap policy (class names, or the smallest subtrees with min_params
-    parameters), innermost first, then the root."""
-    granularity = optim.sharding_granularity(  # the granularity the optimizer needs
-        cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
-    kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                  granularity=granularity,
-                  max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
-                  mp_policy=fsdp.MixedPrecisionPolicy(
-                      param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
-                      reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None))
-    wrapped = set()
-
-    def visit(module):  # post-order: children become units before their parents
-        unmanaged = sum(p.numel() for p in module.parameters(recurse=False))
-        for child in module.children():
-            unmanaged += visit(child)
-        if module is model:
-            return unmanaged
-        wanted = type(module).__name__ in cfg.module_classes if cfg.module_classes else (
-            cfg.min_params is not None and unmanaged >= cfg.min_params)
-        if wanted and unmanaged:
-            fsdp.fully_shard(module, **kwargs)
-            wrapped.add(module)
-            return 0
-        return unmanaged
-
-    visit(model)
-    if cfg.module_classes and not wrapped:
-        raise ValueError(f"vescale.wrap_policy.module_classes {list(cfg.module_classes)} match "
-                         "no module of the model")
-    return fsdp.fully_shard(model, **kwargs)
-
-
-# Config optimizer names served by our own classes; every other name is torch.optim's.
-OWN_OPTIMIZERS = {"AdamW": AdamW}
-
-
-def _optimizer(spec, client, params):
-    if client is not None:
-        if isinstance(client, torch.optim.Optimizer):
-            raise ValueError("pass the optimizer class or a callable(params), not an instance: "
-                             "its parameters are replaced by their shards here")
-        return client(params)
-    spec = spec or {"type": "AdamW", "params": {}}
-    name, kwargs = spec["type"], dict(spec.get("params", {}))
-    own = OWN_OPTIMIZERS.get(name)
-    if own is AdamW:
-        try:
-            return AdamW(params, **kwargs)
-        except ValueError as err:
-            if "hyperparameters" in str(err):
-                raise
-            # Groups that split a flat buffer (a subset of parameters, or different lr/betas
-            # in one buffer): torch's AdamW does the same math per parameter.
-            LOG.info("optimizer AdamW: per-buffer AdamW cannot step these parameter groups "
-                     "(%s); using torch.optim.AdamW", err)
-            return torch.optim.AdamW(params, **kwargs)
-    if name in optim.OURS:  # AdamW8bit, Muon: JSON lists become the tuples they take
-        return optim.build_optimizer(name, params, kwargs)
-    cls = own or getattr(torch.optim, name)
-    return cls(params, **kwargs)
-
-
-def _named_model_parameters(model_parameters, model):
-    """DeepSpeed's model_parameters (parameters, or param-group dicts) as parameter names,
-    checked before wrapping: wrapping replaces every parameter object, names stay."""
-    names = {id(p): name for name, p in model.named_parameters()}
-
-    def name_of(p):
-        if id(p) not in names:
-            raise ValueError(f"model_parameters holds a tensor of shape {list(p.shape)} that "
-                             "is not a parameter of the model")
-        return names[id(p)]
-
-    groups, any_dict = [], False
-    for item in model_parameters:
-        if isinstance(item, dict):
-            any_dict = True
-            if "params" not in item:
-                raise ValueError("a model_parameters group dict needs a 'params' key")
-            params = item["params"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            groups.append({**item, "params": [name_of(p) for p in params]})
-        else:
-            groups.append({"params": [name_of(item)]})
-    if not any_dict:  # plain parameters: one group, as torch makes of them
-        return [{"params": [n for g in groups for n in g["params"]]}]
-    return groups
-
-
-def _resolve_named_parameters(groups, module):
-    """The wrapped module's parameters for the names `_named_model_parameters` returned."""
-    by_name = dict(module.named_parameters())
-    return [{**g, "params": [by_name[n] for n in g["params"]]} for g in groups]
-
-
-def _scheduler(spec, client, optimizer):
-    if client is not None:
-        return client(optimizer) if callable(client) and not hasattr(client, "step") else client
-    if spec is None:
-        return None
-    name, kwargs = spec["type"], dict(spec.get("params", {}))
-    try:
-        from deepspeed.runtime import lr_schedules
-        cls = getattr(lr_schedules, name, None)
-    except ImportError:
-        cls = None
-    cls = cls or getattr(torch.optim.lr_scheduler, name, None)
-    if cls is None:
-        raise ValueError(f"scheduler.type {name!r} is neither a DeepSpeed nor a torch scheduler")
-    return cls(optimizer, **kwargs)
 
 
 class VeScaleEngine(nn.Module):
@@ -430,7 +276,7 @@ class VeScaleEngine(nn.Module):
         error. The module keeps its (sharded) parameters."""
         if self._destroyed:
             return
-        release_units(self.module)
+        fsdp.release(self.module)
         if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
             self.optimizer.state.clear()
         self.monitor.close()
@@ -442,29 +288,6 @@ class VeScaleEngine(nn.Module):
         if self._destroyed:
             raise RuntimeError("this VeScaleEngine was destroyed (engine.destroy()); build a new "
                                "one with initialize()")
-
-
-def release_units(module: nn.Module) -> None:
-    """Undo fully_shard's runtime on every unit under `module`: reshard, free gradient and full
-    buffers, and remove the forward hooks, so nothing of the engine runs or stays allocated."""
-    for sub in module.modules():
-        unit = fsdp.unit_of(sub)
-        if unit is None:
-            continue
-        unit.reshard()
-        for buf in unit.buffers:
-            buf.release_grad()
-            buf.full_grad.untyped_storage().resize_(0)
-            buf.full_grad_live = False
-        for p in unit.params:
-            p.sharded.grad = None
-        for hooks, fn in ((sub._forward_pre_hooks, unit.pre_forward),
-                          (sub._forward_hooks, unit.post_forward)):
-            for handle_id, hook in list(hooks.items()):
-                if hook == fn:
-                    del hooks[handle_id]
-                    sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
-        del sub._vescale_unit
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -485,27 +308,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if dist_init_required is not False:
         timeout = raw.get("vescale", {}).get("process_group_timeout_s", DEFAULT_TIMEOUT_S) \
             if isinstance(raw, dict) else DEFAULT_TIMEOUT_S
-        _init_distributed(float(timeout) if isinstance(timeout, (int, float)) else
-                          DEFAULT_TIMEOUT_S)
+        join_process_group(float(timeout) if isinstance(timeout, (int, float)) else
+                           DEFAULT_TIMEOUT_S)
     cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
-    if cfg.seed is not None:
-        torch.manual_seed(cfg.seed)
-    mesh = None
-    if cfg.hsdp_replicate_size > 1 or cfg.zero_stage == 0:
-        from torch.distributed.device_mesh import init_device_mesh
-        replicas = dist.get_world_size() if cfg.zero_stage == 0 else cfg.hsdp_replicate_size
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (replicas, dist.get_world_size() // replicas),
-                                mesh_dim_names=("replicate", "shard"))
+    if optimizer is None:
+        optimizer_spec(cfg.optimizer)
     chosen = None if model_parameters is None else \
-        _named_model_parameters(model_parameters, model)  # only these are optimized
-    module = _wrap(model, cfg, mesh)
+        named_model_parameters(model_parameters, model)  # only these are optimized
+    if cfg.seed is not None:
+        _seed_everything(cfg.seed)
+    module = wrap_model(model, cfg, device_mesh(cfg))
     if chosen is None:
         params = [p for p in module.parameters() if p.requires_grad]
     else:
-        params = _resolve_named_parameters(chosen, module)
-    opt = _optimizer(cfg.optimizer, optimizer, params)
-    sched = _scheduler(cfg.scheduler, lr_scheduler, opt)
+        params = resolve_named_parameters(chosen, module)
+    opt = build_optimizer(cfg.optimizer, optimizer, params)
+    sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
     engine = VeScaleEngine(module, cfg, opt, sched)
     loader = None
     if training_data is not None:
@@ -513,3 +331,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.batch.micro_batch_per_gpu,
                                              sampler=sampler, collate_fn=collate_fn)
     return engine, opt, loader, sched
+
+
+def _seed_everything(seed: int):
+    """The config's seed for torch, Python's random and numpy (when installed)."""
+    import random
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)

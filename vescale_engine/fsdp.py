@@ -572,3 +572,25 @@ def full_state_dict(module: nn.Module) -> dict:
     """Every parameter's full value (fp32 master), plus buffers, on every rank."""
     with gathered_parameters(module):
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def release(module: nn.Module) -> None:
+    """Undo fully_shard's runtime on every unit under `module`: reshard, free gradient and full
+    buffers, and remove the forward hooks, so nothing of the engine runs or stays allocated."""
+    for sub in module.modules():
+        unit = unit_of(sub)
+        if unit is None:
+            continue
+        unit.reshard()
+        for buf in unit.buffers:
+            buf.release_grad()
+            buf.drop_full_grad()
+        for p in unit.params:
+            p.sharded.grad = None
+        for hooks, fn in ((sub._forward_pre_hooks, unit.pre_forward),
+                          (sub._forward_hooks, unit.post_forward)):
+            for handle_id, hook in list(hooks.items()):
+                if hook == fn:
+                    del hooks[handle_id]
+                    sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+        del sub._vescale_unit
