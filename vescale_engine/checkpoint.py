@@ -21,9 +21,12 @@ killed before that leaves the previous checkpoint and `latest` untouched.
 Optimizer state interface (how an optimizer plugs in): `optimizer.checkpoint_state(create)`
 returns `{parameter: {name: tensor}}` where each tensor is either a 1-D view with exactly the
 parameter's local numel (element-wise state: saved with the parameter's global shape, so it
-reshards) or a 0-d scalar (`step`: saved once). With `create=True` the optimizer allocates
-missing state first so that loading can write into the returned views; an optional
-`optimizer.checkpoint_state_loaded()` runs after loading (e.g. to requantize from the views).
+reshards), a 0-d scalar (`step`: saved once) or a RaggedPiece (its own global 1-D shape, e.g.
+per-block scales). With `create=True` the optimizer allocates missing state first so that
+loading can write into the returned views; an optional `optimizer.checkpoint_state_loaded()`
+runs after loading (e.g. to convert from other quantization blocks). An optimizer with
+`checkpoint_info()` (plain data on its state's format, kept in vescale_state.json) gets
+`checkpoint_state(create, saved_info)`: its own info when saving, the checkpoint's on load.
 Our AdamW and torch's element-wise optimizers (AdamW, Adam, SGD, ...) need no such method
 (checkpoint_state.py adapts them). Modules: checkpoint_dcp.py (pieces as DCP chunks),
 checkpoint_state.py (named entries, plain data), checkpoint_zero.py (DeepSpeed import).
@@ -42,8 +45,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from .checkpoint_dcp import CheckpointError, LoadPlanner, RaggedPiece, SafeReader, SavePlanner
-from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_state,
-                               persistent_buffers, piece, restore_rng, rng_entries,
+from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
+                               optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
                                sharded_params, to_json, write_json)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
@@ -87,6 +90,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
                                              for k, v in g.items() if k != "params"}
                                             for i, g in enumerate(engine.optimizer.param_groups)]},
              "client_state": to_json(dict(client_state or {}), "client_state")}
+    info = optimizer_info(engine.optimizer)
+    if info is not None:
+        state["optimizer"]["checkpoint_info"] = to_json(info, "optimizer.checkpoint_info")
     if engine.lr_scheduler is not None:
         state["lr_scheduler"] = to_json(engine.lr_scheduler.state_dict(), "lr_scheduler")
     scaler = getattr(engine, "loss_scaler", None)
@@ -254,7 +260,7 @@ def _check_shape(path, metadata, key, obj):
                               f"is {list(shape)}")
 
 
-def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped):
+def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, saved_info):
     """Entries to load the optimizer state into: our interface's views where the optimizer
     defines its state, else state made for the names the checkpoint holds (torch optimizers)."""
     saved = {k for k in metadata.state_dict_metadata if k.startswith("optim.state.")}
@@ -277,7 +283,7 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped):
     elif not saved:
         return {}
     else:
-        state = optimizer_state(optimizer, create=True)
+        state = optimizer_state(optimizer, create=True, saved_info=saved_info)
     entries = optimizer_entries(optimizer, names_of, state)
     for key in set(entries) - saved:  # parameters load_module_strict=False skipped: fresh state
         if any(key.startswith(f"optim.state.{name}.") for name in skipped):
@@ -316,7 +322,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     full_load = not load_module_only
     if full_load and load_optimizer_states:
         sd.update(_optimizer_targets(path, metadata, engine.optimizer, params, names_of,
-                                     set(skipped)))
+                                     set(skipped),
+                                     from_json(state["optimizer"].get("checkpoint_info"))))
     rng = {k: torch.empty(metadata.state_dict_metadata[k].size,
                           dtype=metadata.state_dict_metadata[k].properties.dtype)
            for k in metadata.state_dict_metadata if k.startswith(f"rng.rank{rank}.")}

@@ -57,8 +57,23 @@ def persistent_buffers(module):
     return [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in names]
 
 
-def optimizer_state(optimizer, create: bool) -> dict:
-    """{parameter: {name: tensor}}: 1-D local views of element-wise state, 0-d scalars."""
+def optimizer_info(optimizer):
+    """Plain data an optimizer records about its state's format (`checkpoint_info()`, e.g.
+    AdamW8bit's block and code tables), saved in vescale_state.json; None when it has none."""
+    return optimizer.checkpoint_info() if hasattr(optimizer, "checkpoint_info") else None
+
+
+_OWN = object()
+
+
+def optimizer_state(optimizer, create: bool, saved_info=_OWN) -> dict:
+    """{parameter: {name: tensor}}: 1-D local views of element-wise state, 0-d scalars, or
+    RaggedPieces (state with its own global 1-D length, e.g. per-block scales). An optimizer
+    with `checkpoint_info` is told which format to expose: its own (saving, the default) or
+    what the checkpoint recorded (loading; None when it recorded nothing)."""
+    if hasattr(optimizer, "checkpoint_info"):
+        return optimizer.checkpoint_state(
+            create, optimizer.checkpoint_info() if saved_info is _OWN else saved_info)
     if hasattr(optimizer, "checkpoint_state"):
         return optimizer.checkpoint_state(create)
     from .optim.adamw import AdamW
@@ -98,7 +113,9 @@ def optimizer_entries(optimizer, names_of, state):
     for p, named in state.items():
         for name, t in named.items():
             key = f"optim.state.{names_of[id(p)][0]}.{name}"
-            if t.dim() == 0:
+            if isinstance(t, RaggedPiece):  # the optimizer placed it in its own global shape
+                entries[key] = t
+            elif t.dim() == 0:
                 entries[key] = t
             elif t.dim() == 1 and t.numel() == p.numel():
                 entries[key] = piece(p, t)

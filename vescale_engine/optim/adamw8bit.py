@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint_dcp import CheckpointError, RaggedPiece
 from ..granularity import parse_granularity
 from .adamw import _adamw
-from .quantize import MAPS, BlockQuantizer
+from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = "block:256"
 
@@ -135,13 +136,26 @@ class AdamW8bit(torch.optim.Optimizer):
 
     # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
 
-    def checkpoint_state(self, create: bool) -> dict:
-        """{parameter: {name: view}}: the moments restored to fp32, one element per parameter
-        element, so a checkpoint reshards to any mesh or granularity; `step` as a 0-d tensor.
-        With `create`, missing state is made first; `checkpoint_state_loaded` requantizes what
-        was loaded into these views (exactly what was saved: the restored values quantize back
-        to the same codes and scales)."""
-        self._restored = []
+    def checkpoint_info(self) -> dict:
+        """Plain data saved next to the state (vescale_state.json): how the codes were made."""
+        return {"quantized_moments": {"block": str(self.granularity), "quant_map": self.quant_map}}
+
+    def checkpoint_state(self, create: bool, saved_info) -> dict:
+        """{parameter: {name: view}}: each moment as its 8-bit codes (one per parameter element,
+        the parameter's shape in the checkpoint) and its per-block fp32 scales (a RaggedPiece
+        over the parameter's blocks: a rank owns whole blocks, so its scales are one contiguous
+        range); `step` as a 0-d tensor. With `create`, missing state is made first.
+
+        `saved_info` is the `checkpoint_info()` of the state's format: our own when saving, the
+        checkpoint's when loading. A parameter whose saved blocks and tables equal the current
+        ones loads straight into the state (bit-exact, any world size). Any other is read into
+        scratch and converted by `checkpoint_state_loaded` (lossy: within one quantization step):
+        codes and scales of other blocks or tables are restored with those and quantized again
+        with ours; with no record at all (an fp32 optimizer's checkpoint, e.g. AdamW's or one
+        imported from DeepSpeed) fp32 `exp_avg`/`exp_avg_sq` are read and quantized."""
+        saved = None if saved_info is None else _quantization_record(saved_info)
+        saved_granularity = parse_granularity(saved["block"]) if saved else None
+        self._converting = []  # (buffer, start, end, restore(moment, signed, codes) -> fp32)
         out = {}
         for buf, group, decay, probe, quantizer in self._buffers:
             if create and not self.state.get(buf.master):
@@ -149,23 +163,75 @@ class AdamW8bit(torch.optim.Optimizer):
             state = self.state.get(buf.master)
             if not state:
                 continue
-            exp_avg, exp_avg_sq = self.moments(buf)
-            self._restored.append((buf, quantizer, exp_avg, exp_avg_sq))
+            seg_starts = torch.cumsum(quantizer.lengths, 0) - quantizer.lengths
             for g in self.param_groups:
                 for p in g["params"]:
-                    if p._vescale.buffer is buf:
-                        start, end = buf.local_ranges[p._vescale.index]
-                        out[p] = {"step": state["step"], "exp_avg": exp_avg[start:end],
-                                  "exp_avg_sq": exp_avg_sq[start:end]}
+                    sp = p._vescale
+                    if sp.buffer is not buf:
+                        continue
+                    start, end = buf.local_ranges[sp.index]
+                    entry = {"step": state["step"]}
+                    if saved is None:
+                        entry.update(self._fp32_scratch(buf, start, end))
+                        out[p] = entry
+                        continue
+                    entry.update(exp_avg_codes=state["exp_avg_codes"][start:end],
+                                 exp_avg_sq_codes=state["exp_avg_sq_codes"][start:end])
+                    first = _local_first_element(sp)  # of the tensor, at `start`
+                    saved_block = _saved_block(saved_granularity, sp)
+                    if saved_block == sp.block and saved["quant_map"] == self.quant_map:
+                        # this tensor's segments: those starting inside its piece, in order
+                        lo, hi = _segment_range(seg_starts, start, end)
+                        for name in ("exp_avg_scales", "exp_avg_sq_scales"):
+                            entry[name] = RaggedPiece(state[name][lo:hi], (_blocks(sp, sp.block),),
+                                                      first // sp.block if end > start else 0)
+                    else:
+                        entry.update(self._codes_scratch(buf, sp, start, end, first, saved_block,
+                                                         saved["quant_map"]))
+                    out[p] = entry
         return out
 
+    def _fp32_scratch(self, buf, start, end) -> dict:
+        """fp32 moments to read an unquantized checkpoint into."""
+        scratch = {name: buf.master.new_zeros(end - start) for name in ("exp_avg", "exp_avg_sq")}
+        self._converting.append((buf, start, end, lambda moment, signed, codes: scratch[moment]))
+        return scratch
+
+    def _codes_scratch(self, buf, sp, start, end, first, saved_block, saved_map) -> dict:
+        """Scales of the saved blocks that overlap this rank's elements (the codes load into the
+        state as they are: one per element whatever the blocks), and how to restore them."""
+        lo, hi = (first // saved_block, -(-(first + end - start) // saved_block)) if end > start \
+            else (0, 0)
+        scales = {name: RaggedPiece(buf.master.new_zeros(hi - lo), (_blocks(sp, saved_block),), lo)
+                  for name in ("exp_avg_scales", "exp_avg_sq_scales")}
+
+        def restore(moment, signed, codes):
+            table = code_table(saved_map, signed).to(codes.device)
+            index = codes[start:end].to(torch.int64) + (127 if signed else 0)
+            block_of = torch.arange(first, first + end - start, device=codes.device)
+            return table[index] * scales[f"{moment}_scales"].local[block_of // saved_block - lo]
+
+        self._converting.append((buf, start, end, restore))
+        return scales
+
     def checkpoint_state_loaded(self) -> None:
-        for buf, quantizer, exp_avg, exp_avg_sq in getattr(self, "_restored", []):
+        """Convert what was read into scratch: restore those pieces' fp32 moments, then quantize
+        each such shard again with our blocks and tables (its other pieces round-trip exactly)."""
+        pieces = {}
+        for buf, start, end, restore in getattr(self, "_converting", []):
+            pieces.setdefault(id(buf), []).append((start, end, restore))
+        for buf, *_, quantizer in self._buffers:
+            if id(buf) not in pieces:
+                continue
             state = self.state[buf.master]
-            quantizer.quantize(exp_avg, True, state["exp_avg_codes"], state["exp_avg_scales"])
-            quantizer.quantize(exp_avg_sq, False, state["exp_avg_sq_codes"],
-                               state["exp_avg_sq_scales"])
-        self._restored = []
+            for signed, moment in ((True, "exp_avg"), (False, "exp_avg_sq")):
+                codes, scales = state[f"{moment}_codes"], state[f"{moment}_scales"]
+                values = quantizer.dequantize(codes, scales, signed)  # pieces loaded as they are
+                for start, end, restore in pieces[id(buf)]:
+                    if end > start:
+                        values[start:end] = restore(moment, signed, codes)
+                quantizer.quantize(values, signed, codes, scales)
+        self._converting = []
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (codes, scales, segment lengths, steps)."""
@@ -183,6 +249,48 @@ class AdamW8bit(torch.optim.Optimizer):
                         quantizer.dequantize(state["exp_avg_sq_codes"],
                                              state["exp_avg_sq_scales"], False))
         raise KeyError(f"buffer {buf.name} is not stepped by this optimizer")
+
+
+def _quantization_record(info) -> dict:
+    """The checkpoint's {"block", "quant_map"}, checked: a bad record is one clear line."""
+    record = info.get("quantized_moments") if isinstance(info, dict) else None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"AdamW8bit checkpoint: no quantization record in the optimizer's "
+                              f"checkpoint_info ({info!r}): not saved by AdamW8bit")
+    if record.get("quant_map") not in MAPS:
+        raise CheckpointError(f"AdamW8bit checkpoint: quant_map {record.get('quant_map')!r} is "
+                              f"not one of {', '.join(MAPS)}")
+    try:
+        quantization_granularity(record.get("block"))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"AdamW8bit checkpoint: saved block: {err}") from None
+    return record
+
+
+def _local_first_element(sp) -> int:
+    """Index (in the tensor's flat storage) of this rank's first element of `sp`."""
+    buf = sp.buffer
+    start, _ = buf.local_ranges[sp.index]
+    return buf.rank * buf.shard_size + start - buf.layout.placements[sp.index].offset
+
+
+def _blocks(sp, block: int) -> int:
+    """How many blocks of `block` elements tensor `sp` has (the last may be shorter)."""
+    return -(-sp.buffer.layout.placements[sp.index].numel // block) if block else 0
+
+
+def _saved_block(granularity, sp) -> int:
+    try:
+        return granularity.block_size(sp.shape)
+    except ValueError as err:
+        raise CheckpointError(f"AdamW8bit checkpoint: parameter {sp.fqn}: saved block "
+                              f"{granularity}: {err}") from None
+
+
+def _segment_range(seg_starts: torch.Tensor, start: int, end: int):
+    """Indices [lo, hi) of the segments starting inside the flat range [start, end)."""
+    bounds = torch.searchsorted(seg_starts, torch.tensor([start, end], dtype=seg_starts.dtype))
+    return int(bounds[0]), int(bounds[1])
 
 
 def shard_segments(buf) -> torch.Tensor:
