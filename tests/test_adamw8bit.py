@@ -286,7 +286,7 @@ def test_quantizer_round_trip(kind):
 
 def checkpoint_rank(rank, world, directory):
     """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint and training the
-    same 2 steps ends bit-identical (the 8-bit state survives the fp32 round trip exactly)."""
+    same 2 steps ends bit-identical (the checkpoint holds the codes and scales themselves)."""
     config = {"train_micro_batch_size_per_gpu": 4,
               "optimizer": {"type": "AdamW8bit", "params": {"lr": 3e-3, "block": "block:256"}},
               "vescale": {"wrap_policy": {"module_classes": ["Block"]}}}
