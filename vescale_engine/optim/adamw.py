@@ -10,52 +10,15 @@ import math
 
 import torch
 
+from .flat import flat_buffers
+
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._buffers = self._index_buffers()
-
-    def _index_buffers(self):
-        """One entry per DBuffer: its param groups must agree on lr, betas and eps; weight
-        decay may differ per parameter (a per-element vector then)."""
-        owners = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                sp = getattr(p, "_vescale", None)
-                if sp is None:
-                    raise ValueError("vescale_engine.optim.AdamW needs parameters sharded by "
-                                     "vescale_engine.fully_shard; use torch.optim.AdamW for "
-                                     f"a plain parameter of shape {list(p.shape)}")
-                owners.setdefault(id(sp.buffer), (sp.buffer, []))[1].append((sp, group))
-        entries = []
-        for buf, members in owners.values():
-            first = members[0][1]
-            for sp, group in members:
-                for key in ("lr", "betas", "eps"):
-                    if group[key] != first[key]:
-                        raise ValueError(f"parameter {sp.fqn}: shares a flat buffer with "
-                                         f"parameters whose {key} differs ({group[key]} vs "
-                                         f"{first[key]})")
-            given = {id(sp) for sp, _ in members}
-            for sp in members[0][0].unit.params:
-                if sp.buffer is buf and sp.sharded.requires_grad and id(sp) not in given:
-                    raise ValueError(f"parameter {sp.fqn}: trainable and in a flat buffer the "
-                                     "optimizer steps, but not given to the optimizer")
-            decays = {group["weight_decay"] for _, group in members}
-            if len(decays) == 1:
-                decay = decays.pop()
-            else:
-                decay = torch.zeros_like(buf.master)
-                for sp, group in members:
-                    start, end = buf.local_ranges[sp.index]
-                    decay[start:end] = group["weight_decay"]
-            trainable = [sp.sharded for sp, _ in members if sp.sharded.requires_grad]
-            if trainable:  # a buffer of frozen parameters has nothing to step
-                entries.append((buf, first, decay, trainable[0]))
-        return entries
+        self._buffers = flat_buffers(self.param_groups, "vescale_engine.optim.AdamW")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -17,6 +17,7 @@ import torch
 from ..checkpoint_dcp import CheckpointError, RaggedPiece
 from ..granularity import parse_granularity
 from .adamw import _adamw
+from .flat import flat_buffers
 from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = "block:256"
@@ -45,49 +46,22 @@ class AdamW8bit(torch.optim.Optimizer):
         self._buffers = self._index_buffers()
 
     def _index_buffers(self):
-        """Per DBuffer: its group, weight decay (a vector when it differs per parameter), one
-        trainable parameter to test for gradients, and the quantizer of its shard's blocks."""
-        owners = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                sp = getattr(p, "_vescale", None)
-                if sp is None:
-                    raise ValueError("AdamW8bit needs parameters sharded by vescale_engine."
-                                     f"fully_shard; got a plain parameter of shape {list(p.shape)}")
-                want = self._block_of(sp)
-                if sp.block != want:
-                    raise ValueError(
-                        f"parameter {sp.fqn}: sharded in blocks of {sp.block} elements but "
-                        f"AdamW8bit quantizes it in blocks of {want} ({self.granularity}): shard "
-                        f"it with granularity {self.granularity} so that no rank holds part "
-                        "of a block")
-                owners.setdefault(id(sp.buffer), (sp.buffer, []))[1].append((sp, group))
-        entries = []
-        for buf, members in owners.values():
-            first = members[0][1]
-            for sp, group in members:
-                for key in ("lr", "betas", "eps"):
-                    if group[key] != first[key]:
-                        raise ValueError(f"parameter {sp.fqn}: shares a flat buffer with "
-                                         f"parameters whose {key} differs")
-            given = {id(sp) for sp, _ in members}
-            for sp in members[0][0].unit.params:
-                if sp.buffer is buf and sp.sharded.requires_grad and id(sp) not in given:
-                    raise ValueError(f"parameter {sp.fqn}: trainable and in a flat buffer the "
-                                     "optimizer steps, but not given to the optimizer")
-            decays = {group["weight_decay"] for _, group in members}
-            if len(decays) == 1:
-                decay = decays.pop()
-            else:
-                decay = torch.zeros_like(buf.master)
-                for sp, group in members:
-                    start, end = buf.local_ranges[sp.index]
-                    decay[start:end] = group["weight_decay"]
-            trainable = [sp.sharded for sp, _ in members if sp.sharded.requires_grad]
-            if trainable and buf.shard_size:
-                entries.append((buf, first, decay, trainable[0], BlockQuantizer(
-                    shard_segments(buf).to(buf.master.device), self.quant_map)))
-        return entries
+        """Per DBuffer: its group, weight decay, one trainable parameter to test for gradients,
+        and the quantizer of its shard's blocks."""
+        return [(buf, group, decay, probe, BlockQuantizer(
+                    shard_segments(buf).to(buf.master.device), self.quant_map))
+                for buf, group, decay, probe in flat_buffers(
+                    self.param_groups, "AdamW8bit", self._check_block)
+                if buf.shard_size]
+
+    def _check_block(self, sp):
+        want = self._block_of(sp)
+        if sp.block != want:
+            raise ValueError(
+                f"parameter {sp.fqn}: sharded in blocks of {sp.block} elements but "
+                f"AdamW8bit quantizes it in blocks of {want} ({self.granularity}): shard "
+                f"it with granularity {self.granularity} so that no rank holds part "
+                "of a block")
 
     @staticmethod
     def _new_state(buf, quantizer) -> dict:
