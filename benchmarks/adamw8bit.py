@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+from ranks import run_ranks  # noqa: E402
 SYSTEMS = ("AdamW", "AdamW8bit")
 
 
@@ -76,31 +76,10 @@ def worker(args):
                       "params": params}), flush=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(system, args):
-    port = free_port()
-    procs = []
-    for rank in range(args.world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--system", system, "--rank", str(rank),
-             "--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim),
-             "--seq", str(args.seq), "--block", args.block],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=7200)
-        if proc.returncode:
-            raise SystemExit(f"{system} rank failed:\n{err[-3000:]}")
-        results.append(json.loads([line for line in out.splitlines()
-                                   if line.startswith("{")][-1]))
+    results = run_ranks(__file__, system, args.world, [
+        "--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim),
+        "--seq", str(args.seq), "--block", args.block], timeout_s=7200)
     return {"losses": results[0]["losses"], "state_bytes": sum(r["state_bytes"] for r in results),
             "step_s": max(r["step_s"] for r in results), "params": results[0]["params"]}
 

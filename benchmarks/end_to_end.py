@@ -23,14 +23,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from fsdp_step_time import free_port  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 SYSTEMS = ("vescale", "fsdp2", "deepspeed")
 LABELS = {"vescale": "veScale Engine (initialize)", "fsdp2": "PyTorch FSDP2",
@@ -151,25 +150,10 @@ def worker(args):
 def launch(system, args):
     """One run: `args.world` fresh ranks with torchrun's environment (which DeepSpeed and our
     launcher discovery both read)."""
-    port = free_port()
     flags = ["--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq),
              "--batch", str(args.batch), "--accum", str(args.accum), "--steps",
              str(args.steps), "--warmup", str(args.warmup)]
-    procs = []
-    for rank in range(args.world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--system", system, "--rank", str(rank),
-             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=3600)
-        if proc.returncode:
-            raise SystemExit(f"{system} rank failed:\n{err[-3000:]}")
-        results.append(json.loads([line for line in out.splitlines()
-                                   if line.startswith("{")][-1]))
+    results = run_ranks(__file__, system, args.world, flags)
     return {"step_s": max(r["step_s"] for r in results),
             "rss_mb": max(r["rss_mb"] for r in results),
             "rss_start_mb": max(r["rss_start_mb"] for r in results),

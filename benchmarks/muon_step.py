@@ -28,14 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+from ranks import run_ranks  # noqa: E402
 SYSTEMS = ("vescale-gather", "vescale-tensor", "deepspeed")
 LABELS = {"vescale-gather": "vescale_engine Muon (gather mode)",
           "vescale-tensor": "vescale_engine Muon (tensor mode)",
@@ -187,32 +187,11 @@ def worker(args):
           flush=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(system, world, args):
-    port = free_port()
     flags = ["--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq),
              "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps", str(args.steps),
              "--warmup", str(args.warmup)]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--system", system, "--rank", str(rank),
-             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=3600)
-        if proc.returncode:
-            raise SystemExit(f"{system} rank failed:\n{err[-3000:]}")
-        results.append(json.loads([line for line in out.splitlines()
-                                   if line.startswith("{")][-1]))
+    results = run_ranks(__file__, system, world, flags)
     return {"step_s": max(r["step_s"] for r in results),
             "opt_s": max(r["opt_s"] for r in results),
             "step_bytes": statistics.mean(r["step_bytes"] for r in results),

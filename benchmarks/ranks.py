@@ -1,0 +1,40 @@
+"""Start one benchmark run's ranks as fresh processes and collect what each reports."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: str, system: str, world: int, flags: list, timeout_s: float = 3600):
+    """Run `script --worker --system SYSTEM --rank R FLAGS` for R < world with torchrun's
+    environment (which DeepSpeed and our launcher discovery both read), one thread per rank;
+    return each rank's last JSON line, in rank order. A failing rank ends the benchmark with
+    its error output."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen(
+            [sys.executable, script, "--worker", "--system", system, "--rank", str(rank),
+             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_s)
+        if proc.returncode:
+            raise SystemExit(f"{system} rank failed:\n{err[-3000:]}")
+        results.append(json.loads([line for line in out.splitlines()
+                                   if line.startswith("{")][-1]))
+    return results
