@@ -1,6 +1,7 @@
 """Checkpoints on gloo ranks: save on 2, load on 1, 3 and 4 (other granularity) and continue with
 the uninterrupted run's losses; plain-model, consolidate and FSDP2 loading; DeepSpeed ZeRO-3
 import; a save killed by SIGKILL; bad input."""
+import json
 import math
 import os
 import shutil
@@ -185,6 +186,26 @@ def test_consolidate_python_and_cli(saved, root, tmp_path):
     model.load_state_dict(torch.load(out, weights_only=True))  # plain, strict
     assert model.wte.weight.dtype == torch.float32  # load_state_dict casts bf16 back
     assert torch.equal(model.wte.weight, weights["wte.weight"].bfloat16().float())
+    # .safetensors, written by our own writer: read back by the format's spec (and by the
+    # safetensors package when it is installed), then loaded into a plain model, strict.
+    from vescale_engine.checkpoint import consolidate as again
+    from vescale_engine.safetensors_format import load_file
+    st = tmp_path / "model.safetensors"
+    again(os.path.join(root, "torch"), str(st))
+    blob = st.read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    assert (8 + header_len) % 8 == 0 and b'"dtype":"F32"' in blob[8:8 + header_len]
+    read = load_file(str(st))
+    assert read.keys() == weights.keys() and all(torch.equal(read[k], weights[k]) for k in read)
+    try:
+        from safetensors.torch import load_file as reference_load
+    except ImportError:
+        reference_load = None
+    if reference_load is not None:
+        assert all(torch.equal(v, read[k]) for k, v in reference_load(str(st)).items())
+    plain = fm.make("gpt", seed=6)
+    plain.load_state_dict(read)
+    assert torch.equal(plain.wte.weight, weights["wte.weight"])
 
 
 def fsdp2_load(rank, world, path):
@@ -492,10 +513,6 @@ def test_cli_bad_input_is_one_line(saved, root, tmp_path, capsys):
         ("convert-zero", str(tmp_path / "nope"), str(tmp_path / "o")): "nope does not exist",
         ("convert-zero", good, str(tmp_path / "o")): "not a DeepSpeed ZeRO checkpoint",
     }
-    try:
-        import safetensors  # noqa: F401
-    except ImportError:
-        cases[("consolidate", good, str(tmp_path / "m.safetensors"))] = "needs the safetensors"
     for argv, expected in cases.items():
         assert main(list(argv)) == 2, argv
         err = capsys.readouterr().err.strip()
@@ -710,3 +727,27 @@ def test_adamw8bit_loads_an_fp32_adamw_checkpoint(saved, root, pools):
     expected = saved["ours"][0][2]
     gap = max(abs(a - b) / b for a, b in zip(losses, expected))
     assert gap < 1e-2, (losses, expected)
+
+
+def test_safetensors_format_round_trip(tmp_path):
+    """Our writer and reader agree for every dtype a state dict holds (the layout follows the
+    safetensors spec: u64 header length, JSON header padded to 8 bytes, raw little-endian)."""
+    from vescale_engine.safetensors_format import load_file, save_file
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(),
+               "f16": torch.randn(2, 2).half(), "i64": torch.arange(6).reshape(2, 3),
+               "u8": torch.arange(4, dtype=torch.uint8), "empty": torch.empty(0, 4),
+               "view": torch.randn(4, 6)[:, 1:3]}  # non-contiguous: written contiguous
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    assert n % 8 == 0 and header["__metadata__"] == {"format": "pt"}
+    assert header["bf16"] == {"dtype": "BF16", "shape": [7], "data_offsets": [60, 74]}
+    read = load_file(str(path))
+    assert read.keys() == tensors.keys()
+    assert all(torch.equal(read[k], tensors[k]) and read[k].dtype == tensors[k].dtype
+               for k in tensors)
+    path.write_bytes(blob[:-3])
+    with pytest.raises(ValueError, match="t.safetensors"):
+        load_file(str(path))

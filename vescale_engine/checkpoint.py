@@ -392,14 +392,11 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
 def _write_state_dict(full, out):
     tmp = f"{out}.tmp"
     if out.endswith(".safetensors"):
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise CheckpointError(f"{out}: writing .safetensors needs the safetensors package "
-                                  "(pip install safetensors); or write a .pt file") from None
-        save_file({k: v.contiguous() for k, v in full.items()}, tmp)
+        from .safetensors_format import save_file
+        save_file(full, tmp, metadata={"format": "pt"})  # separate tensors, none shared
     elif out.endswith(".pt") or out.endswith(".pth") or out.endswith(".bin"):
         torch.save(full, tmp)
     else:
         raise CheckpointError(f"{out}: the output must end in .pt, .pth, .bin or .safetensors")
     os.replace(tmp, out)
+
