@@ -116,3 +116,15 @@ def _failures(outcomes) -> str:
 def scratch_dir() -> str:
     """A directory all ranks of a pool can share (ranks run on one machine)."""
     return tempfile.mkdtemp(prefix="vescale-test-")
+
+
+def value_errors(attempts) -> list:
+    """Run each callable; its ValueError's message, or None where it raised nothing."""
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool
+from dist_harness import RankPool, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.optim import AdamW8bit, sharding_granularity
@@ -222,28 +222,21 @@ class Odd(nn.Module):
 
 
 def bad_input_rank(rank, world):
-    errors = []
-    for attempt in (
-            lambda: sharding_granularity({"type": "AdamW8bit", "params": {"block": "tile:32x32"}},
-                                         {"default": "rows:1"}, Odd()),
-            lambda: initialize(model=Odd(), config={
-                "train_micro_batch_size_per_gpu": 1,
-                "optimizer": {"type": "AdamW8bit", "params": {"block": "tile:32x32"}}}),
-            lambda: AdamW8bit(fully_shard(fm.make("gpt"), granularity="rows:1").parameters(),
-                              block="block:256"),
-            lambda: AdamW8bit(fully_shard(fm.make("gpt"), granularity="block:256").parameters(),
-                              block="tensor"),
-            lambda: AdamW8bit(fully_shard(fm.make("gpt"), granularity="block:256").parameters(),
-                              quant_map="log"),
-            lambda: initialize(model=fm.make("gpt"), config={
-                "train_micro_batch_size_per_gpu": 1,
-                "optimizer": {"type": "AdamW8bit", "params": {"block": "tile:32"}}})):
-        try:
-            attempt()
-            errors.append(None)
-        except ValueError as err:
-            errors.append(str(err))
-    return errors
+    return value_errors((
+        lambda: sharding_granularity({"type": "AdamW8bit", "params": {"block": "tile:32x32"}},
+                                     {"default": "rows:1"}, Odd()),
+        lambda: initialize(model=Odd(), config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW8bit", "params": {"block": "tile:32x32"}}}),
+        lambda: AdamW8bit(fully_shard(fm.make("gpt"), granularity="rows:1").parameters(),
+                          block="block:256"),
+        lambda: AdamW8bit(fully_shard(fm.make("gpt"), granularity="block:256").parameters(),
+                          block="tensor"),
+        lambda: AdamW8bit(fully_shard(fm.make("gpt"), granularity="block:256").parameters(),
+                          quant_map="log"),
+        lambda: initialize(model=fm.make("gpt"), config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW8bit", "params": {"block": "tile:32"}}})))
 
 
 def test_bad_input_names_the_parameter(pool):

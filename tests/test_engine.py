@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool
+from dist_harness import RankPool, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict
 
@@ -70,18 +70,14 @@ def test_engine_matches_single_process(pool):
 
 
 def bad_engine_rank(rank, world):
-    errors = []
-    for kwargs in (dict(config={**CONFIG, "vescale": {"wrap_policy": {"module_classes": ["Nope"]}}}),
-                   dict(config=CONFIG, optimizer=torch.optim.SGD(fm.make("gpt").parameters(),
-                                                                 lr=0.1)),
-                   dict(config={**CONFIG, "train_batch_size": 7}),
-                   dict(config=None)):
-        try:
-            initialize(model=fm.make("gpt"), **kwargs)
-            errors.append(None)
-        except ValueError as err:
-            errors.append(str(err))
-    return errors
+    return value_errors(
+        lambda kwargs=kwargs: initialize(model=fm.make("gpt"), **kwargs)
+        for kwargs in (dict(config={**CONFIG, "vescale": {"wrap_policy": {"module_classes":
+                                                                           ["Nope"]}}}),
+                       dict(config=CONFIG, optimizer=torch.optim.SGD(
+                           fm.make("gpt").parameters(), lr=0.1)),
+                       dict(config={**CONFIG, "train_batch_size": 7}),
+                       dict(config=None)))
 
 
 def test_engine_bad_input(pool):

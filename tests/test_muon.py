@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool
+from dist_harness import RankPool, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.ragged import RaggedShard, ragged_to_replicate
@@ -288,24 +288,17 @@ class OnlyVectors(nn.Module):
 
 
 def bad_input_rank(rank, world):
-    errors = []
-    for attempt in (
-            lambda: sharding_granularity({"type": "Muon", "params": {}}, {"default": "rows:1"},
-                                         OnlyVectors()),
-            lambda: Muon(fully_shard(OnlyVectors()).parameters()),
-            lambda: Muon(shard(make("gpt"), "rows:1").parameters(), adjust_lr_fn="sqrt"),
-            lambda: Muon(shard(make("gpt"), "rows:1").parameters(), mode="scatter"),
-            lambda: Muon(make("gpt").parameters()),
-            lambda: initialize(model=OnlyVectors(), config={
-                **ENGINE, "optimizer": {"type": "Muon", "params": {"momentum": 0.9}}}),
-            lambda: initialize(model=make("gpt"), config={
-                **ENGINE, "optimizer": {"type": "Muon", "params": {"ns_step": 5}}})):
-        try:
-            attempt()
-            errors.append(None)
-        except ValueError as err:
-            errors.append(str(err))
-    return errors
+    return value_errors((
+        lambda: sharding_granularity({"type": "Muon", "params": {}}, {"default": "rows:1"},
+                                     OnlyVectors()),
+        lambda: Muon(fully_shard(OnlyVectors()).parameters()),
+        lambda: Muon(shard(make("gpt"), "rows:1").parameters(), adjust_lr_fn="sqrt"),
+        lambda: Muon(shard(make("gpt"), "rows:1").parameters(), mode="scatter"),
+        lambda: Muon(make("gpt").parameters()),
+        lambda: initialize(model=OnlyVectors(), config={
+            **ENGINE, "optimizer": {"type": "Muon", "params": {"momentum": 0.9}}}),
+        lambda: initialize(model=make("gpt"), config={
+            **ENGINE, "optimizer": {"type": "Muon", "params": {"ns_step": 5}}})))
 
 
 def test_bad_input_is_a_clear_error(pool):
