@@ -10,7 +10,7 @@ import pytest
 
 from launcher import binding
 from launcher.hostfile import Host, HostfileError, read_hostfile
-from launcher.run import deepspeed_command, mpi_command
+from launcher.run import _cuda_available, deepspeed_command, mpi_command
 
 
 def run(tmp_path, body, *args):
@@ -88,6 +88,10 @@ def test_each_rank_runs_on_its_own_cores(tmp_path):
     nproc = min(2, len(usable))
     out = run(tmp_path, AFFINITY, "--nproc", str(nproc))
     assert out.returncode == 0, out.stdout + out.stderr
+    if _cuda_available():  # GPU ranks are left to the GPU's NUMA placement, by design
+        assert "no core binding (CUDA ranks)" in out.stdout.splitlines()[0]
+        assert affinities(out) == {r: (usable, len(usable) // nproc) for r in range(nproc)}
+        return
     seen = affinities(out)
     per_rank = len(usable) // nproc
     assert seen == {r: (usable[r * per_rank:(r + 1) * per_rank], per_rank) for r in range(nproc)}
@@ -111,6 +115,10 @@ def test_more_ranks_than_cores_share_them_round_robin(tmp_path):
         out = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "3",
                               str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+    if _cuda_available():  # not bound: each rank inherits the launcher's one core
+        assert "no core binding (CUDA ranks)" in out.stdout.splitlines()[0]
+        assert affinities(out) == {r: ([core], 1) for r in range(3)}
+        return
     assert affinities(out) == {r: ([core], 1) for r in range(3)}
     assert "3 ranks on 1 cores: cores shared round-robin, one thread each" in out.stdout
 
