@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from ranks import run_ranks  # noqa: E402
+from ranks import alternate, run_ranks  # noqa: E402
 
 SYSTEMS = ("vescale", "fsdp2", "deepspeed")
 LABELS = {"vescale": "veScale Engine (initialize)", "fsdp2": "PyTorch FSDP2",
@@ -264,12 +264,8 @@ def main():
     if args.worker:
         return worker(args)
 
-    runs = {s: [] for s in SYSTEMS}
-    for r in range(args.rounds):
-        for system in SYSTEMS:
-            runs[system].append(launch(system, args))
-            print(f"round {r}: {system:9s} step {runs[system][-1]['step_s']:.3f} s, "
-                  f"peak RSS {runs[system][-1]['rss_mb']:.0f} MB", flush=True)
+    runs = alternate(SYSTEMS, args.rounds, lambda system: launch(system, args),
+                     lambda run: f"step {run['step_s']:.3f} s, peak RSS {run['rss_mb']:.0f} MB")
     chart = os.path.splitext(args.out)[0] + ".png"
     text, med = _report(runs, args, os.path.basename(chart))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+from ranks import alternate, free_port  # noqa: E402
+
 SYSTEMS = ("vescale", "fsdp2", "floor")
 
 
@@ -76,12 +78,6 @@ def worker(args):
                       "losses": losses, "params": params}), flush=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(system, args):
     ranks = 1 if system == "floor" else args.world
     port = free_port()
@@ -123,12 +119,8 @@ def main():
     if args.worker:
         return worker(args)
 
-    runs = {s: [] for s in SYSTEMS}
-    for r in range(args.rounds):
-        for system in SYSTEMS:
-            runs[system].append(launch(system, args))
-            print(f"round {r}: {system:8s} step {runs[system][-1]['step_s']:.3f} s, "
-                  f"peak RSS {runs[system][-1]['rss_mb']:.0f} MB", flush=True)
+    runs = alternate(SYSTEMS, args.rounds, lambda system: launch(system, args),
+                     lambda run: f"step {run['step_s']:.3f} s, peak RSS {run['rss_mb']:.0f} MB")
     med = {s: {k: statistics.median(x[k] for x in runs[s]) for k in ("step_s", "rss_mb")}
            for s in SYSTEMS}
     ratio = med["vescale"]["step_s"] / med["fsdp2"]["step_s"]

@@ -35,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import run_ranks  # noqa: E402
+from ranks import alternate, run_ranks  # noqa: E402
 SYSTEMS = ("vescale-gather", "vescale-tensor", "deepspeed")
 LABELS = {"vescale-gather": "vescale_engine Muon (gather mode)",
           "vescale-tensor": "vescale_engine Muon (tensor mode)",
@@ -241,13 +241,9 @@ def main():
               "optimizer step | padding |", "|---:|---|---:|---:|---:|---:|---:|"]
     summary = []
     for world in worlds:
-        runs = {s: [] for s in SYSTEMS}
-        for r in range(args.rounds):
-            for system in SYSTEMS:
-                runs[system].append(launch(system, world, args))
-                print(f"{world} ranks, round {r}: {system:15s} step "
-                      f"{runs[system][-1]['step_s']:.3f} s, "
-                      f"{runs[system][-1]['step_bytes'] / 1e6:.2f} MB", flush=True)
+        runs = alternate(SYSTEMS, args.rounds, lambda system: launch(system, world, args),
+                         lambda run: f"step {run['step_s']:.3f} s, "
+                                     f"{run['step_bytes'] / 1e6:.2f} MB", f"{world} ranks, ")
         med = {s: {k: statistics.median(x[k] for x in runs[s])
                    for k in ("step_s", "opt_s", "step_bytes", "opt_bytes")} for s in SYSTEMS}
         for s in SYSTEMS:

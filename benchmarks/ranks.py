@@ -38,3 +38,16 @@ def run_ranks(script: str, system: str, world: int, flags: list, timeout_s: floa
         results.append(json.loads([line for line in out.splitlines()
                                    if line.startswith("{")][-1]))
     return results
+
+
+def alternate(systems, rounds: int, launch, describe, label: str = "") -> dict:
+    """Run every system once per round, in turn, so machine noise falls on all of them alike;
+    returns {system: [one launch's result per round]} and prints each run as it ends."""
+    runs = {s: [] for s in systems}
+    width = max(len(s) for s in systems)
+    for r in range(rounds):
+        for system in systems:
+            runs[system].append(launch(system))
+            print(f"{label}round {r}: {system:{width}s} {describe(runs[system][-1])}",
+                  flush=True)
+    return runs
