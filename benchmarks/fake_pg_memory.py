@@ -254,17 +254,17 @@ def report(rows, args, command):
             "expert slices of each tensor, padded on dim 0 to W).",
             "- Where the memory goes (this model; a per-gradient RSS probe agrees): ours' "
             "forward holds the full parameters all-gathered in place (402 MB, no copy-out) plus "
-            "activations; its backward adds the zeroed full-gradient buffer (402 MB) and "
-            "autograd's freshly allocated gradient of w1 (268 MB), alive until AccumulateGrad "
-            "adds it into the buffer view fsdp.py presets as `.grad`: three parameter-sized "
-            "allocations at once, at every W. FSDP2's forward holds the all-gather output and "
-            "the copied-out unsharded parameters (2 x the dim-0-padded size), which grows with W "
-            "once W > 128 experts.",
-            "- The reduction targets assumed ours about equal to FSDP2's earlier 441 MB at W=64. "
-            "Any FSDP that keeps a unit's full parameters through its backward holds full "
-            "parameters + full gradients (805 MB here) at the backward of the first bmm, so "
-            "60% below the 1,461 MB reference (<= 584 MB) is below that floor, and 60% below "
-            "FSDP2 as measured here is about at it.",
+            "activations. Its backward writes each gradient over its own full parameter once "
+            "that parameter's gradient is complete (fully_shard's default `grads_in_place`), so "
+            "the only addition is autograd's freshly allocated gradient of w1 (268 MB), alive "
+            "until AccumulateGrad adds it into the buffer view fsdp.py presets as `.grad`: two "
+            "parameter-sized allocations at once, at every W. FSDP2's forward holds the "
+            "all-gather output and the copied-out unsharded parameters (2 x the dim-0-padded "
+            "size), which grows with W once W > 128 experts.",
+            "- The 1,461 / 6,069 MB references were measured by another script whose method is "
+            "not recorded; 60% below 1,461 MB (<= 584 MB) is less than ours' full parameters plus "
+            "the one gradient autograd allocates (670 MB), which any FSDP whose backward runs "
+            "torch's own autograd formulas holds at the backward of the first bmm.",
             "- FSDP2 ref: FSDP2's peak RSS growth measured earlier on this machine by another "
             "script (method and torch version not recorded here); the FSDP2 column is measured "
             "by this script, in the same way as ours."]

@@ -234,6 +234,78 @@ def test_tied_frozen_buffers_checkpointing_and_a_block_called_twice(pool, checkp
     assert loss < 1e-6 and whole < 1e-6 and worst < PER_TENSOR, (loss, whole, worst, name)
 
 
+def grads_in_place_rank(rank, world):
+    """Where backward puts full gradients: over the parameters (default, one full-size buffer
+    per unit), or in a separate buffer (grads_in_place=False, and always under no_sync). Both
+    train like the single-process reference."""
+    out = {}
+    for in_place, use_no_sync in ((True, False), (False, False), (True, True)):
+        reference, model = fm.make("gpt"), shard_model(fm.make("gpt"), grads_in_place=in_place)
+        ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
+        opt = vopt.AdamW(model.parameters(), **LR)
+        separate = []  # bytes of separate full-gradient storage, seen as each gradient lands
+        gaps = []
+        for step in range(STEPS):
+            if step == 1:  # the full-shape parameters exist after the first step
+                for _, p in sharded_parameters(model):
+                    if p.sharded.requires_grad:
+                        p.unsharded.register_post_accumulate_grad_hook(
+                            lambda t, buf=p.buffer: separate.append(
+                                buf.full_grad.untyped_storage().nbytes()))
+            want = reference_step(reference, ref_opt, "gpt", step)
+            got = sharded_step(model, opt, "gpt", step, rank, world, 2 if use_no_sync else 1,
+                               use_no_sync)
+            gaps.append(abs(got - want) / want)
+        out[(in_place, use_no_sync)] = (max(gaps), compare(model, reference)[0], max(separate))
+    return out
+
+
+def test_gradients_in_place_of_parameters(pool):
+    out = pool.run(grads_in_place_rank)[0]
+    for (in_place, use_no_sync), (loss, whole, separate_bytes) in out.items():
+        assert loss < 1e-6 and whole < 1e-6, (in_place, use_no_sync, loss, whole)
+        assert (separate_bytes == 0) == (in_place and not use_no_sync), (in_place, use_no_sync)
+
+
+class DetachedReuse(torch.nn.Module):
+    """Backward reads `w` through a detached use after w's own gradient is complete."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.w = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.v) @ self.w.detach()
+        return (h @ self.w).square().mean()
+
+
+def detached_reuse_rank(rank, world):
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        reference = DetachedReuse()
+        torch.manual_seed(0)
+        model = fully_shard(DetachedReuse(), grads_in_place=in_place)
+        reference(x).backward()
+        try:
+            model(x[rank * 4:(rank + 1) * 4]).backward()
+        except RuntimeError as err:
+            out[in_place] = str(err)
+            continue
+        for m in (model, reference):
+            torch.optim.SGD(m.parameters(), lr=1.0).step()
+        out[in_place] = compare(model, reference)[0]
+    return out
+
+
+def test_a_stale_parameter_read_fails_loudly_unless_grads_in_place_is_off(pool):
+    out = pool.run(detached_reuse_rank)[0]
+    assert "modified by an inplace operation" in out[True], out
+    assert out[False] < 1e-6, out
+
+
 def mixed_precision_rank(rank, world):
     reference = fm.make("gpt")
     model = shard_model(fm.make("gpt"), mp_policy=MixedPrecisionPolicy(

@@ -121,7 +121,12 @@ class DBuffer:
         self.full.untyped_storage().resize_(0)
         self.full_grad.untyped_storage().resize_(0)
         self.full_grad_live = False   # holds gradients not yet reduced (no_sync accumulation)
-        self._full_views = self._full_grad_views = None
+        # Gradients in place of the parameters: this backward writes each tensor's gradient
+        # over its own full parameter once that value is dead (see `begin_backward`).
+        self.grads_in_full = False
+        self._grad_written = []
+        self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
+        self._full_views = self._full_grad_views = self._full_as_grad_views = None
         lo = self.rank * S
         # Per tensor: (start, end) of its local piece inside the shard, and its full view range.
         self.local_ranges = []
@@ -197,16 +202,46 @@ class DBuffer:
         return _TimedWork(work) if async_op else work
 
     def free_full(self) -> None:
+        if self._reducing_full:  # the in-flight reduce-scatter frees it when it finishes
+            return
+        self.grads_in_full = False
         self.full.untyped_storage().resize_(0)
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def ensure_full_grad(self) -> None:
-        """Give `full_grad` storage, zeroed, unless it still holds unreduced gradients."""
-        if not self.full_grad_live:
+    def begin_backward(self, grads_in_place: bool) -> None:
+        """Choose where this backward's full gradients go.
+
+        In place (when no unreduced gradients are kept from an earlier micro-step): into the
+        full parameter buffer itself. A parameter's full value is dead once its own gradient is
+        complete, so the caller zeroes each tensor's range right then (`grad_arrived`) and
+        autograd adds the gradient there; the reduce-scatter then reads `full`. One full-size
+        buffer per unit instead of two. Otherwise: a separate zeroed `full_grad` buffer, kept
+        across `no_sync` micro-steps."""
+        if grads_in_place and not self.full_grad_live:
+            self.grads_in_full = True
+            self._grad_written = [False] * len(self.layout.placements)
+        elif not self.full_grad_live:
             self.full_grad.untyped_storage().resize_(self._full_bytes)
             self.full_grad.zero_()
             self.full_grad_live = True
+
+    def backward_grad_view(self, i: int) -> torch.Tensor:
+        """The full-shape tensor autograd accumulates tensor i's gradient into."""
+        if not self.grads_in_full:
+            return self.full_grad_view(i)
+        if self._full_as_grad_views is None:
+            self._full_as_grad_views = self._views(self.full)
+        return self._full_as_grad_views[i]
+
+    def grad_arrived(self, i: int, unsharded: torch.Tensor) -> None:
+        """Tensor i's gradient is complete and about to be added into its range: zero that
+        range through `unsharded` (the parameter autograd saw), whose version counter moves, so
+        a backward node that still wanted the old value fails loudly instead of reading zeros."""
+        if self.grads_in_full and not self._grad_written[i]:
+            with torch.no_grad():
+                unsharded.zero_()
+            self._grad_written[i] = True
 
     @property
     def has_grad(self) -> bool:
@@ -220,8 +255,12 @@ class DBuffer:
         parallel ranks; with `accumulate`, add to what the shard already holds. Returns a
         callable that waits for the collective and finishes the shard."""
         source = self.full_grad
-        if self.reduce_dtype != self.full_grad.dtype:
-            source = self.full_grad.to(self.reduce_dtype)  # the one fused cast of the buffer
+        if self.grads_in_full:
+            self._zero_unwritten()
+            source = self.full
+            self._reducing_full = True
+        if self.reduce_dtype != source.dtype:
+            source = source.to(self.reduce_dtype)  # the one fused cast of the buffer
         if not accumulate and not self.has_grad:
             self.grad.untyped_storage().resize_(self._grad_bytes)  # fully overwritten below
         direct = not accumulate and self.reduce_dtype == self.grad.dtype
@@ -241,12 +280,24 @@ class DBuffer:
             elif not direct:
                 self.grad.copy_(out)  # a staging copy: only when reduce and master dtypes differ
                 STATS.bytes_copied += out.numel() * out.element_size()
-            self.drop_full_grad()
+            if self._reducing_full:
+                self._reducing_full = False
+                self.free_full()
+            else:
+                self.drop_full_grad()
 
         return finish
 
+    def _zero_unwritten(self) -> None:
+        """Ranges of `full` that received no gradient (frozen tensors, unused experts) still
+        hold parameter values: make them zero gradients. Padding is zero already."""
+        for i, written in enumerate(self._grad_written):
+            if not written:
+                p = self.layout.placements[i]
+                self.full[p.offset:p.offset + p.numel].zero_()
+
     def drop_full_grad(self) -> None:
-        """Free the full gradient buffer (after its reduce-scatter, or at teardown)."""
+        """Free the separate full gradient buffer (after its reduce-scatter, or at teardown)."""
         self.full_grad.untyped_storage().resize_(0)
         self.full_grad_live = False
 

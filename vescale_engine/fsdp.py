@@ -65,7 +65,15 @@ class ShardedParameter:
         if self._unsharded is None:
             self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
                                            requires_grad=self.sharded.requires_grad)
+            if self._unsharded.requires_grad:
+                self._unsharded.register_hook(self._grad_arrived)
         return self._unsharded
+
+    def _grad_arrived(self, grad):
+        """Runs once all of this parameter's gradient is summed, just before autograd adds it
+        into the preset `.grad` view."""
+        self.buffer.grad_arrived(self.index, self._unsharded)
+        return grad
 
     def register(self, which: nn.Parameter):
         for module, name in self.registrations:
@@ -94,8 +102,9 @@ class _Context:
 
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
-                 granularity, max_buffers, align_bytes):
+                 granularity, max_buffers, align_bytes, grads_in_place):
         self.module = module
+        self.grads_in_place = grads_in_place
         self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -293,9 +302,11 @@ class FSDPUnit:
             Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
         self.wait_unshard()
         STATS.log("backward", self.name)
-        for p in self.trainable:
-            p.buffer.ensure_full_grad()
-            p.unsharded.grad = p.buffer.full_grad_view(p.index)
+        trainable = self.trainable
+        for buf in {id(p.buffer): p.buffer for p in trainable}.values():
+            buf.begin_backward(grads_in_place=self.grads_in_place and ctx.require_sync)
+        for p in trainable:
+            p.unsharded.grad = p.buffer.backward_grad_view(p.index)
         order = ctx.order
         if self.is_root:  # backward reaches the last unit of the forward first
             if order and order[-1] is not self:
@@ -454,11 +465,16 @@ def _resolve_mesh(mesh):
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
                 max_buffers: int = DEFAULT_MAX_BUFFERS,
-                align_bytes: int = DEFAULT_ALIGN_BYTES) -> nn.Module:
+                align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
     policy, "overrides": {parameter-name glob: policy}}; names are relative to `module`.
+    `grads_in_place` lets backward write each gradient over its own full parameter once that
+    parameter's gradient is complete (one full-size buffer per unit in backward instead of
+    two); turn it off for a model whose backward still reads a parameter's value after the
+    parameter's gradient is done (a detached use, say: autograd then raises "modified by an
+    inplace operation" rather than computing with a wrong value).
     Errors (no parameters, mixed devices, a mesh that does not match the process group, a
     second call on the same module) are raised here, before any collective.
     """
@@ -469,7 +485,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     group, replicate_group = _resolve_mesh(mesh)
     unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
-                    granularity, max_buffers, align_bytes)
+                    granularity, max_buffers, align_bytes, grads_in_place)
     module._vescale_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
