@@ -6,7 +6,7 @@ import torch
 import fsdp_models as fm
 from dist_harness import RankPool, value_errors
 from vescale_engine import initialize
-from vescale_engine.fsdp import full_state_dict
+from vescale_engine.fsdp import full_state_dict, unit_of
 
 MICRO, ACCUM, STEPS = 3, 2, 3
 OPT = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
@@ -289,14 +289,19 @@ def backward_styles_rank(rank, world, extra):
                           engine.get_global_grad_norm())
     (l1, s1, g1, n1), (l2, s2, g2, n2) = results["engine"], results["plain"]
     worst = max((s1[k] - s2[k]).abs().max().item() for k in s1)
-    return l1 == l2, worst, g1 == g2 == 3, n1 == n2
+    in_place = {unit_of(m).grads_in_place for m in engine.module.modules() if unit_of(m)}
+    return l1 == l2, worst, g1 == g2 == 3, n1 == n2, in_place
 
 
-@pytest.mark.parametrize("extra", [{}, {"fp16": {"enabled": True, "initial_scale_power": 10}}],
-                         ids=["fp32", "fp16"])
+@pytest.mark.parametrize("extra", [
+    {}, {"fp16": {"enabled": True, "initial_scale_power": 10},
+         "vescale": {**CONFIG["vescale"], "grads_in_place": False}}], ids=["fp32", "fp16"])
 def test_plain_loss_backward_equals_engine_backward(pool, extra):
-    for same_losses, worst, steps_ok, same_norm in pool.run(backward_styles_rank, extra):
+    want = {extra.get("vescale", {}).get("grads_in_place", True)}
+    for same_losses, worst, steps_ok, same_norm, in_place in pool.run(backward_styles_rank,
+                                                                      extra):
         assert same_losses and worst == 0.0 and steps_ok and same_norm, (worst,)
+        assert in_place == want
 
 
 # -- model_parameters -----------------------------------------------------------------------------

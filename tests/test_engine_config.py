@@ -37,13 +37,13 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
         "bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "overlap_comm": True},
         "vescale": {"granularity": {"default": "rows:16", "overrides": {"*.experts.*": "tensor"}},
                     "planner": {"max_buffers": 2}, "hsdp_replicate_size": 2,
-                    "wrap_policy": {"module_classes": ["Block"]}},
+                    "wrap_policy": {"module_classes": ["Block"]}, "grads_in_place": False},
     }, world_size=4)
     assert cfg.batch == BatchSizes(8, 2, 1)
     assert cfg.param_dtype == "bfloat16" and cfg.reduce_dtype is None
     assert cfg.zero_stage == 2 and cfg.reshard_after_forward is False
     assert cfg.granularity == "rows:16" and cfg.granularity_overrides == {"*.experts.*": "tensor"}
-    assert cfg.max_buffers == 2 and cfg.hsdp_replicate_size == 2
+    assert cfg.max_buffers == 2 and cfg.hsdp_replicate_size == 2 and cfg.grads_in_place is False
     assert cfg.module_classes == ("Block",) and cfg.gradient_clipping == 1.0
     assert [n.split(" (")[0] for n in cfg.not_acted_on] == ["zero_optimization.overlap_comm"]
 

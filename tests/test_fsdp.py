@@ -234,12 +234,37 @@ def test_tied_frozen_buffers_checkpointing_and_a_block_called_twice(pool, checkp
     assert loss < 1e-6 and whole < 1e-6 and worst < PER_TENSOR, (loss, whole, worst, name)
 
 
+def late_no_sync_step(model, opt, step, rank, world):
+    """Two micro-steps; the first enters no_sync from a hook inside its backward, after the
+    root unit's backward has begun (as a hook-driven trainer might)."""
+    idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
+    per_rank = GLOBAL_BATCH // world
+    idx, tgt = idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank]
+    half = per_rank // 2
+    total = 0.0
+    for k in range(2):
+        loss = model(idx[k * half:(k + 1) * half], tgt[k * half:(k + 1) * half])
+        late = no_sync(model)
+        if k == 0:
+            loss.register_hook(lambda g: (late.__enter__(), g)[1])
+        (loss / 2).backward()
+        if k == 0:
+            late.__exit__(None, None, None)
+        total += loss.item() / 2
+    opt.step()
+    opt.zero_grad()
+    mean = torch.tensor(total)
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
 def grads_in_place_rank(rank, world):
     """Where backward puts full gradients: over the parameters (default, one full-size buffer
-    per unit), or in a separate buffer (grads_in_place=False, and always under no_sync). Both
-    train like the single-process reference."""
+    per unit), or in a separate buffer (grads_in_place=False, and always under no_sync, even
+    one entered mid-backward). All train like the single-process reference."""
     out = {}
-    for in_place, use_no_sync in ((True, False), (False, False), (True, True)):
+    for in_place, mode in ((True, "sync"), (False, "sync"), (True, "no_sync"),
+                           (True, "late no_sync")):
         reference, model = fm.make("gpt"), shard_model(fm.make("gpt"), grads_in_place=in_place)
         ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
         opt = vopt.AdamW(model.parameters(), **LR)
@@ -253,18 +278,22 @@ def grads_in_place_rank(rank, world):
                             lambda t, buf=p.buffer: separate.append(
                                 buf.full_grad.untyped_storage().nbytes()))
             want = reference_step(reference, ref_opt, "gpt", step)
-            got = sharded_step(model, opt, "gpt", step, rank, world, 2 if use_no_sync else 1,
-                               use_no_sync)
+            if mode == "late no_sync":
+                got = late_no_sync_step(model, opt, step, rank, world)
+            else:
+                got = sharded_step(model, opt, "gpt", step, rank, world,
+                                   2 if mode == "no_sync" else 1, mode == "no_sync")
             gaps.append(abs(got - want) / want)
-        out[(in_place, use_no_sync)] = (max(gaps), compare(model, reference)[0], max(separate))
+        out[(in_place, mode)] = (max(gaps), compare(model, reference)[0], max(separate))
     return out
 
 
 def test_gradients_in_place_of_parameters(pool):
     out = pool.run(grads_in_place_rank)[0]
-    for (in_place, use_no_sync), (loss, whole, separate_bytes) in out.items():
-        assert loss < 1e-6 and whole < 1e-6, (in_place, use_no_sync, loss, whole)
-        assert (separate_bytes == 0) == (in_place and not use_no_sync), (in_place, use_no_sync)
+    for (in_place, mode), (loss, whole, separate_bytes) in out.items():
+        assert loss < 1e-6 and whole < 1e-6, (in_place, mode, loss, whole)
+        if mode != "late no_sync":  # there the root's gradients land in place, then move
+            assert (separate_bytes == 0) == (in_place and mode == "sync"), (in_place, mode)
 
 
 class DetachedReuse(torch.nn.Module):

@@ -226,6 +226,17 @@ class DBuffer:
             self.full_grad.zero_()
             self.full_grad_live = True
 
+    def keep_grads_unreduced(self) -> None:
+        """`no_sync` began after this backward put gradients in place (entered from a hook
+        mid-backward): move them to the separate buffer that outlives the micro-step, since
+        `full` is freed at reshard. A copy, on this path only."""
+        if self.grads_in_full:
+            self._zero_unwritten()
+            self.full_grad.untyped_storage().resize_(self._full_bytes)
+            self.full_grad.copy_(self.full)
+            self.full_grad_live = True
+            self.grads_in_full = False
+
     def backward_grad_view(self, i: int) -> torch.Tensor:
         """The full-shape tensor autograd accumulates tensor i's gradient into."""
         if not self.grads_in_full:

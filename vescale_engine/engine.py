@@ -68,6 +68,8 @@ class VeScaleEngine(nn.Module):
         first = args[0] if args else None  # token ids [batch, sequence] give tokens/s
         self._tokens = first.numel() if isinstance(first, torch.Tensor) and \
             not first.is_floating_point() else None
+        if torch.is_grad_enabled():
+            self._choose_gradient_sync()
         self.timers.start("forward")
         out = self.module(*args, **kwargs)
         self.timers.stop("forward")
@@ -100,17 +102,26 @@ class VeScaleEngine(nn.Module):
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         return scale / self.gradient_accumulation_steps()
 
+    def _choose_gradient_sync(self):
+        """Only the boundary micro-step reduce-scatters; earlier ones (and any inside
+        engine.no_sync) accumulate full gradients locally. Decided at forward, before any unit
+        starts its backward (a plain loss.backward() reaches the engine's output hook only
+        after the root unit's), and again at backward for an engine.no_sync entered between."""
+        local = self._user_no_sync or not self.is_gradient_accumulation_boundary()
+        if local and self._sync_context is None:
+            self._sync_context = fsdp.no_sync(self.module)
+            self._sync_context.__enter__()
+        elif not local and self._sync_context is not None:
+            self._sync_context.__exit__(None, None, None)
+            self._sync_context = None
+
     def _backward_prologue(self, loss):
-        """Once per backward: note the loss, and make only the boundary micro-step
-        reduce-scatter (earlier ones accumulate full gradients locally)."""
+        """Once per backward: note the loss and settle which micro-steps communicate."""
         self._check_alive()
         if loss is not None:
             self._window_losses.append(loss.float())
         self.timers.start("backward")
-        self._sync_context = None
-        if self._user_no_sync or not self.is_gradient_accumulation_boundary():
-            self._sync_context = fsdp.no_sync(self.module)
-            self._sync_context.__enter__()
+        self._choose_gradient_sync()
 
     def _backward_epilogue(self):
         if self._sync_context is not None:

@@ -328,7 +328,10 @@ class FSDPUnit:
         self.ctx.reducing = [self]
         self._finishers = []
         if self.trainable and self.in_backward:
-            if self.ctx.require_sync:
+            if not self.ctx.require_sync:
+                for buf in self.buffers:
+                    buf.keep_grads_unreduced()
+            else:
                 for buf in self.buffers:
                     members = [p for p in self.trainable if p.buffer is buf]
                     if members:
