@@ -501,3 +501,27 @@ def test_granularity_overrides_by_parameter_name(pool):
     blocks = pool.run(granularity_override_rank)[0]
     assert blocks["fc.weight"] == 16 * 64 and blocks["fc.bias"] == 16
     assert blocks["ln1.weight"] == 64 and blocks["qkv.weight"] == 1
+
+
+# ------------------------------------------------------------------ host heap trimming
+
+def test_heap_trim_waits_for_growth_past_the_warm_up_size(monkeypatch):
+    """After the warm-up backwards, malloc_trim runs only once resident memory has grown past
+    the largest warm-up size by GROWTH: not every step (page faults), not never (growth)."""
+    from vescale_engine import dbuffer
+    trims = []
+    monkeypatch.setattr(dbuffer, "_MALLOC_TRIM", lambda pad: trims.append(pad))
+    sizes = iter([800, 1000, 980, 1000,     # warm-up: the limit becomes 1.1 x 1000
+                  1050, 1099, 1101,         # the third one passes it
+                  700, 900, 1099, 1200])
+    monkeypatch.setattr(dbuffer, "_resident_bytes", lambda: next(sizes))
+    trimmer = dbuffer._HeapTrimmer()
+    trimmed = []
+    for _ in range(11):
+        before = len(trims)
+        trimmer()
+        trimmed.append(len(trims) > before)
+    assert trimmed == [False] * 6 + [True] + [False] * 3 + [True]
+    monkeypatch.setattr(dbuffer, "_resident_bytes", lambda: None)  # cannot watch: every time
+    trimmer()
+    assert len(trims) == 3
