@@ -1,11 +1,10 @@
 """Muon on RaggedShard-sharded parameters, with AdamW for what is not a hidden matrix.
 
 Per matrix (every 2-D weight, and each expert matrix of a stacked 3-D expert tensor):
-momentum on the local shard; the matrix gathered whole on one root rank by a RaggedShard
-redistribution (one uneven all-to-all); Newton-Schulz there; the result scattered back the same
-way; the update applied to the local shard. Roots are chosen once, deterministically, to balance
-Newton-Schulz FLOPs over ranks. Redistributions are asynchronous: the gather of matrix i+1 is in
-flight while matrix i is orthogonalized, and scatters are waited for only at the end.
+momentum on the local shard; the matrix gathered whole on one root rank; Newton-Schulz there;
+the result scattered back; the update applied to the local shard. Roots are chosen once,
+deterministically, to balance Newton-Schulz FLOPs over ranks. All matrices move in one uneven
+all-to-all each way per step, so ranks orthogonalize their own matrices independently.
 
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
@@ -24,8 +23,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from ..ragged import RaggedShard, ragged_to_root, root_to_ragged
+from ..ragged import RaggedShard
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
 DEFAULT_EPS = 1e-7
@@ -208,56 +208,86 @@ class Muon(torch.optim.Optimizer):
                     local, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
 
     def _orthogonalize(self, todo, updates, group):
-        """This rank's piece of every matrix's Newton-Schulz result. Gathers run one matrix
-        ahead of the Newton-Schulz that uses them; scatters are waited for at the end."""
+        """This rank's piece of every matrix's Newton-Schulz result.
+
+        One all-to-all brings every matrix's pieces to its root, one sends the results back;
+        in between each rank orthogonalizes its own matrices with no synchronization at all.
+        (Per-matrix collectives would tie the ranks together matrix by matrix: whenever one
+        rank roots several matrices in a row, the others wait.) Pieces travel in the
+        Newton-Schulz dtype: the iteration starts by casting to it, so casting first changes
+        nothing but halves the bytes for bf16."""
         if not todo:
             return []
         buf = self._sharded[0].buffer
-        rank, pg, device = buf.rank, buf.shard_group, buf.master.device
+        rank, world, pg = buf.rank, buf.world_size, buf.shard_group
+        device, dtype = buf.master.device, self.ns_dtype
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
-                  eps=group["eps"], dtype=self.ns_dtype)
+                  eps=group["eps"], dtype=dtype)
         self.bytes_sent = 0
-
-        def log(what, k):
-            if self.record_trace:
-                self.trace.append((what, k))
-
-        def gather(k):
-            m = todo[k]
-            local = updates[m.param][m.lo:m.hi]
-            if m.one_hot:
-                return None
-            log("gather", k)
-            if rank != m.root:
-                self.bytes_sent += local.numel() * local.element_size()
-            return ragged_to_root(local, m.spec, m.root, group=pg, async_op=True)
-
-        results = [None] * len(todo)
-        scatters = []
-        handle = gather(0)
+        moving = [k for k, m in enumerate(todo) if not m.one_hot]
+        by_root = [[k for k in moving if todo[k].root == r] for r in range(world)]
+        mine = by_root[rank]
+        for k in moving:
+            self._log("gather", k)
+        pieces = self._exchange(
+            [[updates[todo[k].param][todo[k].lo:todo[k].hi] for k in by_root[r]]
+             for r in range(world)],
+            [[todo[k].spec.local_numel(s) for k in mine] for s in range(world)],
+            moving, dtype, device, pg)
+        gathered = {k: torch.cat([pieces[s][j] for s in range(world)]).view(
+            todo[k].rows, todo[k].cols) for j, k in enumerate(mine)}
+        results, outgoing = [None] * len(todo), {}
         for k, m in enumerate(todo):
-            following = gather(k + 1) if k + 1 < len(todo) else None
+            self._log("ns", k)
+            if m.root != rank:
+                continue
+            full = gathered.get(k)
+            if full is None:  # already whole here
+                full = updates[m.param][m.lo:m.hi].view(m.rows, m.cols)
+            out = newton_schulz(full, **ns).reshape(-1)
             if m.one_hot:
-                full = updates[m.param][m.lo:m.hi].view(m.rows, m.cols) if rank == m.root \
-                    else None
+                results[k] = out
             else:
-                full = handle.wait()
-            log("ns", k)
-            out = newton_schulz(full, **ns) if rank == m.root else None
-            if m.one_hot:
-                results[k] = out.reshape(-1) if out is not None else \
-                    torch.empty(0, dtype=self.ns_dtype, device=device)
-            else:
-                if rank == m.root:
-                    out = out.contiguous()
-                    self.bytes_sent += (m.numel - m.spec.local_numel(rank)) * out.element_size()
-                log("scatter", k)
-                scatters.append((k, root_to_ragged(out, m.spec, m.root, group=pg, async_op=True,
-                                                   dtype=self.ns_dtype, device=device)))
-            handle = following
-        for k, pending in scatters:
-            results[k] = pending.wait()
-        return results
+                outgoing[k] = out
+        for k in moving:
+            self._log("scatter", k)
+        back = self._exchange(
+            [[outgoing[k][slice(*todo[k].spec.local_range(s))] for k in mine]
+             for s in range(world)],
+            [[todo[k].spec.local_numel(rank) for k in by_root[r]] for r in range(world)],
+            moving, dtype, device, pg)
+        for r in range(world):
+            for j, k in enumerate(by_root[r]):
+                results[k] = back[r][j]
+        empty = torch.empty(0, dtype=dtype, device=device)
+        return [empty if out is None else out for out in results]
+
+    def _exchange(self, send, recv_numels, moving, dtype, device, pg):
+        """One all-to-all: send[d] (tensors) to rank d; returns, per source rank s, the
+        tensors of sizes recv_numels[s] that s sent here."""
+        if not moving:  # every rank knows: nothing leaves any rank
+            return [[] for _ in recv_numels]
+        rank = dist.get_rank(pg)
+        send_sizes = [sum(t.numel() for t in pieces) for pieces in send]
+        recv_sizes = [sum(sizes) for sizes in recv_numels]
+        flat = [t.to(dtype) for pieces in send for t in pieces]
+        source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        target = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(target, source, output_split_sizes=recv_sizes,
+                               input_split_sizes=send_sizes, group=pg)
+        self.bytes_sent += (sum(send_sizes) - send_sizes[rank]) * source.element_size()
+        out, offset = [], 0
+        for sizes in recv_numels:
+            row = []
+            for n in sizes:
+                row.append(target[offset:offset + n])
+                offset += n
+            out.append(row)
+        return out
+
+    def _log(self, what, k):
+        if self.record_trace:
+            self.trace.append((what, k))
 
     # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
 
