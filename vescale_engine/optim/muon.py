@@ -3,8 +3,10 @@
 Per matrix (every 2-D weight, and each expert matrix of a stacked 3-D expert tensor):
 momentum on the local shard; the matrix gathered whole on one root rank; Newton-Schulz there;
 the result scattered back; the update applied to the local shard. Roots are chosen once,
-deterministically, to balance Newton-Schulz FLOPs over ranks. All matrices move in one uneven
-all-to-all each way per step, so ranks orthogonalize their own matrices independently.
+deterministically, to balance Newton-Schulz FLOPs over ranks. Matrices move in rounds (every
+rank's j-th matrix together, one uneven all-to-all each way); all gathers are in flight before
+the first Newton-Schulz, so a round's communication overlaps the round before it and no rank
+waits on another's Newton-Schulz.
 
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
@@ -210,10 +212,13 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize(self, todo, updates, group):
         """This rank's piece of every matrix's Newton-Schulz result.
 
-        One all-to-all brings every matrix's pieces to its root, one sends the results back;
-        in between each rank orthogonalizes its own matrices with no synchronization at all.
-        (Per-matrix collectives would tie the ranks together matrix by matrix: whenever one
-        rank roots several matrices in a row, the others wait.) Pieces travel in the
+        Matrices move in rounds: round j holds every rank's j-th matrix to orthogonalize
+        (largest first), and one uneven all-to-all gathers a round onto its roots, another
+        scatters its results back. All gathers are issued before the first Newton-Schulz (a
+        round's gather is in flight while the round before is orthogonalized) and each scatter
+        right after its round, so a rank never waits for another rank's Newton-Schulz, only
+        for data. (A pair of collectives per matrix, in one global order, made every rank
+        wait whenever one rooted several matrices in a row.) Pieces travel in the
         Newton-Schulz dtype: the iteration starts by casting to it, so casting first changes
         nothing but halves the bytes for bf16."""
         if not todo:
@@ -224,66 +229,70 @@ class Muon(torch.optim.Optimizer):
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
                   eps=group["eps"], dtype=dtype)
         self.bytes_sent = 0
-        moving = [k for k, m in enumerate(todo) if not m.one_hot]
-        by_root = [[k for k in moving if todo[k].root == r] for r in range(world)]
-        mine = by_root[rank]
-        for k in moving:
-            self._log("gather", k)
-        pieces = self._exchange(
-            [[updates[todo[k].param][todo[k].lo:todo[k].hi] for k in by_root[r]]
-             for r in range(world)],
-            [[todo[k].spec.local_numel(s) for k in mine] for s in range(world)],
-            moving, dtype, device, pg)
-        gathered = {k: torch.cat([pieces[s][j] for s in range(world)]).view(
-            todo[k].rows, todo[k].cols) for j, k in enumerate(mine)}
-        results, outgoing = [None] * len(todo), {}
-        for k, m in enumerate(todo):
-            self._log("ns", k)
-            if m.root != rank:
-                continue
-            full = gathered.get(k)
-            if full is None:  # already whole here
-                full = updates[m.param][m.lo:m.hi].view(m.rows, m.cols)
-            out = newton_schulz(full, **ns).reshape(-1)
-            if m.one_hot:
-                results[k] = out
-            else:
-                outgoing[k] = out
-        for k in moving:
-            self._log("scatter", k)
-        back = self._exchange(
-            [[outgoing[k][slice(*todo[k].spec.local_range(s))] for k in mine]
-             for s in range(world)],
-            [[todo[k].spec.local_numel(rank) for k in by_root[r]] for r in range(world)],
-            moving, dtype, device, pg)
-        for r in range(world):
-            for j, k in enumerate(by_root[r]):
-                results[k] = back[r][j]
+        cost = [-ns_flops(m.rows, m.cols, group["ns_steps"]) for m in todo]
+        by_root = [sorted((k for k, m in enumerate(todo) if m.root == r and not m.one_hot),
+                          key=lambda k: (cost[k], k)) for r in range(world)]
+        rounds = [[r_list[j] if j < len(r_list) else None for r_list in by_root]
+                  for j in range(max(map(len, by_root)))]  # rounds[j][r]: matrix or None
+
+        def piece(k, r):  # how many elements of matrix k rank r holds
+            return todo[k].spec.local_numel(r) if k is not None else 0
+
+        gathers = []
+        for j, row in enumerate(rounds):
+            for k in row:
+                if k is not None:
+                    self._log("gather", k)
+            gathers.append(self._exchange(
+                [[updates[todo[k].param][todo[k].lo:todo[k].hi]] if k is not None else []
+                 for k in row],
+                [piece(row[rank], s) for s in range(world)], dtype, device, pg))
+        results = [None] * len(todo)
+        for k, m in enumerate(todo):  # matrices already whole here, while the gathers run
+            if m.one_hot and m.root == rank:
+                self._log("ns", k)
+                results[k] = newton_schulz(updates[m.param][m.lo:m.hi].view(m.rows, m.cols),
+                                           **ns).reshape(-1)
+        scatters = []
+        for row, gathered in zip(rounds, gathers):
+            k = row[rank]
+            send = [[] for _ in range(world)]
+            if k is not None:
+                m = todo[k]
+                self._log("ns", k)
+                out = newton_schulz(torch.cat(gathered()).view(m.rows, m.cols), **ns)
+                out = out.reshape(-1)
+                send = [[out[slice(*m.spec.local_range(s))]] for s in range(world)]
+            scatters.append((row, self._exchange(
+                send, [piece(row[r], rank) for r in range(world)], dtype, device, pg)))
+            for k in row:
+                if k is not None:
+                    self._log("scatter", k)
+        for row, scattered in scatters:
+            for k, local in zip(row, scattered()):
+                if k is not None:
+                    results[k] = local
         empty = torch.empty(0, dtype=dtype, device=device)
         return [empty if out is None else out for out in results]
 
-    def _exchange(self, send, recv_numels, moving, dtype, device, pg):
-        """One all-to-all: send[d] (tensors) to rank d; returns, per source rank s, the
-        tensors of sizes recv_numels[s] that s sent here."""
-        if not moving:  # every rank knows: nothing leaves any rank
-            return [[] for _ in recv_numels]
+    def _exchange(self, send, recv_sizes, dtype, device, pg):
+        """Start one uneven all-to-all: send[d] (tensors, concatenated) goes to rank d; rank s
+        sends recv_sizes[s] elements here. Returns a function that waits and gives the
+        received pieces, one per source rank."""
         rank = dist.get_rank(pg)
         send_sizes = [sum(t.numel() for t in pieces) for pieces in send]
-        recv_sizes = [sum(sizes) for sizes in recv_numels]
         flat = [t.to(dtype) for pieces in send for t in pieces]
         source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
         target = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        dist.all_to_all_single(target, source, output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes, group=pg)
+        work = dist.all_to_all_single(target, source, output_split_sizes=recv_sizes,
+                                      input_split_sizes=send_sizes, group=pg, async_op=True)
         self.bytes_sent += (sum(send_sizes) - send_sizes[rank]) * source.element_size()
-        out, offset = [], 0
-        for sizes in recv_numels:
-            row = []
-            for n in sizes:
-                row.append(target[offset:offset + n])
-                offset += n
-            out.append(row)
-        return out
+
+        def received():
+            work.wait()
+            return list(target.split(recv_sizes))
+        received.keep = source  # alive until the collective is done
+        return received
 
     def _log(self, what, k):
         if self.record_trace:
