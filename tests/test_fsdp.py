@@ -53,7 +53,11 @@ def reference_step(model, opt, kind, step):
     return loss.item()
 
 
-def sharded_step(model, opt, kind, step, rank, world, accumulation=1, use_no_sync=False):
+def sharded_step(model, opt, kind, step, rank, world, accumulation=1, use_no_sync=False,
+                 late_no_sync=False):
+    """One optimizer step over this rank's share of the global batch. `late_no_sync`: the
+    micro-steps before the last enter no_sync from a hook inside their backward, after the root
+    unit's backward has begun (as a hook-driven trainer might)."""
     idx, tgt = fm.batch(kind, step, GLOBAL_BATCH)
     per_rank = GLOBAL_BATCH // world
     idx, tgt = idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank]
@@ -63,7 +67,12 @@ def sharded_step(model, opt, kind, step, rank, world, accumulation=1, use_no_syn
         sync = not use_no_sync or k == accumulation - 1
         with contextlib.nullcontext() if sync else no_sync(model):
             loss = model(idx[k * micro:(k + 1) * micro], tgt[k * micro:(k + 1) * micro])
+            late = no_sync(model) if late_no_sync and k < accumulation - 1 else None
+            if late is not None:
+                loss.register_hook(lambda g: (late.__enter__(), g)[1])
             (loss / accumulation).backward()
+            if late is not None:
+                late.__exit__(None, None, None)
         total += loss.item() / accumulation
     opt.step()
     opt.zero_grad()
@@ -234,30 +243,6 @@ def test_tied_frozen_buffers_checkpointing_and_a_block_called_twice(pool, checkp
     assert loss < 1e-6 and whole < 1e-6 and worst < PER_TENSOR, (loss, whole, worst, name)
 
 
-def late_no_sync_step(model, opt, step, rank, world):
-    """Two micro-steps; the first enters no_sync from a hook inside its backward, after the
-    root unit's backward has begun (as a hook-driven trainer might)."""
-    idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
-    per_rank = GLOBAL_BATCH // world
-    idx, tgt = idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank]
-    half = per_rank // 2
-    total = 0.0
-    for k in range(2):
-        loss = model(idx[k * half:(k + 1) * half], tgt[k * half:(k + 1) * half])
-        late = no_sync(model)
-        if k == 0:
-            loss.register_hook(lambda g: (late.__enter__(), g)[1])
-        (loss / 2).backward()
-        if k == 0:
-            late.__exit__(None, None, None)
-        total += loss.item() / 2
-    opt.step()
-    opt.zero_grad()
-    mean = torch.tensor(total)
-    dist.all_reduce(mean)
-    return mean.item() / world
-
-
 def grads_in_place_rank(rank, world):
     """Where backward puts full gradients: over the parameters (default, one full-size buffer
     per unit), or in a separate buffer (grads_in_place=False, and always under no_sync, even
@@ -278,11 +263,8 @@ def grads_in_place_rank(rank, world):
                             lambda t, buf=p.buffer: separate.append(
                                 buf.full_grad.untyped_storage().nbytes()))
             want = reference_step(reference, ref_opt, "gpt", step)
-            if mode == "late no_sync":
-                got = late_no_sync_step(model, opt, step, rank, world)
-            else:
-                got = sharded_step(model, opt, "gpt", step, rank, world,
-                                   2 if mode == "no_sync" else 1, mode == "no_sync")
+            got = sharded_step(model, opt, "gpt", step, rank, world, 1 if mode == "sync" else 2,
+                               mode == "no_sync", mode == "late no_sync")
             gaps.append(abs(got - want) / want)
         out[(in_place, mode)] = (max(gaps), compare(model, reference)[0], max(separate))
     return out
