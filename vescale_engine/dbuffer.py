@@ -269,6 +269,7 @@ class DBuffer:
             self._zero_unwritten()
             self.full_grad.untyped_storage().resize_(self._full_bytes)
             self.full_grad.copy_(self.full)
+            STATS.bytes_copied += self._full_bytes
             self.full_grad_live = True
             self.grads_in_full = False
 
