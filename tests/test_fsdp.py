@@ -507,3 +507,38 @@ def test_heap_trim_waits_for_growth_past_the_warm_up_size(monkeypatch):
     monkeypatch.setattr(dbuffer, "_resident_bytes", lambda: None)  # cannot watch: every time
     trimmer()
     assert len(trims) == 3
+
+
+# ------------------------------------------------------------------ closures
+
+def closure_rank(rank, world):
+    """torch.optim's closure convention on our optimizers: step() runs the closure with
+    gradients enabled, steps on the gradients it made, and returns its loss."""
+    from vescale_engine.optim.adamw8bit import AdamW8bit
+    from vescale_engine.optim.muon import Muon
+    makers = {"AdamW": lambda ps: vopt.AdamW(ps, **LR),
+              "AdamW8bit": lambda ps: AdamW8bit(ps, block="rows:16"),
+              "Muon": lambda ps: Muon(ps, lr=0.02)}
+    out = {}
+    for name, make in makers.items():
+        model = shard_model(fm.make("gpt"), granularity="rows:16")
+        opt = make(model.parameters())
+        idx, tgt = fm.batch("gpt", 0, 4)
+        before = full_state_dict(model)["blocks.0.fc.weight"]
+        seen = []
+
+        def closure():
+            opt.zero_grad()
+            loss = model(idx, tgt)
+            loss.backward()
+            seen.append(loss)
+            return loss
+        returned = opt.step(closure)
+        moved = not torch.equal(full_state_dict(model)["blocks.0.fc.weight"], before)
+        out[name] = (returned is seen[0], len(seen), moved)
+    return out
+
+
+def test_optimizers_follow_the_closure_convention(pool):
+    for name, (same_loss, calls, moved) in pool.run(closure_rank)[0].items():
+        assert same_loss and calls == 1 and moved, name

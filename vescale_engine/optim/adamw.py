@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .flat import flat_buffers
+from .flat import evaluate_closure, flat_buffers
 
 
 class AdamW(torch.optim.Optimizer):
@@ -22,10 +22,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for buf, group, decay, probe in self._buffers:
             if probe.grad is None:  # no backward since zero_grad: like torch, skip
                 continue

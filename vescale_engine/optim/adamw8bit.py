@@ -17,7 +17,7 @@ import torch
 from ..checkpoint_dcp import CheckpointError, RaggedPiece
 from ..granularity import parse_granularity
 from .adamw import _adamw
-from .flat import flat_buffers
+from .flat import evaluate_closure, flat_buffers
 from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = "block:256"
@@ -80,10 +80,7 @@ class AdamW8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for buf, group, decay, probe, quantizer in self._buffers:
             if probe.grad is None:  # no backward since zero_grad: like torch, skip
                 continue

@@ -48,3 +48,12 @@ def flat_buffers(param_groups, optimizer_name: str, check=None):
         if trainable:  # a buffer of frozen parameters has nothing to step
             entries.append((buf, first, decay, trainable[0]))
     return entries
+
+
+def evaluate_closure(closure):
+    """torch.optim's closure convention: re-evaluate the loss with gradients enabled (step
+    itself runs under no_grad); None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

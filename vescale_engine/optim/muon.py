@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..ragged import RaggedShard
+from .flat import evaluate_closure
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
 DEFAULT_EPS = 1e-7
@@ -172,10 +173,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
