@@ -11,7 +11,6 @@ last 10 steps; the target is AdamW8bit within 2% of fp32 AdamW, and state memory
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import run_ranks  # noqa: E402
+from ranks import benchmark_parser, run_ranks  # noqa: E402
 SYSTEMS = ("AdamW", "AdamW8bit")
 
 
@@ -100,15 +99,8 @@ def chart(runs, path):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--system", choices=SYSTEMS)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128)
+    parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=4, dim=128, seq=128,
+                              steps=300, timed=False)
     parser.add_argument("--block", default="block:256", help="AdamW8bit quantization block")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -18,7 +18,6 @@ MALLOC_MMAP_THRESHOLD_ set records it in the results' command line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -29,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from ranks import alternate, run_ranks  # noqa: E402
+from ranks import alternate, benchmark_parser, run_ranks  # noqa: E402
 
 SYSTEMS = ("vescale", "fsdp2", "deepspeed")
 LABELS = {"vescale": "veScale Engine (initialize)", "fsdp2": "PyTorch FSDP2",
@@ -239,19 +238,9 @@ def _report(runs, args, chart_name):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=8, dim=512, seq=256,
+                              steps=8)
     parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true",
                         help="a tiny model for a smoke run: " +
                              ", ".join(f"--{k} {v}" for k, v in SMALL.items()))

@@ -21,7 +21,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import alternate, free_port  # noqa: E402
+from ranks import alternate, benchmark_parser, free_port, write_report  # noqa: E402
 
 SYSTEMS = ("vescale", "fsdp2", "floor")
 
@@ -101,19 +101,9 @@ def launch(system, args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--system", choices=SYSTEMS)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=8, dim=512, seq=256,
+                              steps=8)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_step_time.md"))
     args = parser.parse_args()
     if args.worker:
@@ -148,10 +138,7 @@ def main():
               f"{'met' if ratio <= 0.92 else 'MISSED'}).",
               f"- Peak memory vescale <= FSDP2: {'met' if mem_ok else 'MISSED'}.",
               f"- Largest loss difference between the two over the run: {same_loss:.2e}."]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ the buffer from the source). Reported per rank, median over steps.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import alternate, run_ranks  # noqa: E402
+from ranks import alternate, benchmark_parser, run_ranks, write_report  # noqa: E402
 SYSTEMS = ("vescale-gather", "vescale-tensor", "deepspeed")
 LABELS = {"vescale-gather": "vescale_engine Muon (gather mode)",
           "vescale-tensor": "vescale_engine Muon (tensor mode)",
@@ -201,19 +200,10 @@ def launch(system, world, args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--system", choices=SYSTEMS)
-    parser.add_argument("--rank", type=int, default=0)
+    parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=4, dim=256, seq=128,
+                              steps=8, one_world=False)
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, 2 steps, 1 round (checks that everything runs)")
     parser.add_argument("--out", default=None)
@@ -264,10 +254,7 @@ def main():
                        f"bytes per step ours (gather) / DeepSpeed = "
                        f"{med['vescale-gather']['step_bytes'] / max(1, med['deepspeed']['step_bytes']):.2f}.")
     lines += ["", *summary]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Start one benchmark run's ranks as fresh processes and collect what each reports."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -51,3 +52,34 @@ def alternate(systems, rounds: int, launch, describe, label: str = "") -> dict:
             print(f"{label}round {r}: {system:{width}s} {describe(runs[system][-1])}",
                   flush=True)
     return runs
+
+
+def benchmark_parser(description: str, systems, *, layers: int, dim: int, seq: int,
+                     steps: int, timed: bool = True, one_world: bool = True
+                     ) -> argparse.ArgumentParser:
+    """The flags every GPT benchmark here shares: the worker side (--worker --system --rank,
+    set by run_ranks), the rank count (`one_world`: --world), model size, steps; with `timed`,
+    the micro-batch, warm-up steps and alternated rounds of a step-time comparison."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=systems, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    if one_world:
+        parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--dim", type=int, default=dim)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--steps", type=int, default=steps)
+    if timed:
+        parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+        parser.add_argument("--warmup", type=int, default=2)
+        parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
+def write_report(path: str, lines: list) -> None:
+    """Write a benchmark's Markdown report (making its folder) and echo it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))

@@ -1,5 +1,8 @@
 """initialize + VeScaleEngine on 2 and 3 gloo ranks: DeepSpeed-style training (accumulation,
 clipping, DeepSpeed's WarmupLR) equals single-process training of the same global batch."""
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -25,6 +28,21 @@ def pool(request):
     pool = RankPool(request.param)
     yield pool
     pool.close()
+
+
+@contextlib.contextmanager
+def engine_log_messages():
+    """The vescale_engine logger's messages (INFO and up) while inside, in this rank process."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("vescale_engine")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def engine_rank(rank, world):
@@ -122,18 +140,13 @@ def test_patch_deepspeed_leaves_other_configs_to_deepspeed(monkeypatch):
 
 
 def logging_rank(rank, world):
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("vescale_engine").addHandler(handler)
-    logging.getLogger("vescale_engine").setLevel(logging.INFO)
-    engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "steps_per_print": 2})
-    for step in range(4 * ACCUM):
-        idx, tgt = fm.batch("gpt", step, MICRO)
-        engine.backward(engine(idx, tgt))
-        engine.step()
-    return [r.getMessage() for r in records]
+    with engine_log_messages() as messages:
+        engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "steps_per_print": 2})
+        for step in range(4 * ACCUM):
+            idx, tgt = fm.batch("gpt", step, MICRO)
+            engine.backward(engine(idx, tgt))
+            engine.step()
+    return messages
 
 
 def test_progress_lines_on_rank_zero_every_steps_per_print(pool):
@@ -194,37 +207,32 @@ def _train_step(engine, rank, step, poison=False):
 
 
 def fp16_overflow_rank(rank, world):
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("vescale_engine").addHandler(handler)
-    logging.getLogger("vescale_engine").setLevel(logging.INFO)
-    engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "fp16": FP16,
-                                                          "steps_per_print": 100})
-    assert engine.fp16_enabled() and engine.module.blocks[0].qkv.weight.dtype == torch.float32
-    before, lr_before = _local_params(engine), engine.get_lr()[0]
-    _train_step(engine, rank, 0, poison=True)  # only rank 0's gradients overflow
-    after = _local_params(engine)
-    skipped = dict(unchanged=all(torch.equal(a, b) for a, b in zip(before, after)),
-                   scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
-                   steps=engine.global_steps, lr_kept=engine.get_lr()[0] == lr_before)
-    losses = [_train_step(engine, rank, step) for step in range(1, 4)]
-    trained = dict(changed=not all(torch.equal(a, b) for a, b in zip(after, _local_params(engine))),
-                   scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
-                   steps=engine.global_steps, lr_moved=engine.get_lr()[0] > lr_before,
-                   finite=all(abs(x) < 1e4 for x in losses))
-    # The scale can also start too high: 2**40 makes the fp16 loss gradient itself inf.
-    high, *_ = initialize(model=fm.make("gpt"), config={
-        **CONFIG, "fp16": {"enabled": True, "initial_scale_power": 40}})
-    high_before = _local_params(high)
-    _train_step(high, rank, 0)
-    first = (high.loss_scaler.loss_scale, high.skipped_steps,
-             all(torch.equal(a, b) for a, b in zip(high_before, _local_params(high))))
-    _train_step(high, rank, 1)  # hysteresis 2 (the default): the second overflow lowers it
-    second = (high.loss_scaler.loss_scale, high.skipped_steps, high.global_steps)
-    messages = [r.getMessage() for r in records]
-    logging.getLogger("vescale_engine").removeHandler(handler)
+    with engine_log_messages() as messages:
+        engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "fp16": FP16,
+                                                              "steps_per_print": 100})
+        assert engine.fp16_enabled()
+        assert engine.module.blocks[0].qkv.weight.dtype == torch.float32
+        before, lr_before = _local_params(engine), engine.get_lr()[0]
+        _train_step(engine, rank, 0, poison=True)  # only rank 0's gradients overflow
+        after = _local_params(engine)
+        skipped = dict(unchanged=all(torch.equal(a, b) for a, b in zip(before, after)),
+                       scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
+                       steps=engine.global_steps, lr_kept=engine.get_lr()[0] == lr_before)
+        losses = [_train_step(engine, rank, step) for step in range(1, 4)]
+        now = _local_params(engine)
+        trained = dict(changed=not all(torch.equal(a, b) for a, b in zip(after, now)),
+                       scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
+                       steps=engine.global_steps, lr_moved=engine.get_lr()[0] > lr_before,
+                       finite=all(abs(x) < 1e4 for x in losses))
+        # The scale can also start too high: 2**40 makes the fp16 loss gradient itself inf.
+        high, *_ = initialize(model=fm.make("gpt"), config={
+            **CONFIG, "fp16": {"enabled": True, "initial_scale_power": 40}})
+        high_before = _local_params(high)
+        _train_step(high, rank, 0)
+        first = (high.loss_scaler.loss_scale, high.skipped_steps,
+                 all(torch.equal(a, b) for a, b in zip(high_before, _local_params(high))))
+        _train_step(high, rank, 1)  # hysteresis 2 (the default): the second overflow lowers it
+        second = (high.loss_scaler.loss_scale, high.skipped_steps, high.global_steps)
     return skipped, trained, first, second, messages
 
 
@@ -364,20 +372,14 @@ def test_model_parameters_and_param_groups_as_deepspeed(pool):
 # -- wall-clock breakdown, monitors ---------------------------------------------------------------
 
 def breakdown_rank(rank, world, out_dir):
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("vescale_engine").addHandler(handler)
-    logging.getLogger("vescale_engine").setLevel(logging.INFO)
-    monitor = {"enabled": True, "output_path": out_dir, "job_name": "job"}
-    engine, *_ = initialize(model=fm.make("gpt"), config={
-        **CONFIG, "steps_per_print": 2, "wall_clock_breakdown": True,
-        "fp16": {"enabled": True, "initial_scale_power": 10},
-        "csv_monitor": monitor, "tensorboard": monitor})
-    losses = [_train_step(engine, rank, step) for step in range(3)]
-    logging.getLogger("vescale_engine").removeHandler(handler)
-    return [r.getMessage() for r in records], losses, engine.global_samples, engine.get_lr()[0]
+    with engine_log_messages() as messages:
+        monitor = {"enabled": True, "output_path": out_dir, "job_name": "job"}
+        engine, *_ = initialize(model=fm.make("gpt"), config={
+            **CONFIG, "steps_per_print": 2, "wall_clock_breakdown": True,
+            "fp16": {"enabled": True, "initial_scale_power": 10},
+            "csv_monitor": monitor, "tensorboard": monitor})
+        losses = [_train_step(engine, rank, step) for step in range(3)]
+    return messages, losses, engine.global_samples, engine.get_lr()[0]
 
 
 def test_wall_clock_breakdown_and_csv_monitor(pool, tmp_path):
