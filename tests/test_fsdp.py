@@ -193,6 +193,56 @@ def test_zero_copy_and_prefetch_order(pool):
                    for e in events[first("forward", last):first("post_backward", last)]), events
 
 
+def exchange_rank(rank, world):
+    """gloo's collectives replaced by point-to-point exchanges: the same results as gloo's own
+    all-gather and reduce-scatter, with several of both in flight and waited in any order, in
+    the whole group and in subgroups (of one rank, too)."""
+    from vescale_engine import collectives
+    S = 1000 + 7 * world
+    halves = [list(range(0, world, 2)), list(range(1, world, 2))]
+    subgroups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
+    mine = subgroups[rank % 2]
+    results = {}
+    for label, group in (("world", dist.group.WORLD), ("half", mine)):
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        assert collectives.uses_exchange(group)
+        # Integers in float64: every summation order gives the same exact sums.
+        shards = [torch.arange(S, dtype=torch.float64) * (r + 1) + 10 * k for k in range(3)]
+        fulls = [torch.arange(W * S, dtype=torch.float64) * (r + 2) - k for k in range(3)]
+        gathered = [torch.full((W * S,), float("nan"), dtype=torch.float64) for _ in range(3)]
+        reduced = [torch.full((S,), float("nan"), dtype=torch.float64) for _ in range(3)]
+        handles = []
+        for k in range(3):  # gathers and reduce-scatters interleaved, all in flight at once
+            handles.append(collectives.all_gather(gathered[k], shards[k], group))
+            handles.append(collectives.reduce_scatter(reduced[k], fulls[k], group))
+        for h in reversed(handles):
+            h.wait()
+        want_gathered, want_reduced = [], []
+        for k in range(3):
+            want = torch.empty(W * S, dtype=torch.float64)
+            dist.all_gather_into_tensor(want, shards[k], group=group)
+            want_gathered.append(want)
+            want = torch.empty(S, dtype=torch.float64)
+            dist.reduce_scatter_tensor(want, fulls[k].clone(), group=group)
+            want_reduced.append(want)
+        # The caller's shard may already be its own range of the full buffer (mixed precision).
+        in_place = torch.zeros(W * S, dtype=torch.float64)
+        in_place[r * S:(r + 1) * S] = shards[0]
+        collectives.all_gather(in_place, in_place[r * S:(r + 1) * S], group, async_op=False)
+        results[label] = (
+            all(torch.equal(a, b) for a, b in zip(gathered, want_gathered)),
+            all(torch.equal(a, b) for a, b in zip(reduced, want_reduced)),
+            torch.equal(in_place, want_gathered[0]), W)
+    return results
+
+
+def test_gloo_collectives_run_as_exchanges_with_gloos_results(pool):
+    for rank, results in enumerate(pool.run(exchange_rank)):
+        for label, (gathered, reduced, in_place, W) in results.items():
+            assert gathered and reduced and in_place, (rank, label, W)
+        assert results["half"][3] == len(range(rank % 2, pool.world_size, 2))
+
+
 
 # ------------------------------------------------------------------ the awkward cases
 

@@ -21,12 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .planner import BufferLayout
-
-from .ragged import _all_gather_flat as _all_gather
-
-# torch 2.13 prefers the *_single names; older releases only have the *_tensor ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -233,7 +229,7 @@ class DBuffer:
             source = self.master
         STATS.all_gathers += 1
         STATS.log("all_gather", self.name)
-        work = _all_gather(self.full, source, group=self.shard_group, async_op=async_op)
+        work = collectives.all_gather(self.full, source, self.shard_group, async_op=async_op)
         return _TimedWork(work) if async_op else work
 
     def free_full(self) -> None:
@@ -315,7 +311,7 @@ class DBuffer:
                                                    device=self.grad.device)
         STATS.reduce_scatters += 1
         STATS.log("reduce_scatter", self.name)
-        work = _TimedWork(_reduce_scatter(out, source, group=self.shard_group, async_op=True))
+        work = _TimedWork(collectives.reduce_scatter(out, source, self.shard_group))
 
         def finish():
             work.wait()

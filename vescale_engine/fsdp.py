@@ -27,7 +27,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .dbuffer import STATS, DBuffer, _all_gather, release_free_host_memory
+from . import collectives
+from .dbuffer import STATS, DBuffer, release_free_host_memory
 from .granularity import parse_granularity
 from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
 
@@ -572,7 +573,7 @@ def gathered_parameters(module: nn.Module, writeback: bool = False):
 
 
 def _all_gather_master(full, buf):
-    _all_gather(full, buf.master, group=buf.shard_group)
+    collectives.all_gather(full, buf.master, buf.shard_group, async_op=False)
 
 
 def sharded_state_dict(module: nn.Module) -> dict:
