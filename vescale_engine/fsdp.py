@@ -233,8 +233,11 @@ class FSDPUnit:
         ctx = self.ctx = _ACTIVE.ctx
         if self.forward_calls == 0 and self.calls_without_hook == 0:
             ctx.order.append(self)
-        self.wait_unshard()
+        # The next unit's all-gather goes out before we wait for ours (which nothing
+        # prefetched if we run first): it moves while ours finishes instead of after.
+        self.unshard(async_op=True)
         self._prefetch_forward()
+        self.wait_unshard()
         STATS.log("forward", self.name)
         if torch.is_grad_enabled():
             args, kwargs, hooked = _register_post_backward(self, args, kwargs)
