@@ -73,7 +73,8 @@ def main():
     mb = args.numel * 4 / 1e6
     lines = [
         "# Collectives on gloo: gloo's own vs vescale_engine's point-to-point exchanges", "",
-        f"Produced by `python benchmarks/collectives.py` on a 2-core CPU machine, {args.world} "
+        f"Produced by `python benchmarks/collectives.py{''.join(' ' + a for a in sys.argv[1:])}` "
+        f"on a 2-core CPU machine, {args.world} "
         f"ranks, OMP_NUM_THREADS=1 per rank, one fp32 buffer of {args.numel:,} elements "
         f"({mb:.1f} MB, one block of the benchmark GPT); median of {args.reps} alternated "
         "repetitions, slowest rank.", "",

@@ -4,8 +4,8 @@ into the full buffer, and reduce-scatter (sum) out of it into one shard.
 Every backend but gloo gets its native collectives (NCCL's are what they should be). gloo's
 are slow for this use: its reduce-scatter is an all-reduce of a copy of the whole input
 followed by a copy out, and its all-gather stages through buffers of its own
-(`benchmarks/results/collectives.md`: on 2 ranks and 12.6 MB, the exchanges below take 0.41x
-gloo's reduce-scatter time and 0.72x its all-gather time). So on gloo every rank exchanges shards
+(`benchmarks/results/collectives.md`: on 2 ranks and 12.6 MB, the exchanges below take 0.58x
+gloo's reduce-scatter time and 0.70x its all-gather time). So on gloo every rank exchanges shards
 directly with each peer (point-to-point, all sends and receives in flight at once): for the
 all-gather it sends its shard to every peer and receives each peer's shard straight into that
 peer's range of the full buffer; for the reduce-scatter it sends each peer the range that peer
