@@ -3,7 +3,7 @@ into the full buffer, and reduce-scatter (sum) out of it into one shard.
 
 Every backend but gloo gets its native collectives (NCCL's are what they should be). gloo's
 are slow for this use: its reduce-scatter is an all-reduce of a copy of the whole input
-followed by a copy out, and its all-gather stages through buffers of its own
+followed by a copy out, and its all-gather gathers into a fresh buffer and copies out of it
 (`benchmarks/results/collectives.md`: on 2 ranks and 12.6 MB, the exchanges below take 0.58x
 gloo's reduce-scatter time and 0.70x its all-gather time). So on gloo every rank exchanges shards
 directly with each peer (point-to-point, all sends and receives in flight at once): for the
@@ -47,11 +47,6 @@ class _Exchange:
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
-        return True
-
-
-class _Done:
-    def wait(self):
         return True
 
 
@@ -101,9 +96,6 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group):
         else:
             torch.add(mine, received.sum(dim=0), out=out)
 
-    if not works:
-        finish()
-        return _Done()
     return _Exchange(works, finish)
 
 
