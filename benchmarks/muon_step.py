@@ -18,7 +18,8 @@ how the matrices are distributed).
 Bytes are counted by wrapping torch.distributed's collectives before either engine is imported:
 what one rank sends under the usual algorithms (ring all-gather/reduce-scatter (w-1)/w of the
 full buffer, all-reduce twice that, all-to-all everything not addressed to itself, broadcast
-the buffer from the source). Reported per rank, median over steps.
+the buffer from the source, a point-to-point send its tensor: on gloo vescale_engine's
+all-gather and reduce-scatter are such sends). Reported per rank, median over steps.
 
     python benchmarks/muon_step.py                  # full run (the lead's)
     python benchmarks/muon_step.py --smoke          # tiny model, few steps: a check that it runs
@@ -78,6 +79,9 @@ class ByteCounter:
                                                world(k, a, 2)),
             "broadcast": lambda a, k: nbytes(a[0] if a else k["tensor"]),
             "all_to_all_single": _all_to_all_bytes,
+            # point-to-point: what vescale_engine's gloo all-gather/reduce-scatter post
+            "isend": lambda a, k: nbytes(a[0] if a else k["tensor"]),
+            "send": lambda a, k: nbytes(a[0] if a else k["tensor"]),
         }
         for name, rule in rules.items():
             for module in (dist, c10d):
