@@ -60,6 +60,10 @@ BAD = [
     ({"vescale": {"hsdp_replicate": 2}}, "did you mean 'hsdp_replicate_size'?"),
     ({"vescale": {"reshard_after_forward": 1}},
      "vescale.reshard_after_forward: expected boolean, got 1"),
+    ({"zero_optimization": {"stage3_max_reuse_distance": -1}},
+     "zero_optimization.stage3_max_reuse_distance: -1 is out of range (must be >= 0)"),
+    ({"zero_optimization": {"stage3_max_reuse_distance": "auto"}},
+     "zero_optimization.stage3_max_reuse_distance: expected number, got 'auto'"),
 ]
 
 

@@ -46,6 +46,10 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
     assert cfg.max_buffers == 2 and cfg.hsdp_replicate_size == 2 and cfg.grads_in_place is False
     assert cfg.module_classes == ("Block",) and cfg.gradient_clipping == 1.0
     assert [n.split(" (")[0] for n in cfg.not_acted_on] == ["zero_optimization.overlap_comm"]
+    assert cfg.max_reuse_distance == 0  # absent: only the last unit stays gathered
+    reuse = build_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "stage3_max_reuse_distance": 1e9}}, world_size=2)
+    assert reuse.max_reuse_distance == 10 ** 9 and reuse.not_acted_on == ()
 
 
 @pytest.mark.parametrize("config,world,message", [

@@ -193,6 +193,45 @@ def test_zero_copy_and_prefetch_order(pool):
                    for e in events[first("forward", last):first("post_backward", last)]), events
 
 
+def reuse_distance_rank(rank, world):
+    """max_reuse_distance (DeepSpeed's stage3_max_reuse_distance): for each setting, which
+    blocks stayed gathered from forward into backward, all-gathers per step, and parity."""
+    block_numel = sum(p.numel() for p in fm.make("gpt").blocks[0].parameters())
+    out = {}
+    for keep in (1, 2, 4):  # the last `keep` blocks should stay gathered (4: all of them)
+        distance = 0 if keep == 1 else 2 * (keep - 1) * block_numel + 1
+        reference, model = fm.make("gpt"), shard_model(fm.make("gpt"),
+                                                      max_reuse_distance=distance)
+        ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
+        opt = vopt.AdamW(model.parameters(), **LR)
+        losses = []
+        for step in range(STEPS):
+            STATS.reset()
+            STATS.record = step == STEPS - 1
+            want = reference_step(reference, ref_opt, "gpt", step)
+            got = sharded_step(model, opt, "gpt", step, rank, world)
+            losses.append(abs(got - want) / abs(want))
+        STATS.record = False
+        units = [unit_of(m).name for m in model.blocks]
+        stayed = []
+        for name in units:
+            mine = [e[0] for e in STATS.events if e[1].split("[")[0] == name]
+            between = mine[mine.index("forward"):mine.index("post_backward")]
+            stayed.append(not any(e in ("reshard", "all_gather") for e in between))
+        out[keep] = (stayed, STATS.all_gathers, max(losses), compare(model, reference)[0])
+    return out
+
+
+def test_max_reuse_distance_keeps_the_nearest_units_gathered_into_backward(pool):
+    out = pool.run(reuse_distance_rank)[0]
+    for keep, (stayed, gathers, loss, whole) in out.items():
+        assert stayed == [False] * (4 - keep) + [True] * keep, (keep, stayed)
+        assert loss < 1e-6 and whole < 1e-6, (keep, loss, whole)
+    # one all-gather per buffer saved for every block kept gathered into backward
+    saved = out[1][1] - out[4][1]
+    assert saved > 0 and saved == 3 * (out[1][1] - out[2][1]), {k: v[1] for k, v in out.items()}
+
+
 def exchange_rank(rank, world):
     """gloo's collectives replaced by point-to-point exchanges: the same results as gloo's own
     all-gather and reduce-scatter, with several of both in flight and waited in any order, in

@@ -83,6 +83,7 @@ class EngineConfig:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
+    max_reuse_distance: int = 0
     grads_in_place: bool = True
     hsdp_replicate_size: int = 1
     not_acted_on: tuple = ()
@@ -130,6 +131,8 @@ def build_config(source, world_size: int) -> EngineConfig:
         param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
         reduce_dtype=DTYPES.get(mp["reduce_dtype"]) if mp.get("reduce_dtype") else None,
         reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
+        max_reuse_distance=int(config.get("zero_optimization", {}).get(
+            "stage3_max_reuse_distance", 0)),
         grads_in_place=ves.get("grads_in_place", True),
         hsdp_replicate_size=replicas,
         not_acted_on=tuple(report.not_acted_on),

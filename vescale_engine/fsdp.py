@@ -96,6 +96,7 @@ class _Context:
     def __init__(self):
         self.order = []        # units in first pre-forward order this iteration
         self.last_order = []   # last iteration's order: what forward prefetches from
+        self.reuse_distance = {}  # unit -> elements gathered between its forward and backward
         self.callback_queued = False
         self.require_sync = True
         self.reducing = []     # units whose reduce-scatter is in flight
@@ -103,11 +104,12 @@ class _Context:
 
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
-                 granularity, max_buffers, align_bytes, grads_in_place):
+                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance=0):
         self.module = module
         self.grads_in_place = grads_in_place
         self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
         self.reshard_after_forward = reshard_after_forward
+        self.max_reuse_distance = max_reuse_distance
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.params = []
         self.buffers = []
@@ -181,6 +183,11 @@ class FSDPUnit:
     @property
     def trainable(self):
         return [p for p in self.params if p.sharded.requires_grad]
+
+    @property
+    def numel(self) -> int:
+        """Elements of this unit's full parameters (what its all-gathers bring in)."""
+        return sum(p.buffer.layout.placements[p.index].numel for p in self.params)
 
     # -- unshard / reshard ---------------------------------------------------------------------
 
@@ -261,17 +268,19 @@ class FSDPUnit:
                 for unit in self.ctx.order:
                     unit.reshard()
                     unit._reset_iteration()
-        elif self.reshard_after_forward and not self._runs_backward_first():
+        elif self.reshard_after_forward and not self._reused_soon():
             self.reshard()
         return output
 
-    def _runs_backward_first(self) -> bool:
-        """Was this the last unit of the previous forward (so backward starts with it)?
-        Then keep it gathered: resharding it would only re-gather it moments later."""
+    def _reused_soon(self) -> bool:
+        """Will backward need these parameters again soon enough to keep them gathered? The
+        unit backward starts with (the last of the previous forward) always: resharding it would
+        only re-gather it moments later. Any other unit when fewer than `max_reuse_distance`
+        elements are gathered in between, as DeepSpeed's stage3_max_reuse_distance counts."""
         if not torch.is_grad_enabled() or self.ctx is None:
             return False
-        units = [u for u in self.ctx.last_order if not u.is_root]
-        return bool(units) and units[-1] is self
+        distance = self.ctx.reuse_distance.get(self)
+        return distance is not None and (distance == 0 or distance < self.max_reuse_distance)
 
     def _begin_root_forward(self):
         self.is_root = True
@@ -283,6 +292,7 @@ class FSDPUnit:
             unit._reset_iteration()
             unit.release_dropped_gradients()
         ctx.last_order, ctx.order = ctx.order, []
+        ctx.reuse_distance = _reuse_distances(ctx.last_order)
         ctx.callback_queued = False
         ctx.reducing = []
         _ACTIVE.ctx = ctx
@@ -293,7 +303,7 @@ class FSDPUnit:
             i = order.index(self)
             if i + 1 < len(order):
                 nxt = order[i + 1]
-                if nxt is not self and nxt.reshard_after_forward and not nxt.is_root:
+                if nxt is not self and not nxt.is_root:
                     nxt.unshard(async_op=True)
 
     def _pre_backward(self, grad):
@@ -317,7 +327,7 @@ class FSDPUnit:
                 order[-1].unshard(async_op=True)
         elif self in order:  # the unit backward reaches next is the one before us in forward
             i = order.index(self)
-            if i > 0 and order[i - 1].reshard_after_forward and not order[i - 1].is_root:
+            if i > 0:  # a no-op when it stayed gathered since its forward
                 order[i - 1].unshard(async_op=True)
         return grad
 
@@ -357,6 +367,17 @@ class FSDPUnit:
             for p in members:
                 p.sharded.grad = buf.grad_view(p.index)
         self._finishers = []
+
+
+def _reuse_distances(order) -> dict:
+    """For each non-root unit of a forward order: the elements gathered between its forward and
+    its backward, i.e. every later unit's parameters twice (once in forward, once in backward).
+    The root is left out: it stays gathered through forward and backward."""
+    distances, later = {}, 0
+    for unit in reversed([u for u in order if not u.is_root]):
+        distances[unit] = 2 * later
+        later += unit.numel
+    return distances
 
 
 def _prepare_accumulation(buf, members) -> bool:
@@ -472,7 +493,8 @@ def _resolve_mesh(mesh):
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
                 max_buffers: int = DEFAULT_MAX_BUFFERS,
-                align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True) -> nn.Module:
+                align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
+                max_reuse_distance: int = 0) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
@@ -482,6 +504,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     two); turn it off for a model whose backward still reads a parameter's value after the
     parameter's gradient is done (a detached use, say: autograd then raises "modified by an
     inplace operation" rather than computing with a wrong value).
+    `max_reuse_distance` (DeepSpeed's stage3_max_reuse_distance, in elements): a unit stays
+    gathered from its forward to its backward when fewer elements than this are gathered in
+    between (every later unit's parameters, in forward and again in backward); 0 keeps only
+    the last unit, which backward starts with. More speed (no re-gather), more memory.
     Errors (no parameters, mixed devices, a mesh that does not match the process group, a
     second call on the same module) are raised here, before any collective.
     """
@@ -491,8 +517,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if getattr(module, "_vescale_unit", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     group, replicate_group = _resolve_mesh(mesh)
+    if max_reuse_distance < 0:
+        raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
     unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
-                    granularity, max_buffers, align_bytes, grads_in_place)
+                    granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance)
     module._vescale_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)

@@ -27,6 +27,7 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
+                  max_reuse_distance=cfg.max_reuse_distance,
                   grads_in_place=cfg.grads_in_place,
                   granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
