@@ -1,14 +1,18 @@
 """End to end: vescale_engine.initialize vs PyTorch FSDP2 vs DeepSpeed ZeRO-3, 2 ranks on gloo.
 
-The same GPT (examples/gpt_model.py), seed, data and config in all three: micro-batch per rank,
+The same GPT (examples/gpt_model.py), seed, data and config in all: micro-batch per rank,
 gradient accumulation, global-norm clipping 1.0 and AdamW (lr 1e-3, betas 0.9/0.95, weight decay
-0.1). veScale Engine runs through `initialize` with examples/configs/vescale_default.json's
-"vescale" section (each Block a unit, rows:1). FSDP2 is `fully_shard` per block and on the
+0.1). veScale Engine runs through `initialize` twice, with examples/configs/vescale_default.json's
+"vescale" section (each Block a unit, rows:1) and either that file's zero_optimization section
+(units reshard after forward, as FSDP2 does: compared with FSDP2) or the zero_optimization
+section DeepSpeed gets (compared with DeepSpeed). FSDP2 is `fully_shard` per block and on the
 root, torch AdamW and torch's clipping. DeepSpeed runs `deepspeed.initialize` with the
 zero_optimization section of examples/configs/deepspeed_zero3.json unchanged and
 `torch_adam: true` (torch's AdamW: the same update as the others, so the losses can be compared,
 and no JIT-built CPU op). Each run is fresh processes; systems are alternated round by round and
-medians reported. A step is one optimizer step (all its micro-batches).
+medians reported. A step is one optimizer step (all its micro-batches). Bytes sent per step are
+read from the loopback interface's counter (every rank's traffic, /proc/net/dev), so they count
+what each system really moves, whatever its collectives are called.
 
     python benchmarks/end_to_end.py            # writes benchmarks/results/end_to_end.{md,png}
     python benchmarks/end_to_end.py --small --rounds 1 --steps 2   # a quick smoke run
@@ -30,10 +34,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from ranks import alternate, benchmark_parser, run_ranks  # noqa: E402
 
-SYSTEMS = ("vescale", "fsdp2", "deepspeed")
-LABELS = {"vescale": "veScale Engine (initialize)", "fsdp2": "PyTorch FSDP2",
+SYSTEMS = ("vescale", "vescale_zero3", "fsdp2", "deepspeed")
+LABELS = {"vescale": "veScale Engine, vescale_default.json", "fsdp2": "PyTorch FSDP2",
+          "vescale_zero3": "veScale Engine, DeepSpeed's zero_optimization",
           "deepspeed": "DeepSpeed ZeRO-3"}
-TARGETS = {"fsdp2": 0.92, "deepspeed": 0.85}  # step time, ours / theirs
+CHART_NAMES = {"vescale": "veScale\n(vescale_default)", "vescale_zero3": "veScale\n(ZeRO-3 config)",
+               "fsdp2": "PyTorch FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}
+OURS = ("vescale", "vescale_zero3")
+# step time targets, ours / theirs, each against our run with the same zero_optimization
+TARGETS = {"fsdp2": ("vescale", 0.92), "deepspeed": ("vescale_zero3", 0.85)}
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                                          "weight_decay": 0.1}}
 CLIP = 1.0
@@ -49,12 +58,13 @@ def _config(system, args) -> dict:
     config = {"train_micro_batch_size_per_gpu": args.batch,
               "gradient_accumulation_steps": args.accum, "gradient_clipping": CLIP,
               "steps_per_print": 10 ** 6, "optimizer": json.loads(json.dumps(OPTIMIZER))}
-    if system == "vescale":
+    zero3 = example("deepspeed_zero3.json")["zero_optimization"]
+    if system in OURS:
         default = example("vescale_default.json")
-        config.update(zero_optimization=default["zero_optimization"],
-                      vescale=default["vescale"])
+        config.update(zero_optimization=default["zero_optimization"] if system == "vescale"
+                      else zero3, vescale=default["vescale"])
     else:
-        config["zero_optimization"] = example("deepspeed_zero3.json")["zero_optimization"]
+        config["zero_optimization"] = zero3
         config["optimizer"]["params"]["torch_adam"] = True
     return config
 
@@ -65,6 +75,19 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _loopback_bytes() -> int | None:
+    """Bytes sent so far over the loopback interface (every local process's traffic)."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])  # transmit bytes
+    except OSError:
+        pass
+    return None
 
 
 def worker(args):
@@ -78,7 +101,7 @@ def worker(args):
     if args.system == "deepspeed":
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
-    elif args.system == "vescale":
+    elif args.system in OURS:
         from vescale_engine import initialize  # the engine's modules load here, not lazily
     else:
         from torch.distributed.fsdp import fully_shard
@@ -97,7 +120,7 @@ def worker(args):
         # Parameters under stage3_param_persistence_threshold elements stay whole on every rank.
         persistent = sum(p.ds_numel for p in engine.module.parameters()
                          if getattr(p, "ds_persist", False)) / params
-    elif args.system == "vescale":
+    elif args.system in OURS:
         engine, *_ = initialize(model=model, config=config)
     else:
         for block in model.blocks:
@@ -128,21 +151,26 @@ def worker(args):
 
     train_step = fsdp2_step if args.system == "fsdp2" else engine_step
     gen = torch.Generator().manual_seed(1 + args.rank)  # each rank its own data
-    times, losses = [], []
+    times, losses, sent = [], [], []
     for step in range(args.warmup + args.steps):
         batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
                    for _ in range(args.accum)]
+        b0 = _loopback_bytes()
         t0 = time.perf_counter()
         micro = train_step(batches)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            b1 = _loopback_bytes()
+            if b0 is not None and b1 is not None:
+                sent.append(b1 - b0)
         losses.append(float(torch.stack(micro).mean()))
     dist.barrier()
     dist.destroy_process_group()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"rank": args.rank, "step_s": statistics.median(times), "rss_mb": rss_mb,
                       "rss_start_mb": rss_start, "losses": losses, "params": params,
-                      "persistent": persistent}),
+                      "persistent": persistent,
+                      "sent_mb": statistics.median(sent) / 2 ** 20 if sent else None}),
           flush=True)
 
 
@@ -157,22 +185,21 @@ def launch(system, args):
             "rss_mb": max(r["rss_mb"] for r in results),
             "rss_start_mb": max(r["rss_start_mb"] for r in results),
             "losses": results[0]["losses"], "params": results[0]["params"],
-            "persistent": results[0]["persistent"]}
+            "persistent": results[0]["persistent"], "sent_mb": results[0]["sent_mb"]}
 
 
 def _chart(med, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    names = [LABELS[s] for s in SYSTEMS]
-    colors = ["#1f77b4", "#7f7f7f", "#ff7f0e"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = ["#1f77b4", "#aec7e8", "#7f7f7f", "#ff7f0e"]
     for ax, key, title in ((axes[0], "step_s", "median step time (s)"),
                            (axes[1], "rss_mb", "peak RSS per rank (MB)")):
         values = [med[s][key] for s in SYSTEMS]
         bars = ax.bar(range(len(SYSTEMS)), values, color=colors)
         ax.bar_label(bars, fmt="%.3f" if key == "step_s" else "%.0f")
-        ax.set_xticks(range(len(SYSTEMS)), [n.replace(" (", "\n(") for n in names], fontsize=8)
+        ax.set_xticks(range(len(SYSTEMS)), [CHART_NAMES[s] for s in SYSTEMS], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.margins(y=0.15)
     fig.tight_layout()
@@ -184,7 +211,7 @@ def _report(runs, args, chart_name):
                for k in ("step_s", "rss_mb", "rss_start_mb")} for s in SYSTEMS}
     first = {s: runs[s][0]["losses"] for s in SYSTEMS}
     gaps = {s: max(abs(a - b) / abs(b) for a, b in zip(first[s], first["vescale"]))
-            for s in ("fsdp2", "deepspeed")}
+            for s in SYSTEMS if s != "vescale"}
     env = "".join(f"{k}={os.environ[k]} " for k in ("MALLOC_MMAP_THRESHOLD_",)
                   if k in os.environ)
     cmd = env + " ".join(["python benchmarks/end_to_end.py", *sys.argv[1:]])
@@ -194,6 +221,11 @@ def _report(runs, args, chart_name):
         ds_version = deepspeed.__version__
     except ImportError:
         ds_version = "not installed"
+
+    def sent(s):
+        values = [x["sent_mb"] for x in runs[s] if x["sent_mb"] is not None]
+        return f"{statistics.median(values):.0f}" if values else "n/a"
+
     lines = [
         "# End to end: veScale Engine vs PyTorch FSDP2 vs DeepSpeed ZeRO-3", "",
         f"Produced by `{cmd}` on a {os.cpu_count()}-core CPU machine (torch {torch.__version__},"
@@ -204,30 +236,39 @@ def _report(runs, args, chart_name):
         f"DeepSpeed, ours in veScale). Step = one optimizer step; median over {args.rounds} "
         f"alternated rounds of each run's median ({args.steps} steps after {args.warmup} "
         "warm-up). Peak RSS: the larger rank's ru_maxrss; RSS at start: after imports, before "
-        "the model is built (DeepSpeed's import costs memory too).", ""]
+        "the model is built (DeepSpeed's import costs memory too). Sent per step: bytes through "
+        "the loopback interface during a step, all ranks together.", "",
+        "veScale runs twice, with the same \"vescale\" section (examples/configs/"
+        "vescale_default.json): once with that file's zero_optimization (units reshard after "
+        "forward, as FSDP2's do), once with the zero_optimization section DeepSpeed gets "
+        "(examples/configs/deepspeed_zero3.json, whose stage3_max_reuse_distance keeps units "
+        "gathered from forward into backward, as DeepSpeed keeps its parameters: its backward "
+        "gathers nothing, see the bytes sent). Each target compares the run with the same "
+        "zero_optimization section.", ""]
     if args.small or args.rounds < 3:
         lines += ["**Smoke run** (tiny model or a single round): it shows the script works, "
                   "not how the systems compare; run the command without --small for that.", ""]
     lines += [
-        "| system | step time (s) | ours / this | peak RSS per rank (MB) | RSS at start (MB) |",
+        "| system | step time (s) | peak RSS per rank (MB) | RSS at start (MB) | "
+        "sent per step (MB) |",
         "|---|---:|---:|---:|---:|"]
     for s in SYSTEMS:
-        lines.append(f"| {LABELS[s]} | {med[s]['step_s']:.3f} | "
-                     f"{med['vescale']['step_s'] / med[s]['step_s']:.3f} | "
-                     f"{med[s]['rss_mb']:.0f} | {med[s]['rss_start_mb']:.0f} |")
+        lines.append(f"| {LABELS[s]} | {med[s]['step_s']:.3f} | {med[s]['rss_mb']:.0f} | "
+                     f"{med[s]['rss_start_mb']:.0f} | {sent(s)} |")
     lines.append("")
-    for s, target in TARGETS.items():
-        ratio = med["vescale"]["step_s"] / med[s]["step_s"]
-        lines.append(f"- Step time veScale / {LABELS[s]}: **{ratio:.3f}** (target <= {target}: "
-                     f"{'met' if ratio <= target else 'MISSED'}).")
-    mem_ok = med["vescale"]["rss_mb"] <= med["fsdp2"]["rss_mb"]
-    lines += [f"- Peak memory veScale <= FSDP2: {'met' if mem_ok else 'MISSED'} "
-              f"({med['vescale']['rss_mb']:.0f} vs {med['fsdp2']['rss_mb']:.0f} MB).",
-              f"- Losses agree (fp32 round-off, <= {LOSS_TOLERANCE:g} relative): "
+    for s, (ours, target) in TARGETS.items():
+        ratio = med[ours]["step_s"] / med[s]["step_s"]
+        lines.append(f"- Step time {LABELS[ours]} / {LABELS[s]}: **{ratio:.3f}** (target <= "
+                     f"{target}: {'met' if ratio <= target else 'MISSED'}).")
+    for ours in OURS:
+        mem_ok = med[ours]["rss_mb"] <= med["fsdp2"]["rss_mb"]
+        lines.append(f"- Peak memory {LABELS[ours]} <= FSDP2: {'met' if mem_ok else 'MISSED'} "
+                     f"({med[ours]['rss_mb']:.0f} vs {med['fsdp2']['rss_mb']:.0f} MB).")
+    lines += [f"- Losses agree (fp32 round-off, <= {LOSS_TOLERANCE:g} relative): "
               f"{'yes' if max(gaps.values()) <= LOSS_TOLERANCE else 'NO'}; largest relative "
-              f"difference from veScale's over the first round's {len(first['vescale'])} steps "
-              f"(rank 0's micro-batch mean): FSDP2 {gaps['fsdp2']:.1e}, DeepSpeed "
-              f"{gaps['deepspeed']:.1e}.",
+              f"difference from {LABELS['vescale']}'s over the first round's "
+              f"{len(first['vescale'])} steps (rank 0's micro-batch mean): " + ", ".join(
+                  f"{LABELS[s]} {gaps[s]:.1e}" for s in gaps) + ".",
               f"- DeepSpeed kept {runs['deepspeed'][0]['persistent']:.0%} of the parameters "
               "whole on every rank (tensors under the example config's "
               "stage3_param_persistence_threshold); veScale and FSDP2 shard all of them.", "",
