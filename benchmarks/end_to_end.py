@@ -113,6 +113,7 @@ def worker(args):
     model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
     persistent = 0.0
+    gathered = [None]  # DeepSpeed: share of the parameters still gathered after forward
     config = _config(args.system, args)
     if args.system == "deepspeed":
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -120,6 +121,12 @@ def worker(args):
         # Parameters under stage3_param_persistence_threshold elements stay whole on every rank.
         persistent = sum(p.ds_numel for p in engine.module.parameters()
                          if getattr(p, "ds_persist", False)) / params
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        def note_gathered(module, inputs, output):  # runs after DeepSpeed's own release hook
+            gathered[0] = sum(p.ds_numel for p in module.parameters()
+                              if p.ds_status == ZeroParamStatus.AVAILABLE) / params
+        engine.module.register_forward_hook(note_gathered)
     elif args.system in OURS:
         engine, *_ = initialize(model=model, config=config)
     else:
@@ -169,7 +176,7 @@ def worker(args):
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"rank": args.rank, "step_s": statistics.median(times), "rss_mb": rss_mb,
                       "rss_start_mb": rss_start, "losses": losses, "params": params,
-                      "persistent": persistent,
+                      "persistent": persistent, "gathered_after_forward": gathered[0],
                       "sent_mb": statistics.median(sent) / 2 ** 20 if sent else None}),
           flush=True)
 
@@ -185,7 +192,8 @@ def launch(system, args):
             "rss_mb": max(r["rss_mb"] for r in results),
             "rss_start_mb": max(r["rss_start_mb"] for r in results),
             "losses": results[0]["losses"], "params": results[0]["params"],
-            "persistent": results[0]["persistent"], "sent_mb": results[0]["sent_mb"]}
+            "persistent": results[0]["persistent"], "sent_mb": results[0]["sent_mb"],
+            "gathered_after_forward": results[0]["gathered_after_forward"]}
 
 
 def _chart(med, path):
@@ -241,9 +249,9 @@ def _report(runs, args, chart_name):
         "veScale runs twice, with the same \"vescale\" section (examples/configs/"
         "vescale_default.json): once with that file's zero_optimization (units reshard after "
         "forward, as FSDP2's do), once with the zero_optimization section DeepSpeed gets "
-        "(examples/configs/deepspeed_zero3.json, whose stage3_max_reuse_distance keeps units "
-        "gathered from forward into backward, as DeepSpeed keeps its parameters: its backward "
-        "gathers nothing, see the bytes sent). Each target compares the run with the same "
+        "(examples/configs/deepspeed_zero3.json, whose stage3_max_reuse_distance keeps our "
+        "units gathered from forward into backward; DeepSpeed keeps its parameters gathered "
+        "too, see below and the bytes sent). Each target compares the run with the same "
         "zero_optimization section.", ""]
     if args.small or args.rounds < 3:
         lines += ["**Smoke run** (tiny model or a single round): it shows the script works, "
@@ -271,7 +279,11 @@ def _report(runs, args, chart_name):
                   f"{LABELS[s]} {gaps[s]:.1e}" for s in gaps) + ".",
               f"- DeepSpeed kept {runs['deepspeed'][0]['persistent']:.0%} of the parameters "
               "whole on every rank (tensors under the example config's "
-              "stage3_param_persistence_threshold); veScale and FSDP2 shard all of them.", "",
+              "stage3_param_persistence_threshold); veScale and FSDP2 shard all of them. After "
+              "the last forward of each DeepSpeed run, "
+              + "/".join(f"{x['gathered_after_forward']:.0%}" for x in runs["deepspeed"])
+              + " of its parameters were still gathered (a forward hook on the model, after "
+              "DeepSpeed's own).", "",
               "Runs, step time in s (run order): " + "; ".join(
                   f"{s}: " + "/".join(f"{x['step_s']:.3f}" for x in runs[s]) for s in SYSTEMS),
               "", f"![step time and peak memory]({chart_name})"]
