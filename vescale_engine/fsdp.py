@@ -104,7 +104,7 @@ class _Context:
 
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
-                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance=0):
+                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance):
         self.module = module
         self.grads_in_place = grads_in_place
         self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
