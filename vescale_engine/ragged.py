@@ -20,13 +20,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 __all__ = [
     "RaggedShard", "box_decomposition", "shard_tensor", "Redistribution", "ragged_to_replicate",
     "ragged_to_ragged", "ragged_to_root", "root_to_ragged",
 ]
-
-# torch 2.13 deprecates all_gather_into_tensor (FutureWarning) in favour of all_gather_single.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -219,7 +218,7 @@ def ragged_to_replicate(local: torch.Tensor, spec: RaggedShard, group=None, asyn
         send = local.new_empty(width)
         send[:local.numel()].copy_(local)
     gathered = local.new_empty(width * spec.world_size)
-    work = _all_gather_flat(gathered, send, group=group, async_op=True)
+    work = collectives.all_gather(gathered, send, group, async_op=True)
 
     def finish():
         if all(size == width for size in sizes):
