@@ -15,10 +15,12 @@ from . import fsdp
 from . import loss_scaler as scaling
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
+from .device import place_model
 from .distributed import join_process_group
 from .from_config import (build_optimizer, build_scheduler, named_model_parameters,
                           optimizer_spec, resolve_named_parameters)
-from .monitor import Monitors
+from .launch_env import discover
+from .monitor import Monitors, PendingScalars
 from .progress import Progress
 from .timers import WallClockBreakdown
 from .wrap import device_mesh, wrap_model
@@ -32,8 +34,10 @@ class VeScaleEngine(nn.Module):
     """What DeepSpeed scripts call: engine(...), backward (or plain loss.backward()), step,
     no_sync, train/eval, destroy, counters."""
 
-    def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler):
+    def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
+                 device: torch.device):
         super().__init__()
+        self.device = device  # this rank's device: batches go here (batch.to(engine.device))
         self.module = module
         self.config = config
         self.optimizer = optimizer
@@ -45,11 +49,11 @@ class VeScaleEngine(nn.Module):
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
-        from launcher.env import discover
         self.local_rank = discover().local_rank
         self.loss_scaler = scaling.from_config(config.fp16)  # None unless fp16
         self.timers = WallClockBreakdown(config.wall_clock_breakdown)
         self.monitor = Monitors(config.raw, self.global_rank)
+        self._monitor_events = PendingScalars(self.monitor)  # written once on the host
         self.progress = Progress(config.steps_per_print, self.global_rank)
         self._grad_norm = None
         self._tokens = None
@@ -217,17 +221,17 @@ class VeScaleEngine(nn.Module):
             extra += [breakdown] if breakdown else []
         self.progress.optimizer_step(self.global_steps, loss, self.get_lr()[0], self._grad_norm,
                                      extra)
-        if self.monitor.enabled:
+        if self.monitor.enabled:  # device values: no host sync per step on the GPU
             events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
             if loss is not None:
-                events.insert(0, ("Train/Samples/train_loss", float(loss), self.global_samples))
+                events.insert(0, ("Train/Samples/train_loss", loss, self.global_samples))
             if self._grad_norm is not None:
-                events.append(("Train/Samples/grad_norm", float(self._grad_norm),
-                               self.global_samples))
+                events.append(("Train/Samples/grad_norm", self._grad_norm, self.global_samples))
             if self.loss_scaler is not None:
                 events.append(("Train/Samples/loss_scale", self.loss_scaler.loss_scale,
                                self.global_samples))
-            self.monitor.write_events(events)
+            self._monitor_events.add(events)
+            self._monitor_events.write_ready(wait=self.progress.due(self.global_steps))
 
     # -- DeepSpeed's accessors -----------------------------------------------------------------
 
@@ -290,6 +294,7 @@ class VeScaleEngine(nn.Module):
         fsdp.release(self.module)
         if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
             self.optimizer.state.clear()
+        self._monitor_events.write_ready(wait=True)
         self.monitor.close()
         self._window_losses = []
         self.process_group = None
@@ -316,31 +321,33 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("no config: pass config=, config_params= or args.deepspeed_config")
     from config_schemas.validate import read_config
     raw = read_config(source)
-    if dist_init_required is not False:
-        timeout = raw.get("vescale", {}).get("process_group_timeout_s", DEFAULT_TIMEOUT_S) \
-            if isinstance(raw, dict) else DEFAULT_TIMEOUT_S
-        join_process_group(float(timeout) if isinstance(timeout, (int, float)) else
-                           DEFAULT_TIMEOUT_S)
+    timeout = raw.get("vescale", {}).get("process_group_timeout_s", DEFAULT_TIMEOUT_S) \
+        if isinstance(raw, dict) else DEFAULT_TIMEOUT_S
+    device = join_process_group(
+        float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S,
+        create=dist_init_required is not False)
     cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
     if optimizer is None:
         optimizer_spec(cfg.optimizer)
+    model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
     chosen = None if model_parameters is None else \
         named_model_parameters(model_parameters, model)  # only these are optimized
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
-    module = wrap_model(model, cfg, device_mesh(cfg))
+    module = wrap_model(model, cfg, device_mesh(cfg, device))
     if chosen is None:
         params = [p for p in module.parameters() if p.requires_grad]
     else:
         params = resolve_named_parameters(chosen, module)
     opt = build_optimizer(cfg.optimizer, optimizer, params)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
-    engine = VeScaleEngine(module, cfg, opt, sched)
+    engine = VeScaleEngine(module, cfg, opt, sched, device)
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.distributed.DistributedSampler(training_data)
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.batch.micro_batch_per_gpu,
-                                             sampler=sampler, collate_fn=collate_fn)
+                                             sampler=sampler, collate_fn=collate_fn,
+                                             pin_memory=device.type == "cuda")
     return engine, opt, loader, sched
 
 

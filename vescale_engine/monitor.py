@@ -11,6 +11,9 @@ from __future__ import annotations
 import csv
 import logging
 import os
+from collections import deque
+
+import torch
 
 LOG = logging.getLogger("vescale_engine")
 DEFAULT_JOB_NAME = "DeepSpeedJobName"
@@ -93,3 +96,45 @@ class Monitors:
         for monitor in self.monitors:
             monitor.close()
         self.monitors = []
+
+
+class PendingScalars:
+    """Events whose values may be device tensors (the loss, the gradient norm). Each step's
+    values are copied to the host without waiting, and written once the copy has landed, in
+    step order: a GPU step never waits for its loss to reach the host. `wait=True` (the
+    progress line's steps, teardown) writes everything, waiting once."""
+
+    def __init__(self, monitors: Monitors):
+        self.monitors = monitors
+        self._queue = deque()  # (events with host values, marker of their copy or None)
+
+    def add(self, events) -> None:
+        host, device = [], None
+        for name, value, step in events:
+            if isinstance(value, torch.Tensor):
+                if value.device.type != "cpu":
+                    device = value.device
+                value = value.detach().to("cpu", non_blocking=True)
+            host.append((name, value, step))
+        self._queue.append((host, None if device is None else _copy_done_marker(device)))
+
+    def write_ready(self, wait: bool = False) -> None:
+        while self._queue:
+            events, marker = self._queue[0]
+            if marker is not None:
+                if wait:
+                    marker.synchronize()
+                elif not marker.query():
+                    return  # later steps' copies are queued behind this one
+            self._queue.popleft()
+            self.monitors.write_events([(n, float(v), s) for n, v, s in events])
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+def _copy_done_marker(device: torch.device):
+    """An event after the copies just queued on `device`'s current stream."""
+    event = torch.Event(device=device)
+    event.record()
+    return event

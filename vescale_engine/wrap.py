@@ -8,16 +8,15 @@ from torch import nn
 from . import fsdp, optim
 
 
-def device_mesh(cfg):
-    """A (replicate, shard) mesh for HSDP and for stage 0 (replicate only); None: shard over
-    the whole world."""
+def device_mesh(cfg, device: torch.device):
+    """A (replicate, shard) mesh on this rank's device type for HSDP and for stage 0
+    (replicate only); None: shard over the whole world."""
     if cfg.hsdp_replicate_size <= 1 and cfg.zero_stage != 0:
         return None
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
     replicas = world if cfg.zero_stage == 0 else cfg.hsdp_replicate_size
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, (replicas, world // replicas),
+    return init_device_mesh(device.type, (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
 
 
