@@ -213,7 +213,8 @@ def _add_run_parser(sub):
     p.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="T",
                    help="OMP_NUM_THREADS per rank (default: the rank's share of the cores)")
     p.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
-                   help="local launcher on CPU: do not bind each rank to its own cores")
+                   help="local launcher: do not bind each rank to its own cores (CPU ranks) or to "
+                        "its GPU's NUMA node (CUDA ranks)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=_run_run)

@@ -2,7 +2,8 @@
 
 - local (default): N ranks on this machine with the environment torchrun would give them,
   each output line prefixed with its rank, every rank stopped as soon as one fails (the exit
-  status is then that rank's); on CPU each rank is bound to its own cores.
+  status is then that rank's); on CPU each rank is bound to its own cores, a CUDA rank to
+  its GPU's NUMA node (at most one rank per GPU).
 - mpi: one `mpirun` command line (Open MPI), over a hostfile for several machines.
 - deepspeed: one `deepspeed` launcher command line, over a hostfile for several machines.
 
@@ -23,6 +24,7 @@ import threading
 import time
 
 from launcher import binding as cpu
+from launcher import gpu_binding as gpu
 from launcher.hostfile import Host, is_local, read_hostfile, write_hostfile
 
 LAUNCHERS = ("local", "mpi", "deepspeed")
@@ -63,7 +65,8 @@ def launch(launcher: str, nproc: int | None, hostfile: str | None, argv: list,
         if launcher == "mpi":
             cmd = mpi_command(argv, hosts, path, threads_per_rank or _threads_guess(hosts),
                               os.environ, as_root=os.geteuid() == 0,
-                              usable_cores=len(cpu.usable_cores()))
+                              usable_cores=len(cpu.usable_cores()),
+                              gpu_ranks=gpu_ranks(os.environ), numa_nodes=gpu.numa_node_count())
             return _run_job(cmd, out)
         # The deepspeed launcher passes its environment on to the ranks (on CPU it leaves the
         # thread count to them, and every rank would use every core).
@@ -101,9 +104,10 @@ def _master(hosts, env) -> tuple:
 
 
 def mpi_command(argv, hosts, hostfile, threads, env, as_root, usable_cores,
-                mpirun=None, python=sys.executable) -> list:
+                mpirun=None, python=sys.executable, gpu_ranks=False, numa_nodes=1) -> list:
     """The `mpirun` (Open MPI) command line. `hostfile` is the Open MPI-format file naming
-    `hosts` (None when the job stays on this machine)."""
+    `hosts` (None when the job stays on this machine). Other machines are assumed to have
+    this one's cores and NUMA nodes."""
     addr, port = _master(hosts, env)
     total = sum(h.slots for h in hosts)
     cmd = [mpirun or _tool("mpirun"), "-n", str(total)]
@@ -115,6 +119,7 @@ def mpi_command(argv, hosts, hostfile, threads, env, as_root, usable_cores,
         # Otherwise Open MPI refuses more ranks than cores (or, with a hostfile's slots, to
         # bind them); oversubscribed, it leaves the ranks unbound.
         cmd.append("--oversubscribe")
+    cmd += mpi_placement(hosts, threads, usable_cores, gpu_ranks, numa_nodes)
     exported = {"MASTER_ADDR": addr, "MASTER_PORT": port, "OMP_NUM_THREADS": str(threads),
                 "PYTHONUNBUFFERED": "1"}
     exported.update({k: v for k, v in env.items()
@@ -122,6 +127,21 @@ def mpi_command(argv, hosts, hostfile, threads, env, as_root, usable_cores,
     for name, value in exported.items():
         cmd += ["-x", f"{name}={value}"]
     return [*cmd, python, *argv]
+
+
+def mpi_placement(hosts, threads, usable_cores, gpu_ranks, numa_nodes) -> list:
+    """--map-by/--bind-to. GPU ranks fill the NUMA nodes in turn and are bound to theirs: the
+    engine gives local rank r GPU r, and GPU r sits on NUMA node r // (GPUs per node) on
+    DGX/HGX-style machines (`vescale run` reads the real placement from sysfs). CPU ranks get
+    `threads` cores each; ranks that would not fit are left unbound."""
+    slots = {h.slots for h in hosts}
+    if gpu_ranks:
+        if len(slots) == 1 and next(iter(slots)) % numa_nodes == 0:
+            return ["--map-by", f"ppr:{next(iter(slots)) // numa_nodes}:numa", "--bind-to", "numa"]
+        return ["--map-by", "slot", "--bind-to", "none"]
+    if max(slots) * threads > usable_cores:
+        return ["--bind-to", "none"]
+    return ["--map-by", f"slot:PE={threads}", "--bind-to", "core"]
 
 
 def deepspeed_command(argv, hosts, hostfile, env, deepspeed=None) -> list:
@@ -195,22 +215,34 @@ def _local_plan(nproc, threads_per_rank, bind_cores, out):
     chosen as the run's first lines."""
     usable = cpu.usable_cores()
     processor = cpu.detect_processor()
-    if bind_cores and not _cuda_available():
+    gpu_plan = None
+    if gpu_ranks(os.environ):  # checked even unbound: more ranks than GPUs cannot run
+        bus_ids = gpu.gpu_bus_ids()
+        gpu_plan = gpu.plan_gpu_binding(nproc, bus_ids, usable, threads=threads_per_rank)
+    if bind_cores and gpu_plan is not None:
+        print(f"vescale run: {processor.brand}, {processor.logical_cores} logical cores, "
+              f"{len(usable)} usable [{cpu.core_ranges(usable)}]; {len(bus_ids)} GPU(s)",
+              file=out, flush=True)
+        for line in gpu.describe(bus_ids, gpu_plan):
+            print(line, file=out, flush=True)
+        return gpu_plan.cores, gpu_plan.threads
+    if bind_cores:
         plan = cpu.plan_binding(nproc, usable, threads_per_rank)
         for line in cpu.describe(processor, usable, plan):
             print(line, file=out, flush=True)
         return plan.cores, plan.threads
     threads = threads_per_rank or max(1, len(usable) // nproc)
-    why = "--no-bind-cores" if not bind_cores else "CUDA ranks"
     print(f"vescale run: {processor.brand}, {processor.logical_cores} logical cores, "
-          f"{len(usable)} usable; no core binding ({why}); OMP_NUM_THREADS={threads}",
+          f"{len(usable)} usable; no core binding (--no-bind-cores); OMP_NUM_THREADS={threads}",
           file=out, flush=True)
     return [None] * nproc, threads
 
 
-def _cuda_available() -> bool:
-    import torch  # the engine's own test for NCCL vs gloo
-    return torch.cuda.is_available()
+def gpu_ranks(env) -> bool:
+    """Will the ranks use NCCL on GPUs? The engine's own choice (VESCALE_BACKEND, else CUDA)."""
+    import torch
+    from vescale_engine.device import choose_backend
+    return choose_backend(env, torch.cuda.is_available()) == "nccl"
 
 
 def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,

@@ -1,5 +1,5 @@
 """The README's main job: examples/train_gpt.py trains under `vescale run` and torchrun, and
-its loss falls."""
+its loss falls; the bf16 config (the one for GPUs) trains too."""
 import os
 import re
 import socket
@@ -11,9 +11,9 @@ import pytest
 ARGS = ["examples/train_gpt.py", "--steps", "12", "--layers", "2", "--dim", "64", "--seq", "64"]
 
 
-def losses(output):
-    match = re.search(r"trained 12 steps on 2 rank\(s\) in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)",
-                      output)
+def losses(output, steps=12):
+    match = re.search(rf"trained {steps} steps on 2 rank\(s\) in [\d.]+ s: loss ([\d.]+) -> "
+                      r"([\d.]+)", output)
     assert match, output[-3000:]
     return float(match.group(1)), float(match.group(2))
 
@@ -34,3 +34,15 @@ def test_example_trains_and_loss_falls(launcher):
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     first, last = losses(out.stdout)
     assert last < first - 0.5
+
+
+def test_example_trains_with_the_bf16_config():
+    """A few steps of bf16 (bf16 parameters and gradient reduction, fp32 master) on CPU ranks."""
+    args = ["examples/train_gpt.py", "--config", "examples/configs/vescale_bf16.json",
+            "--steps", "4", "--layers", "1", "--dim", "32", "--seq", "32"]
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "2",
+                          "--threads-per-rank", "1", *args], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    first, last = losses(out.stdout, steps=4)
+    assert last < first

@@ -10,7 +10,7 @@ import pytest
 
 from launcher import binding
 from launcher.hostfile import Host, HostfileError, read_hostfile
-from launcher.run import _cuda_available, deepspeed_command, mpi_command
+from launcher.run import deepspeed_command, mpi_command
 
 
 def run(tmp_path, body, *args):
@@ -88,11 +88,7 @@ def test_each_rank_runs_on_its_own_cores(tmp_path):
     nproc = min(2, len(usable))
     out = run(tmp_path, AFFINITY, "--nproc", str(nproc))
     assert out.returncode == 0, out.stdout + out.stderr
-    if _cuda_available():  # GPU ranks are left to the GPU's NUMA placement, by design
-        assert "no core binding (CUDA ranks)" in out.stdout.splitlines()[0]
-        assert affinities(out) == {r: (usable, len(usable) // nproc) for r in range(nproc)}
-        return
-    seen = affinities(out)
+    seen = affinities(out)  # CPU ranks (conftest: VESCALE_BACKEND=gloo even on a GPU machine)
     per_rank = len(usable) // nproc
     assert seen == {r: (usable[r * per_rank:(r + 1) * per_rank], per_rank) for r in range(nproc)}
     first, second = out.stdout.splitlines()[:2]
@@ -115,10 +111,6 @@ def test_more_ranks_than_cores_share_them_round_robin(tmp_path):
         out = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "3",
                               str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    if _cuda_available():  # not bound: each rank inherits the launcher's one core
-        assert "no core binding (CUDA ranks)" in out.stdout.splitlines()[0]
-        assert affinities(out) == {r: ([core], 1) for r in range(3)}
-        return
     assert affinities(out) == {r: ([core], 1) for r in range(3)}
     assert "3 ranks on 1 cores: cores shared round-robin, one thread each" in out.stdout
 
@@ -150,7 +142,7 @@ def test_mpi_command_on_this_machine():
     port = cmd[cmd.index("-x") + 3].split("=")[1]
     assert port.isdigit()
     assert cmd == ["mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
-                   "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+                   "--bind-to", "none", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
                    "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1",
                    "-x", "NCCL_DEBUG=INFO", "py", "train.py", "--x"]
 
@@ -160,8 +152,22 @@ def test_mpi_command_over_a_hostfile():
     cmd = mpi_command(["train.py"], hosts, "/tmp/hf", threads=4, env={"MASTER_PORT": "1234"},
                       as_root=False, usable_cores=32, mpirun="mpirun", python="py")
     assert cmd == ["mpirun", "-n", "16", "--hostfile", "/tmp/hf",
-                   "-x", "MASTER_ADDR=node1", "-x", "MASTER_PORT=1234",
+                   "--map-by", "slot:PE=4", "--bind-to", "core", "-x", "MASTER_ADDR=node1", "-x", "MASTER_PORT=1234",
                    "-x", "OMP_NUM_THREADS=4", "-x", "PYTHONUNBUFFERED=1", "py", "train.py"]
+
+
+def test_mpi_command_binds_gpu_ranks_to_numa_nodes():
+    """GPU ranks fill each NUMA node in turn and are bound to it; a node size that does not
+    split over the NUMA nodes is left unbound rather than bound wrongly."""
+    hosts = [Host("node1", 8), Host("node2", 8)]
+    cmd = mpi_command(["t.py"], hosts, "/tmp/hf", threads=4, env={}, as_root=False,
+                      usable_cores=64, mpirun="mpirun", python="py", gpu_ranks=True,
+                      numa_nodes=2)
+    assert cmd[5:9] == ["--map-by", "ppr:4:numa", "--bind-to", "numa"], cmd
+    odd = mpi_command(["t.py"], [Host("node1", 3)], "/tmp/hf", threads=4, env={},
+                      as_root=False, usable_cores=64, mpirun="mpirun", python="py",
+                      gpu_ranks=True, numa_nodes=2)
+    assert odd[5:9] == ["--map-by", "slot", "--bind-to", "none"], odd
 
 
 def test_deepspeed_command():

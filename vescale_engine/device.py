@@ -18,7 +18,7 @@ NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 _SAME_GPUS_FOR_ALL_LOCAL_RANKS = ("torchrun/deepspeed", "none")
 
 
-class DeviceError(RuntimeError):
+class DeviceError(ValueError):
     """The device setup cannot work; the message names the problem."""
 
 

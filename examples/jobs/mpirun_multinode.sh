@@ -40,11 +40,23 @@ export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}
 AS_ROOT=()
 if [ "$(id -u)" -eq 0 ]; then AS_ROOT=(--allow-run-as-root); fi
 
-# -n: all ranks; --map-by ppr:N:node: N ranks on each node; --bind-to none: leave CPU placement
-# to the OS (each rank mostly waits on its GPU); -x: variables every rank gets, on every node.
+# CPU placement: local rank r drives GPU r, and on DGX/HGX-style nodes GPU r sits on NUMA node
+# r / (GPUs per NUMA node). So the ranks fill the NUMA nodes in turn (--map-by ppr:K:numa, K
+# ranks on each) and each is bound to its node's cores and memory (--bind-to numa); host-side
+# work and the pinned copies then stay next to the GPU. NUMA nodes are counted on this node
+# (the others are assumed alike); where the GPUs do not split evenly, the ranks stay unbound.
+NUMA_NODES=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
+NUMA_NODES=$(( NUMA_NODES > 0 ? NUMA_NODES : 1 ))
+if (( GPUS_PER_NODE % NUMA_NODES == 0 )); then
+    PLACEMENT=(--map-by "ppr:$((GPUS_PER_NODE / NUMA_NODES)):numa" --bind-to numa)
+else
+    PLACEMENT=(--map-by "ppr:${GPUS_PER_NODE}:node" --bind-to none)
+fi
+
+# -n: all ranks; -x: variables every rank gets, on every node.
 set -x
 mpirun -n $((NODES * GPUS_PER_NODE)) --hostfile "$HOSTFILE" "${AS_ROOT[@]}" \
-    --map-by "ppr:${GPUS_PER_NODE}:node" --bind-to none \
+    "${PLACEMENT[@]}" \
     -x MASTER_ADDR="$MASTER_ADDR" -x MASTER_PORT="$MASTER_PORT" \
     -x OMP_NUM_THREADS="$OMP_NUM_THREADS" -x PATH -x PYTHONUNBUFFERED=1 \
     -x NCCL_DEBUG -x NCCL_SOCKET_IFNAME -x NCCL_IB_DISABLE \
