@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..ragged import RaggedShard
+from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
@@ -306,15 +307,10 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if create and not self.state.get(p):
                     self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if group["use_muon"] \
-                        else self._new_adamw_state(p)
+                        else new_adamw_state(p)
                 if self.state.get(p):
                     out[p] = dict(self.state[p])
         return out
-
-    @staticmethod
-    def _new_adamw_state(p) -> dict:
-        return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _adamw_step(self, group):
         params = [p for p in group["params"] if p.grad is not None and p.numel()]
@@ -322,33 +318,14 @@ class Muon(torch.optim.Optimizer):
             return
         for p in params:
             if not self.state.get(p):
-                self.state[p] = self._new_adamw_state(p)
+                self.state[p] = new_adamw_state(p)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         # torch.optim.AdamW's update over all of them in one fused call (one pass over memory).
-        _fused_adamw([p for p in params], [p.grad for p in params],
-                     [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                     [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
-                     weight_decay=group["weight_decay"], eps=group["eps"])
-
-
-def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
-                 weight_decay, eps):
-    torch._foreach_add_(steps, 1)  # the fused kernel reads the already-advanced step
-    if _FUSED is not None and params[0].device.type in ("cpu", "cuda"):
-        _FUSED(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        return
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        n = step.item()
-        p.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** n)).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** n))
-
-
-_FUSED = getattr(torch, "_fused_adamw_", None)
+        adamw_update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"])
 
 
 def is_muon_matrix(name: str, shape, adamw_patterns=DEFAULT_ADAMW_PATTERNS) -> bool:
