@@ -6,6 +6,8 @@ parameter. Padding holds zero parameters and gradients and stays zero.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .flat import evaluate_closure, flat_buffers
@@ -62,14 +64,19 @@ def adamw_math(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         return
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        correction1 = 1 - torch.pow(beta1, step)
-        correction2 = 1 - torch.pow(beta2, step)
+        correction1, correction2 = _bias_correction(beta1, step), _bias_correction(beta2, step)
         p.mul_(1 - lr * weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / correction2.sqrt()).add_(eps)
         if lr:  # p -= lr / correction1 * m / denom, the step size folded into the divisor
             p.addcdiv_(m, denom.mul_(correction1 / -lr))  # (addcdiv's value is a host number)
+
+
+def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
+    """1 - beta ** step on step's device, as -expm1(step * log(beta)): accurate in fp32 where
+    1 - pow would cancel (beta2 = 0.999 early in training)."""
+    return -torch.expm1(step * math.log(beta)) if beta else torch.ones_like(step)
 
 
 _FUSED = getattr(torch, "_fused_adamw_", None)
