@@ -1,10 +1,14 @@
 """Every tensor the library creates is created on the device of what it serves, never on torch's
 default device. The check: build the model and the engine normally, then switch the default
 device to `meta` (so a tensor made without `device=` is a meta tensor and any use of it fails),
-and train on 2 gloo ranks with every optimizer we ship, gradient clipping, mixed precision,
+and train on 2 gloo ranks with every optimizer we ship (and torch's fused AdamW as a client
+optimizer), gradient clipping, mixed precision,
 gradient accumulation and a checkpoint save + load. Losses and parameters must equal those of
 the same run with the default device left alone, bit for bit, and no operation may produce a
 meta tensor."""
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 import fsdp_models as fm
 from dist_harness import RankPool, scratch_dir
 from vescale_engine import initialize
+from vescale_engine.checkpoint import torch_state_target
 
 MICRO, ACCUM, STEPS, SAVE_AFTER = 2, 2, 3, 2
 OPTIMIZERS = {
@@ -20,6 +25,7 @@ OPTIMIZERS = {
     "AdamW8bit": {"type": "AdamW8bit", "params": {"lr": 1e-3, "block": "block:64"}},
     "Muon": {"type": "Muon", "params": {"lr": 0.02, "adamw_lr": 1e-3}},
 }
+TORCH_FUSED = "torch.optim.AdamW(fused=True)"  # a client optimizer: its `step` state is torch's
 PRECISION = {"bf16": {"bf16": {"enabled": True}},  # bf16 parameters, fp32 master and reduction
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}  # + loss scaler
 
@@ -45,10 +51,14 @@ def train(rank, world, optimizer, precision, directory, meta):
     """Losses of STEPS optimizer steps, then of the last step again after loading the
     checkpoint saved after SAVE_AFTER; and this rank's parameter shards at the end."""
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
-              "gradient_clipping": 0.5, "optimizer": OPTIMIZERS[optimizer],
-              **PRECISION[precision],
+              "gradient_clipping": 0.5, **PRECISION[precision],
               "vescale": {"wrap_policy": {"module_classes": ["Block"]}}}
-    engine, *_ = initialize(model=fm.make("gpt"), config=config)
+    client = None
+    if optimizer == TORCH_FUSED:
+        client = functools.partial(torch.optim.AdamW, lr=1e-3, fused=True)
+    else:
+        config["optimizer"] = OPTIMIZERS[optimizer]
+    engine, *_ = initialize(model=fm.make("gpt"), optimizer=client, config=config)
     batches = [fm.batch("gpt", step, MICRO * ACCUM * world) for step in range(STEPS)]
 
     def optimizer_step(step):
@@ -92,7 +102,7 @@ def hygiene_rank(rank, world, optimizer, precision, directory):
     return got, want, same_params
 
 
-CASES = [(name, "bf16") for name in OPTIMIZERS] + [("AdamW", "fp16")]
+CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED]] + [("AdamW", "fp16")]
 
 
 @pytest.mark.parametrize("optimizer,precision", CASES)
@@ -103,3 +113,16 @@ def test_training_never_uses_the_default_device(pool, optimizer, precision):
         flat = [x for step in got for x in step]
         assert all(x == x and abs(x) != float("inf") for x in flat), got
         assert got[-1] == got[STEPS - 1]  # resumed from the checkpoint: the same last step
+
+
+def test_torch_optimizer_state_loads_where_its_kernel_reads_it():
+    """A torch optimizer's `step` loads on the parameter's device when the group is fused or
+    capturable (the kernel reads it there), else on the host as torch keeps it; a meta
+    parameter stands in for a GPU one."""
+    p = torch.empty(6, device="meta")
+    step = SimpleNamespace(size=torch.Size([]), properties=SimpleNamespace(dtype=torch.float32))
+    moment = SimpleNamespace(size=torch.Size([6]), properties=SimpleNamespace(dtype=torch.float32))
+    for group, device in (({"fused": True}, "meta"), ({"capturable": True}, "meta"),
+                          ({"fused": None, "capturable": False}, "cpu"), ({}, "cpu")):
+        assert torch_state_target(p, group, step).device.type == device, group
+        assert torch_state_target(p, group, moment).device.type == "meta"

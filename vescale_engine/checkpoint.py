@@ -260,6 +260,16 @@ def _check_shape(path, metadata, key, obj):
                               f"is {list(shape)}")
 
 
+def torch_state_target(p, group, md) -> torch.Tensor:
+    """Where a torch optimizer's saved state entry (DCP tensor metadata `md`) of parameter `p`
+    loads: element-wise state on p's device; 0-d state (`step`) on the host, as torch keeps it,
+    unless the group is fused or capturable, whose kernels read it on the parameter's device."""
+    if len(md.size):
+        return torch.zeros(p.numel(), dtype=md.properties.dtype, device=p.device)
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=md.properties.dtype, device=p.device if on_device else "cpu")
+
+
 def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, saved_info):
     """Entries to load the optimizer state into: our interface's views where the optimizer
     defines its state, else state made for the names the checkpoint holds (torch optimizers)."""
@@ -273,17 +283,10 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, sav
             by_param[p] = {k[len(prefix):]: metadata.state_dict_metadata[k]
                            for k in saved if k.startswith(prefix)}
         for group in optimizer.param_groups:
-            # torch keeps 0-d state (`step`) on the host unless a fused or capturable kernel
-            # reads it on the parameter's device
-            on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
                 if by_param.get(p):
-                    optimizer.state[p] = {
-                        name: torch.zeros((), dtype=md.properties.dtype,
-                                          device=p.device if on_device else "cpu")
-                        if len(md.size) == 0
-                        else torch.zeros(p.numel(), dtype=md.properties.dtype, device=p.device)
-                        for name, md in by_param[p].items()}
+                    optimizer.state[p] = {name: torch_state_target(p, group, md)
+                                          for name, md in by_param[p].items()}
         state = optimizer_state(optimizer, create=False)
     elif not saved:
         return {}
