@@ -2,8 +2,8 @@
 default device. The check: build the model and the engine normally, then switch the default
 device to `meta` (so a tensor made without `device=` is a meta tensor and any use of it fails),
 and train on 2 gloo ranks with every optimizer we ship (and torch's fused AdamW as a client
-optimizer), gradient clipping, mixed precision,
-gradient accumulation and a checkpoint save + load. Losses and parameters must equal those of
+optimizer), gradient clipping, mixed precision, gradient accumulation and a checkpoint save +
+load. Losses and parameters must equal those of
 the same run with the default device left alone, bit for bit, and no operation may produce a
 meta tensor."""
 import functools
