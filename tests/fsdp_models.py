@@ -35,7 +35,7 @@ class GPT(nn.Module):
         self.head.weight = self.wte.weight  # tied
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))

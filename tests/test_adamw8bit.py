@@ -275,6 +275,26 @@ def test_quantizer_round_trip(kind):
             assert (restored - block).abs().max().item() <= 0.02 * scale + 1e-12, (kind, signed)
 
 
+def test_chunked_quantizer_is_bit_identical_and_tables_are_cached_per_device():
+    """Chunks of whole segments (smaller than one tensor, smaller than one block, one chunk for
+    everything) give the same codes, scales and restored values; a device's tables are made
+    once and live there (meta stands in for a GPU: no host copy per call)."""
+    lengths = [256] * 9 + [7, 13] + [100] * 5 + [256] * 3 + [40]
+    x = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for chunk in (1 << 22, 1000, 256, 100):
+        q = BlockQuantizer(lengths, "dynamic", chunk_elements=chunk)
+        assert len(q.chunks) > 1 or chunk == 1 << 22
+        codes, scales = torch.empty(x.numel(), dtype=torch.int8), torch.empty(q.num_blocks)
+        q.quantize(x, True, codes, scales)
+        outs.append((codes, scales, q.dequantize(codes, scales, True)))
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+    table = code_table("linear", False, torch.device("meta"))
+    assert table.is_meta and code_table("linear", False, "meta") is table
+    assert q.segment_range(256 * 9, 256 * 9 + 20) == (9, 11)  # host bisect over the starts
+
+
 # ------------------------------------------------------------------ checkpoints
 
 def checkpoint_rank(rank, world, directory):

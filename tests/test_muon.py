@@ -3,6 +3,8 @@
 equals a float64 single-process reference, stacked 3-D experts are orthogonalized matrix by
 matrix, the "tensor" mode needs no communication, roots are balanced, gathers run ahead of
 Newton-Schulz, the engine builds it from a config, and bad input fails clearly."""
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,8 @@ from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.ragged import RaggedShard, ragged_to_replicate
 from vescale_engine.optim import Muon, sharding_granularity
-from vescale_engine.optim.muon import DEFAULT_ADAMW_PATTERNS, is_muon_matrix, ns_flops
+from vescale_engine.optim.muon import (DEFAULT_ADAMW_PATTERNS, ROUNDS_IN_FLIGHT, is_muon_matrix,
+                                       ns_flops)
 
 GLOBAL_BATCH = 12
 STEPS = 3
@@ -144,7 +147,8 @@ def relative(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def run_parity(rank, world, kind, ns_dtype, mode, granularity, muon_kwargs, record=False):
+def run_parity(rank, world, kind, ns_dtype, mode, granularity, muon_kwargs, record=False,
+               rounds_in_flight=ROUNDS_IN_FLIGHT):
     exact = ns_dtype == "fp32"
     reference = Reference(make(kind, torch.float64 if exact else torch.float32), exact,
                           {**HYPER, **muon_kwargs})
@@ -154,6 +158,7 @@ def run_parity(rank, world, kind, ns_dtype, mode, granularity, muon_kwargs, reco
     opt = Muon(model.parameters(), **HYPER, **muon_kwargs, ns_dtype=ns_dtype, mode=mode,
                **OURS_ADAMW)
     opt.record_trace = record
+    opt.rounds_in_flight = rounds_in_flight
     sent = []
     for step in range(STEPS):
         model(*local_batch(kind, step, rank, world)).backward()
@@ -213,13 +218,45 @@ def test_parity_with_single_process_muon(pool):
 
 # ------------------------------------------------------------------ roots, overlap, stacks
 
+TRACED = [("stacked", "element", ROUNDS_IN_FLIGHT), ("gpt", "rows:1", ROUNDS_IN_FLIGHT),
+          ("gpt", "rows:1", 1)]
+
+
 def trace_rank(rank, world):
-    return run_parity(rank, world, "stacked", "bf16", "gather", "element", {}, record=True)
+    return [run_parity(rank, world, kind, "bf16", "gather", granularity, {}, record=True,
+                       rounds_in_flight=ahead) for kind, granularity, ahead in TRACED]
+
+
+def check_trace(trace, roots, rank, world, ahead):
+    """Per step: each of this rank's roots orthogonalized once; every round gathered and
+    scattered once, in order; never more than `ahead` rounds gathered ahead of the round being
+    orthogonalized, and (ahead > 1) the next round's gather overlapping it. Returns (matrices
+    orthogonalized, most rounds in a step)."""
+    orthogonalized, most = [], 0
+    for step in range(STEPS):
+        events = trace[step * len(trace) // STEPS:(step + 1) * len(trace) // STEPS]
+        ns = [k for what, k in events if what == "ns"]
+        orthogonalized += ns
+        assert sorted(ns) == [k for k, (_, root, _) in enumerate(roots) if root == rank]
+        rounds = [j for what, j in events if what == "scatter"]
+        assert [j for what, j in events if what == "gather"] == rounds == \
+            list(range(len(rounds)))
+        in_flight = list(itertools.accumulate(
+            {"gather": 1, "scatter": -1}.get(what, 0) for what, _ in events))
+        assert max(in_flight, default=0) == min(ahead, len(rounds)), events
+        for i, (what, k) in enumerate(events):
+            if what == "ns" and not roots[k][2]:  # a gathered matrix of round j:
+                assert events[i + 1][0] == "scatter", events  # its result goes right back
+                j = events[i + 1][1]
+                if j + 1 < len(rounds) and ahead > 1:  # and the next round's gather overlaps it
+                    assert events.index(("gather", j + 1)) < i, events
+        most = max(most, len(rounds))
+    return orthogonalized, most
 
 
 def test_roots_balance_flops_and_communication_runs_ahead(pool):
     results = pool.run(trace_rank)
-    whole, worst, _, _, roots, load, _ = results[0]
+    whole, worst, _, _, roots, load, _ = results[0][0]
     assert whole < 1e-5
     # 1 dense 40x24 matrix and 4 expert matrices 24x16: the stack is split into its matrices.
     assert len(roots) == 5 and [p for p, _, _ in roots].count(1) == 4
@@ -229,21 +266,20 @@ def test_roots_balance_flops_and_communication_runs_ahead(pool):
         assert max(load) - min(load) <= max(costs), load
         assert len({r for _, r, _ in roots}) == min(pool.world_size, 5)
     orthogonalized = []
-    for rank, (*_, trace) in enumerate(results):
-        for step in range(STEPS):
-            events = trace[step * len(trace) // STEPS:(step + 1) * len(trace) // STEPS]
-            ns = [k for what, k in events if what == "ns"]
-            orthogonalized += ns
-            assert sorted(ns) == [k for k, (_, root, _) in enumerate(roots) if root == rank]
-            gathers = [i for i, (what, _) in enumerate(events) if what == "gather"]
-            if gathers:  # every gather is in flight before the first Newton-Schulz, so matrix
-                # i+1's communication overlaps matrix i's, and a result goes back right after
-                assert max(gathers) < min(i for i, (what, _) in enumerate(events)
-                                           if what == "ns"), events
-            for k in ns:
-                if ("gather", k) in events:
-                    assert events.index(("ns", k)) < events.index(("scatter", k)), events
-            assert bool(gathers) == (pool.world_size > 1)
+    for case, (kind, _, ahead) in enumerate(TRACED):
+        case_roots = results[0][case][4]
+        assert results[0][case][0] < 1e-5
+        most = 0
+        for rank, ranks_results in enumerate(results):
+            done, rounds = check_trace(ranks_results[case][-1], case_roots, rank,
+                                       pool.world_size, ahead)
+            most = max(most, rounds)
+            if case == 0:
+                orthogonalized += done
+        if case == 0:  # the stacked model's dense matrix is split over ranks
+            assert (most > 0) == (pool.world_size > 1)
+        if kind == "gpt" and pool.world_size == 2:  # 2 rounds: more than 1 allowed ahead
+            assert most > ahead or ahead == ROUNDS_IN_FLIGHT, (kind, ahead, most)
     assert sorted(orthogonalized) == sorted(list(range(5)) * STEPS)  # each once per step
 
 

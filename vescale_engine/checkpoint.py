@@ -260,6 +260,16 @@ def _check_shape(path, metadata, key, obj):
                               f"is {list(shape)}")
 
 
+def torch_state_target(p, group, md) -> torch.Tensor:
+    """Where a torch optimizer's saved state entry (DCP tensor metadata `md`) of parameter `p`
+    loads: element-wise state on p's device; 0-d state (`step`) on the host, as torch keeps it,
+    unless the group is fused or capturable, whose kernels read it on the parameter's device."""
+    if len(md.size):
+        return torch.zeros(p.numel(), dtype=md.properties.dtype, device=p.device)
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=md.properties.dtype, device=p.device if on_device else "cpu")
+
+
 def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, saved_info):
     """Entries to load the optimizer state into: our interface's views where the optimizer
     defines its state, else state made for the names the checkpoint holds (torch optimizers)."""
@@ -275,10 +285,8 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, sav
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if by_param.get(p):
-                    optimizer.state[p] = {
-                        name: torch.zeros((), dtype=md.properties.dtype) if len(md.size) == 0
-                        else torch.zeros(p.numel(), dtype=md.properties.dtype, device=p.device)
-                        for name, md in by_param[p].items()}
+                    optimizer.state[p] = {name: torch_state_target(p, group, md)
+                                          for name, md in by_param[p].items()}
         state = optimizer_state(optimizer, create=False)
     elif not saved:
         return {}
@@ -324,8 +332,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         sd.update(_optimizer_targets(path, metadata, engine.optimizer, params, names_of,
                                      set(skipped),
                                      from_json(state["optimizer"].get("checkpoint_info"))))
-    rng = {k: torch.empty(metadata.state_dict_metadata[k].size,
-                          dtype=metadata.state_dict_metadata[k].properties.dtype)
+    rng = {k: torch.empty(metadata.state_dict_metadata[k].size,  # generator states: host
+                          dtype=metadata.state_dict_metadata[k].properties.dtype, device="cpu")
            for k in metadata.state_dict_metadata if k.startswith(f"rng.rank{rank}.")}
     if full_load:
         sd.update(rng)
@@ -380,7 +388,7 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
     state = read_state(path)
     verify_files(path, state)
     metadata = read_metadata(path)
-    sd = {k: torch.empty(md.size, dtype=md.properties.dtype)
+    sd = {k: torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
           for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
     dcp.load(sd, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
     full = {k[6:]: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}

@@ -89,13 +89,12 @@ def optimizer_state(optimizer, create: bool, saved_info=_OWN) -> dict:
 
 def _vescale_adamw_state(opt, create):
     """Our AdamW keeps flat state per buffer; each parameter's state is its slice of it."""
+    from .optim.adamw import new_adamw_state
     out = {}
     for buf, _group, _decay, _probe in opt._buffers:
         state = opt.state.setdefault(buf.master, {})
         if not state and create:
-            state.update(step=torch.zeros((), dtype=torch.float32),
-                         exp_avg=torch.zeros_like(buf.master),
-                         exp_avg_sq=torch.zeros_like(buf.master))
+            state.update(new_adamw_state(buf.master))
         if not state:
             continue
         for group in opt.param_groups:
@@ -132,13 +131,14 @@ def rng_entries(rank):
         entries[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
     version, mt, gauss = random.getstate()
     entries[f"rng.rank{rank}.python"] = torch.tensor([version, *mt, -1 if gauss is None else 1],
-                                                     dtype=torch.int64)
+                                                     dtype=torch.int64, device="cpu")
     entries[f"rng.rank{rank}.python_gauss"] = torch.tensor(0.0 if gauss is None else gauss,
-                                                           dtype=torch.float64)
+                                                           dtype=torch.float64, device="cpu")
     _, keys, pos, has_gauss, cached = np.random.get_state()
     entries[f"rng.rank{rank}.numpy"] = torch.tensor([*keys.astype("int64"), pos, has_gauss],
-                                                    dtype=torch.int64)
-    entries[f"rng.rank{rank}.numpy_gauss"] = torch.tensor(cached, dtype=torch.float64)
+                                                    dtype=torch.int64, device="cpu")
+    entries[f"rng.rank{rank}.numpy_gauss"] = torch.tensor(cached, dtype=torch.float64,
+                                                          device="cpu")
     return entries
 
 
@@ -185,7 +185,8 @@ def from_json(value):
         return [from_json(v) for v in value]
     if isinstance(value, dict):
         if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]),
+                                device="cpu")
         return {(int(k[7:]) if k.startswith("__int__") else k): from_json(v)
                 for k, v in value.items()}
     return value

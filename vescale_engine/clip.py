@@ -1,7 +1,10 @@
-"""Global gradient norm and clipping across the ranks that shard the parameters."""
-from __future__ import annotations
+"""Global gradient norm and clipping across the ranks that shard the parameters.
 
-import math
+Everything stays on the gradients' device: the norm is a device tensor and clipping multiplies
+by a device-side coefficient, so neither forces a host-device sync. Whoever needs the value on
+the host (a log line, the fp16 overflow decision) pays the one sync by calling `float(norm)`.
+"""
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -20,36 +23,68 @@ def _buffers_and_plain(parameters):
     return buffers, plain
 
 
+def _device_of(buffers, plain, parameters) -> torch.device:
+    """Where the norm lives: the gradients' device (the parameters' when none has one)."""
+    if buffers:
+        return buffers[0].grad.device
+    if plain:
+        return plain[0].grad.device
+    return parameters[0].device if parameters else torch.device("cpu")
+
+
+def _sum_of_squares(tensors, device) -> torch.Tensor:
+    """Sum of squares of `tensors` in fp32 on `device`: one fused norm kernel per call (no
+    tensor-sized temporary), the per-tensor norms squared and added there."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack([n.to(device, non_blocking=True) for n in norms]).square().sum()
+
+
 def global_grad_norm(parameters) -> torch.Tensor:
-    """The 2-norm of all gradients as if unsharded: one fused sum of squares per buffer, one
-    all-reduce over each shard group. Plain (unsharded) parameters count once."""
+    """The 2-norm of all gradients as if unsharded, as a 0-d fp32 tensor on the gradients'
+    device: one fused norm per shard group, one all-reduce over each shard group. Plain
+    (unsharded) parameters count once, in the same fused kernel, without a sync each."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
-    buffers, plain = _buffers_and_plain(list(parameters))
+    parameters = list(parameters)
+    buffers, plain = _buffers_and_plain(parameters)
+    device = _device_of(buffers, plain, parameters)
     by_group = {}
     for buf in buffers:
-        by_group.setdefault(buf.shard_group, []).append(buf.grad_squared_norm())
-    total = torch.zeros((), dtype=torch.float32)
-    for group, parts in by_group.items():
-        local = torch.stack(parts).sum().to(torch.float32)
-        dist.all_reduce(local, group=group)
-        total = total + local.cpu()
-    for p in plain:
-        total = total + p.grad.detach().float().pow(2).sum().cpu()
+        grads = by_group.setdefault(buf.shard_group, [])
+        if buf.has_grad:  # a buffer whose gradient storage is released adds nothing
+            grads.append(buf.grad)
+    total = _sum_of_squares([p.grad.detach() for p in plain], device)
+    for group, grads in by_group.items():
+        local = _sum_of_squares(grads, device)
+        dist.all_reduce(local, group=group)  # every rank of the group joins, with or without
+        total = total + local
     return total.sqrt()
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """min(1, max_norm / (norm + eps)) on the norm's device; 1 when the norm is nan (the
+    gradients are left as they are, as before: the step's loss tells the story)."""
+    return (max_norm / (norm + eps)).clamp(max=1.0).nan_to_num(nan=1.0)
+
+
+def scale_gradients_(parameters, factor) -> None:
+    """Multiply every gradient by `factor` (a number, or a 0-d tensor on the gradients'
+    device): flat shards once per buffer, plain gradients in one fused call."""
+    buffers, plain = _buffers_and_plain(list(parameters))
+    for buf in buffers:
+        buf.scale_grad(factor)
+    if plain:
+        torch._foreach_mul_([p.grad.detach() for p in plain], factor)
+
+
 def clip_grad_norm_(parameters, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before."""
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before
+    (a device tensor: no host sync here)."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     parameters = list(parameters)
     norm = global_grad_norm(parameters)
-    coef = max_norm / (float(norm) + eps)
-    if coef < 1.0 and math.isfinite(coef):
-        buffers, plain = _buffers_and_plain(parameters)
-        for buf in buffers:
-            buf.scale_grad(coef)
-        for p in plain:
-            p.grad.detach().mul_(coef)
+    scale_gradients_(parameters, clip_coefficient(norm, max_norm, eps))
     return norm

@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
-import torch
-
-from .clip import _buffers_and_plain, global_grad_norm
+from .clip import clip_coefficient, global_grad_norm, scale_gradients_
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -101,28 +99,19 @@ def from_config(fp16: dict) -> LossScaler | None:
                       consecutive_hysteresis=fp16.get("consecutive_hysteresis", False))
 
 
-def scale_gradients_(parameters, factor: float) -> None:
-    """Multiply every gradient (flat shards once per buffer) by `factor`."""
-    buffers, plain = _buffers_and_plain(list(parameters))
-    for buf in buffers:
-        buf.scale_grad(factor)
-    for p in plain:
-        p.grad.detach().mul_(factor)
-
-
 def unscale_and_clip_(parameters, scale: float, max_norm: float, eps: float = 1e-6):
     """One global norm (one all-reduce per shard group, so every rank sees the same value and
     takes the same decision). Returns (overflow, norm of the unscaled gradients or None). On
     overflow the gradients are left alone (the step is skipped); otherwise they are divided by
-    `scale` and, when `max_norm` > 0, clipped, in one pass."""
+    `scale` and, when `max_norm` > 0, clipped, in one pass. Reading the overflow is the step's
+    one host-device sync; the returned norm stays on the device."""
     parameters = list(parameters)
-    scaled_norm = float(global_grad_norm(parameters))
-    if not math.isfinite(scaled_norm):
+    scaled_norm = global_grad_norm(parameters)
+    if not math.isfinite(float(scaled_norm)):
         return True, None
     norm = scaled_norm / scale
     factor = 1.0 / scale
-    if max_norm > 0 and norm > max_norm:
-        factor *= max_norm / (norm + eps)
-    if factor != 1.0:
-        scale_gradients_(parameters, factor)
-    return False, torch.tensor(norm)
+    if max_norm > 0:
+        factor = clip_coefficient(norm, max_norm, eps) * factor
+    scale_gradients_(parameters, factor)
+    return False, norm

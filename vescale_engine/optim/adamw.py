@@ -28,32 +28,55 @@ class AdamW(torch.optim.Optimizer):
                 continue
             state = self.state.setdefault(buf.master, {})
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(buf.master)
-                state["exp_avg_sq"] = torch.zeros_like(buf.master)
+                state.update(new_adamw_state(buf.master))
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             if isinstance(decay, torch.Tensor):  # per-element decay first, then none inside
                 buf.master.mul_(1 - lr * decay)
-            _adamw(buf.master, buf.grad, state, lr, beta1, beta2, eps,
-                   0.0 if isinstance(decay, torch.Tensor) else decay)
+            adamw_update([buf.master], [buf.grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+                         [state["step"]], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
         return loss
 
 
-def _adamw(p, g, state, lr, beta1, beta2, eps, weight_decay):
-    """torch.optim.AdamW's update of one flat tensor: torch's fused kernel where this torch
-    build has it (one pass over memory), else the same math op by op."""
-    state["step"] += 1
-    if _FUSED is not None and p.device.type in ("cpu", "cuda"):
-        _FUSED([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-               amsgrad=False, maximize=False)
+def new_adamw_state(p: torch.Tensor) -> dict:
+    """Fresh AdamW state for flat tensor `p`, every tensor on p's device (torch's fused CUDA
+    kernel reads `step` on the device)."""
+    return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+            "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+                 weight_decay):
+    """torch.optim.AdamW's update of lists of tensors; `steps` (0-d tensors on the parameters'
+    device) are advanced first, as torch does."""
+    torch._foreach_add_(steps, 1)
+    adamw_math(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+               eps=eps, weight_decay=weight_decay)
+
+
+def adamw_math(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+               weight_decay):
+    """The update with already-advanced steps: torch's fused kernel where this torch build has
+    it for the device (one pass over memory), else the same math op by op with the bias
+    corrections computed on the device, so that no step reads a value back to the host."""
+    if _FUSED is not None and params[0].device.type in ("cpu", "cuda"):
+        _FUSED(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         return
-    step = state["step"].item()
-    p.mul_(1 - lr * weight_decay)
-    state["exp_avg"].lerp_(g, 1 - beta1)
-    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        correction1, correction2 = _bias_correction(beta1, step), _bias_correction(beta2, step)
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / correction2.sqrt()).add_(eps)
+        if lr:  # p -= lr / correction1 * m / denom, the step size folded into the divisor
+            p.addcdiv_(m, denom.mul_(correction1 / -lr))  # (addcdiv's value is a host number)
+
+
+def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
+    """1 - beta ** step on step's device, as -expm1(step * log(beta)): accurate in fp32 where
+    1 - pow would cancel (beta2 = 0.999 early in training)."""
+    return -torch.expm1(step * math.log(beta)) if beta else torch.ones_like(step)
 
 
 _FUSED = getattr(torch, "_fused_adamw_", None)

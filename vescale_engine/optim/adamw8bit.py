@@ -16,11 +16,12 @@ import torch
 
 from ..checkpoint_dcp import CheckpointError, RaggedPiece
 from ..granularity import parse_granularity
-from .adamw import _adamw
+from .adamw import adamw_math
 from .flat import evaluate_closure, flat_buffers
 from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = "block:256"
+MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed code table)
 
 
 def quantization_granularity(block: str):
@@ -49,7 +50,7 @@ class AdamW8bit(torch.optim.Optimizer):
         """Per DBuffer: its group, weight decay, one trainable parameter to test for gradients,
         and the quantizer of its shard's blocks."""
         return [(buf, group, decay, probe, BlockQuantizer(
-                    shard_segments(buf).to(buf.master.device), self.quant_map))
+                    shard_segments(buf), self.quant_map, device=buf.master.device))
                 for buf, group, decay, probe in flat_buffers(
                     self.param_groups, "AdamW8bit", self._check_block)
                 if buf.shard_size]
@@ -88,22 +89,28 @@ class AdamW8bit(torch.optim.Optimizer):
                 self.state[buf.master] = self._new_state(buf, quantizer)
             state = self.state[buf.master]
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            moments = {
-                "step": state["step"],
-                "exp_avg": quantizer.dequantize(state["exp_avg_codes"], state["exp_avg_scales"],
-                                                signed=True),
-                "exp_avg_sq": quantizer.dequantize(state["exp_avg_sq_codes"],
-                                                   state["exp_avg_sq_scales"], signed=False),
-            }
             if isinstance(decay, torch.Tensor):
                 buf.master.mul_(1 - lr * decay)
-            _adamw(buf.master, buf.grad, moments, lr, beta1, beta2, eps,
-                   0.0 if isinstance(decay, torch.Tensor) else decay)
-            quantizer.quantize(moments["exp_avg"], True, state["exp_avg_codes"],
-                               state["exp_avg_scales"])
-            quantizer.quantize(moments["exp_avg_sq"], False, state["exp_avg_sq_codes"],
-                               state["exp_avg_sq_scales"])
+            state["step"] += 1
+            for chunk in quantizer.chunks:  # restore, update, quantize: one chunk at a time
+                self._step_chunk(buf, state, quantizer, chunk, lr=lr, beta1=beta1, beta2=beta2,
+                                 eps=eps, weight_decay=0.0 if isinstance(decay, torch.Tensor)
+                                 else decay)
         return loss
+
+    @staticmethod
+    def _step_chunk(buf, state, quantizer, chunk, **hyper):
+        """AdamW on one chunk of whole blocks: its moments restored to fp32, torch's update,
+        quantized again, so the fp32 moments exist for one chunk at a time."""
+        moments = [quantizer.dequantize_chunk(chunk, state[f"{name}_codes"],
+                                              state[f"{name}_scales"], signed)
+                   for name, signed in MOMENTS]
+        piece = slice(chunk.lo, chunk.hi)
+        adamw_math([buf.master[piece]], [buf.grad[piece]], moments[:1], moments[1:],
+                   [state["step"]], **hyper)
+        for (name, signed), moment in zip(MOMENTS, moments):
+            quantizer.quantize_chunk(chunk, moment, signed, state[f"{name}_codes"],
+                                     state[f"{name}_scales"])
 
     # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
 
@@ -134,7 +141,6 @@ class AdamW8bit(torch.optim.Optimizer):
             state = self.state.get(buf.master)
             if not state:
                 continue
-            seg_starts = torch.cumsum(quantizer.lengths, 0) - quantizer.lengths
             for g in self.param_groups:
                 for p in g["params"]:
                     sp = p._vescale
@@ -152,7 +158,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     saved_block = _saved_block(saved_granularity, sp)
                     if saved_block == sp.block and saved["quant_map"] == self.quant_map:
                         # this tensor's segments: those starting inside its piece, in order
-                        lo, hi = _segment_range(seg_starts, start, end)
+                        lo, hi = quantizer.segment_range(start, end)
                         for name in ("exp_avg_scales", "exp_avg_sq_scales"):
                             entry[name] = RaggedPiece(state[name][lo:hi], (_blocks(sp, sp.block),),
                                                       first // sp.block if end > start else 0)
@@ -177,7 +183,7 @@ class AdamW8bit(torch.optim.Optimizer):
                   for name in ("exp_avg_scales", "exp_avg_sq_scales")}
 
         def restore(moment, signed, codes):
-            table = code_table(saved_map, signed).to(codes.device)
+            table = code_table(saved_map, signed, codes.device)
             index = codes[start:end].to(torch.int64) + (127 if signed else 0)
             block_of = torch.arange(first, first + end - start, device=codes.device)
             return table[index] * scales[f"{moment}_scales"].local[block_of // saved_block - lo]
@@ -206,7 +212,7 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (codes, scales, segment lengths, steps)."""
-        total = sum(q.lengths.numel() * q.lengths.element_size() for *_, q in self._buffers)
+        total = sum(q.device_bytes() for *_, q in self._buffers)
         for state in self.state.values():
             total += sum(t.numel() * t.element_size() for t in state.values())
         return total
@@ -258,12 +264,6 @@ def _saved_block(granularity, sp) -> int:
                               f"{granularity}: {err}") from None
 
 
-def _segment_range(seg_starts: torch.Tensor, start: int, end: int):
-    """Indices [lo, hi) of the segments starting inside the flat range [start, end)."""
-    bounds = torch.searchsorted(seg_starts, torch.tensor([start, end], dtype=seg_starts.dtype))
-    return int(bounds[0]), int(bounds[1])
-
-
 def shard_segments(buf) -> torch.Tensor:
     """Lengths of consecutive segments covering this rank's shard of `buf`: each tensor's piece
     cut into its blocks (the last one shorter at the tensor's end), gaps as segments of their
@@ -283,7 +283,7 @@ def shard_segments(buf) -> torch.Tensor:
         cursor = end
     if buf.shard_size > cursor:
         lengths.append(buf.shard_size - cursor)
-    return torch.tensor(lengths, dtype=torch.int64)
+    return torch.tensor(lengths, dtype=torch.int64, device="cpu")  # planned on the host
 
 
 def fp32_adamw_state_bytes(shard_numel: int) -> int:

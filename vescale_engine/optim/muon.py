@@ -4,9 +4,9 @@ Per matrix (every 2-D weight, and each expert matrix of a stacked 3-D expert ten
 momentum on the local shard; the matrix gathered whole on one root rank; Newton-Schulz there;
 the result scattered back; the update applied to the local shard. Roots are chosen once,
 deterministically, to balance Newton-Schulz FLOPs over ranks. Matrices move in rounds (every
-rank's j-th matrix together, one uneven all-to-all each way); all gathers are in flight before
-the first Newton-Schulz, so a round's communication overlaps the round before it and no rank
-waits on another's Newton-Schulz.
+rank's j-th matrix together, one uneven all-to-all each way); a bounded number of rounds is
+gathered ahead, so a round's communication overlaps the round before it, no rank waits on
+another's Newton-Schulz, and a root never holds more than a few gathered matrices at once.
 
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..ragged import RaggedShard
+from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
@@ -38,6 +39,7 @@ DEFAULT_ADAMW_PATTERNS = ("*embed*", "wte.*", "wpe.*", "lm_head.*", "head.*", "o
 NS_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
              "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64}
 MODES = ("gather", "tensor")
+ROUNDS_IN_FLIGHT = 2  # gather mode: rounds gathered ahead of the one being orthogonalized
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients, steps: int, eps: float,
@@ -130,7 +132,9 @@ class Muon(torch.optim.Optimizer):
         self._sharded = [p._vescale for p in matrices]
         self._matrices = self._plan_matrices(ns_steps)
         self.bytes_sent = 0  # bytes this rank sent for Muon in the last step (gathers + scatters)
-        self.record_trace = False  # tests: log ("gather" | "ns" | "scatter", matrix) in order
+        self.rounds_in_flight = ROUNDS_IN_FLIGHT  # gather rounds issued ahead (gather mode)
+        self.record_trace = False  # tests: log ("gather", round), ("ns", matrix) and
+        # ("scatter", round) in the order they are issued
         self.trace = []
 
     # -- which rank orthogonalizes what ----------------------------------------------------------
@@ -212,13 +216,14 @@ class Muon(torch.optim.Optimizer):
 
         Matrices move in rounds: round j holds every rank's j-th matrix to orthogonalize
         (largest first), and one uneven all-to-all gathers a round onto its roots, another
-        scatters its results back. All gathers are issued before the first Newton-Schulz (a
-        round's gather is in flight while the round before is orthogonalized) and each scatter
-        right after its round, so a rank never waits for another rank's Newton-Schulz, only
-        for data. (A pair of collectives per matrix, in one global order, made every rank
-        wait whenever one rooted several matrices in a row.) Pieces travel in the
-        Newton-Schulz dtype: the iteration starts by casting to it, so casting first changes
-        nothing but halves the bytes for bf16."""
+        scatters its results back. `rounds_in_flight` rounds are gathered ahead (round j+1's
+        gather is in flight while round j is orthogonalized) and each scatter is issued right
+        after its round, so a rank never waits for another rank's Newton-Schulz, only for data
+        (a pair of collectives per matrix, in one global order, made every rank wait whenever
+        one rooted several matrices in a row). Bounding the rounds ahead bounds what a root
+        holds: a few gathered matrices and results, not all of them at once. Pieces travel in
+        the Newton-Schulz dtype: the iteration starts by casting to it, so casting first
+        changes nothing but halves the bytes for bf16."""
         if not todo:
             return []
         buf = self._sharded[0].buffer
@@ -232,44 +237,52 @@ class Muon(torch.optim.Optimizer):
                           key=lambda k: (cost[k], k)) for r in range(world)]
         rounds = [[r_list[j] if j < len(r_list) else None for r_list in by_root]
                   for j in range(max(map(len, by_root)))]  # rounds[j][r]: matrix or None
+        ahead = max(1, self.rounds_in_flight)
 
         def piece(k, r):  # how many elements of matrix k rank r holds
             return todo[k].spec.local_numel(r) if k is not None else 0
 
-        gathers = []
-        for j, row in enumerate(rounds):
-            for k in row:
-                if k is not None:
-                    self._log("gather", k)
-            gathers.append(self._exchange(
+        def gather(j):
+            row = rounds[j]
+            self._log("gather", j)
+            return self._exchange(
                 [[updates[todo[k].param][todo[k].lo:todo[k].hi]] if k is not None else []
                  for k in row],
-                [piece(row[rank], s) for s in range(world)], dtype, device, pg))
+                [piece(row[rank], s) for s in range(world)], dtype, device, pg)
+
         results = [None] * len(todo)
+
+        def finish_scatter(j, scattered):
+            for k, local in zip(rounds[j], scattered()):
+                if k is not None:
+                    results[k] = local
+
+        gathers = {j: gather(j) for j in range(min(ahead, len(rounds)))}
         for k, m in enumerate(todo):  # matrices already whole here, while the gathers run
             if m.one_hot and m.root == rank:
                 self._log("ns", k)
                 results[k] = newton_schulz(updates[m.param][m.lo:m.hi].view(m.rows, m.cols),
                                            **ns).reshape(-1)
         scatters = []
-        for row, gathered in zip(rounds, gathers):
+        for j, row in enumerate(rounds):
+            gathered = gathers.pop(j)()  # waits for round j's pieces
             k = row[rank]
             send = [[] for _ in range(world)]
             if k is not None:
                 m = todo[k]
                 self._log("ns", k)
-                out = newton_schulz(torch.cat(gathered()).view(m.rows, m.cols), **ns)
-                out = out.reshape(-1)
+                out = newton_schulz(torch.cat(gathered).view(m.rows, m.cols), **ns).reshape(-1)
                 send = [[out[slice(*m.spec.local_range(s))]] for s in range(world)]
-            scatters.append((row, self._exchange(
+            del gathered
+            self._log("scatter", j)
+            scatters.append((j, self._exchange(
                 send, [piece(row[r], rank) for r in range(world)], dtype, device, pg)))
-            for k in row:
-                if k is not None:
-                    self._log("scatter", k)
-        for row, scattered in scatters:
-            for k, local in zip(row, scattered()):
-                if k is not None:
-                    results[k] = local
+            if j + ahead < len(rounds):
+                gathers[j + ahead] = gather(j + ahead)
+            if len(scatters) > ahead:  # the oldest result has had `ahead` rounds to arrive
+                finish_scatter(*scatters.pop(0))
+        for j, scattered in scatters:
+            finish_scatter(j, scattered)
         empty = torch.empty(0, dtype=dtype, device=device)
         return [empty if out is None else out for out in results]
 
@@ -292,9 +305,9 @@ class Muon(torch.optim.Optimizer):
         received.keep = source  # alive until the collective is done
         return received
 
-    def _log(self, what, k):
+    def _log(self, what, index):
         if self.record_trace:
-            self.trace.append((what, k))
+            self.trace.append((what, index))
 
     # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
 
@@ -306,15 +319,10 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if create and not self.state.get(p):
                     self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if group["use_muon"] \
-                        else self._new_adamw_state(p)
+                        else new_adamw_state(p)
                 if self.state.get(p):
                     out[p] = dict(self.state[p])
         return out
-
-    @staticmethod
-    def _new_adamw_state(p) -> dict:
-        return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _adamw_step(self, group):
         params = [p for p in group["params"] if p.grad is not None and p.numel()]
@@ -322,33 +330,14 @@ class Muon(torch.optim.Optimizer):
             return
         for p in params:
             if not self.state.get(p):
-                self.state[p] = self._new_adamw_state(p)
+                self.state[p] = new_adamw_state(p)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         # torch.optim.AdamW's update over all of them in one fused call (one pass over memory).
-        _fused_adamw([p for p in params], [p.grad for p in params],
-                     [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                     [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
-                     weight_decay=group["weight_decay"], eps=group["eps"])
-
-
-def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
-                 weight_decay, eps):
-    torch._foreach_add_(steps, 1)  # the fused kernel reads the already-advanced step
-    if _FUSED is not None and params[0].device.type in ("cpu", "cuda"):
-        _FUSED(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        return
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        n = step.item()
-        p.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** n)).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** n))
-
-
-_FUSED = getattr(torch, "_fused_adamw_", None)
+        adamw_update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"])
 
 
 def is_muon_matrix(name: str, shape, adamw_patterns=DEFAULT_ADAMW_PATTERNS) -> bool:
