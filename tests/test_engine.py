@@ -54,7 +54,7 @@ def engine_rank(rank, world, local_accumulation):
     engine, opt, _, sched = initialize(model=fm.make("gpt"), config={
         **CONFIG, "vescale": {**CONFIG["vescale"],
                               "local_grad_accumulation": local_accumulation}})
-    scatters = STATS.reduce_scatters
+    scatters, copied = STATS.reduce_scatters, STATS.bytes_copied
     assert engine.train_batch_size() == MICRO * ACCUM * world
     gaps, lrs = [], []
     for step in range(STEPS):
@@ -78,22 +78,24 @@ def engine_rank(rank, world, local_accumulation):
         torch.distributed.all_reduce(total)
         gaps.append(abs(total.item() / world - loss.item()) / loss.item())
         lrs.append((engine.get_lr()[0], ref_opt.param_groups[0]["lr"]))
-    scatters = STATS.reduce_scatters - scatters
+    scatters, copied = STATS.reduce_scatters - scatters, STATS.bytes_copied - copied
     buffers = sum(len(unit_of(m).buffers) for m in engine.module.modules() if unit_of(m))
     full, ref = full_state_dict(engine.module), reference.state_dict()
     diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref]).norm()
     whole = (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
     return (max(gaps), whole, lrs, engine.global_steps, engine.global_samples,
-            scatters / (buffers * STEPS))
+            scatters / (buffers * STEPS), copied)
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["reduce_every_micro_step", "local"])
 def test_engine_matches_single_process(pool, local):
     """Both accumulation modes train like one process; the default reduce-scatters every
     micro-step, vescale.local_grad_accumulation only at the boundary."""
-    gap, whole, lrs, steps, samples, scatters_per_buffer_step = pool.run(engine_rank, local)[0]
+    gap, whole, lrs, steps, samples, scatters_per_buffer_step, copied = \
+        pool.run(engine_rank, local)[0]
     assert gap < 1e-6 and whole < 1e-6, (gap, whole)
     assert scatters_per_buffer_step == (1 if local else ACCUM)
+    assert copied == 0  # accumulating into the shard is an add, not a copy
     assert all(abs(a - b) < 1e-12 for a, b in lrs) and lrs[0][0] < lrs[-1][0]
     assert steps == STEPS and samples == STEPS * ACCUM * MICRO * pool.world_size
 
