@@ -162,7 +162,7 @@ class DBuffer:
 
     `master` (S elements, the parameters' dtype) and `grad` (S elements) persist; `full` and
     `full_grad` (world_size * S elements, the compute dtype) hold storage only while unsharded
-    and during backward.
+    and during backward (and are None until first needed).
     """
 
     def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
