@@ -503,13 +503,24 @@ def test_gathered_parameters_and_sharded_state_dict(pool):
     assert same and names  # the tied head is the embedding, listed once
 
 
-def hsdp_rank(rank, world, native):
+def hsdp_rank(rank, world, native, avg=False):
+    """`avg`: reduce as on NCCL, with AVG inside both collectives (gloo has it in torch 2.13)
+    and no divide after."""
     from torch.distributed.device_mesh import init_device_mesh
+    from vescale_engine import collectives
     replicas = 2 if world % 2 == 0 else world  # odd worlds: every rank a replica (DDP-like)
     mesh = init_device_mesh("cpu", (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
     reference = fm.make("gpt")
-    model = shard_model(fm.make("gpt"), mesh=mesh, native_collectives=native)
+    avg_backends = collectives._AVG_BACKENDS
+    if avg:
+        collectives._AVG_BACKENDS = frozenset({"gloo"})
+    try:
+        model = shard_model(fm.make("gpt"), mesh=mesh, native_collectives=native)
+    finally:
+        collectives._AVG_BACKENDS = avg_backends
+    reduction = unit_of(model.blocks[0]).buffers[0].reduction
+    ops = (reduction.reduce_scatter_op, reduction.all_reduce_op, reduction.post_divide)
     ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
     opt = vopt.AdamW(model.parameters(), **LR)
     losses = []
@@ -522,7 +533,7 @@ def hsdp_rank(rank, world, native):
     whole = compare_hsdp(model, reference, mesh)
     return (max(losses), whole, unit_of(model.blocks[0]).buffers[0].world_size,
             overlapped_all_reduces(STATS.events, [unit_of(m).name for m in model.blocks]),
-            STATS.native)
+            STATS.native, ops)
 
 
 def overlapped_all_reduces(events, units):
@@ -546,15 +557,20 @@ def compare_hsdp(model, reference, mesh):
     return max(relative(full[k], ref[k]) for k in ref)
 
 
-@pytest.mark.parametrize("path", ["exchange", "native"])
+@pytest.mark.parametrize("path", ["exchange", "native", "native-avg"])
 def test_hsdp_replicas(pool, path):
-    loss, worst, shard_world, overlapped, native = pool.run(hsdp_rank, path == "native")[0]
+    loss, worst, shard_world, overlapped, native, (rs_op, ar_op, post) = pool.run(
+        hsdp_rank, path != "exchange", path == "native-avg")[0]
+    AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+    want_rs = AVG if path == "native-avg" and shard_world > 1 else SUM
+    assert (rs_op, ar_op) == (want_rs, AVG if path == "native-avg" else SUM)
+    assert post == (1.0 if path == "native-avg" else pool.world_size)
     assert shard_world == (pool.world_size // 2 if pool.world_size % 2 == 0 else 1)
     assert loss < 1e-6 and worst < PER_TENSOR
     # the replicas' all-reduce of every block but the first (finished at the end of backward)
     # runs while the next unit's backward computes, not on the compute path
     assert overlapped[1:] == [True] * (len(overlapped) - 1), overlapped
-    assert (native > 0) == (path == "native")
+    assert (native > 0) == (path != "exchange")
 
 
 # ------------------------------------------------------------------ bad input
