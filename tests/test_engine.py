@@ -220,6 +220,8 @@ def accumulation_memory(local):
         **CONFIG, "gradient_accumulation_steps": accum, "steps_per_print": 100,
         "vescale": {**CONFIG["vescale"], "local_grad_accumulation": local}})
     units = [unit_of(m) for m in engine.module.modules() if unit_of(m)]
+    # wrapping made no full-size tensor at all (not even one freed right away)
+    unmade = all(b.full is None and b.full_grad is None for u in units for b in u.buffers)
 
     def held():
         return {u.name: sum(b.full_bytes_held for b in u.buffers) for u in units}
@@ -231,13 +233,13 @@ def accumulation_memory(local):
         after.append(held())
     full_grad = {u.name: sum(b._full_bytes for b in u.buffers if any(
         p.buffer is b for p in u.trainable)) for u in units}
-    return after, full_grad, engine.global_steps
+    return after, full_grad, engine.global_steps, unmade
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["default", "local_grad_accumulation"])
 def test_no_unit_holds_a_full_gradient_between_micro_steps(fake_world, local):
-    after, full_grad, steps = accumulation_memory(local)
-    assert steps == 1 and all(size > 0 for size in full_grad.values())
+    after, full_grad, steps, unmade = accumulation_memory(local)
+    assert steps == 1 and all(size > 0 for size in full_grad.values()) and unmade
     assert after[0] == dict.fromkeys(full_grad, 0)  # wrapping allocates nothing full-size
     for k in (1, 2, 3):  # after each non-boundary micro-step
         # default: only the gradient shard (ZeRO-3); opt-in: every unit's whole gradient
