@@ -45,12 +45,16 @@ def engine_log_messages():
         logger.removeHandler(handler)
 
 
-def engine_rank(rank, world):
+def engine_rank(rank, world, local_accumulation):
     from deepspeed.runtime.lr_schedules import WarmupLR
+    from vescale_engine.dbuffer import STATS
     reference = fm.make("gpt")
     ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
     ref_sched = WarmupLR(ref_opt, **CONFIG["scheduler"]["params"])
-    engine, opt, _, sched = initialize(model=fm.make("gpt"), config=CONFIG)
+    engine, opt, _, sched = initialize(model=fm.make("gpt"), config={
+        **CONFIG, "vescale": {**CONFIG["vescale"],
+                              "local_grad_accumulation": local_accumulation}})
+    scatters, copied = STATS.reduce_scatters, STATS.bytes_copied
     assert engine.train_batch_size() == MICRO * ACCUM * world
     gaps, lrs = [], []
     for step in range(STEPS):
@@ -74,15 +78,24 @@ def engine_rank(rank, world):
         torch.distributed.all_reduce(total)
         gaps.append(abs(total.item() / world - loss.item()) / loss.item())
         lrs.append((engine.get_lr()[0], ref_opt.param_groups[0]["lr"]))
+    scatters, copied = STATS.reduce_scatters - scatters, STATS.bytes_copied - copied
+    buffers = sum(len(unit_of(m).buffers) for m in engine.module.modules() if unit_of(m))
     full, ref = full_state_dict(engine.module), reference.state_dict()
     diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref]).norm()
     whole = (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
-    return max(gaps), whole, lrs, engine.global_steps, engine.global_samples
+    return (max(gaps), whole, lrs, engine.global_steps, engine.global_samples,
+            scatters / (buffers * STEPS), copied)
 
 
-def test_engine_matches_single_process(pool):
-    gap, whole, lrs, steps, samples = pool.run(engine_rank)[0]
+@pytest.mark.parametrize("local", [False, True], ids=["reduce_every_micro_step", "local"])
+def test_engine_matches_single_process(pool, local):
+    """Both accumulation modes train like one process; the default reduce-scatters every
+    micro-step, vescale.local_grad_accumulation only at the boundary."""
+    gap, whole, lrs, steps, samples, scatters_per_buffer_step, copied = \
+        pool.run(engine_rank, local)[0]
     assert gap < 1e-6 and whole < 1e-6, (gap, whole)
+    assert scatters_per_buffer_step == (1 if local else ACCUM)
+    assert copied == 0  # accumulating into the shard is an add, not a copy
     assert all(abs(a - b) < 1e-12 for a, b in lrs) and lrs[0][0] < lrs[-1][0]
     assert steps == STEPS and samples == STEPS * ACCUM * MICRO * pool.world_size
 
@@ -177,6 +190,103 @@ def test_a_rank_that_never_joins_is_a_clear_error(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert "LaunchError: rank 0 of 2 (torchrun/deepspeed)" in last
     assert "did not form within 3 s" in last
+
+
+# -- accumulation memory, as rank 0 of a large fake world ------------------------------------------
+
+FAKE_WORLD = 64
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    """This process as rank 0 of FAKE_WORLD ranks on PyTorch's fake process group (collectives
+    return at once and move nothing), as benchmarks/fake_pg_memory.py measures."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", str(FAKE_WORLD)), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
+    try:
+        yield FAKE_WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def accumulation_memory(local):
+    """Per unit: bytes of full-size storage (parameters and gradients) held after wrapping and
+    after each micro-step of one accumulation window, and its full gradient's size."""
+    accum = 4
+    engine, *_ = initialize(model=fm.make("gpt"), config={
+        **CONFIG, "gradient_accumulation_steps": accum, "steps_per_print": 100,
+        "vescale": {**CONFIG["vescale"], "local_grad_accumulation": local}})
+    units = [unit_of(m) for m in engine.module.modules() if unit_of(m)]
+    # wrapping made no full-size tensor at all (not even one freed right away)
+    unmade = all(b.full is None and b.full_grad is None for u in units for b in u.buffers)
+
+    def held():
+        return {u.name: sum(b.full_bytes_held for b in u.buffers) for u in units}
+    after = [held()]
+    for k in range(accum):
+        idx, tgt = fm.batch("gpt", k, MICRO)
+        engine.backward(engine(idx, tgt))
+        engine.step()
+        after.append(held())
+    full_grad = {u.name: sum(b._full_bytes for b in u.buffers if any(
+        p.buffer is b for p in u.trainable)) for u in units}
+    return after, full_grad, engine.global_steps, unmade
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["default", "local_grad_accumulation"])
+def test_no_unit_holds_a_full_gradient_between_micro_steps(fake_world, local):
+    after, full_grad, steps, unmade = accumulation_memory(local)
+    assert steps == 1 and all(size > 0 for size in full_grad.values()) and unmade
+    assert after[0] == dict.fromkeys(full_grad, 0)  # wrapping allocates nothing full-size
+    for k in (1, 2, 3):  # after each non-boundary micro-step
+        # default: only the gradient shard (ZeRO-3); opt-in: every unit's whole gradient
+        assert after[k] == (full_grad if local else dict.fromkeys(full_grad, 0)), (k, after[k])
+    assert after[4] == dict.fromkeys(full_grad, 0)  # the boundary reduced everything
+
+
+# -- communication timing ----------------------------------------------------------------------
+
+def test_communication_time_comes_from_device_events_on_accelerators(monkeypatch):
+    """On an accelerator wait() only enqueues a stream wait: the breakdown's communication is
+    the stall timed by events recorded around it on the compute stream (an injected event
+    factory here), not host time; on CPU it is host time inside wait(), labelled as such."""
+    from vescale_engine import timers
+    from vescale_engine.dbuffer import STATS, _TimedWork
+    log = []
+
+    class Event:  # what torch.Event(device, enable_timing=True) offers
+        def __init__(self, device):
+            self.device = device
+
+        def record(self):
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return 7.0  # milliseconds, as the device measured them
+
+    class Work:
+        def wait(self):
+            log.append("wait")
+
+    monkeypatch.setattr(STATS, "time_device_waits", False)
+    STATS.reset()
+    _TimedWork(Work(), torch.device("cuda", 0), Event).wait()
+    assert log == ["wait"] and not STATS.pending_device_waits  # not timing: no events
+    breakdown = timers.WallClockBreakdown(True)
+    assert STATS.time_device_waits
+    log.clear()
+    for _ in range(2):
+        _TimedWork(Work(), torch.device("cuda", 0), Event).wait()
+    assert log == ["record", "wait", "record"] * 2 and STATS.wait_s == 0.0
+    line = breakdown.line()
+    assert "communication 14.0 ms" in line and "host wait" not in line, line
+    _TimedWork(Work(), torch.device("cpu"), Event).wait()
+    assert log[-1] == "wait" and STATS.wait_s > 0  # CPU: host time, no events
+    assert timers.HOST_WAIT_LABEL + " " in breakdown.line()
+    STATS.reset()
 
 
 # -- fp16 with loss scaling -------------------------------------------------------------------
@@ -389,7 +499,9 @@ def test_wall_clock_breakdown_and_csv_monitor(pool, tmp_path):
     progress = [m for m in lines if m.startswith("step 2 |")]
     assert len(progress) == 1, lines
     parts = dict(p.rsplit(" ", 2)[:2] for p in progress[0].split(" | ") if p.endswith(" ms"))
-    assert set(parts) == {"forward", "backward", "communication", "optimizer"}, progress
+    # on CPU the communication figure is host time inside wait(), and says so
+    assert set(parts) == {"forward", "backward", "communication (host wait)", "optimizer"}, \
+        progress
     assert all(float(v) > 0 for v in parts.values()), parts
     assert "loss scale 1024" in progress[0] and "skipped 0" in progress[0]
     try:

@@ -2,6 +2,7 @@
 global batch, zero-copy collectives, prefetch order, the awkward cases, and bad input."""
 import contextlib
 import itertools
+import types
 
 import pytest
 import torch
@@ -95,8 +96,10 @@ def compare(model, reference):
     return whole, max(per_tensor.values()), max(per_tensor, key=per_tensor.get)
 
 
-def run_parity(rank, world, kind, optimizer, accumulation, use_no_sync, granularity):
-    reference, model = fm.make(kind), shard_model(fm.make(kind), granularity=granularity)
+def run_parity(rank, world, kind, optimizer, accumulation, use_no_sync, granularity,
+               native=False):
+    reference = fm.make(kind)
+    model = shard_model(fm.make(kind), granularity=granularity, native_collectives=native)
     ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
     opt = (torch.optim.AdamW if optimizer == "torch" else vopt.AdamW)(model.parameters(), **LR)
     fused = adamw_module._FUSED
@@ -118,22 +121,30 @@ PARITY = list(itertools.product(["gpt", "moe"], ["torch", "vescale"], [(1, False
                                 ["rows:1", "rows:16", "tile:32x32"]))
 PARITY += [("gpt", "vescale-unfused", (2, True), "rows:16"), ("moe", "vescale-unfused", (1, False),
                                                                  "tile:32x32")]
+# The backend's own collectives (what NCCL gets) on gloo: the same cases but one granularity
+# fewer (uneven rows and 2-D tiles still cut the buffers unevenly), to keep the suite fast.
+PARITY_NATIVE = [case for case in PARITY if case[3] != "rows:16"]
 
 
-def parity_rank(rank, world):
+def parity_rank(rank, world, native):
     results = []
-    for kind, optimizer, (accumulation, use_no_sync), granularity in PARITY:
+    before = STATS.native
+    for kind, optimizer, (accumulation, use_no_sync), granularity in (
+            PARITY_NATIVE if native else PARITY):
         if accumulation > 1 and (GLOBAL_BATCH // world) % accumulation:
             continue
         results.append(((kind, optimizer, accumulation, use_no_sync, granularity),
                         run_parity(rank, world, kind, optimizer, accumulation, use_no_sync,
-                                   granularity)))
-    return results
+                                   granularity, native)))
+    return results, STATS.native - before
 
 
-def test_parity_with_single_process(pool):
-    results = pool.run(parity_rank, timeout=900)[0]
-    assert len(results) >= 24
+@pytest.mark.parametrize("path", ["exchange", "native"])
+def test_parity_with_single_process(pool, path):
+    results, native_calls = pool.run(parity_rank, path == "native", timeout=900)[0]
+    assert len(results) >= (24 if path == "exchange" else 16)
+    # the spy: which collectives ran (gloo takes the exchange unless asked for its own)
+    assert (native_calls > 0) == (path == "native"), native_calls
     for config, (loss, whole, worst, name) in results:
         assert loss < 1e-6, (config, "loss", loss)
         assert whole < 1e-6, (config, "parameters", whole)
@@ -244,7 +255,8 @@ def exchange_rank(rank, world):
     results = {}
     for label, group in (("world", dist.group.WORLD), ("half", mine)):
         W, r = dist.get_world_size(group), dist.get_rank(group)
-        assert collectives.uses_exchange(group)
+        assert collectives.uses_exchange(group, torch.zeros(1))
+        assert not collectives.uses_exchange(group, torch.zeros(1), native=True)
         # Integers in float64: every summation order gives the same exact sums.
         shards = [torch.arange(S, dtype=torch.float64) * (r + 1) + 10 * k for k in range(3)]
         fulls = [torch.arange(W * S, dtype=torch.float64) * (r + 2) - k for k in range(3)]
@@ -350,7 +362,7 @@ def grads_in_place_rank(rank, world):
                     if p.sharded.requires_grad:
                         p.unsharded.register_post_accumulate_grad_hook(
                             lambda t, buf=p.buffer: separate.append(
-                                buf.full_grad.untyped_storage().nbytes()))
+                                buf.full_grad_bytes_held))
             want = reference_step(reference, ref_opt, "gpt", step)
             got = sharded_step(model, opt, "gpt", step, rank, world, 1 if mode == "sync" else 2,
                                mode == "no_sync", mode == "late no_sync")
@@ -406,9 +418,9 @@ def test_a_stale_parameter_read_fails_loudly_unless_grads_in_place_is_off(pool):
     assert out[False] < 1e-6, out
 
 
-def mixed_precision_rank(rank, world):
+def mixed_precision_rank(rank, world, native):
     reference = fm.make("gpt")
-    model = shard_model(fm.make("gpt"), mp_policy=MixedPrecisionPolicy(
+    model = shard_model(fm.make("gpt"), native_collectives=native, mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     unit = unit_of(model.blocks[0])
     ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
@@ -422,8 +434,9 @@ def mixed_precision_rank(rank, world):
     return max(gaps), unit.buffers[0].full.dtype, masters, compare(model, reference)[0]
 
 
-def test_mixed_precision(pool):
-    gap, full_dtype, masters, whole = pool.run(mixed_precision_rank)[0]
+@pytest.mark.parametrize("path", ["exchange", "native"])
+def test_mixed_precision(pool, path):
+    gap, full_dtype, masters, whole = pool.run(mixed_precision_rank, path == "native")[0]
     assert full_dtype == torch.bfloat16 and masters == {torch.float32}
     assert gap < 2e-2 and whole < 5e-2  # bf16 compute tracks fp32 closely, not exactly
 
@@ -490,20 +503,51 @@ def test_gathered_parameters_and_sharded_state_dict(pool):
     assert same and names  # the tied head is the embedding, listed once
 
 
-def hsdp_rank(rank, world):
+def hsdp_rank(rank, world, native, avg=False):
+    """`avg`: reduce as on NCCL, with AVG inside both collectives (gloo has it in torch 2.13)
+    and no divide after."""
     from torch.distributed.device_mesh import init_device_mesh
+    from vescale_engine import collectives
     replicas = 2 if world % 2 == 0 else world  # odd worlds: every rank a replica (DDP-like)
     mesh = init_device_mesh("cpu", (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
-    reference, model = fm.make("gpt"), shard_model(fm.make("gpt"), mesh=mesh)
+    reference = fm.make("gpt")
+    avg_backends = collectives._AVG_BACKENDS
+    if avg:
+        collectives._AVG_BACKENDS = frozenset({"gloo"})
+    try:
+        model = shard_model(fm.make("gpt"), mesh=mesh, native_collectives=native)
+    finally:
+        collectives._AVG_BACKENDS = avg_backends
+    reduction = unit_of(model.blocks[0]).buffers[0].reduction
+    ops = (reduction.reduce_scatter_op, reduction.all_reduce_op, reduction.post_divide)
     ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
     opt = vopt.AdamW(model.parameters(), **LR)
     losses = []
     for step in range(STEPS):
+        STATS.reset()
+        STATS.record = step == STEPS - 1
         want = reference_step(reference, ref_opt, "gpt", step)
         losses.append(abs(sharded_step(model, opt, "gpt", step, rank, world) - want) / want)
+    STATS.record = False
     whole = compare_hsdp(model, reference, mesh)
-    return max(losses), whole, unit_of(model.blocks[0]).buffers[0].world_size
+    return (max(losses), whole, unit_of(model.blocks[0]).buffers[0].world_size,
+            overlapped_all_reduces(STATS.events, [unit_of(m).name for m in model.blocks]),
+            STATS.native, ops)
+
+
+def overlapped_all_reduces(events, units):
+    """Per unit: is its replicas' all-reduce issued before, and finished after, another unit's
+    post_backward (i.e. in flight while that unit's backward computed)?"""
+    def unit(e):
+        return e[1].split("[")[0]
+    out = []
+    for name in units:
+        issued = min(i for i, e in enumerate(events) if e[0] == "all_reduce" and unit(e) == name)
+        done = max(i for i, e in enumerate(events) if e[0] == "reduced" and unit(e) == name)
+        out.append(any(e[0] == "post_backward" and unit(e) != name
+                       for e in events[issued:done]))
+    return out
 
 
 def compare_hsdp(model, reference, mesh):
@@ -513,10 +557,20 @@ def compare_hsdp(model, reference, mesh):
     return max(relative(full[k], ref[k]) for k in ref)
 
 
-def test_hsdp_replicas(pool):
-    loss, worst, shard_world = pool.run(hsdp_rank)[0]
+@pytest.mark.parametrize("path", ["exchange", "native", "native-avg"])
+def test_hsdp_replicas(pool, path):
+    loss, worst, shard_world, overlapped, native, (rs_op, ar_op, post) = pool.run(
+        hsdp_rank, path != "exchange", path == "native-avg")[0]
+    AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+    want_rs = AVG if path == "native-avg" and shard_world > 1 else SUM
+    assert (rs_op, ar_op) == (want_rs, AVG if path == "native-avg" else SUM)
+    assert post == (1.0 if path == "native-avg" else pool.world_size)
     assert shard_world == (pool.world_size // 2 if pool.world_size % 2 == 0 else 1)
     assert loss < 1e-6 and worst < PER_TENSOR
+    # the replicas' all-reduce of every block but the first (finished at the end of backward)
+    # runs while the next unit's backward computes, not on the compute path
+    assert overlapped[1:] == [True] * (len(overlapped) - 1), overlapped
+    assert (native > 0) == (path != "exchange")
 
 
 # ------------------------------------------------------------------ bad input
@@ -631,3 +685,62 @@ def closure_rank(rank, world):
 def test_optimizers_follow_the_closure_convention(pool):
     for name, (same_loss, calls, moved) in pool.run(closure_rank)[0].items():
         assert same_loss and calls == 1 and moved, name
+
+
+# ------------------------------------------------------------------ backends and reductions
+
+def test_the_tensors_device_picks_the_backend_and_the_path(monkeypatch):
+    """Under NCCL the process group is "cpu:gloo,cuda:nccl": CPU tensors take gloo's exchange,
+    CUDA tensors the native collectives; `native` forces gloo's own."""
+    from vescale_engine import collectives
+    assert collectives.backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert collectives.backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert collectives.backend_for("gloo", "cuda") == "gloo"
+    with pytest.raises(ValueError, match="no backend for cuda tensors"):
+        collectives.backend_for("cpu:gloo", "cuda")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    cpu = torch.zeros(1)
+    cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # only its device is read
+    assert collectives.uses_exchange(None, cpu)
+    assert not collectives.uses_exchange(None, cpu, native=True)
+    assert not collectives.uses_exchange(None, cuda)
+
+
+def test_gradient_reduction_factors():
+    """fp32/bf16: AVG in the collective where the backend has it (NCCL), else SUM and one
+    divide; fp16: divide by the power of two nearest below sqrt(W) before, the rest after."""
+    from vescale_engine.collectives import gradient_reduction
+    AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+    nccl = gradient_reduction(torch.bfloat16, 8, 4, "nccl", "nccl")
+    assert (nccl.pre_divide, nccl.reduce_scatter_op, nccl.all_reduce_op, nccl.post_divide) == \
+        (1.0, AVG, AVG, 1.0)
+    gloo = gradient_reduction(torch.float32, 8, 4, "gloo", "gloo")
+    assert (gloo.reduce_scatter_op, gloo.all_reduce_op, gloo.post_divide) == (SUM, SUM, 32.0)
+    exchange = gradient_reduction(torch.float32, 8, 1, "gloo", exchange=True)
+    assert (exchange.reduce_scatter_op, exchange.post_divide) == (SUM, 8.0)
+    mixed = gradient_reduction(torch.float32, 8, 4, "nccl", "gloo")  # AVG over shards only
+    assert (mixed.reduce_scatter_op, mixed.all_reduce_op, mixed.post_divide) == (AVG, SUM, 4.0)
+    for world, pre in ((2, 1), (4, 2), (64, 8), (1000, 16), (1024, 32)):
+        fp16 = gradient_reduction(torch.float16, world, 1, "nccl")
+        assert (fp16.pre_divide, fp16.reduce_scatter_op, fp16.post_divide) == \
+            (pre, SUM, world / pre), world
+    assert gradient_reduction(torch.float16, 1, 1, "nccl").post_divide == 1.0
+
+
+def test_fp16_reduction_at_large_world_does_not_overflow_where_sum_then_divide_would():
+    """1024 ranks, each with a loss-scaled fp16 gradient of 128 (and a tiny one, 2^-10):
+    summing in fp16 then dividing overflows to inf; the pre/post factors keep the sum finite
+    and give the average (exactly, for these powers of two) without losing the tiny one."""
+    from vescale_engine.collectives import gradient_reduction
+    world = 1024
+    grads = torch.tensor([128.0, 2.0 ** -10], dtype=torch.float16).expand(world, 2)
+
+    def reduce(pre, post):  # what a SUM collective does in fp16, rank by rank
+        total = torch.zeros(2, dtype=torch.float16)
+        for g in grads:
+            total += g / pre
+        return total / post
+
+    plan = gradient_reduction(torch.float16, world, 1, "nccl")
+    assert torch.isinf(reduce(1, world)).any()  # sum then divide: 131072 > 65504
+    assert torch.equal(reduce(plan.pre_divide, plan.post_divide), grads[0])

@@ -14,8 +14,19 @@ sums. The bytes each rank sends are (W-1) shards either way, as in a ring.
 
 Both ranks of a pair post their messages in the same program order and gloo matches them in
 order per tag; each collective gets its own tag so the two kinds can never be confused.
+
+`native=True` (fully_shard's `native_collectives`) makes gloo use its own collectives too:
+the path NCCL always takes, so that it runs in CI. The choice is made per tensor: a process
+group may hold one backend per device type ("cpu:gloo,cuda:nccl"), and only a tensor whose
+device is served by gloo takes the exchange.
+
+`gradient_reduction` decides how gradients are averaged over the data-parallel ranks, as FSDP2
+does: AVG inside the collective where the backend has it (NCCL) for fp32/bf16; for fp16, which
+overflows at 65504, a divide by about sqrt(W) before the sum and the rest after it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,9 +39,69 @@ _GATHER_TAG = 0x7E5C
 _REDUCE_TAG = 0x7E5D
 
 
-def uses_exchange(group) -> bool:
-    """Whether collectives on `group` run as direct point-to-point exchanges (gloo)."""
-    return dist.get_backend(group) == "gloo"
+def backend_for(backend_config: str, device_type: str) -> str:
+    """The backend that serves `device_type` in a process group's backend config: "gloo" for
+    ("cpu:gloo,cuda:nccl", "cpu"); a config without device prefixes ("gloo") serves every
+    device."""
+    entries = [e.strip() for e in backend_config.split(",") if e.strip()]
+    if len(entries) == 1 and ":" not in entries[0]:
+        return entries[0]
+    for entry in entries:
+        device, _, backend = entry.partition(":")
+        if device == device_type:
+            return backend
+    raise ValueError(f"the process group (backends {backend_config!r}) has no backend for "
+                     f"{device_type} tensors")
+
+
+def tensor_backend(group, tensor: torch.Tensor) -> str:
+    """The backend `group` runs `tensor`'s collectives on."""
+    return backend_for(dist.get_backend_config(group), tensor.device.type)
+
+
+def uses_exchange(group, tensor: torch.Tensor, native: bool = False) -> bool:
+    """Whether a collective over `tensor` on `group` runs as direct point-to-point exchanges:
+    when gloo serves the tensor's device, unless `native` asks for gloo's own collectives."""
+    return not native and tensor_backend(group, tensor) == "gloo"
+
+
+# Backends whose reduce-scatter and all-reduce average in the collective (ReduceOp.AVG).
+_AVG_BACKENDS = frozenset({"nccl"})
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How gradients become their average over the data-parallel ranks: divide by
+    `pre_divide` before the collectives, reduce with `reduce_scatter_op` over the shard group
+    and `all_reduce_op` over the replicas, then divide by `post_divide` (1.0: no kernel)."""
+    pre_divide: float
+    reduce_scatter_op: object
+    all_reduce_op: object
+    post_divide: float
+
+
+def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
+                       shard_backend: str, replicate_backend: str | None = None,
+                       exchange: bool = False) -> GradientReduction:
+    """The reduction for gradients in `dtype` over `shard_size` ranks times `replicas`.
+
+    fp32/bf16 cannot overflow a sum of W gradients: AVG inside the collective where the
+    backend has it (no divide kernel), else SUM and one divide after. fp16 can (the loss scale
+    puts gradients near its 65504 limit), so the sum is kept small: divide by the power of two
+    nearest below sqrt(W) first, by the rest after. The exchange sums itself (SUM)."""
+    world = shard_size * replicas
+    if world == 1:
+        return GradientReduction(1.0, dist.ReduceOp.SUM, dist.ReduceOp.SUM, 1.0)
+    if dtype == torch.float16:
+        pre = 1
+        while (pre * 2) ** 2 <= world:
+            pre *= 2
+        return GradientReduction(float(pre), dist.ReduceOp.SUM, dist.ReduceOp.SUM, world / pre)
+    rs_avg = shard_size > 1 and not exchange and shard_backend in _AVG_BACKENDS
+    ar_avg = replicas > 1 and replicate_backend in _AVG_BACKENDS
+    post = (1 if rs_avg else shard_size) * (1 if ar_avg else replicas)
+    return GradientReduction(1.0, dist.ReduceOp.AVG if rs_avg else dist.ReduceOp.SUM,
+                             dist.ReduceOp.AVG if ar_avg else dist.ReduceOp.SUM, float(post))
 
 
 class _Exchange:
@@ -50,10 +121,12 @@ class _Exchange:
         return True
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True,
+               native: bool = False):
     """Fill `full` (W shards of `shard.numel()`) with every rank's `shard`, in rank order.
-    `shard` may already be this rank's range of `full`."""
-    if not uses_exchange(group):
+    `shard` may already be this rank's range of `full`. `native`: the backend's own
+    collective even on gloo."""
+    if not uses_exchange(group, full, native):
         return _native_all_gather(full, shard, group=group, async_op=async_op)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S = shard.numel()
@@ -72,11 +145,15 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = 
     return None
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group):
-    """Asynchronously sum every rank's `full` (W shards of `out.numel()`) and leave this rank's
-    shard of the sum in `out`. Returns a handle; `out` holds the sum once wait() returns."""
-    if not uses_exchange(group):
-        return _native_reduce_scatter(out, full, group=group, async_op=True)
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, op=dist.ReduceOp.SUM,
+                   native: bool = False):
+    """Asynchronously reduce every rank's `full` (W shards of `out.numel()`) with `op` and
+    leave this rank's shard of the result in `out`. Returns a handle; `out` holds the result
+    once wait() returns. The exchange only sums."""
+    if not uses_exchange(group, full, native):
+        return _native_reduce_scatter(out, full, op=op, group=group, async_op=True)
+    if op != dist.ReduceOp.SUM:
+        raise ValueError(f"the gloo exchange reduce-scatter only sums, not {op}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S = out.numel()
     peers = _peers(rank, world)

@@ -85,6 +85,8 @@ class EngineConfig:
     reshard_after_forward: bool = True
     max_reuse_distance: int = 0
     grads_in_place: bool = True
+    local_grad_accumulation: bool = False
+    native_collectives: bool = False
     hsdp_replicate_size: int = 1
     not_acted_on: tuple = ()
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
@@ -134,6 +136,8 @@ def build_config(source, world_size: int) -> EngineConfig:
         max_reuse_distance=int(config.get("zero_optimization", {}).get(
             "stage3_max_reuse_distance", 0)),
         grads_in_place=ves.get("grads_in_place", True),
+        local_grad_accumulation=ves.get("local_grad_accumulation", False),
+        native_collectives=ves.get("native_collectives", False),
         hsdp_replicate_size=replicas,
         not_acted_on=tuple(report.not_acted_on),
         fp16=dict(config.get("fp16", {})) if fp16 else {},

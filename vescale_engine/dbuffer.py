@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,11 +29,23 @@ from .planner import BufferLayout
 @dataclass
 class CollectiveStats:
     """What the collective path did: the bytes it copied (the design says zero), how many
-    collectives it issued, and, when `record` is set, the order of events (for tests)."""
+    collectives it issued (and how many of them were the backend's own, `native`), and, when
+    `record` is set, the order of events (for tests).
+
+    Communication time (wall_clock_breakdown) is the stall that waiting for a collective put
+    on compute, i.e. what prefetch and overlap did not hide. On CPU that is host time inside
+    wait() (`wait_s`). On an accelerator wait() only makes the compute stream wait, so while
+    `time_device_waits` is set each wait is bracketed by two timing events on the compute
+    stream (`pending_device_waits`), read once the device has finished them (`settle`)."""
     bytes_copied: int = 0
     all_gathers: int = 0
     reduce_scatters: int = 0
-    wait_s: float = 0.0   # time spent waiting for collectives (wall_clock_breakdown)
+    all_reduces: int = 0
+    native: int = 0
+    wait_s: float = 0.0         # host seconds inside wait() (CPU tensors)
+    device_wait_s: float = 0.0  # compute-stream stall measured by events (accelerators)
+    time_device_waits: bool = False
+    pending_device_waits: list = field(default_factory=list)
     record: bool = False
     events: list = field(default_factory=list)
 
@@ -40,26 +53,54 @@ class CollectiveStats:
         if self.record:
             self.events.append(event)
 
+    def settle(self) -> None:
+        """Add the finished event pairs' stalls into device_wait_s (the device must be done
+        with them: the caller synchronizes first)."""
+        for start, end in self.pending_device_waits:
+            self.device_wait_s += start.elapsed_time(end) / 1000.0
+        self.pending_device_waits.clear()
+
     def reset(self):
-        self.bytes_copied = self.all_gathers = self.reduce_scatters = 0
-        self.wait_s = 0.0
+        self.bytes_copied = self.all_gathers = self.reduce_scatters = self.all_reduces = 0
+        self.native = 0
+        self.wait_s = self.device_wait_s = 0.0
+        self.pending_device_waits.clear()
         self.events.clear()
 
 
-class _TimedWork:
-    """A collective's handle whose wait() counts into STATS.wait_s: the communication that
-    compute did not hide."""
+def _timing_event(device: torch.device):
+    return torch.Event(device=device, enable_timing=True)
 
-    def __init__(self, work):
+
+class _TimedWork:
+    """A collective's handle whose wait() counts the stall it causes (see CollectiveStats)."""
+
+    def __init__(self, work, device: torch.device,
+                 event_factory: Callable[[torch.device], object] = _timing_event):
         self.work = work
+        self.device = device
+        self.event_factory = event_factory
 
     def wait(self):
-        start = time.perf_counter()
-        self.work.wait()
-        STATS.wait_s += time.perf_counter() - start
+        if self.device.type == "cpu":
+            start = time.perf_counter()
+            self.work.wait()
+            STATS.wait_s += time.perf_counter() - start
+        elif STATS.time_device_waits:
+            start, end = self.event_factory(self.device), self.event_factory(self.device)
+            start.record()
+            self.work.wait()  # enqueues the compute stream's wait on the collective
+            end.record()
+            STATS.pending_device_waits.append((start, end))
+        else:
+            self.work.wait()
 
 
 STATS = CollectiveStats()
+
+
+def _held(tensor) -> int:
+    return 0 if tensor is None else tensor.untyped_storage().nbytes()
 
 
 def _glibc_malloc_trim():
@@ -121,16 +162,18 @@ class DBuffer:
 
     `master` (S elements, the parameters' dtype) and `grad` (S elements) persist; `full` and
     `full_grad` (world_size * S elements, the compute dtype) hold storage only while unsharded
-    and during backward.
+    and during backward (and are None until first needed).
     """
 
     def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
                  shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, name: str = "buffer"):
+                 reduce_dtype: torch.dtype | None = None, name: str = "buffer",
+                 native_collectives: bool = False):
         self.layout = layout
         self.name = name
         self.shard_group = shard_group
         self.replicate_group = replicate_group
+        self.device = torch.device(device)
         self.rank = dist.get_rank(shard_group)
         self.world_size = layout.world_size
         if dist.get_world_size(shard_group) != self.world_size:
@@ -146,11 +189,10 @@ class DBuffer:
         self.grad = torch.zeros(S, dtype=dtype, device=device)
         self._grad_bytes = self.grad.untyped_storage().nbytes()
         self.release_grad()  # gradient storage exists only between backward and zero_grad
-        self.full = torch.empty(self.world_size * S, dtype=self.param_dtype, device=device)
-        self.full_grad = torch.empty(self.world_size * S, dtype=self.param_dtype, device=device)
-        self._full_bytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
-        self.full_grad.untyped_storage().resize_(0)
+        # The full buffers' tensors are made when their storage is first needed (nothing
+        # full-size is allocated at wrap time), then kept for life; see `_allocate`.
+        self._full_bytes = self.world_size * S * self.param_dtype.itemsize
+        self.full = self.full_grad = None
         self.full_grad_live = False   # holds gradients not yet reduced (no_sync accumulation)
         # Gradients in place of the parameters: this backward writes each tensor's gradient
         # over its own full parameter once that value is dead (see `begin_backward`).
@@ -158,6 +200,15 @@ class DBuffer:
         self._grad_written = []
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
+        # Native (the backend's) collectives or gloo's exchange, decided per device's backend.
+        self.native = not collectives.uses_exchange(shard_group, self.master,
+                                                    native=native_collectives)
+        backend = collectives.tensor_backend(shard_group, self.master)
+        self.reduction = collectives.gradient_reduction(
+            self.reduce_dtype, self.world_size, replicas, backend,
+            None if replicate_group is None else
+            collectives.tensor_backend(replicate_group, self.master),
+            exchange=not self.native)
         lo = self.rank * S
         # Per tensor: (start, end) of its local piece inside the shard, and its full view range.
         self.local_ranges = []
@@ -213,13 +264,34 @@ class DBuffer:
 
     @property
     def is_unsharded(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return _held(self.full) > 0
+
+    @property
+    def full_bytes_held(self) -> int:
+        """Bytes of full-size storage this buffer holds now (parameters and gradients)."""
+        return _held(self.full) + self.full_grad_bytes_held
+
+    @property
+    def full_grad_bytes_held(self) -> int:
+        """Bytes held by the separate full gradient buffer (no_sync, grads_in_place=False)."""
+        return _held(self.full_grad)
+
+    def _allocate(self, name: str) -> torch.Tensor:
+        """Give `full` or `full_grad` its storage, making the tensor the first time."""
+        tensor = getattr(self, name)
+        if tensor is None:
+            tensor = torch.empty(self.world_size * self.shard_size, dtype=self.param_dtype,
+                                 device=self.device)
+            setattr(self, name, tensor)
+        else:
+            tensor.untyped_storage().resize_(self._full_bytes)
+        return tensor
 
     def all_gather(self, async_op: bool = True):
         """Gather every rank's shard into `full`, in place. With a lower compute dtype the
         master shard is cast straight into this rank's slot (one fused op), which is then the
         collective's input; otherwise the master shard is the input."""
-        self.full.untyped_storage().resize_(self._full_bytes)
+        self._allocate("full")
         S = self.shard_size
         slot = self.full[self.rank * S:(self.rank + 1) * S]
         if self.param_dtype != self.master.dtype:
@@ -228,15 +300,18 @@ class DBuffer:
         else:
             source = self.master
         STATS.all_gathers += 1
+        STATS.native += self.native
         STATS.log("all_gather", self.name)
-        work = collectives.all_gather(self.full, source, self.shard_group, async_op=async_op)
-        return _TimedWork(work) if async_op else work
+        work = collectives.all_gather(self.full, source, self.shard_group, async_op=async_op,
+                                      native=self.native)
+        return _TimedWork(work, self.device) if async_op else work
 
     def free_full(self) -> None:
         if self._reducing_full:  # the in-flight reduce-scatter frees it when it finishes
             return
         self.grads_in_full = False
-        self.full.untyped_storage().resize_(0)
+        if self.full is not None:
+            self.full.untyped_storage().resize_(0)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -253,8 +328,7 @@ class DBuffer:
             self.grads_in_full = True
             self._grad_written = [False] * len(self.layout.placements)
         elif not self.full_grad_live:
-            self.full_grad.untyped_storage().resize_(self._full_bytes)
-            self.full_grad.zero_()
+            self._allocate("full_grad").zero_()
             self.full_grad_live = True
 
     def keep_grads_unreduced(self) -> None:
@@ -263,8 +337,7 @@ class DBuffer:
         `full` is freed at reshard. A copy, on this path only."""
         if self.grads_in_full:
             self._zero_unwritten()
-            self.full_grad.untyped_storage().resize_(self._full_bytes)
-            self.full_grad.copy_(self.full)
+            self._allocate("full_grad").copy_(self.full)
             STATS.bytes_copied += self._full_bytes
             self.full_grad_live = True
             self.grads_in_full = False
@@ -293,10 +366,10 @@ class DBuffer:
     def release_grad(self) -> None:
         self.grad.untyped_storage().resize_(0)
 
-    def reduce_scatter(self, accumulate: bool):
-        """Reduce `full_grad` into the local gradient shard, in place, averaged over the data
-        parallel ranks; with `accumulate`, add to what the shard already holds. Returns a
-        callable that waits for the collective and finishes the shard."""
+    def reduce_scatter(self, accumulate: bool) -> "PendingReduction":
+        """Reduce the full gradients into the local gradient shard, in place, averaged over the
+        data parallel ranks (`self.reduction` says how); with `accumulate`, add to what the
+        shard already holds. Returns the pending reduction, to be finished later."""
         source = self.full_grad
         if self.grads_in_full:
             self._zero_unwritten()
@@ -304,32 +377,26 @@ class DBuffer:
             self._reducing_full = True
         if self.reduce_dtype != source.dtype:
             source = source.to(self.reduce_dtype)  # the one fused cast of the buffer
+        if self.reduction.pre_divide != 1.0:  # fp16: keep the sum over ranks finite
+            source.div_(self.reduction.pre_divide)  # in place: the source is dead after this
         if not accumulate and not self.has_grad:
             self.grad.untyped_storage().resize_(self._grad_bytes)  # fully overwritten below
         direct = not accumulate and self.reduce_dtype == self.grad.dtype
         out = self.grad if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
-                                                   device=self.grad.device)
+                                                   device=self.device)
         STATS.reduce_scatters += 1
+        STATS.native += self.native
         STATS.log("reduce_scatter", self.name)
-        work = _TimedWork(collectives.reduce_scatter(out, source, self.shard_group))
+        work = collectives.reduce_scatter(out, source, self.shard_group,
+                                          op=self.reduction.reduce_scatter_op, native=self.native)
+        return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct)
 
-        def finish():
-            work.wait()
-            if self.replicate_group is not None:
-                dist.all_reduce(out, group=self.replicate_group)
-            out.div_(self.data_parallel_size)
-            if accumulate:
-                self.grad.add_(out)
-            elif not direct:
-                self.grad.copy_(out)  # a staging copy: only when reduce and master dtypes differ
-                STATS.bytes_copied += out.numel() * out.element_size()
-            if self._reducing_full:
-                self._reducing_full = False
-                self.free_full()
-            else:
-                self.drop_full_grad()
-
-        return finish
+    def _free_reduced_source(self) -> None:
+        if self._reducing_full:
+            self._reducing_full = False
+            self.free_full()
+        else:
+            self.drop_full_grad()
 
     def _zero_unwritten(self) -> None:
         """Ranges of `full` that received no gradient (frozen tensors, unused experts) still
@@ -341,7 +408,8 @@ class DBuffer:
 
     def drop_full_grad(self) -> None:
         """Free the separate full gradient buffer (after its reduce-scatter, or at teardown)."""
-        self.full_grad.untyped_storage().resize_(0)
+        if self.full_grad is not None:
+            self.full_grad.untyped_storage().resize_(0)
         self.full_grad_live = False
 
     # -- fused group operations ----------------------------------------------------------------
@@ -355,3 +423,59 @@ class DBuffer:
         if not self.has_grad:
             return torch.zeros((), dtype=torch.float32, device=self.grad.device)
         return self.grad.float().pow(2).sum()
+
+
+class PendingReduction:
+    """A buffer's gradient reduction in flight, finished in two stages so that the replicas'
+    all-reduce (HSDP) runs while compute goes on instead of on the compute path:
+
+    `wait_reduce_scatter()`: the reduce-scatter is done; free the full gradients it read, and
+    issue the all-reduce over the replicas asynchronously. `finish()`: wait for that too, divide
+    what is left of the average, and put the result into (or add it to) the gradient shard."""
+
+    def __init__(self, buffer: DBuffer, work, out: torch.Tensor, accumulate: bool,
+                 direct: bool):
+        self.buffer = buffer
+        self.work = work
+        self.out = out
+        self.accumulate = accumulate
+        self.direct = direct
+        self.all_reduce = None
+        self.finished = False
+
+    @property
+    def all_reducing(self) -> bool:
+        """Whether the replicas' all-reduce is in flight (issued, not finished)."""
+        return self.all_reduce is not None
+
+    def wait_reduce_scatter(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        buf = self.buffer
+        buf._free_reduced_source()
+        if buf.replicate_group is not None:
+            STATS.all_reduces += 1
+            STATS.log("all_reduce", buf.name)
+            work = dist.all_reduce(self.out, op=buf.reduction.all_reduce_op,
+                                   group=buf.replicate_group, async_op=True)
+            self.all_reduce = _TimedWork(work, buf.device)
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.wait_reduce_scatter()
+        if self.all_reduce is not None:
+            self.all_reduce.wait()
+            self.all_reduce = None
+        buf, out = self.buffer, self.out
+        if buf.reduction.post_divide != 1.0:
+            out.div_(buf.reduction.post_divide)
+        if self.accumulate:
+            buf.grad.add_(out)
+        elif not self.direct:
+            buf.grad.copy_(out)  # a staging copy: only when reduce and master dtypes differ
+            STATS.bytes_copied += out.numel() * out.element_size()
+        STATS.log("reduced", buf.name)
+        self.finished = True

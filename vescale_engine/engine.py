@@ -107,11 +107,14 @@ class VeScaleEngine(nn.Module):
         return scale / self.gradient_accumulation_steps()
 
     def _choose_gradient_sync(self):
-        """Only the boundary micro-step reduce-scatters; earlier ones (and any inside
-        engine.no_sync) accumulate full gradients locally. Decided at forward, before any unit
-        starts its backward (a plain loss.backward() reaches the engine's output hook only
-        after the root unit's), and again at backward for an engine.no_sync entered between."""
-        local = self._user_no_sync or not self.is_gradient_accumulation_boundary()
+        """Every micro-step reduce-scatters into the sharded gradient (ZeRO-3's memory: no
+        full-size gradient is held between micro-steps), except inside engine.no_sync and,
+        with vescale.local_grad_accumulation, the micro-steps before the boundary: those
+        accumulate full gradients locally. Decided at forward, before any unit starts its
+        backward (a plain loss.backward() reaches the engine's output hook only after the root
+        unit's), and again at backward for an engine.no_sync entered between."""
+        local = self._user_no_sync or (self.config.local_grad_accumulation and
+                                       not self.is_gradient_accumulation_boundary())
         if local and self._sync_context is None:
             self._sync_context = fsdp.no_sync(self.module)
             self._sync_context.__enter__()

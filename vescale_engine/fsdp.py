@@ -100,12 +100,15 @@ class _Context:
         self.callback_queued = False
         self.require_sync = True
         self.reducing = []     # units whose reduce-scatter is in flight
+        self.all_reducing = []  # units whose replicas' all-reduce (HSDP) is in flight
 
 
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
-                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance):
+                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
+                 native_collectives=False):
         self.module = module
+        self.native_collectives = native_collectives
         self.grads_in_place = grads_in_place
         self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
         self.reshard_after_forward = reshard_after_forward
@@ -162,7 +165,8 @@ class FSDPUnit:
                 buf = DBuffer(layout, dtype=dtype, device=self.device, shard_group=group,
                               replicate_group=replicate_group, param_dtype=param_dtype,
                               reduce_dtype=self.mp_policy.reduce_dtype,
-                              name=f"{self.name}[{len(self.buffers)}]")
+                              name=f"{self.name}[{len(self.buffers)}]",
+                              native_collectives=self.native_collectives)
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]
@@ -295,6 +299,7 @@ class FSDPUnit:
         ctx.reuse_distance = _reuse_distances(ctx.last_order)
         ctx.callback_queued = False
         ctx.reducing = []
+        ctx.all_reducing = []
         _ACTIVE.ctx = ctx
 
     def _prefetch_forward(self):
@@ -337,9 +342,13 @@ class FSDPUnit:
             return
         self.reduced = True
         STATS.log("post_backward", self.name)
-        for unit in self.ctx.reducing:  # one reduce-scatter in flight at a time frees
-            unit.finish_gradients()     # each full gradient buffer as early as FSDP2 does
-        self.ctx.reducing = [self]
+        ctx = self.ctx
+        for unit in ctx.all_reducing:  # issued one unit ago: overlapped with that unit
+            unit.finish_gradients()
+        # One reduce-scatter in flight at a time frees each full gradient buffer as early as
+        # FSDP2 does; the replicas' all-reduce it leads to runs during the next unit.
+        ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
+        ctx.reducing = [self]
         self._finishers = []
         if self.trainable and self.in_backward:
             if not self.ctx.require_sync:
@@ -361,9 +370,19 @@ class FSDPUnit:
             if buf.has_grad and all(p.sharded.grad is None for p in members):
                 buf.release_grad()
 
+    def advance_gradients(self) -> bool:
+        """Wait for this unit's reduce-scatters and start the replicas' all-reduces; finish at
+        once where there is none. Whether all-reduces are now in flight."""
+        for _, _, pending in self._finishers:
+            pending.wait_reduce_scatter()
+        if any(pending.all_reducing for _, _, pending in self._finishers):
+            return True
+        self.finish_gradients()
+        return False
+
     def finish_gradients(self):
-        for buf, members, finish in self._finishers:
-            finish()
+        for buf, members, pending in self._finishers:
+            pending.finish()
             for p in members:
                 p.sharded.grad = buf.grad_view(p.index)
         self._finishers = []
@@ -395,11 +414,14 @@ def _final_callback(ctx):
     for unit in reversed(ctx.order):
         if unit.in_backward or unit.forward_calls or unit.calls_without_hook:
             unit.post_backward()
+    for unit in reversed(ctx.order):  # every all-reduce in flight before waiting for any
+        unit.advance_gradients()
     for unit in reversed(ctx.order):
         unit.finish_gradients()
         unit.reshard()
         unit._reset_iteration()
     ctx.reducing = []
+    ctx.all_reducing = []
     if any(unit.device.type == "cpu" for unit in ctx.order):
         release_free_host_memory()  # the step's full buffers are all free now
 
@@ -494,7 +516,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                 mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
                 max_buffers: int = DEFAULT_MAX_BUFFERS,
                 align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
-                max_reuse_distance: int = 0) -> nn.Module:
+                max_reuse_distance: int = 0, native_collectives: bool = False) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
@@ -508,6 +530,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     gathered from its forward to its backward when fewer elements than this are gathered in
     between (every later unit's parameters, in forward and again in backward); 0 keeps only
     the last unit, which backward starts with. More speed (no re-gather), more memory.
+    `native_collectives`: use the backend's own all-gather and reduce-scatter on gloo too
+    (NCCL always gets them; on gloo the default is faster point-to-point exchanges), so that
+    the path GPUs take runs on CPU.
     Errors (no parameters, mixed devices, a mesh that does not match the process group, a
     second call on the same module) are raised here, before any collective.
     """
@@ -520,7 +545,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if max_reuse_distance < 0:
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
     unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
-                    granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance)
+                    granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
+                    native_collectives)
     module._vescale_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)

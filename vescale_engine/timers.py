@@ -1,9 +1,15 @@
 """`wall_clock_breakdown`: where an optimizer step's time goes.
 
-forward, backward and optimizer are wall-clock spans the engine opens and closes; communication
-is the time spent waiting for all-gathers and reduce-scatters (dbuffer.STATS.wait_s), i.e. what
-prefetch and overlap did not hide. It falls inside forward and backward, so the four do not add
-up to the step time. Reported as milliseconds per optimizer step, averaged since the last report.
+forward, backward and optimizer are wall-clock spans the engine opens and closes;
+communication is the stall that waiting for all-gathers, reduce-scatters and replica
+all-reduces put on compute, i.e. what prefetch and overlap did not hide (dbuffer.STATS). It falls
+inside forward and backward, so the four do not add up to the step time. Reported as
+milliseconds per optimizer step, averaged since the last report.
+
+How communication is measured depends on where the tensors live: on an accelerator wait() only
+enqueues a stream wait, so host time inside it says nothing; there each wait is bracketed by
+timing events on the compute stream (the stall as the device saw it). On CPU it is host time
+inside wait(), and the progress line says so: "communication (host wait)".
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import torch
 from .dbuffer import STATS
 
 PHASES = ("forward", "backward", "communication", "optimizer")
+HOST_WAIT_LABEL = "communication (host wait)"
 
 
 def _sync():
@@ -28,7 +35,11 @@ class WallClockBreakdown:
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._open = {}
         self._steps = 0
-        self._wait_mark = STATS.wait_s
+        if enabled:
+            STATS.time_device_waits = True
+        self._host_mark = STATS.wait_s
+        self._device_mark = STATS.device_wait_s
+        self.device_timed = False  # whether the last report's communication came from events
 
     def start(self, phase: str) -> None:
         if self.enabled and phase not in self._open:
@@ -46,11 +57,16 @@ class WallClockBreakdown:
 
     def report(self) -> dict:
         """{phase: ms per optimizer step} since the last report; resets the totals."""
-        self._totals["communication"] = STATS.wait_s - self._wait_mark
+        _sync()
+        self.device_timed = bool(STATS.pending_device_waits)
+        STATS.settle()
+        self._totals["communication"] = (STATS.wait_s - self._host_mark
+                                         + STATS.device_wait_s - self._device_mark)
         steps = max(self._steps, 1)
         out = {phase: 1000.0 * self._totals[phase] / steps for phase in PHASES}
         self._totals = dict.fromkeys(PHASES, 0.0)
-        self._wait_mark = STATS.wait_s
+        self._host_mark = STATS.wait_s
+        self._device_mark = STATS.device_wait_s
         self._steps = 0
         return out
 
@@ -58,4 +74,7 @@ class WallClockBreakdown:
         """The progress line's suffix, e.g. "forward 12.1 ms | backward ...", or ""."""
         if not self.enabled:
             return ""
-        return " | ".join(f"{phase} {ms:.1f} ms" for phase, ms in self.report().items())
+        report = self.report()
+        label = {"communication": "communication" if self.device_timed else HOST_WAIT_LABEL}
+        return " | ".join(f"{label.get(phase, phase)} {ms:.1f} ms"
+                          for phase, ms in report.items())

@@ -28,6 +28,7 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
                   max_reuse_distance=cfg.max_reuse_distance,
                   grads_in_place=cfg.grads_in_place,
+                  native_collectives=cfg.native_collectives,
                   granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=fsdp.MixedPrecisionPolicy(
