@@ -751,3 +751,55 @@ def test_safetensors_format_round_trip(tmp_path):
     path.write_bytes(blob[:-3])
     with pytest.raises(ValueError, match="t.safetensors"):
         load_file(str(path))
+
+
+# -- moving a sharded model ------------------------------------------------------------------------
+
+def moves_after_initialize(rank, world):
+    """Every nn.Module move or cast after initialize: the no-ops run, the rest raise one line and
+    leave every parameter a view of its DBuffer's master shard."""
+    engine = make_engine(world, "ours")
+    model = engine.module
+
+    def attached():
+        return all(sp.sharded.untyped_storage().data_ptr() ==
+                   sp.buffer.master.untyped_storage().data_ptr()
+                   for sp in (p._vescale for p in model.parameters()))
+    noops = {"to(same)": lambda: model.to(torch.device("cpu"), torch.float32),
+             "float": model.float, "cpu": model.cpu, "train/eval": lambda: model.eval().train()}
+    moves = {"engine.cuda": engine.cuda, "cuda": model.cuda, "to(meta)": lambda: model.to("meta"),
+             "half": model.half, "to(bf16)": lambda: model.to(torch.bfloat16),
+             "block.double": model.blocks[0].double,
+             "to_empty": lambda: model.to_empty(device="cpu")}
+    out = {}
+    for name, call in {**noops, **moves}.items():
+        try:
+            call()
+            out[name] = ("ok", attached())
+        except RuntimeError as err:
+            out[name] = (str(err), attached())
+    losses = train(engine, rank, world, 1)  # still trains after all of it
+    return out, losses
+
+
+def test_moves_and_casts_after_initialize_raise_one_line(pools):
+    out, losses = pools(2).run(moves_after_initialize)[0]
+    assert all(attached for _, attached in out.values()), out
+    for name in ("to(same)", "float", "cpu", "train/eval"):
+        assert out[name][0] == "ok", (name, out[name])
+    detach = "(...) on a module sharded by fully_shard would detach its parameters from their " \
+             "sharded buffers: "
+    move = "build or move the model before fully_shard/initialize (initialize puts it on the " \
+           "rank's device)"
+    cast = "the fp32 master stays fp32; set the compute dtype with MixedPrecisionPolicy " \
+           "(param_dtype) or the bf16/fp16 config"
+    assert out["engine.cuda"][0] == "GPT.cuda" + detach + move
+    assert out["cuda"][0] == "GPT.cuda" + detach + move
+    assert out["to(meta)"][0] == "GPT.to" + detach + move
+    assert out["half"][0] == "GPT.half" + detach + cast
+    assert out["to(bf16)"][0] == "GPT.to" + detach + cast
+    assert out["block.double"][0] == "Block.double" + detach + cast
+    assert out["to_empty"][0].startswith("GPT.to_empty" + detach + "deferred (meta-device) init")
+    assert "vescale_engine.materialize (issue 14)" in out["to_empty"][0]
+    assert all("\n" not in message for message, _ in out.values())
+    assert math.isfinite(losses[0])
