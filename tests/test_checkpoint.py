@@ -433,6 +433,77 @@ def test_deepspeed_zero3_checkpoint_converts_and_resumes(pools, tmp_path):
     from vescale_engine.checkpoint import consolidate
     full = consolidate(str(out))
     assert all(torch.equal(full[k], weights[k]) for k in weights)
+    # rank 0 converting for longer than a collective may wait, and rank 0 failing
+    results = pools(2).run(slow_and_failing_imports, ds_dir, str(tmp_path / "again"))
+    slow, failed = [r[0] for r in results], [r[1] for r in results]
+    for rank in (0, 1):
+        assert slow[rank][0].endswith(os.path.join(".global_step2.vescale", "global_step2"))
+        assert torch.equal(slow[rank][1], slow[0][1]) and slow[rank][2] == SAVE_AT
+    assert failed[0] == failed[1]
+    assert os.path.join("truncated", "global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt: "
+                        "cannot read DeepSpeed checkpoint file (RuntimeError: PytorchStreamReader "
+                        "failed") in failed[0]["truncated"], failed[0]
+    assert all("\n" not in message for message in failed[0].values())
+    assert failed[0]["crashed"].endswith("global_step2: importing the DeepSpeed checkpoint failed "
+                                         "(KeyError: 'fp32_flat_groups')"), failed[0]
+
+
+IMPORT_SLEEP_S, SHORT_TIMEOUT_S = 6, 2
+
+
+def slow_and_failing_imports(rank, world, ds_dir, scratch):
+    """Imports on fresh copies of the ZeRO tag with the process group's timeout cut to
+    SHORT_TIMEOUT_S: a conversion that sleeps IMPORT_SLEEP_S first still loads (nobody waits
+    in a collective), and a failing one is the same one-line error on every rank."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    import vescale_engine.checkpoint_zero as zero
+    from dist_harness import DEFAULT_TIMEOUT_S
+    from vescale_engine.checkpoint import CheckpointError
+
+    def fresh(name, damage=None):
+        copy = os.path.join(scratch, name)
+        if rank == 0:  # without the import an earlier load kept next to the tag
+            shutil.copytree(ds_dir, copy, ignore=shutil.ignore_patterns(".*.vescale"))
+            if damage:
+                damage(os.path.join(copy, "global_step2"))
+        torch.distributed.barrier()
+        return copy
+
+    def truncate(copy):
+        shard = os.path.join(copy, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+
+    real, engine = zero.convert_zero, make_engine(world, "torch", scheduler=False)
+    paths = {name: fresh(name, damage) for name, damage in
+             (("slow", None), ("truncated", truncate), ("crashed", None))}
+    failed = {}
+    _set_pg_timeout(timedelta(seconds=SHORT_TIMEOUT_S))
+    try:
+        zero.convert_zero = lambda *a, **k: (time.sleep(IMPORT_SLEEP_S), real(*a, **k))[1]
+        path, _ = engine.load_checkpoint(paths["slow"])
+        slow = (path, full_weights(engine)["wte.weight"], engine.global_steps)
+        zero.convert_zero = real
+        try:
+            engine.load_checkpoint(paths["truncated"])
+        except CheckpointError as err:
+            failed["truncated"] = str(err)
+
+        def crash(*args, **kwargs):  # not a ValueError/OSError: still reaches every rank
+            raise KeyError("fp32_flat_groups")
+        zero.convert_zero = crash
+        try:
+            engine.load_checkpoint(paths["crashed"])
+        except CheckpointError as err:
+            failed["crashed"] = str(err)
+    finally:
+        zero.convert_zero = real
+        _set_pg_timeout(timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return slow, failed
 
 
 def test_convert_zero_bad_input_names_the_file(tmp_path):

@@ -306,8 +306,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST_FILE)} not found, "
                       "nothing to load", stacklevel=3)
         return None, None
-    from .checkpoint_zero import ensure_vescale_checkpoint
-    path = ensure_vescale_checkpoint(path)
+    from .checkpoint_zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint
+    wait_s = getattr(getattr(engine, "config", None), "checkpoint_import_timeout_s",
+                     DEFAULT_IMPORT_TIMEOUT_S)
+    path = ensure_vescale_checkpoint(path, wait_s)
     state = read_state(path)
     verify_files(path, state, names={".metadata"})
     metadata = read_metadata(path)
