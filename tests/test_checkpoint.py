@@ -227,6 +227,55 @@ def test_fsdp2_model_loads_engine_checkpoint_via_dcp(saved):
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
+# -- I/O: CRCs without a second read, device loads through host staging ---------------------------
+
+def io_once(rank, world, root):
+    """Save and load with a spy on the whole-file CRC (a full read of a file), then load again
+    with every box forced through the host-staging path that CUDA targets take."""
+    import vescale_engine.checkpoint as ck
+    import vescale_engine.checkpoint_dcp as cd
+    real_crc, real_stage, real_wait, real_slice = (ck.crc32, cd._stage_through_host,
+                                                  cd._wait_for_host_copies, cd.SafeReader._slice_file)
+    reads, waits, boxes = [], [], []
+    ck.crc32 = lambda file: (reads.append(os.path.basename(file)), real_crc(file))[1]
+    try:
+        engine = make_engine(world, "ours")
+        train(engine, rank, world, 1)
+        path = engine.save_checkpoint(root)
+        save_reads, reads[:] = list(reads), []
+        plain = make_engine(world, "ours")
+        plain.load_checkpoint(root)
+        load_reads = list(reads)
+        cd._stage_through_host = lambda device: True
+        cd._wait_for_host_copies = lambda device: waits.append(str(device))
+        cd.SafeReader._slice_file = lambda self, f, info: (boxes.append(info.relative_path),
+                                                            real_slice(self, f, info))[1]
+        staged = make_engine(world, "ours")
+        staged.load_checkpoint(root)
+    finally:
+        ck.crc32, cd._stage_through_host, cd._wait_for_host_copies = real_crc, real_stage, real_wait
+        cd.SafeReader._slice_file = real_slice
+    with open(os.path.join(path, "vescale_state.json")) as f:
+        files = json.load(f)["files"]
+    recorded = {name: (info["bytes"], info["crc32"]) == (
+        os.path.getsize(os.path.join(path, name)), real_crc(os.path.join(path, name)))
+        for name, info in files.items()}
+    same = all(torch.equal(a, b) for a, b in zip(full_weights(plain).values(),
+                                                 full_weights(staged).values()))
+    after = train(plain, rank, world, 1), train(staged, rank, world, 1)
+    return save_reads, load_reads, recorded, waits, len(set(boxes)), len(boxes), same, after
+
+
+def test_checkpoint_io_reads_each_byte_once_and_stages_device_loads(pools, tmp_path):
+    for rank, out in enumerate(pools(2).run(io_once, str(tmp_path / "io"))):
+        save_reads, load_reads, recorded, waits, files, boxes, same, (plain, staged) = out
+        assert save_reads == []  # the CRCs were taken while writing
+        assert load_reads == [".metadata"]  # data files: each item checked as it is read
+        assert recorded and all(recorded.values()), recorded
+        assert waits == ["cpu"] * files and boxes > files  # one wait per file, not per box
+        assert same and plain == staged
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 def bad_loads(rank, world, root, scratch):

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import checkpoint as ckpt
-from .checkpoint_state import crc32, fsync_dir, to_json, write_json
+from .checkpoint_dcp import CrcWriter
+from .checkpoint_state import fsync_dir, to_json, write_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
 
@@ -213,10 +214,9 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
     partial = os.path.join(out_dir, f".{tag}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=True)
-    state["files"] = {f: {"bytes": os.path.getsize(os.path.join(partial, f)),
-                          "crc32": crc32(os.path.join(partial, f))}
-                      for f in os.listdir(partial)}
+    writer = CrcWriter(partial, sync_files=True)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    state["files"] = writer.records()
     write_json(os.path.join(partial, ckpt.STATE_FILE), state)
     fsync_dir(partial)
     ckpt.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
