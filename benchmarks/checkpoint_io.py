@@ -140,7 +140,7 @@ def main():
         lines.append(f"| {r['system']} | {r['save_s']:.3f} | {r['load_s']:.3f} | "
                      f"{int(r['bytes']):,} |")
     lines += ["", "vescale: DCP files (true shapes; loads on any world size), fsynced, CRC32 of "
-              "every file; the tied head is written under both names so that a plain model's "
+              "every file and item taken while writing and checked while reading; the tied head is written under both names so that a plain model's "
               "state_dict loads. DeepSpeed: torch.save per rank (same world size only)."]
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -227,6 +227,55 @@ def test_fsdp2_model_loads_engine_checkpoint_via_dcp(saved):
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
+# -- I/O: CRCs without a second read, device loads through host staging ---------------------------
+
+def io_once(rank, world, root):
+    """Save and load with a spy on the whole-file CRC (a full read of a file), then load again
+    with every box forced through the host-staging path that CUDA targets take."""
+    import vescale_engine.checkpoint as ck
+    import vescale_engine.checkpoint_dcp as cd
+    real_crc, real_stage, real_wait, real_slice = (ck.crc32, cd._stage_through_host,
+                                                  cd._wait_for_host_copies, cd.SafeReader._slice_file)
+    reads, waits, boxes = [], [], []
+    ck.crc32 = lambda file: (reads.append(os.path.basename(file)), real_crc(file))[1]
+    try:
+        engine = make_engine(world, "ours")
+        train(engine, rank, world, 1)
+        path = engine.save_checkpoint(root)
+        save_reads, reads[:] = list(reads), []
+        plain = make_engine(world, "ours")
+        plain.load_checkpoint(root)
+        load_reads = list(reads)
+        cd._stage_through_host = lambda device: True
+        cd._wait_for_host_copies = lambda device: waits.append(str(device))
+        cd.SafeReader._slice_file = lambda self, f, info: (boxes.append(info.relative_path),
+                                                            real_slice(self, f, info))[1]
+        staged = make_engine(world, "ours")
+        staged.load_checkpoint(root)
+    finally:
+        ck.crc32, cd._stage_through_host, cd._wait_for_host_copies = real_crc, real_stage, real_wait
+        cd.SafeReader._slice_file = real_slice
+    with open(os.path.join(path, "vescale_state.json")) as f:
+        files = json.load(f)["files"]
+    recorded = {name: (info["bytes"], info["crc32"]) == (
+        os.path.getsize(os.path.join(path, name)), real_crc(os.path.join(path, name)))
+        for name, info in files.items()}
+    same = all(torch.equal(a, b) for a, b in zip(full_weights(plain).values(),
+                                                 full_weights(staged).values()))
+    after = train(plain, rank, world, 1), train(staged, rank, world, 1)
+    return save_reads, load_reads, recorded, waits, len(set(boxes)), len(boxes), same, after
+
+
+def test_checkpoint_io_reads_each_byte_once_and_stages_device_loads(pools, tmp_path):
+    for rank, out in enumerate(pools(2).run(io_once, str(tmp_path / "io"))):
+        save_reads, load_reads, recorded, waits, files, boxes, same, (plain, staged) = out
+        assert save_reads == []  # the CRCs were taken while writing
+        assert load_reads == [".metadata"]  # data files: each item checked as it is read
+        assert recorded and all(recorded.values()), recorded
+        assert waits == ["cpu"] * files and boxes > files  # one wait per file, not per box
+        assert same and plain == staged
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 def bad_loads(rank, world, root, scratch):
@@ -433,6 +482,77 @@ def test_deepspeed_zero3_checkpoint_converts_and_resumes(pools, tmp_path):
     from vescale_engine.checkpoint import consolidate
     full = consolidate(str(out))
     assert all(torch.equal(full[k], weights[k]) for k in weights)
+    # rank 0 converting for longer than a collective may wait, and rank 0 failing
+    results = pools(2).run(slow_and_failing_imports, ds_dir, str(tmp_path / "again"))
+    slow, failed = [r[0] for r in results], [r[1] for r in results]
+    for rank in (0, 1):
+        assert slow[rank][0].endswith(os.path.join(".global_step2.vescale", "global_step2"))
+        assert torch.equal(slow[rank][1], slow[0][1]) and slow[rank][2] == SAVE_AT
+    assert failed[0] == failed[1]
+    assert os.path.join("truncated", "global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt: "
+                        "cannot read DeepSpeed checkpoint file (RuntimeError: PytorchStreamReader "
+                        "failed") in failed[0]["truncated"], failed[0]
+    assert all("\n" not in message for message in failed[0].values())
+    assert failed[0]["crashed"].endswith("global_step2: importing the DeepSpeed checkpoint failed "
+                                         "(KeyError: 'fp32_flat_groups')"), failed[0]
+
+
+IMPORT_SLEEP_S, SHORT_TIMEOUT_S = 6, 2
+
+
+def slow_and_failing_imports(rank, world, ds_dir, scratch):
+    """Imports on fresh copies of the ZeRO tag with the process group's timeout cut to
+    SHORT_TIMEOUT_S: a conversion that sleeps IMPORT_SLEEP_S first still loads (nobody waits
+    in a collective), and a failing one is the same one-line error on every rank."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    import vescale_engine.checkpoint_zero as zero
+    from dist_harness import DEFAULT_TIMEOUT_S
+    from vescale_engine.checkpoint import CheckpointError
+
+    def fresh(name, damage=None):
+        copy = os.path.join(scratch, name)
+        if rank == 0:  # without the import an earlier load kept next to the tag
+            shutil.copytree(ds_dir, copy, ignore=shutil.ignore_patterns(".*.vescale"))
+            if damage:
+                damage(os.path.join(copy, "global_step2"))
+        torch.distributed.barrier()
+        return copy
+
+    def truncate(copy):
+        shard = os.path.join(copy, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+
+    real, engine = zero.convert_zero, make_engine(world, "torch", scheduler=False)
+    paths = {name: fresh(name, damage) for name, damage in
+             (("slow", None), ("truncated", truncate), ("crashed", None))}
+    failed = {}
+    _set_pg_timeout(timedelta(seconds=SHORT_TIMEOUT_S))
+    try:
+        zero.convert_zero = lambda *a, **k: (time.sleep(IMPORT_SLEEP_S), real(*a, **k))[1]
+        path, _ = engine.load_checkpoint(paths["slow"])
+        slow = (path, full_weights(engine)["wte.weight"], engine.global_steps)
+        zero.convert_zero = real
+        try:
+            engine.load_checkpoint(paths["truncated"])
+        except CheckpointError as err:
+            failed["truncated"] = str(err)
+
+        def crash(*args, **kwargs):  # not a ValueError/OSError: still reaches every rank
+            raise KeyError("fp32_flat_groups")
+        zero.convert_zero = crash
+        try:
+            engine.load_checkpoint(paths["crashed"])
+        except CheckpointError as err:
+            failed["crashed"] = str(err)
+    finally:
+        zero.convert_zero = real
+        _set_pg_timeout(timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return slow, failed
 
 
 def test_convert_zero_bad_input_names_the_file(tmp_path):
@@ -751,3 +871,55 @@ def test_safetensors_format_round_trip(tmp_path):
     path.write_bytes(blob[:-3])
     with pytest.raises(ValueError, match="t.safetensors"):
         load_file(str(path))
+
+
+# -- moving a sharded model ------------------------------------------------------------------------
+
+def moves_after_initialize(rank, world):
+    """Every nn.Module move or cast after initialize: the no-ops run, the rest raise one line and
+    leave every parameter a view of its DBuffer's master shard."""
+    engine = make_engine(world, "ours")
+    model = engine.module
+
+    def attached():
+        return all(sp.sharded.untyped_storage().data_ptr() ==
+                   sp.buffer.master.untyped_storage().data_ptr()
+                   for sp in (p._vescale for p in model.parameters()))
+    noops = {"to(same)": lambda: model.to(torch.device("cpu"), torch.float32),
+             "float": model.float, "cpu": model.cpu, "train/eval": lambda: model.eval().train()}
+    moves = {"engine.cuda": engine.cuda, "cuda": model.cuda, "to(meta)": lambda: model.to("meta"),
+             "half": model.half, "to(bf16)": lambda: model.to(torch.bfloat16),
+             "block.double": model.blocks[0].double,
+             "to_empty": lambda: model.to_empty(device="cpu")}
+    out = {}
+    for name, call in {**noops, **moves}.items():
+        try:
+            call()
+            out[name] = ("ok", attached())
+        except RuntimeError as err:
+            out[name] = (str(err), attached())
+    losses = train(engine, rank, world, 1)  # still trains after all of it
+    return out, losses
+
+
+def test_moves_and_casts_after_initialize_raise_one_line(pools):
+    out, losses = pools(2).run(moves_after_initialize)[0]
+    assert all(attached for _, attached in out.values()), out
+    for name in ("to(same)", "float", "cpu", "train/eval"):
+        assert out[name][0] == "ok", (name, out[name])
+    detach = "(...) on a module sharded by fully_shard would detach its parameters from their " \
+             "sharded buffers: "
+    move = "build or move the model before fully_shard/initialize (initialize puts it on the " \
+           "rank's device)"
+    cast = "the fp32 master stays fp32; set the compute dtype with MixedPrecisionPolicy " \
+           "(param_dtype) or the bf16/fp16 config"
+    assert out["engine.cuda"][0] == "GPT.cuda" + detach + move
+    assert out["cuda"][0] == "GPT.cuda" + detach + move
+    assert out["to(meta)"][0] == "GPT.to" + detach + move
+    assert out["half"][0] == "GPT.half" + detach + cast
+    assert out["to(bf16)"][0] == "GPT.to" + detach + cast
+    assert out["block.double"][0] == "Block.double" + detach + cast
+    assert out["to_empty"][0].startswith("GPT.to_empty" + detach + "deferred (meta-device) init")
+    assert "vescale_engine.materialize (issue 14)" in out["to_empty"][0]
+    assert all("\n" not in message for message, _ in out.values())
+    assert math.isfinite(losses[0])

@@ -482,25 +482,98 @@ def test_global_grad_norm_and_clipping(pool):
     assert norm_gap < 1e-6 and whole < 1e-6
 
 
+def _gather_peak(call):
+    """(result of call(), the most full buffers alive at once while it gathered): a spy on
+    every master all-gather counts the earlier full buffers whose storage is still alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    import vescale_engine.fsdp as fsdp_module
+    original, alive, peak = fsdp_module._all_gather_master, [], [0]
+
+    def spy(full, buf):
+        alive[:] = [ref for ref in alive if not ref.expired()]
+        alive.append(StorageWeakRef(full.untyped_storage()))
+        peak[0] = max(peak[0], len(alive))
+        original(full, buf)
+    fsdp_module._all_gather_master = spy
+    try:
+        return call(), peak[0]
+    finally:
+        fsdp_module._all_gather_master = original
+
+
+def _inside(model):
+    """What gathered_parameters shows: {fqn: (shape, device type, value)}."""
+    return {k: (tuple(v.shape), v.device.type, v.detach().clone())
+            for k, v in model.named_parameters()}
+
+
 def gathered_rank(rank, world):
-    model = shard_model(fm.make("gpt"))
-    with gathered_parameters(model, writeback=True):
-        full_shape = tuple(model.blocks[0].fc.weight.shape)
-        with torch.no_grad():
-            model.blocks[0].fc.weight.fill_(0.25)
+    reference, model = fm.make("gpt"), shard_model(fm.make("gpt"))
+    ref = reference.state_dict()
+    buffers = sum(len(unit_of(m).buffers) for m in model.modules() if unit_of(m) is not None)
+    out = {"buffers": buffers}
+    for rank0_only, cpu_offload in itertools.product([False, True], [False, True]):
+        keeps = not rank0_only or rank == 0
+        sd, peak = _gather_peak(lambda: full_state_dict(model, rank0_only=rank0_only,
+                                                         cpu_offload=cpu_offload))
+        same = sorted(sd) == sorted(ref) and all(torch.equal(sd[k], ref[k]) for k in ref) \
+            if keeps else sd == {}
+        on_cpu = all(v.device.type == "cpu" for v in sd.values())
+        out["state", rank0_only, cpu_offload] = (same, on_cpu, peak)
+
+        def inside():
+            with gathered_parameters(model, rank0_only=rank0_only, cpu_offload=cpu_offload):
+                return _inside(model)
+        seen, peak = _gather_peak(inside)
+        same = all(seen[k][0] == tuple(reference.get_parameter(k).shape) and
+                   torch.equal(seen[k][2], reference.get_parameter(k)) for k in seen) \
+            if keeps else all(len(shape) == 1 for shape, _, _ in seen.values())
+        out["inside", rank0_only, cpu_offload] = (same, peak)
+    for cpu_offload in (False, True):
+        with gathered_parameters(model, writeback=True, cpu_offload=cpu_offload):
+            full_shape = tuple(model.blocks[0].fc.weight.shape)
+            with torch.no_grad():
+                model.blocks[0].fc.weight.fill_(0.25 + cpu_offload)
+        full = full_state_dict(model)
+        out["writeback", cpu_offload] = (full_shape, bool((full["blocks.0.fc.weight"] ==
+                                                            0.25 + cpu_offload).all()))
+    try:
+        with gathered_parameters(model, writeback=True, rank0_only=True):
+            pass
+    except ValueError as err:
+        out["writeback rank0_only"] = str(err)
     sharded_shape = tuple(model.blocks[0].fc.weight.shape)
-    full = full_state_dict(model)
     rebuilt = {fqn: ragged_to_replicate(local, spec)
                for fqn, (local, spec) in sharded_state_dict(model).items()}
     same = all(torch.equal(rebuilt[k], full[k]) for k in rebuilt)
-    return (full_shape, sharded_shape, bool((full["blocks.0.fc.weight"] == 0.25).all()),
-            same, sorted(rebuilt) == sorted(k for k in full if k != "head.weight"))
+    out["sharded"] = (sharded_shape, same,
+                      sorted(rebuilt) == sorted(k for k in full if k != "head.weight"))
+    return out
 
 
 def test_gathered_parameters_and_sharded_state_dict(pool):
-    full_shape, sharded_shape, written, same, names = pool.run(gathered_rank)[0]
-    assert full_shape == (256, 64) and len(sharded_shape) == 1 and written
-    assert same and names  # the tied head is the embedding, listed once
+    """Every option of full_state_dict and gathered_parameters gives the unsharded values, and
+    gathers one DBuffer at a time: only gathered_parameters without cpu_offload, on a rank
+    that keeps the result, holds every full buffer (as the parameters' storage)."""
+    results = pool.run(gathered_rank)
+    for rank, out in enumerate(results):
+        buffers = out["buffers"]
+        assert buffers > 1
+        for rank0_only, cpu_offload in itertools.product([False, True], [False, True]):
+            keeps = not rank0_only or rank == 0
+            same, on_cpu, peak = out["state", rank0_only, cpu_offload]
+            assert same and on_cpu and peak == 1, (rank, rank0_only, cpu_offload, peak)
+            same, peak = out["inside", rank0_only, cpu_offload]
+            assert same, (rank, rank0_only, cpu_offload)
+            assert peak == (buffers if keeps and not cpu_offload else 1), (rank, peak)
+        for cpu_offload in (False, True):
+            assert out["writeback", cpu_offload] == ((256, 64), True)
+        assert out["writeback rank0_only"] == (
+            "gathered_parameters: writeback=True needs the full parameters on every rank; it "
+            "cannot be combined with rank0_only=True")
+        sharded_shape, same, names = out["sharded"]
+        assert len(sharded_shape) == 1 and same
+        assert names  # the tied head is the embedding, listed once
 
 
 def hsdp_rank(rank, world, native, avg=False):

@@ -44,7 +44,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .checkpoint_dcp import CheckpointError, LoadPlanner, RaggedPiece, SafeReader, SavePlanner
+from .checkpoint_dcp import (CheckpointError, CrcWriter, LoadPlanner, RaggedPiece, SafeReader,
+                             SavePlanner)
 from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
                                optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
                                sharded_params, to_json, write_json)
@@ -112,17 +113,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         shutil.rmtree(partial, ignore_errors=True)  # a save that was killed before
         os.makedirs(partial)
     dist.barrier()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-             planner=SavePlanner())
-    mine = {f: {"bytes": os.path.getsize(os.path.join(partial, f)),
-                "crc32": crc32(os.path.join(partial, f))}
-            for f in os.listdir(partial) if f.startswith(f"__{rank}_")}
+    writer = CrcWriter(partial, sync_files=True)  # CRCs taken while writing, no read-back
+    dcp.save(sd, storage_writer=writer, planner=SavePlanner())
+    written = writer.records()
+    mine = {f: info for f, info in written.items() if f.startswith(f"__{rank}_")}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         files = {name: info for part in gathered for name, info in part.items()}
-        meta = os.path.join(partial, ".metadata")
-        files[".metadata"] = {"bytes": os.path.getsize(meta), "crc32": crc32(meta)}
+        files[".metadata"] = {k: v for k, v in written[".metadata"].items() if k != "items"}
         state["files"] = files
         write_json(os.path.join(partial, STATE_FILE), state)
         fsync_dir(partial)
@@ -195,7 +194,8 @@ def read_state(path) -> dict:
 
 
 def verify_files(path, state, names=None):
-    """Sizes of every file, CRC32 of `names` (all when None): one line naming the bad file."""
+    """Sizes of every file, CRC32 of `names` (all when None, each a full read): one line naming
+    the bad file."""
     for name, info in sorted(state["files"].items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -212,16 +212,47 @@ def read_metadata(path):
     return SafeReader(path).read_metadata()
 
 
-def _files_for(metadata, sd):
-    """The data files holding any chunk this rank reads."""
+def _items_read(metadata, sd):
+    """{data file: {(offset, length) of each stored item this rank reads from it}}."""
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-    files = set()
+    files = {}
     for fqn, obj in sd.items():
         chunks = obj.chunks() if isinstance(obj, RaggedPiece) else \
             [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.shape)]
         for item in create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], chunks):
-            files.add(metadata.storage_data[item.storage_index].relative_path)
+            info = metadata.storage_data[item.storage_index]
+            files.setdefault(info.relative_path, set()).add((info.offset, info.length))
     return files
+
+
+def _plan_verification(path, state, metadata, sd):
+    """Check what can be checked before reading, and say what the reader checks as it reads:
+    sizes of every file now; CRC32 of each item while it is read where the checkpoint recorded
+    the CRC of every item this rank reads from a file ({file: {offset: (length, crc)}},
+    returned); the whole file now, an extra read, otherwise (checkpoints from older versions)."""
+    per_item, whole = {}, set()
+    for name, wanted in _items_read(metadata, sd).items():
+        recorded = {int(offset): tuple(item) for offset, item in
+                    state["files"].get(name, {}).get("items", {}).items()}
+        if all(recorded.get(offset, (None,))[0] == length for offset, length in wanted):
+            per_item[name] = recorded
+        else:
+            whole.add(name)
+    verify_files(path, state, names=whole)
+    return per_item
+
+
+def _load(sd, path, per_item, **kwargs):
+    """dcp.load through our reader and planner; a CRC mismatch any rank found while reading
+    is raised on every rank as its one line (DCP gathers every rank's failure)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        dcp.load(sd, storage_reader=SafeReader(path, per_item), planner=LoadPlanner(), **kwargs)
+    except CheckpointException as err:
+        found = next((e for e, _ in err.failures.values() if isinstance(e, CheckpointError)), None)
+        if found is None:
+            raise
+        raise CheckpointError(str(found)) from None
 
 
 def _short(keys, n=3):
@@ -314,8 +345,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST_FILE)} not found, "
                       "nothing to load", stacklevel=3)
         return None, None
-    from .checkpoint_zero import ensure_vescale_checkpoint
-    path = ensure_vescale_checkpoint(path)
+    from .checkpoint_zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint
+    wait_s = getattr(getattr(engine, "config", None), "checkpoint_import_timeout_s",
+                     DEFAULT_IMPORT_TIMEOUT_S)
+    path = ensure_vescale_checkpoint(path, wait_s)
     state = read_state(path)
     verify_files(path, state, names={".metadata"})
     metadata = read_metadata(path)
@@ -338,9 +371,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     if full_load:
         sd.update(rng)
 
-    problem = None
+    problem, per_item = None, {}
     try:
-        verify_files(path, state, names=_files_for(metadata, sd))
+        per_item = _plan_verification(path, state, metadata, sd)
     except CheckpointError as err:
         problem = str(err)
     problems = [None] * dist.get_world_size()
@@ -348,7 +381,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     if any(problems):
         raise CheckpointError(next(p for p in problems if p))
 
-    dcp.load(sd, storage_reader=SafeReader(path), planner=LoadPlanner())
+    _load(sd, path, per_item)
     if hasattr(engine.optimizer, "checkpoint_state_loaded") and full_load and load_optimizer_states:
         engine.optimizer.checkpoint_state_loaded()
 
@@ -386,11 +419,11 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
     if path is None:
         raise FileNotFoundError(f"{ckpt_dir} has no {LATEST_FILE} file and is not a checkpoint")
     state = read_state(path)
-    verify_files(path, state)
+    verify_files(path, state, names={".metadata"})
     metadata = read_metadata(path)
     sd = {k: torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
           for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    dcp.load(sd, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
+    _load(sd, path, _plan_verification(path, state, metadata, sd), no_dist=True)
     full = {k[6:]: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     if out is not None:
         _write_state_dict(full, os.fspath(out))

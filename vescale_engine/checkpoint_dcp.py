@@ -7,20 +7,25 @@ subclass DCP's default ones only to write and read those boxes.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import math
 import os
 import pickle
+import zlib
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    StorageMeta, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .ragged import box_decomposition
 
-__all__ = ["CheckpointError", "RaggedPiece", "SavePlanner", "LoadPlanner", "SafeReader"]
+__all__ = ["CheckpointError", "RaggedPiece", "SavePlanner", "LoadPlanner", "SafeReader",
+           "CrcWriter"]
 
 
 class CheckpointError(ValueError):
@@ -83,6 +88,8 @@ class LoadPlanner(DefaultLoadPlanner):
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
                          allow_partial_load=True)
+        self._staged = None    # (host staging, device target) of the box being read
+        self._in_flight = []   # (staging, device) copied asynchronously, not yet waited for
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         # not the default's: its meta-tensor initialisation replaces our pieces by None
@@ -107,6 +114,31 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index):
         obj = self.state_dict[index.fqn]
         return obj.box(index.offset) if isinstance(obj, RaggedPiece) else super().lookup_tensor(index)
+
+    def resolve_tensor(self, read_item):
+        """Where DCP copies a box it read: the target itself, or for a CUDA target a host
+        staging tensor that `commit_tensor` copies on asynchronously."""
+        target = super().resolve_tensor(read_item)
+        if not _stage_through_host(target.device) or target.numel() == 0:
+            return target
+        staging = torch.empty(target.shape, dtype=target.dtype, device="cpu",
+                              pin_memory=target.is_cuda)
+        self._staged = (staging, target)  # DCP commits each box right after resolving it
+        return staging
+
+    def commit_tensor(self, read_item, tensor):
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staging, target = staged
+            target.detach().copy_(staging, non_blocking=staging.is_pinned())
+            self._in_flight.append((staging, target.device))
+        super().commit_tensor(read_item, tensor)
+
+    def finish_file(self):
+        """The file's boxes are read: wait once for their copies, then drop the staging."""
+        in_flight, self._in_flight = self._in_flight, []
+        for device in {device for _, device in in_flight}:
+            _wait_for_host_copies(device)
 
     def load_bytes(self, read_item, value):
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
@@ -142,7 +174,39 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader (tensors already come through torch.load(weights_only=True)) with a
-    restricted unpickler for `.metadata`."""
+    restricted unpickler for `.metadata`. `item_crcs` ({file: {offset: (length, crc32)}}, as
+    CrcWriter recorded them): each item of those files is read once, into memory, and checked
+    there before it is loaded, so verifying costs no second read of the file."""
+
+    def __init__(self, path, item_crcs=None):
+        super().__init__(path)
+        self.item_crcs = item_crcs or {}
+
+    def _slice_file(self, file, sinfo):
+        items = self.item_crcs.get(sinfo.relative_path)
+        if items is None:
+            return super()._slice_file(file, sinfo)
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if zlib.crc32(data) != items[sinfo.offset][1]:
+            raise CheckpointError(f"{os.path.join(self.path, sinfo.relative_path)} is corrupted: "
+                                  "CRC32 mismatch")
+        return io.BytesIO(data)
+
+    def read_data(self, plan, planner):
+        """DCP's reading, one file at a time, so that the copies into the device wait once per
+        file (LoadPlanner.finish_file)."""
+        from torch.distributed.checkpoint.planner import LoadPlan
+        per_file = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                []).append(item)
+        done = None
+        for items in per_file.values():
+            done = super().read_data(LoadPlan(items), planner)
+            if hasattr(planner, "finish_file"):
+                planner.finish_file()
+        return done if done is not None else super().read_data(plan, planner)
 
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(self.path, ".metadata")
@@ -155,3 +219,83 @@ class SafeReader(dcp.FileSystemReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC32 taken while writing, checked while reading: checkpoint I/O is not doubled.
+
+class _CrcStream:
+    """A file being written: the CRC32 of all its bytes, and of each item. DCP asks `tell()`
+    just before and just after writing each item, so the bytes written between two `tell()`
+    calls are one item's (load_checkpoint checks that every item it reads was recorded)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.size = self.crc = self.item_crc = 0
+        self.mark = raw.tell()
+        self.items = {}  # offset -> (length, crc32)
+
+    def write(self, data):
+        written = self.raw.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.item_crc = zlib.crc32(data, self.item_crc)
+        self.size += len(memoryview(data).cast("B"))
+        return written
+
+    def tell(self):
+        pos = self.raw.tell()
+        if pos > self.mark:
+            self.items[self.mark] = (pos - self.mark, self.item_crc)
+        self.mark, self.item_crc = pos, 0
+        return pos
+
+    def __getattr__(self, name):  # flush, fileno, close, ...
+        return getattr(self.raw, name)
+
+
+class _CrcFileSystem(FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.written = {}  # file name -> _CrcStream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _CrcStream(raw)
+            yield stream
+            self.written[os.path.basename(path)] = stream
+
+    def rename(self, path, new_path):  # DCP writes .metadata.tmp, then renames it
+        super().rename(path, new_path)
+        stream = self.written.pop(os.path.basename(path), None)
+        if stream is not None:
+            self.written[os.path.basename(new_path)] = stream
+
+
+class CrcWriter(dcp.FileSystemWriter):
+    """DCP's file writer that records each file's size and CRC32 (and each item's) as it writes,
+    instead of reading the files back."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _CrcFileSystem()
+
+    def records(self) -> dict:
+        """{file name: {"bytes", "crc32", "items": {offset: [length, crc32]}}} written so far."""
+        return {name: {"bytes": s.size, "crc32": s.crc,
+                       "items": {str(offset): list(item) for offset, item in s.items.items()}}
+                for name, s in self.fs.written.items()}
+
+
+def _stage_through_host(device) -> bool:
+    """Loads into CUDA go through pinned host memory, copied asynchronously: one wait per file
+    instead of a synchronous pageable copy per box."""
+    return torch.device(device).type == "cuda"
+
+
+def _wait_for_host_copies(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

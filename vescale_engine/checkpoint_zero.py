@@ -17,17 +17,20 @@ inert stand-in, so nothing of DeepSpeed is imported or executed.
 from __future__ import annotations
 
 import glob
+import itertools
 import math
 import os
 import re
 import shutil
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import checkpoint as ckpt
-from .checkpoint_state import crc32, fsync_dir, to_json, write_json
+from .checkpoint_dcp import CrcWriter
+from .checkpoint_state import fsync_dir, to_json, write_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
 
@@ -211,33 +214,61 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
     partial = os.path.join(out_dir, f".{tag}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=True)
-    state["files"] = {f: {"bytes": os.path.getsize(os.path.join(partial, f)),
-                          "crc32": crc32(os.path.join(partial, f))}
-                      for f in os.listdir(partial)}
+    writer = CrcWriter(partial, sync_files=True)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    state["files"] = writer.records()
     write_json(os.path.join(partial, ckpt.STATE_FILE), state)
     fsync_dir(partial)
     ckpt.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
 
 
-def ensure_vescale_checkpoint(path):
+DEFAULT_IMPORT_TIMEOUT_S = 3 * 3600
+_IMPORTS = itertools.count()  # every rank numbers its imports alike: load_checkpoint is collective
+
+
+def ensure_vescale_checkpoint(path, timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S):
     """A DeepSpeed ZeRO tag directory given to load_checkpoint is imported first (rank 0
-    converts into `<dir>/.TAG.vescale/`, kept for next time); anything else is returned as is."""
+    converts into `<dir>/.TAG.vescale/`, kept for next time); anything else is returned as is.
+
+    The other ranks wait for rank 0 on the process group's key-value store, not in a
+    collective: converting a large checkpoint takes longer than a collective may wait (NCCL's
+    watchdog would abort the job). They wait up to `timeout_s` (the config's
+    vescale.checkpoint_import_timeout_s); rank 0's error, if any, is raised on every rank."""
     if os.path.exists(os.path.join(path, ckpt.STATE_FILE)) or not is_zero_checkpoint(path):
         return path
     parent, tag = os.path.split(os.path.normpath(path))
     out = os.path.join(parent, f".{tag}.vescale")
-    if not os.path.exists(os.path.join(out, tag, ckpt.STATE_FILE)):
-        problem = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
+    if not dist.is_initialized():
+        problem = _import_once(path, out, tag)
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"vescale/convert-zero/{next(_IMPORTS)}"
+        if dist.get_rank() == 0:
+            problem = _import_once(path, out, tag)
+            store.set(key, problem or "")
+        else:
             try:
-                convert_zero(path, out, tag)
-            except (ValueError, OSError) as err:
-                problem = str(err)
-        if dist.is_initialized():
-            problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), None)
-        if problem:
-            raise ckpt.CheckpointError(problem)
+                store.wait([key], timedelta(seconds=timeout_s))
+            except RuntimeError:  # DistStoreError: rank 0 died or is still converting
+                raise ckpt.CheckpointError(
+                    f"{path}: rank 0 did not finish importing this DeepSpeed checkpoint within "
+                    f"{timeout_s:g} s (vescale.checkpoint_import_timeout_s); raise it, or "
+                    "convert once offline with `vescale convert-zero` and load the result") from None
+            problem = store.get(key).decode()
+    if problem:
+        raise ckpt.CheckpointError(problem)
     return os.path.join(out, tag)
+
+
+def _import_once(path, out, tag) -> str | None:
+    """Convert unless an earlier import did; the problem as one line, or None."""
+    if os.path.exists(os.path.join(out, tag, ckpt.STATE_FILE)):
+        return None
+    try:
+        convert_zero(path, out, tag)
+    except (ValueError, OSError) as err:
+        return str(err)
+    except Exception as err:  # any failure reaches the waiting ranks, not only rank 0
+        first = (str(err).splitlines() or [""])[0]
+        return f"{path}: importing the DeepSpeed checkpoint failed ({type(err).__name__}: {first})"
+    return None

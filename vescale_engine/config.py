@@ -90,6 +90,7 @@ class EngineConfig:
     hsdp_replicate_size: int = 1
     not_acted_on: tuple = ()
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
+    checkpoint_import_timeout_s: float = 3 * 3600  # ranks waiting for rank 0's ZeRO import
 
 
 def build_config(source, world_size: int) -> EngineConfig:
@@ -141,4 +142,5 @@ def build_config(source, world_size: int) -> EngineConfig:
         hsdp_replicate_size=replicas,
         not_acted_on=tuple(report.not_acted_on),
         fp16=dict(config.get("fp16", {})) if fp16 else {},
+        checkpoint_import_timeout_s=float(ves.get("checkpoint_import_timeout_s", 3 * 3600)),
     )

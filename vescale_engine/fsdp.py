@@ -19,6 +19,7 @@ import contextlib
 import fnmatch
 import functools
 import itertools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -548,6 +549,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                     granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
                     native_collectives)
     module._vescale_unit = unit
+    _guard_apply(module)
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module
@@ -597,40 +599,108 @@ def no_sync(module: nn.Module):
 
 
 @contextlib.contextmanager
-def gathered_parameters(module: nn.Module, writeback: bool = False):
-    """Full fp32 parameters in `module` for the duration (like DeepSpeed's
-    GatheredParameters). With `writeback`, changes made inside are kept (every rank must make
-    the same change)."""
-    units = _units(module)
-    gathered = []
-    for unit in units:
+def gathered_parameters(module: nn.Module, writeback: bool = False, *, rank0_only: bool = False,
+                        cpu_offload: bool = False):
+    """Full fp32 parameters in `module` for the duration (like DeepSpeed's GatheredParameters
+    and FSDP1's summon_full_params). DBuffers are gathered one at a time: with `cpu_offload`
+    each is copied to CPU (pinned memory when it is on CUDA) and freed before the next is
+    gathered, so the device never holds more than one full buffer; without it the full
+    parameters are views of the gathered buffers, on the device. `rank0_only`: only global
+    rank 0 holds full parameters, the others keep their shards. With `writeback`, changes made
+    inside are kept (every rank must make the same change)."""
+    if writeback and rank0_only:
+        raise ValueError("gathered_parameters: writeback=True needs the full parameters on every "
+                         "rank; it cannot be combined with rank0_only=True")
+    keep = not rank0_only or dist.get_rank() == 0
+    full = _gather_full(module, keep, "host" if cpu_offload else "view")
+    for p, value in full.items():
+        p.register(nn.Parameter(value, requires_grad=p.sharded.requires_grad))
+    try:
+        yield module
+    finally:
+        for p, value in full.items():
+            if writeback:
+                with torch.no_grad():
+                    p.buffer.load_full_tensor(p.index, value)  # this rank's range of it
+            p.register(p.sharded)
+
+
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
+                    cpu_offload: bool = False) -> dict:
+    """Every parameter's full value (fp32 master) plus the buffers, keyed as
+    `module.state_dict()` (tied names share one tensor). DBuffers are gathered one at a time and
+    their parameters copied out (to CPU with `cpu_offload`, pinned when the source is CUDA)
+    before the next is gathered: the device holds the result plus at most one full buffer, or
+    just one full buffer with `cpu_offload`. With `rank0_only` only global rank 0 gets the
+    values; the other ranks take part in the gathers and get {}."""
+    keep = not rank0_only or dist.get_rank() == 0
+    full = _gather_full(module, keep, "host" if cpu_offload else "clone")
+    if not keep:
+        return {}
+    registered = {p: nn.Parameter(value, requires_grad=False) for p, value in full.items()}
+    for p, value in registered.items():  # only so that state_dict names them as the module does
+        p.register(value)
+    ours = {id(value) for value in registered.values()}
+    try:
+        sd = module.state_dict(keep_vars=True)
+    finally:
+        for p in full:
+            p.register(p.sharded)
+    out = {}
+    for key, value in sd.items():
+        if id(value) in ours:
+            out[key] = value.detach()
+        else:  # a module buffer: a copy, as for the parameters
+            out[key] = _copy_out(value.detach(), "host" if cpu_offload else "clone")
+            _finish_host_copies(value.device, "host" if cpu_offload else "clone")
+    return out
+
+
+def _gather_full(module, keep, mode) -> dict:
+    """{ShardedParameter: full value} for every managed parameter under `module` (empty when
+    not `keep`). One DBuffer at a time: all-gather its fp32 master into a full buffer, copy its
+    parameters out (`mode`: "view" keeps the buffer alive as their storage, "clone" copies on
+    the device, "host" to CPU), and drop the buffer before gathering the next."""
+    out = {}
+    for unit in _units(module):
         for buf in unit.buffers:
             full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
                                device=buf.master.device)
             _all_gather_master(full, buf)
-            gathered.append((unit, buf, full))
-    views = {}
-    for unit, buf, full in gathered:
-        for p in unit.params:
-            if p.buffer is buf:
-                pl = buf.layout.placements[p.index]
-                views[p] = nn.Parameter(full[pl.offset:pl.offset + pl.numel].view(p.shape),
-                                        requires_grad=p.sharded.requires_grad)
-                p.register(views[p])
-    try:
-        yield module
-    finally:
-        for unit, buf, full in gathered:
-            if writeback:
-                S = buf.shard_size
-                with torch.no_grad():
-                    buf.master.copy_(full[buf.rank * S:(buf.rank + 1) * S])
-        for p in views:
-            p.register(p.sharded)
+            if keep:
+                for p in unit.params:
+                    if p.buffer is buf:
+                        pl = buf.layout.placements[p.index]
+                        out[p] = _copy_out(full[pl.offset:pl.offset + pl.numel].view(p.shape),
+                                           mode)
+                _finish_host_copies(full.device, mode)
+            del full  # freed here unless "view" kept it as the parameters' storage
+    return out
 
 
 def _all_gather_master(full, buf):
     collectives.all_gather(full, buf.master, buf.shard_group, async_op=False)
+
+
+def _pinned_staging(device) -> bool:
+    """Host copies from CUDA go through pinned memory, asynchronously (one wait per buffer)."""
+    return torch.device(device).type == "cuda"
+
+
+def _copy_out(value, mode):
+    if mode == "view":
+        return value
+    if mode == "clone":
+        return value.clone()
+    pinned = _pinned_staging(value.device)
+    out = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
+    out.copy_(value, non_blocking=pinned)
+    return out
+
+
+def _finish_host_copies(device, mode):
+    if mode == "host" and _pinned_staging(device):
+        torch.cuda.current_stream(device).synchronize()
 
 
 def sharded_state_dict(module: nn.Module) -> dict:
@@ -643,12 +713,6 @@ def sharded_state_dict(module: nn.Module) -> dict:
         spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))
         out[fqn] = (p.sharded.detach(), spec)
     return out
-
-
-def full_state_dict(module: nn.Module) -> dict:
-    """Every parameter's full value (fp32 master), plus buffers, on every rank."""
-    with gathered_parameters(module):
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def release(module: nn.Module) -> None:
@@ -670,4 +734,55 @@ def release(module: nn.Module) -> None:
                 if hook == fn:
                     del hooks[handle_id]
                     sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+        sub.__dict__.pop("_apply", None)  # fully_shard's guard
         del sub._vescale_unit
+
+
+# ---------------------------------------------------------------------------------------------
+# Moves and casts of a sharded module.
+
+def _guard_apply(module: nn.Module) -> None:
+    """Route `module._apply` (behind .to/.cuda/.half/.float/.to_empty/...) through a check:
+    torch would replace each parameter's data with a new tensor, silently cutting it off from
+    its DBuffer. A call that leaves every managed parameter as it is (`.to` its own device and
+    dtype, `.float()` on fp32) still runs; anything else raises before touching the module."""
+    module._apply = types.MethodType(_guarded_apply, module)  # parents' recursion calls it too
+
+
+def _guarded_apply(self, fn, recurse=True):
+    _check_apply(self, fn)
+    return type(self)._apply(self, fn, recurse)
+
+
+def _check_apply(module, fn):
+    call = _apply_caller(fn)
+    for _, p in sharded_parameters(module):
+        before = p.sharded
+        try:
+            with torch.no_grad():
+                after = fn(before)
+        except Exception as err:  # e.g. .cuda() on a CPU-only build: still not a no-op
+            raise RuntimeError(_apply_error(module, call, "move")) from err
+        if after is before:
+            continue
+        kind = "to_empty" if call == "to_empty" else \
+            "cast" if after.dtype != before.dtype else "move"
+        raise RuntimeError(_apply_error(module, call, kind))
+
+
+def _apply_caller(fn) -> str:
+    """The nn.Module method that made `fn` ('to', 'cuda', 'half', ...), from its qualname."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "Module" else "_apply"
+
+
+def _apply_error(module, call, kind) -> str:
+    what = {"move": "build or move the model before fully_shard/initialize (initialize puts it "
+                    "on the rank's device)",
+            "cast": "the fp32 master stays fp32; set the compute dtype with MixedPrecisionPolicy "
+                    "(param_dtype) or the bf16/fp16 config",
+            "to_empty": "deferred (meta-device) init of sharded modules is coming as "
+                        "vescale_engine.materialize (issue 14); build the model on a real device "
+                        "before fully_shard"}[kind]
+    return (f"{type(module).__name__}.{call}(...) on a module sharded by fully_shard would detach "
+            f"its parameters from their sharded buffers: {what}")
