@@ -133,7 +133,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     table = [f"# Step time and peak memory on one {args.device} device, world size 1",
              "", f"`python benchmarks/gpu_step_time.py {' '.join(sys.argv[1:])}`", "",
-             f"GPT with {rows['FSDP2']['params'] / 1e9:.3f} B parameters ({args.layers} blocks, "
+             f"GPT with {rows['FSDP2']['params'] / 1e6:,.1f} M parameters ({args.layers} blocks, "
              f"width {args.dim}, vocab {args.vocab}), batch {args.batch} x {args.seq}, bf16 "
              f"compute, fp32 master and reduction; {args.rounds} alternated rounds of "
              f"{args.warmup} warm-up + {args.steps} timed steps; medians.", "",
