@@ -1,0 +1,31 @@
+"""The GPU check's CPU dry run: `DEVICE=cpu bash benchmarks/gpu_check.sh` runs every part of
+the script the first GPU will run (main job fp32 and bf16, gpu_validate's checks, the fake
+process group memory comparison, the step-time comparison with FSDP2) on gloo, small sizes."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable,
+               OMP_NUM_THREADS="1", STEPS="6")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert proc.returncode == 0, log[-6000:]
+    for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
+                 "fake_pg_memory", "step_time"):
+        assert f"{part}: 0" in log, part
+    assert log.count("trained 6 steps on 1 rank(s)") == 2
+    report = json.loads((tmp_path / "gpu_validate.json").read_text())
+    statuses = {row["check"]: row["status"] for row in report["checks"]}
+    assert statuses.pop("host_syncs") == "n/a"  # CUDA only
+    assert set(statuses) == {"placement", "parity_fp32", "bf16_accumulation", "fp16_overflow",
+                             "memory", "collectives", "checkpoints", "stage0"}
+    assert set(statuses.values()) == {"PASS"}, statuses
+    table = (tmp_path / "gpu_step_time_cpu.md").read_text()
+    assert "| veScale |" in table and "| FSDP2 |" in table
+    assert (tmp_path / "fake_pg_memory_cpu.md").exists()
