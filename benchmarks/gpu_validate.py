@@ -120,8 +120,8 @@ def check_placement(device):
         wrong = []
         for buf in dbuffers(engine.module):
             for attr in ("master", "grad", "full", "full_grad"):
-                t = getattr(buf, attr)
-                if t.device.type != device.type:
+                t = getattr(buf, attr)  # full buffers are None until first needed
+                if t is not None and t.device.type != device.type:
                     wrong.append(f"{buf.name}.{attr} on {t.device}")
         for t in state_tensors(optimizer):
             if t.device.type != device.type:
@@ -238,7 +238,7 @@ def check_memory(device):
             torch.cuda.synchronize()
             allocated.append(torch.cuda.memory_allocated())
     held = [f"{buf.name}.{attr}" for buf in dbuffers(engine.module)
-            for attr in ("full", "full_grad") if getattr(buf, attr).untyped_storage().nbytes()]
+            for attr in ("full_bytes_held", "full_grad_bytes_held") if getattr(buf, attr)]
     engine.destroy()
     details = {"full_buffers_held_after_step": held}
     ok = not held

@@ -418,12 +418,6 @@ class DBuffer:
         if self.has_grad:
             self.grad.mul_(factor)
 
-    def grad_squared_norm(self) -> torch.Tensor:
-        """Sum of squares of this rank's gradient shard; padding holds zeros, so it adds none."""
-        if not self.has_grad:
-            return torch.zeros((), dtype=torch.float32, device=self.grad.device)
-        return self.grad.float().pow(2).sum()
-
 
 class PendingReduction:
     """A buffer's gradient reduction in flight, finished in two stages so that the replicas'

@@ -54,7 +54,7 @@ class VeScaleEngine(nn.Module):
         self.timers = WallClockBreakdown(config.wall_clock_breakdown)
         self.monitor = Monitors(config.raw, self.global_rank)
         self._monitor_events = PendingScalars(self.monitor)  # written once on the host
-        self.progress = Progress(config.steps_per_print, self.global_rank)
+        self.progress = Progress(config.steps_per_print, self.global_rank, device)
         self._grad_norm = None
         self._tokens = None
         self._output_loss = None     # the last forward's output, when it is a scalar loss

@@ -679,7 +679,8 @@ def _gather_full(module, keep, mode) -> dict:
 
 
 def _all_gather_master(full, buf):
-    collectives.all_gather(full, buf.master, buf.shard_group, async_op=False)
+    collectives.all_gather(full, buf.master, buf.shard_group, async_op=False,
+                           native=buf.native)
 
 
 def _pinned_staging(device) -> bool:

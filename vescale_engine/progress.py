@@ -12,15 +12,17 @@ import torch
 LOG = logging.getLogger("vescale_engine")
 
 
-def peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 1e9
+def peak_memory_gb(device: torch.device) -> float:
+    """The device's peak allocation on CUDA; the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
 class Progress:
-    def __init__(self, every: int, rank: int):
+    def __init__(self, every: int, rank: int, device=torch.device("cpu")):
         self.every = every
+        self.device = torch.device(device)
         self.rank = rank
         self._since = time.perf_counter()
         self._samples = 0
@@ -48,7 +50,7 @@ class Progress:
                  f"{self._samples / elapsed:.1f} samples/s",
                  f"{self._tokens / elapsed:.0f} tokens/s" if self._tokens else "",
                  f"step {elapsed / self._steps:.3f} s",
-                 f"peak mem {peak_memory_gb():.2f} GB", *extra]
+                 f"peak mem {peak_memory_gb(self.device):.2f} GB", *extra]
         line = " | ".join(p for p in parts if p)
         self._since, self._samples, self._tokens, self._steps = time.perf_counter(), 0, 0, 0
         if self.rank == 0:
