@@ -192,7 +192,7 @@ def test_a_group_the_user_created_gets_the_rank_device(fake_gpus, monkeypatch):
 
 def test_model_placement_errors_and_the_move():
     with pytest.raises(dev.DeviceError, match=r"^0.weight is on the meta device: deferred "
-                                              r"initialization is issue 14"):
+                                              r"initialization is not supported yet"):
         dev.place_model(nn.Sequential(nn.Linear(2, 2, device="meta")), torch.device("cpu"))
 
     class Elsewhere(nn.Module):  # a parameter on another GPU, without a GPU
@@ -263,7 +263,7 @@ def test_a_meta_model_is_a_one_line_error_on_every_rank(pool):
     first = next(name for name, _ in fm.make("gpt").named_parameters())
     for message in pool.run(meta_model_rank):
         assert message.startswith(f"{first} is on the meta device: deferred initialization is "
-                                  "issue 14"), message
+                                  "not supported yet"), message
 
 
 # -- monitor values written once their copy to the host has landed -----------------------------

@@ -108,7 +108,7 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
         where = tensor.device
         if where.type == "meta":
             raise DeviceError(f"{name} is on the meta device: deferred initialization is "
-                              "issue 14; build the model on CPU (initialize moves it)")
+                              "not supported yet; build the model on CPU (initialize moves it)")
         if where != device and not (where.type == "cpu" and device.type == "cuda"):
             raise DeviceError(f"{name} is on {where} but this rank's device is {device}: build "
                               f"the model on CPU, or on {device} (engine.device)")

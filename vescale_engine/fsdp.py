@@ -782,8 +782,7 @@ def _apply_error(module, call, kind) -> str:
                     "on the rank's device)",
             "cast": "the fp32 master stays fp32; set the compute dtype with MixedPrecisionPolicy "
                     "(param_dtype) or the bf16/fp16 config",
-            "to_empty": "deferred (meta-device) init of sharded modules is coming as "
-                        "vescale_engine.materialize (issue 14); build the model on a real device "
-                        "before fully_shard"}[kind]
+            "to_empty": "deferred (meta-device) initialization of sharded modules is not "
+                        "supported yet; build the model on a real device before fully_shard"}[kind]
     return (f"{type(module).__name__}.{call}(...) on a module sharded by fully_shard would detach "
             f"its parameters from their sharded buffers: {what}")
