@@ -77,6 +77,15 @@ class ShardedParameter:
         self.buffer.grad_arrived(self.index, self._unsharded)
         return grad
 
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """[begin, end) of this rank's piece in the full tensor flattened row-major: `sharded`
+        holds exactly `full.reshape(-1)[begin:end]` (empty when begin == end)."""
+        start, end = self.buffer.local_ranges[self.index]
+        begin = self.buffer.rank * self.buffer.shard_size + start - \
+            self.buffer.layout.placements[self.index].offset
+        return (begin, begin + end - start) if end > start else (0, 0)
+
     def register(self, which: nn.Parameter):
         for module, name in self.registrations:
             module._parameters[name] = which
