@@ -164,24 +164,33 @@ def check_parity_fp32(device):
 
 
 def check_bf16_accumulation(device):
+    """bf16 compute with accumulation 2 in both accumulation modes: the modes agree, each
+    follows the fp32 run within bf16's resolution, the parameters moved, and each mode did the
+    reduce-scatters it should. (A falling loss is no test here: 6 steps on random tokens can
+    end on the loss they began with at bf16's 0.4% resolution; the H200 run of 2026-11-30 did.)"""
     from vescale_engine.dbuffer import STATS
-    details, runs, reductions = {}, {}, {}
-    for local in (False, True):
-        cfg = config("AdamW", gradient_accumulation_steps=2, bf16={"enabled": True},
-                     gradient_clipping=1.0, vescale={"local_grad_accumulation": local})
+    details, runs, reductions, moved = {}, {}, {}, {}
+    for local in (False, True, "fp32"):
+        precision = {} if local == "fp32" else {"bf16": {"enabled": True}}
+        cfg = config("AdamW", gradient_accumulation_steps=2, gradient_clipping=1.0,
+                     vescale={"local_grad_accumulation": local is True}, **precision)
         engine, _ = build(cfg)
         before = STATS.reduce_scatters
-        losses = train(engine, 6)
+        initial = vescale_engine.full_state_dict(engine.module)
+        runs[local] = train(engine, 6)
         reductions[local] = STATS.reduce_scatters - before
+        after = vescale_engine.full_state_dict(engine.module)
+        moved[local] = any(not torch.equal(initial[k], after[k]) for k in initial)
         engine.destroy()
-        runs[local] = losses
-        details[f"local_grad_accumulation={local}"] = {
-            "losses": [round(x, 4) for x in losses], "reduce_scatters": reductions[local]}
+        name = "fp32_reference" if local == "fp32" else f"local_grad_accumulation={local}"
+        details[name] = {"losses": [round(x, 4) for x in runs[local]],
+                         "reduce_scatters": reductions[local], "parameters_changed": moved[local]}
     finite = all(torch.isfinite(torch.tensor(v)).all() for v in runs.values())
     agree = max(rel(a, b) for a, b in zip(runs[False], runs[True]))
-    details["max_rel_difference_between_modes"] = agree
+    vs_fp32 = max(rel(a, b) for local in (False, True) for a, b in zip(runs[local], runs["fp32"]))
+    details.update(max_rel_difference_between_modes=agree, max_rel_difference_to_fp32=vs_fp32)
     # The default reduce-scatters every micro-step (2 per step), the opt-in once per step.
-    ok = finite and agree < 2e-2 and runs[False][-1] < runs[False][0] and \
+    ok = finite and agree < 2e-2 and vs_fp32 < 2e-2 and all(moved.values()) and \
         reductions[False] == 2 * reductions[True] > 0
     return ok, details
 
@@ -206,6 +215,12 @@ def check_fp16_overflow(device):
     return ok, details
 
 
+def _syncs(caught):
+    """The synchronisation warnings among `caught`: torch also warns, once per process, that
+    the debug mode itself is a prototype (the H200 run of 2026-11-30 counted that one)."""
+    return [w for w in caught if "debug mode is a prototype" not in str(w.message)]
+
+
 def check_host_syncs(device):
     if device.type != "cuda":
         return None, {"note": "not applicable on CPU (no device synchronisation)"}
@@ -223,13 +238,13 @@ def check_host_syncs(device):
             try:
                 loss = engine(*batch(7, engine.device))
                 engine.backward(loss)
-                counts["forward_backward"] = len(caught)
+                counts["forward_backward"] = len(_syncs(caught))
                 engine.step()
-                counts["step"] = len(caught) - counts["forward_backward"]
+                counts["step"] = len(_syncs(caught)) - counts["forward_backward"]
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         details[name] = counts
-        details[name + "_first_step_sync"] = [str(w.message)[:120] for w in caught][:3]
+        details[name + "_first_step_sync"] = [str(w.message)[:120] for w in _syncs(caught)][:3]
         engine.destroy()
         ok = ok and counts["forward_backward"] == 0 and counts["step"] <= 1
     return ok, details
