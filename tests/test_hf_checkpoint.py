@@ -63,16 +63,22 @@ def assert_equal_state(got, want):
 
 # -- checks run on every rank ----------------------------------------------------------------------
 
-def load_pretrained(rank, world, path, reference, granularity, tied):
-    """Load a save_pretrained directory into a differently seeded sharded Llama: the full state
+def load_pretrained(rank, world, path, reference, granularity, tied, staging_bytes):
+    """Load a save_pretrained directory into a differently seeded sharded Llama (through a
+    staging buffer of `staging_bytes`, so that a piece takes several reads): the full state
     equals the reference exactly. Returns this rank's byte counters."""
-    from vescale_engine import full_state_dict, load_hf_checkpoint
+    from vescale_engine import full_state_dict, hf_checkpoint, load_hf_checkpoint
     model = shard_llama(make_llama(SEED + 1, tied), granularity)
-    result = load_hf_checkpoint(model, path)
+    default, hf_checkpoint.STAGING_BYTES = hf_checkpoint.STAGING_BYTES, staging_bytes
+    try:
+        result = load_hf_checkpoint(model, path)
+    finally:
+        hf_checkpoint.STAGING_BYTES = default
     assert result.missing_keys == [] and result.unexpected_keys == []
     assert_equal_state(full_state_dict(model), torch.load(reference))
     return {"bytes_read": result.bytes_read, "whole": result.whole_bytes_read,
-            "headers": result.header_bytes, "own": own_elements(model), "files": result.files}
+            "headers": result.header_bytes, "own": own_elements(model), "files": result.files,
+            "staging": result.staging_bytes}
 
 
 def gpt_save(rank, world, path, dtype, max_shard_size):
@@ -212,13 +218,16 @@ def test_load_save_pretrained_exact_and_reads_only_own_bytes(pools, pretrained, 
     path, reference, tied = pretrained[dtype]
     files = [n for n in os.listdir(path) if n.endswith(".safetensors")]
     assert len(files) > 2  # the index path, not one file
-    stats = pools(world).run(load_pretrained, path, reference, granularity, tied)
+    staging = 100  # bytes: the bf16 pieces are read (and cast) in several chunks each
+    stats = pools(world).run(load_pretrained, path, reference, granularity, tied, staging)
     itemsize = dtype.itemsize
     # each rank read exactly its own pieces, every byte of the files was read by one rank
     assert [s["bytes_read"] for s in stats] == [s["own"] * itemsize for s in stats]
     assert sum(s["bytes_read"] for s in stats) == tensor_bytes(path)
     assert all(s["whole"] == 0 and s["files"] == len(files) for s in stats)
     assert all(s["headers"] > 0 for s in stats)
+    # fp32 file into the fp32 master: read in place; bf16: through the bounded staging buffer
+    assert all(s["staging"] == (0 if dtype == torch.float32 else staging) for s in stats)
 
 
 def test_save_hf_checkpoint_round_trip_across_world_sizes(pools, root):

@@ -49,13 +49,15 @@ class HFCheckpointError(ValueError):
 class LoadResult:
     """What `load_hf_checkpoint` did on this rank. `bytes_read` counts the tensor bytes read for
     sharded parameters (this rank's pieces only); `whole_bytes_read` the module buffers and
-    unmanaged parameters every rank reads whole; `header_bytes` the index and headers."""
+    unmanaged parameters every rank reads whole; `header_bytes` the index and headers;
+    `staging_bytes` the host buffer dtype-converting reads went through (<= STAGING_BYTES)."""
     missing_keys: list = field(default_factory=list)
     unexpected_keys: list = field(default_factory=list)
     bytes_read: int = 0
     whole_bytes_read: int = 0
     header_bytes: int = 0
     files: int = 0
+    staging_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,7 @@ def _load(module, plan, result):
     finally:
         reader.close()
     result.bytes_read += reader.bytes_read
+    result.staging_bytes = 0 if reader._staging is None else reader._staging.numel()
 
 
 def _on_meta(module) -> list:
