@@ -82,9 +82,27 @@ def load_pretrained(rank, world, path, reference, granularity, tied, staging_byt
 
 
 def gpt_save(rank, world, path, dtype, max_shard_size):
-    from vescale_engine import save_hf_checkpoint
+    """Save, recording on rank 0 how many buffers were gathered when each file was written and
+    how many bytes it held: files go out as they fill, not after the whole model is in memory."""
+    from vescale_engine import fsdp, hf_checkpoint, save_hf_checkpoint
     model = shard_gpt(make_gpt(SEED), "element")
-    save_hf_checkpoint(model, path, dtype=dtype, max_shard_size=max_shard_size)
+    gathered, written = [0], []
+    gather, write = fsdp._all_gather_master, hf_checkpoint.save_file
+
+    def counting_gather(full, buf):
+        gathered[0] += 1
+        return gather(full, buf)
+
+    def recording_write(tensors, file, metadata=None):
+        written.append((gathered[0], len(tensors),
+                        sum(t.numel() * t.element_size() for t in tensors.values())))
+        return write(tensors, file, metadata)
+    fsdp._all_gather_master, hf_checkpoint.save_file = counting_gather, recording_write
+    try:
+        save_hf_checkpoint(model, path, dtype=dtype, max_shard_size=max_shard_size)
+    finally:
+        fsdp._all_gather_master, hf_checkpoint.save_file = gather, write
+    return gathered[0], written
 
 
 def gpt_load(rank, world, path, reference):
@@ -236,7 +254,12 @@ def test_save_hf_checkpoint_round_trip_across_world_sizes(pools, root):
     from safetensors import safe_open
     path, reference = os.path.join(root, "gpt-fp32"), os.path.join(root, "gpt.pt")
     torch.save(make_gpt(SEED).state_dict(), reference)
-    pools(2).run(gpt_save, path, "fp32", "30KB")
+    (gathers, written), (_, nothing) = pools(2).run(gpt_save, path, "fp32", "30KB")
+    assert nothing == [] and len(written) > 2  # only rank 0 writes
+    assert written[0][0] < gathers  # the first file was out before the last buffer came in
+    # a file stays within max_shard_size unless one tensor alone is larger (as in HF)
+    assert all(nbytes <= 30_000 or count == 1 for _, count, nbytes in written)
+    assert any(count > 1 for _, count, _ in written)
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 2
     assert "head.weight" not in index["weight_map"] and "wte.weight" in index["weight_map"]
@@ -311,3 +334,26 @@ def test_engine_loads_hf_checkpoint_from_config_and_load_checkpoint_points_to_it
     assert results[0][0] == results[1][0]
     assert path in results[0][0] and "load_hf_checkpoint" in results[0][0]
     assert all(bytes_read > 0 for _, bytes_read in results)
+
+
+def test_save_arguments_and_damaged_files_are_named(tmp_path):
+    """max_shard_size and dtype as HF writes them, checked before any collective; a file whose
+    header lies about its data is named with the tensor."""
+    from vescale_engine.hf_checkpoint import HFCheckpointError, _save_dtype, parse_size, read_stored
+    from vescale_engine.safetensors_format import save_file
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8
+    assert parse_size("2GiB") == 2**31 and parse_size("20KB") == 20000
+    assert parse_size(1234) == 1234
+    for bad in ("5 parsecs", "0", -1, True, "GB"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    assert _save_dtype("bf16") is torch.bfloat16 and _save_dtype(torch.float32) is torch.float32
+    with pytest.raises(ValueError, match="int8"):
+        _save_dtype("int8")
+    good = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(6.0).view(2, 3)}, str(good))
+    good.write_bytes(good.read_bytes()[:-4])  # truncated: the header says 24 data bytes
+    with pytest.raises(ValueError, match=r"tensor w has bytes \[0, 24\)"):
+        read_stored(tmp_path)
+    with pytest.raises(HFCheckpointError, match="not a .safetensors file"):
+        read_stored(__file__)
