@@ -25,7 +25,11 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=7", "matplotlib"],
+        # Hugging Face models and checkpoints: our reader/writer needs none of these at run
+        # time; the tests build tiny LlamaForCausalLM models and check from_pretrained.
+        "hf": ["transformers>=5.0", "accelerate>=1.0", "safetensors>=0.4"],
+        "test": ["pytest>=7", "matplotlib", "transformers>=5.0", "accelerate>=1.0",
+                 "safetensors>=0.4"],
     },
     entry_points={"console_scripts": ["vescale = launcher.cli:main"]},
 )

@@ -14,6 +14,7 @@ _LAZY = {
     "RaggedShard": "ragged",
     "fully_shard": "fsdp", "MixedPrecisionPolicy": "fsdp", "no_sync": "fsdp",
     "gathered_parameters": "fsdp", "full_state_dict": "fsdp", "sharded_state_dict": "fsdp",
+    "load_hf_checkpoint": "hf_checkpoint", "save_hf_checkpoint": "hf_checkpoint",
     "clip_grad_norm_": "clip", "global_grad_norm": "clip",
     "add_config_arguments": "config", "initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat",
 }

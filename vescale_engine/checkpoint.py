@@ -176,6 +176,11 @@ def resolve(load_dir, tag=None):
     return path
 
 
+def _holds_safetensors(load_dir) -> bool:
+    return any(name.endswith((".safetensors", ".safetensors.index.json"))
+               for name in os.listdir(load_dir))
+
+
 def read_state(path) -> dict:
     file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(file):
@@ -341,6 +346,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                     load_module_only=False):
     rank = dist.get_rank()
     path = resolve(load_dir, tag)
+    if path is None and _holds_safetensors(load_dir):
+        raise CheckpointError(f"load_checkpoint: {os.fspath(load_dir)} holds a Hugging Face "
+                              "safetensors checkpoint, not ours (no `latest`): load it with "
+                              "engine.load_hf_checkpoint(path) (vescale_engine.load_hf_checkpoint)")
     if path is None:
         warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST_FILE)} not found, "
                       "nothing to load", stacklevel=3)

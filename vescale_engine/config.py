@@ -91,6 +91,7 @@ class EngineConfig:
     not_acted_on: tuple = ()
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
     checkpoint_import_timeout_s: float = 3 * 3600  # ranks waiting for rank 0's ZeRO import
+    hf_checkpoint: str | None = None  # Hugging Face weights initialize loads into the shards
 
 
 def build_config(source, world_size: int) -> EngineConfig:
@@ -143,4 +144,5 @@ def build_config(source, world_size: int) -> EngineConfig:
         not_acted_on=tuple(report.not_acted_on),
         fp16=dict(config.get("fp16", {})) if fp16 else {},
         checkpoint_import_timeout_s=float(ves.get("checkpoint_import_timeout_s", 3 * 3600)),
+        hf_checkpoint=ves.get("hf_checkpoint"),
     )

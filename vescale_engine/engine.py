@@ -271,6 +271,16 @@ class VeScaleEngine(nn.Module):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
+    def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
+        """Hugging Face safetensors weights into the shards (hf_checkpoint.load_hf_checkpoint)."""
+        from .hf_checkpoint import load_hf_checkpoint
+        return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
+
+    def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
+        """The model as a Hugging Face checkpoint (hf_checkpoint.save_hf_checkpoint)."""
+        from .hf_checkpoint import save_hf_checkpoint
+        return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
+
     def fp16_enabled(self) -> bool:
         return self.loss_scaler is not None
 
@@ -338,6 +348,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
     module = wrap_model(model, cfg, device_mesh(cfg, device))
+    if cfg.hf_checkpoint:  # the weights the optimizer will hold
+        from .hf_checkpoint import load_into
+        load_into(module, cfg.hf_checkpoint, device=device)
     if chosen is None:
         params = [p for p in module.parameters() if p.requires_grad]
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import struct
 import sys
 
@@ -20,9 +21,89 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 _BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
 
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
+MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own limit
+
+
+def dtype_of(name: str) -> torch.dtype | None:
+    """The torch dtype a safetensors dtype name stands for (None when we do not know it)."""
+    return _BY_NAME.get(name)
+
+
+def memory_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage, without numpy: what
+    `readinto` fills in place and what a writer sends to the file without a copy."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("memory_of needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _raw_bytes(tensor: torch.Tensor):
     t = tensor.detach().to("cpu").contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+    return t, memory_of(t)  # the tensor keeps the viewed storage alive
+
+
+def read_header(file, path: str = "") -> tuple[dict, int]:
+    """(header, data_start) of an open binary safetensors file, reading only the header:
+    `header` maps tensor names to {"dtype", "shape", "data_offsets"} (plus "__metadata__"),
+    and data_start is the file offset that data_offsets count from."""
+    name = path or getattr(file, "name", "file")
+    file.seek(0)
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        raise ValueError(f"{name}: too short for a safetensors file")
+    (length,) = struct.unpack("<Q", prefix)
+    size = os.fstat(file.fileno()).st_size
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise ValueError(f"{name}: header length {length} is not that of a safetensors file "
+                         f"of {size} bytes")
+    try:
+        header = json.loads(file.read(length))
+    except ValueError as err:
+        raise ValueError(f"{name}: the safetensors header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: the safetensors header is not a JSON object")
+    data_bytes = size - 8 - length
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            shape = [int(n) for n in entry["shape"]]
+            dtype = entry["dtype"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{name}: tensor {key} has a malformed header entry {entry}") \
+                from None
+        itemsize = _itemsize(dtype)
+        numel = 1
+        for n in shape:
+            numel *= n
+        if itemsize is not None and (end - begin != numel * itemsize or begin < 0 or
+                                     end > data_bytes):
+            raise ValueError(f"{name}: tensor {key} has bytes [{begin}, {end}) for shape {shape} "
+                             f"{dtype} in {data_bytes} bytes of data")
+    return header, 8 + length
+
+
+def _itemsize(name: str) -> int | None:
+    dtype = _BY_NAME.get(name)
+    return None if dtype is None else dtype.itemsize
+
+
+def read_exactly(file, offset: int, into: memoryview) -> int:
+    """Fill `into` with the file's bytes from `offset` (an unbuffered file: straight into the
+    target's memory); the number of bytes read."""
+    file.seek(offset)
+    done = 0
+    while done < len(into):
+        n = file.readinto(into[done:])
+        if not n:
+            raise ValueError(f"{getattr(file, 'name', 'file')}: ends before byte "
+                             f"{offset + len(into)}")
+        done += n
+    return done
 
 
 def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
@@ -33,10 +114,10 @@ def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
     for name, tensor in tensors.items():
         if tensor.dtype not in DTYPES:
             raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors name")
-        data = _raw_bytes(tensor)
+        keep, data = _raw_bytes(tensor)
         header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
+        chunks.append((keep, data))
         offset += len(data)
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -45,8 +126,10 @@ def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for data in chunks:
+        for _, data in chunks:
             f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_file(path: str) -> dict:
