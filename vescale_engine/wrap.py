@@ -117,13 +117,14 @@ def default_units(model: nn.Module) -> WrapChoice:
     """Without a wrap_policy: (1) the classes the model declares unsplittable (Hugging Face's
     `_no_split_modules`, e.g. LlamaDecoderLayer), else (2) the repeated children of a
     ModuleList / Sequential (a GPT's blocks) when they hold at least half the parameters, else
-    (3) subtrees of about 1/DEFAULT_UNITS of the model. A module that shares a parameter with
-    a module outside it (tied weights) is never a unit by default: the tie would break."""
+    (3) subtrees of about 1/DEFAULT_UNITS of the model. By default a unit is never a module
+    that shares a parameter with a module outside it (the tie would break) nor one whose
+    forward never runs (a ModuleList: nothing would gather it)."""
     tree = _Tree(model)
     declared = declared_unsplittable(model)
     if declared:
         modules = _post_order(model, lambda m, pending: type(m).__name__ in declared
-                              and tree.self_contained(m))
+                              and tree.can_be_unit(m))
         if modules:
             return tree.keep_root_nonempty(WrapChoice(
                 "the model's _no_split_modules", modules, ", ".join(sorted(declared))))
@@ -166,7 +167,7 @@ def _repeated_children(model, tree) -> tuple:
         if isinstance(module, CONTAINERS):
             by_class = {}
             for child in module.children():
-                if tree.params_in(child) and tree.self_contained(child):
+                if tree.params_in(child) and tree.can_be_unit(child):
                     by_class.setdefault(type(child), []).append(child)
             for group in by_class.values():
                 if len(group) > 1:
@@ -183,28 +184,34 @@ def _repeated_children(model, tree) -> tuple:
 
 def _size_units(model, threshold, tree) -> tuple:
     """Post-order: a module whose not-yet-wrapped parameters reach `threshold` becomes a unit;
-    where many small children add up past it, the largest of them become units first, so
-    that no unit (the root included) holds much more than `threshold` unless one module's
-    own parameters do."""
+    where many smaller subtrees add up past it (siblings, or the children of a ModuleList),
+    the largest of them become units first, until what is left is at most `threshold`. So no
+    unit, the root included (it stays gathered through the whole forward), holds much more
+    than `threshold` unless one module's own parameters do."""
     chosen = []
 
     def visit(module):
+        """(parameters not in a unit yet, the unwrapped subtrees that could hold them)"""
         pending = tree.own_params(module)
-        children = []
+        pieces = []
         for child in module.children():
-            n = visit(child)
+            n, child_pieces = visit(child)
             pending += n
-            children.append((n, child))
-        for n, child in sorted(children, key=lambda c: -c[0]):
-            if pending <= threshold or n == 0:
+            pieces += child_pieces
+        carved = set()
+        for n, piece in sorted(pieces, key=lambda c: -c[0]):
+            if pending <= threshold:
                 break
-            if tree.self_contained(child):
-                chosen.append(child)
-                pending -= n
-        if module is not model and pending >= threshold and tree.self_contained(module):
+            chosen.append(piece)
+            carved.add(id(piece))
+            pending -= n
+        pieces = [(n, piece) for n, piece in pieces if id(piece) not in carved]
+        if module is model or not tree.can_be_unit(module):
+            return pending, pieces
+        if pending >= threshold:
             chosen.append(module)
-            return 0
-        return pending
+            return 0, []
+        return pending, [(pending, module)] if pending else []
 
     visit(model)
     return tuple(chosen)
@@ -235,8 +242,11 @@ class _Tree:
                 n += p.numel()
         return n
 
-    def self_contained(self, module) -> bool:
-        """No parameter of `module` is also held by a module outside it."""
+    def can_be_unit(self, module) -> bool:
+        """The module runs forward (a ModuleList never does, so its hooks would never gather
+        it) and no parameter of it is also held by a module outside it (a tie would break)."""
+        if type(module).forward is nn.Module.forward:
+            return False
         inside = {id(m) for m in module.modules()}
         return all(self.owners[id(p)] <= inside for p in module.parameters())
 
