@@ -71,7 +71,8 @@ def describe(choice: WrapChoice, model: nn.Module) -> str:
     """One line: the rule, how many units, the largest (by parameters it gathers)."""
     units = [fsdp.unit_of(m) for m in (*choice.modules, model)]
     largest = max(units, key=lambda u: u.numel)
-    return (f"wrap policy: {choice.rule} ({choice.detail}) -> {len(units)} FSDP units "
+    return (f"wrap policy: {choice.rule} ({choice.detail}) -> {len(units)} FSDP "
+            f"unit{'s' if len(units) > 1 else ''} "
             f"({len(choice.modules)} + the root); largest {largest.name.split('#')[0]} with "
             f"{largest.numel:,} parameters of {sum(u.numel for u in units):,}")
 
