@@ -165,9 +165,69 @@ def logging_rank(rank, world):
 def test_progress_lines_on_rank_zero_every_steps_per_print(pool):
     lines = pool.run(logging_rank)
     assert lines[1:] == [[]] * (pool.world_size - 1)
-    assert [line.split(" | ")[0] for line in lines[0]] == ["step 2", "step 4"]
+    assert lines[0][0].startswith("wrap policy: vescale.wrap_policy.module_classes (Block)")
+    progress = lines[0][1:]
+    assert [line.split(" | ")[0] for line in progress] == ["step 2", "step 4"]
     for field in ("loss ", "lr ", "grad norm ", "samples/s", "tokens/s", "peak mem "):
-        assert field in lines[0][0], lines[0][0]
+        assert field in progress[0], progress[0]
+
+
+def tiny_llama(seed=0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{
+        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+        **overrides}))
+
+
+def llama_default_wrap_rank(rank, world, vescale_section):
+    """A tiny LlamaForCausalLM with no wrap_policy: its decoder layers become the units, and
+    it trains like one process."""
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 100,
+              "optimizer": {"type": "AdamW", "params": OPT},
+              "zero_optimization": {"stage": 3}, **vescale_section}
+    reference = tiny_llama()
+    ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
+    with engine_log_messages() as messages:
+        engine, *_ = initialize(model=tiny_llama(), config=config)
+    model = engine.module
+    units = [type(m).__name__ for m in model.modules() if unit_of(m)]
+    wrapped_layers = all(unit_of(layer) for layer in model.model.layers)
+    gaps = []
+    for step in range(3):
+        idx, _ = fm.batch("gpt", step, MICRO * world)
+        loss = reference(input_ids=idx, labels=idx).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = idx[rank * MICRO:(rank + 1) * MICRO]
+        out = engine(input_ids=mine, labels=mine).loss
+        engine.backward(out)
+        engine.step()
+        total = out.detach().clone()
+        torch.distributed.all_reduce(total)
+        gaps.append(abs(total.item() / world - loss.item()) / loss.item())
+    full, ref = full_state_dict(engine.module), reference.state_dict()
+    diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
+    return units, wrapped_layers, max(gaps), diff, messages
+
+
+def test_llama_default_wrap_policy_trains_like_one_process(pool):
+    """`"vescale": {}` (test_wrap_policy.py checks that no section picks the same units): the
+    units are the model's declared LlamaDecoderLayer, rank 0 says so in one line, others log
+    nothing, and training equals one process's."""
+    results = pool.run(llama_default_wrap_rank, {"vescale": {}})
+    units, wrapped_layers, gap, diff, messages = results[0]
+    assert units == ["LlamaForCausalLM"] + ["LlamaDecoderLayer"] * 3 and wrapped_layers
+    assert gap < 1e-6 and diff < 1e-6, (gap, diff)
+    model = tiny_llama()
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert messages == [
+        "wrap policy: the model's _no_split_modules (LlamaDecoderLayer) -> 4 FSDP units "
+        f"(3 + the root); largest LlamaDecoderLayer with {layer:,} parameters of "
+        f"{sum(p.numel() for p in model.parameters()):,}"], messages
+    assert all(r[4] == [] for r in results[1:])
 
 
 def test_a_rank_that_never_joins_is_a_clear_error(tmp_path):

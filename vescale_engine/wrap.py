@@ -1,11 +1,35 @@
-"""The config's wrap policy: which submodules become FSDP units, on which device mesh."""
+"""The wrap policy: which submodules become FSDP units (the config's `wrap_policy`, or a default
+read from the model), and the device mesh they shard over."""
 from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import fsdp, optim
+
+LOG = logging.getLogger("vescale_engine")
+
+# The size rule's unit: about 1/DEFAULT_UNITS of the model, so that what forward holds gathered
+# (the unit it computes, the one prefetched, the root's own parameters) is about a quarter of
+# the model instead of all of it, while a step still issues only a few dozen collectives; at
+# most MAX_DEFAULT_UNIT_PARAMS (PyTorch FSDP1's size-based default), so that a huge model
+# without structure does not get 8 huge units.
+DEFAULT_UNITS = 8
+MAX_DEFAULT_UNIT_PARAMS = 100_000_000
+CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class WrapChoice:
+    """The units below the root (innermost first) and the rule that chose them."""
+    rule: str
+    modules: tuple
+    detail: str  # the classes or the threshold, for the log line
 
 
 def device_mesh(cfg, device: torch.device):
@@ -21,8 +45,8 @@ def device_mesh(cfg, device: torch.device):
 
 
 def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
-    """Units by the wrap policy (class names, or the smallest subtrees with min_params
-    parameters), innermost first, then the root."""
+    """Shard the units `choose_units` picks, innermost first, then the root; rank 0 logs the
+    choice in one line."""
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
@@ -34,24 +58,203 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
                   mp_policy=fsdp.MixedPrecisionPolicy(
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
                       reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None))
-    wrapped = set()
+    choice = choose_units(model, cfg.module_classes, cfg.min_params)
+    for module in choice.modules:
+        fsdp.fully_shard(module, **kwargs)
+    fsdp.fully_shard(model, **kwargs)
+    if dist.get_rank() == 0:
+        LOG.info(describe(choice, model))
+    return model
 
-    def visit(module):  # post-order: children become units before their parents
-        unmanaged = sum(p.numel() for p in module.parameters(recurse=False))
+
+def describe(choice: WrapChoice, model: nn.Module) -> str:
+    """One line: the rule, how many units, the largest (by parameters it gathers)."""
+    units = [fsdp.unit_of(m) for m in (*choice.modules, model)]
+    largest = max(units, key=lambda u: u.numel)
+    return (f"wrap policy: {choice.rule} ({choice.detail}) -> {len(units)} FSDP "
+            f"unit{'s' if len(units) > 1 else ''} "
+            f"({len(choice.modules)} + the root); largest {largest.name.split('#')[0]} with "
+            f"{largest.numel:,} parameters of {sum(u.numel for u in units):,}")
+
+
+def choose_units(model: nn.Module, module_classes=(), min_params=None) -> WrapChoice:
+    """The config's policy when it sets one (as it always did), else `default_units`."""
+    if module_classes:
+        names = set(module_classes)
+        modules = _post_order(model, lambda m, pending: type(m).__name__ in names)
+        if not modules:
+            raise ValueError(f"vescale.wrap_policy.module_classes {list(module_classes)} match "
+                             "no module of the model")
+        return WrapChoice("vescale.wrap_policy.module_classes", modules,
+                          ", ".join(module_classes))
+    if min_params is not None:
+        return WrapChoice("vescale.wrap_policy.min_params",
+                          _post_order(model, lambda m, pending: pending >= min_params),
+                          f">= {min_params:,} parameters")
+    return default_units(model)
+
+
+def _post_order(model, wanted) -> tuple:
+    """Modules `wanted(module, parameters not yet in a unit below it)` picks, children before
+    parents, never the root; a module with no such parameters is skipped."""
+    chosen = []
+
+    def visit(module):
+        pending = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
-            unmanaged += visit(child)
-        if module is model:
-            return unmanaged
-        wanted = type(module).__name__ in cfg.module_classes if cfg.module_classes else (
-            cfg.min_params is not None and unmanaged >= cfg.min_params)
-        if wanted and unmanaged:
-            fsdp.fully_shard(module, **kwargs)
-            wrapped.add(module)
+            pending += visit(child)
+        if module is not model and pending and wanted(module, pending):
+            chosen.append(module)
             return 0
-        return unmanaged
+        return pending
 
     visit(model)
-    if cfg.module_classes and not wrapped:
-        raise ValueError(f"vescale.wrap_policy.module_classes {list(cfg.module_classes)} match "
-                         "no module of the model")
-    return fsdp.fully_shard(model, **kwargs)
+    return tuple(chosen)
+
+
+# -- the default: what a user would choose --------------------------------------------------------
+
+def default_units(model: nn.Module) -> WrapChoice:
+    """Without a wrap_policy: (1) the classes the model declares unsplittable (Hugging Face's
+    `_no_split_modules`, e.g. LlamaDecoderLayer), else (2) the repeated children of a
+    ModuleList / Sequential (a GPT's blocks) when they hold at least half the parameters, else
+    (3) subtrees of about 1/DEFAULT_UNITS of the model. By default a unit is never a module
+    that shares a parameter with a module outside it (the tie would break) nor one whose
+    forward never runs (a ModuleList: nothing would gather it)."""
+    tree = _Tree(model)
+    declared = declared_unsplittable(model)
+    if declared:
+        modules = _post_order(model, lambda m, pending: type(m).__name__ in declared
+                              and tree.can_be_unit(m))
+        if modules:
+            return tree.keep_root_nonempty(WrapChoice(
+                "the model's _no_split_modules", modules, ", ".join(sorted(declared))))
+    modules = _repeated_children(model, tree)
+    if 2 * sum(tree.params_in(m) for m in modules) >= tree.total:
+        classes = sorted({type(m).__name__ for m in modules})
+        return tree.keep_root_nonempty(WrapChoice(
+            "repeated children of a ModuleList", modules, ", ".join(classes)))
+    threshold = size_threshold(tree.total)
+    return tree.keep_root_nonempty(WrapChoice(
+        "size threshold", _size_units(model, threshold, tree),
+        f"~{threshold:,} parameters per unit"))
+
+
+def declared_unsplittable(model: nn.Module) -> set:
+    """Class names listed in `_no_split_modules` anywhere in the tree (Hugging Face sets it on
+    the model class and, in transformers 5, merges the submodels' lists at post_init) that
+    name a module the model has."""
+    declared = set()
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if isinstance(names, (list, tuple, set, frozenset)):
+            declared.update(n for n in names if isinstance(n, str))
+    present = {type(m).__name__ for m in model.modules()}
+    return declared & present
+
+
+def size_threshold(total_params: int) -> int:
+    """Parameters per unit for the size rule (see DEFAULT_UNITS)."""
+    return max(1, min(math.ceil(total_params / DEFAULT_UNITS), MAX_DEFAULT_UNIT_PARAMS))
+
+
+def _repeated_children(model, tree) -> tuple:
+    """The outermost groups of two or more same-class children (holding parameters) of a
+    ModuleList / Sequential; nothing inside a chosen child is looked at."""
+    chosen = []
+
+    def visit(module):
+        picked = set()
+        if isinstance(module, CONTAINERS):
+            by_class = {}
+            for child in module.children():
+                if tree.params_in(child) and tree.can_be_unit(child):
+                    by_class.setdefault(type(child), []).append(child)
+            for group in by_class.values():
+                if len(group) > 1:
+                    picked.update(map(id, group))
+        for child in module.children():
+            if id(child) in picked:
+                chosen.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return tuple(chosen)
+
+
+def _size_units(model, threshold, tree) -> tuple:
+    """Post-order: a module whose not-yet-wrapped parameters reach `threshold` becomes a unit;
+    where many smaller subtrees add up past it (siblings, or the children of a ModuleList),
+    the largest of them become units first, until what is left is at most `threshold`. So no
+    unit, the root included (it stays gathered through the whole forward), holds much more
+    than `threshold` unless one module's own parameters do."""
+    chosen = []
+
+    def visit(module):
+        """(parameters not in a unit yet, the unwrapped subtrees that could hold them)"""
+        pending = tree.own_params(module)
+        pieces = []
+        for child in module.children():
+            n, child_pieces = visit(child)
+            pending += n
+            pieces += child_pieces
+        carved = set()
+        for n, piece in sorted(pieces, key=lambda c: -c[0]):
+            if pending <= threshold:
+                break
+            chosen.append(piece)
+            carved.add(id(piece))
+            pending -= n
+        pieces = [(n, piece) for n, piece in pieces if id(piece) not in carved]
+        if module is model or not tree.can_be_unit(module):
+            return pending, pieces
+        if pending >= threshold:
+            chosen.append(module)
+            return 0, []
+        return pending, [(pending, module)] if pending else []
+
+    visit(model)
+    return tuple(chosen)
+
+
+class _Tree:
+    """Parameter counts (each shared parameter once) and ownership of one model."""
+
+    def __init__(self, model):
+        self.model = model
+        self.owners = {}  # id(parameter) -> ids of the modules that hold it
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    self.owners.setdefault(id(p), set()).add(id(module))
+        self.total = sum(p.numel() for p in model.parameters())
+        self._counted = set()
+
+    def params_in(self, module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    def own_params(self, module) -> int:
+        """The module's own parameters not counted before (a tied weight counts once)."""
+        n = 0
+        for p in module.parameters(recurse=False):
+            if id(p) not in self._counted:
+                self._counted.add(id(p))
+                n += p.numel()
+        return n
+
+    def can_be_unit(self, module) -> bool:
+        """The module runs forward (a ModuleList never does, so its hooks would never gather
+        it) and no parameter of it is also held by a module outside it (a tie would break)."""
+        if type(module).forward is nn.Module.forward:
+            return False
+        inside = {id(m) for m in module.modules()}
+        return all(self.owners[id(p)] <= inside for p in module.parameters())
+
+    def keep_root_nonempty(self, choice: WrapChoice) -> WrapChoice:
+        """The root is always a unit and must keep a parameter: if the chosen units hold all
+        of them, the last (outermost) one stays with the root."""
+        inside = {id(p) for m in choice.modules for p in m.parameters()}
+        if choice.modules and all(id(p) in inside for p in self.model.parameters()):
+            return WrapChoice(choice.rule, choice.modules[:-1], choice.detail)
+        return choice
