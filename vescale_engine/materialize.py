@@ -1,0 +1,299 @@
+"""Deferred (meta-device) initialization: give a model built under `torch.device("meta")` and
+passed through `fully_shard` real storage and values, one module at a time, never whole.
+
+    with torch.device("meta"):
+        model = GPT()                      # no storage, no random numbers drawn
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)                     # planned from shapes; DBuffers on meta
+    vescale_engine.materialize(model)      # real shards, initialized
+
+`allocate_shards(module, device)` gives every meta unit real, uninitialized master storage (a
+checkpoint loader fills it through each `ShardedParameter.sharded`). `materialize` allocates,
+then replays initialization module by module, children first, as a one-process build does:
+
+- `init_fn(module)` when given, once per module that owns (directly) a parameter or buffer
+  that was on meta;
+- else torch's contract, `module.reset_parameters()` on modules that define it, then, for a
+  Hugging Face `PreTrainedModel` (a module with `_initialize_weights`), its own
+  `_initialize_weights` over its subtree, children first, right after its subtree (what its
+  `post_init` does at the end of its `__init__`; inner pretrained models run theirs first).
+
+For each module: its own parameters are registered at full shape (NaN-filled), the init runs,
+this rank's flat range is copied into the master shard, the full tensors are dropped. Every
+rank runs every init in the same order from the same generator state, so the values are bitwise
+those of a one-process build on the same device type with the same seed, at any world size.
+A tied parameter takes its value from its first registration in that order; its other
+registrations' inits run on scratch tensors (a one-process build also initializes the tensor it
+later discards), so the generator advances exactly as there.
+
+"Touched" is decided by value: a floating tensor an init left with any NaN was not (fully)
+written; an integer or bool buffer by its version counter (no NaN to fill it with). A parameter
+or buffer no init wrote is an error naming it and its module class.
+
+Peak memory: the shards plus the largest single module's own parameters (full size) plus that
+module's init temporaries.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+import types
+
+import torch
+from torch import nn
+
+from . import fsdp
+
+LOG = logging.getLogger("vescale_engine")
+
+__all__ = ["materialize", "allocate_shards", "prepare_weights"]
+
+
+def _target_device(module: nn.Module, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    from .device import default_device
+    units = fsdp._units(module)
+    group = units[0].buffers[0].shard_group if units else None
+    return default_device(group)
+
+
+def allocate_shards(module: nn.Module, device=None) -> None:
+    """Real, UNINITIALIZED master storage on `device` for every still-meta unit under `module`
+    (the padding between tensors zeroed), every ShardedParameter re-pointed at it (the same
+    Parameter objects, now views of the shard), and every module buffer left on meta allocated
+    empty on `device`. Values are for the caller to write (a loader through `p.sharded`, see
+    `ShardedParameter.flat_range`; or `materialize`). `device=None`: the default group's device
+    (`device.default_device`). A meta parameter that no unit manages is an error."""
+    device = _target_device(module, device)
+    managed = {id(p.sharded) for _, p in fsdp.sharded_parameters(module)}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.is_meta and id(param) not in managed:
+            raise ValueError(f"allocate_shards: {name} is on the meta device but no fully_shard "
+                             "unit manages it; call fully_shard on its module (or the root) first")
+    for unit in fsdp._units(module):
+        if unit.is_meta:
+            unit.allocate(device)
+    made = {}  # one tensor per buffer object, so a buffer registered twice stays shared
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.is_meta:
+                if id(buf) not in made:
+                    made[id(buf)] = torch.empty_like(buf, device=device)
+                sub._buffers[name] = made[id(buf)]
+
+
+def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
+    """Allocate (`allocate_shards`) and initialize every parameter and buffer under `module`
+    that is on the meta device, one module's own tensors at a time; see the module docstring
+    for the order, the tied-weight rule and what is bitwise. Returns `module`. Errors name the
+    parameter or buffer (and its module class) that no init wrote, or that is still on meta."""
+    pending_params = {id(p): p for _, p in fsdp.sharded_parameters(module) if p.buffer.is_meta}
+    pending_buffers = {id(b) for b in module.buffers() if b.is_meta}
+    allocate_shards(module, device)
+    _Initializer(module, pending_params, pending_buffers, init_fn).run()
+    fsdp.require_materialized(module, "the end of materialize")
+    return module
+
+
+def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
+    """`initialize`'s one place for the values of a model wrapped on meta, before the optimizer
+    is built: random init by `materialize` (from the generator state initialize was called
+    with)."""
+    materialize(module, device)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _post_order(module: nn.Module) -> list:
+    """(qualified name, module), children before their parent, each module once, in
+    registration (= construction) order."""
+    out, seen = [], set()
+
+    def visit(name, mod):
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, mod))
+    visit("", module)
+    return out
+
+
+def _is_pretrained(mod: nn.Module) -> bool:
+    """A Hugging Face PreTrainedModel (duck-typed: no transformers import needed)."""
+    return callable(getattr(type(mod), "_initialize_weights", None)) and hasattr(mod, "config")
+
+
+class _Initializer:
+    def __init__(self, root, pending_params, pending_buffers, init_fn):
+        self.root = root
+        self.init_fn = init_fn
+        self.order = _post_order(root)
+        self.names = {id(mod): name for name, mod in self.order}
+        self.pending = pending_params      # id(ShardedParameter) -> it, until written
+        self.pending_buffers = pending_buffers
+        self.buffer_owner = {}             # id(buffer) -> (module name, class) for errors
+        self.owner = {}                    # id(ShardedParameter) -> (module, name)
+        for _, mod in self.order:
+            for name, param in mod._parameters.items():
+                sp = getattr(param, "_vescale", None)
+                if sp is not None and id(sp) in self.pending:
+                    self.owner.setdefault(id(sp), (mod, name))
+        self.written = set()
+        self.visits = 0
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def run(self):
+        work = [(name, mod) for name, mod in self.order if self._owns_pending(mod)]
+        every = max(1, len(work) // 10)
+        started = time.perf_counter()
+        if self.init_fn is not None:
+            for k, (_, mod) in enumerate(work, 1):
+                self._init_module(mod, self.init_fn)
+                self._progress(k, len(work), every, started)
+        else:
+            todo = {id(mod) for _, mod in work}
+            done = 0
+            for _, mod in self.order:
+                if id(mod) in todo and callable(getattr(mod, "reset_parameters", None)):
+                    self._init_module(mod, lambda m: type(m).reset_parameters(m))
+                if _is_pretrained(mod):
+                    self._hugging_face_init(mod)
+                if id(mod) in todo:
+                    done += 1
+                    self._progress(done, len(work), every, started)
+        self._check_all_written()
+
+    def _progress(self, k, total, every, started):
+        if (k % every == 0 or k == total) and _rank() == 0 and total >= 10:
+            LOG.info("materialize: %d/%d modules initialized (%.1f s)", k, total,
+                     time.perf_counter() - started)
+
+    def _owns_pending(self, mod) -> bool:
+        for param in mod._parameters.values():
+            sp = getattr(param, "_vescale", None)
+            if sp is not None and id(sp) in self.pending:
+                return True
+        return any(b is not None and id(b) in self.pending_buffers
+                   for b in mod._buffers.values())
+
+    def _hugging_face_init(self, model):
+        """What `PreTrainedModel.post_init` does at the end of `model.__init__`: its
+        `_initialize_weights` over its subtree, children first (an inner pretrained model with
+        its own), skipping modules already initialized (`_is_hf_initialized`)."""
+        try:
+            from transformers.initialization import guard_torch_init_functions
+        except ImportError:  # an older transformers: its init functions are torch's own
+            guard_torch_init_functions = contextlib.nullcontext
+
+        def visit(mod, fn):
+            for child in mod.children():
+                visit(child, child._initialize_weights if _is_pretrained(child) else fn)
+            if getattr(mod, "_is_hf_initialized", False):
+                return
+            if self._owns_pending(mod) or self._has_registered(mod):
+                self._init_module(mod, fn)
+            else:
+                fn(mod)  # nothing of its own to write; HF still marks it initialized
+
+        with torch.no_grad(), guard_torch_init_functions():
+            visit(model, model._initialize_weights)
+
+    def _has_registered(self, mod) -> bool:
+        return any(getattr(p, "_vescale", None) is not None for p in mod._parameters.values())
+
+    # -- one module ----------------------------------------------------------------------------
+
+    def _init_module(self, mod, fn):
+        """Register `mod`'s own parameters at full shape (NaN), mark its pending buffers, run
+        `fn(mod)`, keep this rank's range of what it wrote, register the shards back."""
+        self.visits += 1
+        full = []   # (name, ShardedParameter, full tensor)
+        for name, param in list(mod._parameters.items()):
+            sp = getattr(param, "_vescale", None)
+            if sp is None or param is not sp.sharded:
+                continue
+            value = torch.full(sp.shape, float("nan"), dtype=sp.buffer.master.dtype,
+                               device=sp.buffer.device)
+            full.append((name, sp, value))
+            mod._parameters[name] = nn.Parameter(value, requires_grad=sp.sharded.requires_grad)
+        buffers = []
+        for name, buf in mod._buffers.items():
+            if buf is not None and id(buf) in self.pending_buffers and id(buf) not in self.written:
+                self.buffer_owner.setdefault(id(buf), (name, mod))
+                if buf.is_floating_point() or buf.is_complex():
+                    buf.fill_(float("nan"))
+                buffers.append((name, buf, buf._version))
+        try:
+            with torch.no_grad():
+                fn(mod)
+        finally:
+            for name, sp, _ in full:
+                mod._parameters[name] = sp.sharded
+        for name, sp, value in full:
+            if id(sp) not in self.pending or self.owner.get(id(sp)) != (mod, name):
+                continue  # done already, or a tied registration's scratch init
+            untouched = torch.isnan(value)
+            if bool(untouched.all()):
+                continue  # this init left it alone; a later one (or none: an error) writes it
+            if bool(untouched.any()):
+                raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the init "
+                                   "wrote only part of it (NaN left in the full tensor)")
+            sp.buffer.load_full_tensor(sp.index, value)
+            self.written.add(id(sp))
+        for name, buf, version in buffers:
+            if buf.is_floating_point() or buf.is_complex():
+                if bool(torch.isnan(buf).all()):
+                    continue
+                if bool(torch.isnan(buf).any()):
+                    raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the "
+                                       "init wrote only part of this buffer (NaN left)")
+            elif buf._version == version:
+                continue
+            self.written.add(id(buf))
+
+    def _name(self, mod, attr) -> str:
+        prefix = self.names.get(id(mod), "")
+        return f"{prefix}.{attr}" if prefix else attr
+
+    def _check_all_written(self):
+        for key, sp in self.pending.items():
+            if key not in self.written:
+                mod, name = self.owner.get(key, sp.registrations[0])
+                raise RuntimeError(
+                    f"{self._name(mod, name)} ({type(mod).__name__}) was not initialized: no "
+                    "init wrote it (the module has no reset_parameters, or its init skips it); "
+                    "pass materialize(..., init_fn=...) that sets it")
+        for name, mod in self.order:
+            for bname, buf in mod._buffers.items():
+                if buf is not None and id(buf) in self.pending_buffers and \
+                        id(buf) not in self.written:
+                    raise RuntimeError(
+                        f"{self._name(mod, bname)} ({type(mod).__name__}) is a buffer that was "
+                        "on the meta device and no init wrote it; pass materialize(..., "
+                        "init_fn=...) that sets it (buffers computed in __init__ are lost on "
+                        "meta)")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class _CallableModule(types.ModuleType):
+    """`vescale_engine.materialize(model)` must call the function even once this submodule is
+    imported (importing `vescale_engine.materialize` binds the package attribute to the module,
+    and `materialize.allocate_shards` is the primitive other code imports)."""
+
+    def __call__(self, module, device=None, init_fn=None):
+        return materialize(module, device, init_fn)
+
+
+sys.modules[__name__].__class__ = _CallableModule
