@@ -247,7 +247,8 @@ class DBuffer:
             if start > at:
                 self.master[at:start].zero_()
             at = max(at, end)
-        self.grad = torch.zeros(self.shard_size, dtype=self.master.dtype, device=self.device)
+        # Never written before it is released: no page of it becomes resident.
+        self.grad = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
         self.release_grad()
         self._choose_collectives()
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 import types
@@ -92,8 +93,10 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
     for the order, the tied-weight rule and what is bitwise. Returns `module`. Errors name the
     parameter or buffer (and its module class) that no init wrote, or that is still on meta."""
     pending_params = {id(p): p for _, p in fsdp.sharded_parameters(module) if p.buffer.is_meta}
-    pending_buffers = {id(b) for b in module.buffers() if b.is_meta}
-    allocate_shards(module, device)
+    meta_buffers = [(sub, name) for sub in module.modules()
+                    for name, b in sub._buffers.items() if b is not None and b.is_meta]
+    allocate_shards(module, device)  # replaces those buffers' tensors
+    pending_buffers = {id(sub._buffers[name]) for sub, name in meta_buffers}
     _Initializer(module, pending_params, pending_buffers, init_fn).run()
     fsdp.require_materialized(module, "the end of materialize")
     return module
@@ -147,6 +150,24 @@ class _Initializer:
                     self.owner.setdefault(id(sp), (mod, name))
         self.written = set()
         self.visits = 0
+        self.scratch = self._make_scratch()
+
+    def _make_scratch(self) -> dict:
+        """One flat tensor per (device, dtype), as large as the largest module's own parameters:
+        every module's full tensors are views of it. Allocating and freeing per module would
+        leave the heap fragmented (glibc raises its mmap threshold after the first frees), so
+        resident memory would climb past shard + largest module."""
+        need = {}
+        for _, mod in self.order:
+            per = {}
+            for param in mod._parameters.values():
+                sp = getattr(param, "_vescale", None)
+                if sp is not None and param is sp.sharded:
+                    key = (sp.buffer.device, sp.buffer.master.dtype)
+                    per[key] = per.get(key, 0) + math.prod(sp.shape)
+            for key, n in per.items():
+                need[key] = max(need.get(key, 0), n)
+        return {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in need.items()}
 
     # -- the walk ------------------------------------------------------------------------------
 
@@ -216,12 +237,15 @@ class _Initializer:
         `fn(mod)`, keep this rank's range of what it wrote, register the shards back."""
         self.visits += 1
         full = []   # (name, ShardedParameter, full tensor)
+        used = {}
         for name, param in list(mod._parameters.items()):
             sp = getattr(param, "_vescale", None)
             if sp is None or param is not sp.sharded:
                 continue
-            value = torch.full(sp.shape, float("nan"), dtype=sp.buffer.master.dtype,
-                               device=sp.buffer.device)
+            key = (sp.buffer.device, sp.buffer.master.dtype)
+            at, n = used.get(key, 0), math.prod(sp.shape)
+            used[key] = at + n
+            value = self.scratch[key][at:at + n].view(sp.shape).fill_(float("nan"))
             full.append((name, sp, value))
             mod._parameters[name] = nn.Parameter(value, requires_grad=sp.sharded.requires_grad)
         buffers = []
@@ -240,19 +264,20 @@ class _Initializer:
         for name, sp, value in full:
             if id(sp) not in self.pending or self.owner.get(id(sp)) != (mod, name):
                 continue  # done already, or a tied registration's scratch init
-            untouched = torch.isnan(value)
-            if bool(untouched.all()):
+            untouched = _nan_count(value)
+            if untouched == value.numel():
                 continue  # this init left it alone; a later one (or none: an error) writes it
-            if bool(untouched.any()):
+            if untouched:
                 raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the init "
                                    "wrote only part of it (NaN left in the full tensor)")
             sp.buffer.load_full_tensor(sp.index, value)
             self.written.add(id(sp))
         for name, buf, version in buffers:
             if buf.is_floating_point() or buf.is_complex():
-                if bool(torch.isnan(buf).all()):
+                untouched = _nan_count(buf)
+                if untouched == buf.numel():
                     continue
-                if bool(torch.isnan(buf).any()):
+                if untouched:
                     raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the "
                                        "init wrote only part of this buffer (NaN left)")
             elif buf._version == version:
@@ -280,6 +305,12 @@ class _Initializer:
                         "on the meta device and no init wrote it; pass materialize(..., "
                         "init_fn=...) that sets it (buffers computed in __init__ are lost on "
                         "meta)")
+
+
+def _nan_count(tensor, chunk=1 << 20) -> int:
+    """NaN elements of `tensor`, counted a chunk at a time (no full-size mask)."""
+    flat = tensor.detach().reshape(-1)
+    return sum(int(torch.isnan(flat[i:i + chunk]).sum()) for i in range(0, flat.numel(), chunk))
 
 
 def _rank() -> int:

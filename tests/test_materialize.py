@@ -1,0 +1,383 @@
+"""Deferred (meta-device) initialization on gloo: one pool of 3 ranks runs every check, at 1, 2
+and 3 ranks through sub-groups (3 gives uneven splits). materialize must equal a one-process
+build with the same seed bitwise (our GPT, a tiny transformers LlamaForCausalLM, tied and not),
+keep its peak under shard + largest module (the build-whole control exceeds the cap), and turn
+every silent meta-device failure into an error naming the parameter."""
+import ctypes
+import gc
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_models as fm
+from dist_harness import RankPool
+import vescale_engine
+from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters,
+                                 sharded_parameters)
+from vescale_engine.materialize import allocate_shards, materialize
+
+WORLD = 3
+SEED = 1234
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(WORLD)
+    yield p
+    p.close()
+
+
+_GROUPS = {}
+
+
+def subgroup(size):
+    """The group of ranks [0, size) (every rank must ask for every group, in the same order)."""
+    if not _GROUPS:
+        for n in range(1, WORLD + 1):
+            _GROUPS[n] = dist.new_group(list(range(n)))
+    return _GROUPS[size] if dist.get_rank() < size else None
+
+
+def tiny_llama_config(tie):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=tie)
+
+
+def build(kind, device=None):
+    """(model, its units innermost first) built on `device` (None: the default, CPU)."""
+    from transformers import LlamaForCausalLM
+    with torch.device(device) if device else torch.device("cpu"):
+        if kind == "gpt":
+            model = fm.GPT()
+            return model, list(model.blocks)
+        model = LlamaForCausalLM(tiny_llama_config(tie=kind == "llama-tied"))
+        return model, list(model.model.layers)
+
+
+def shard(model, units, group):
+    for unit in units:
+        fully_shard(unit, mesh=group)
+    return fully_shard(model, mesh=group)
+
+
+# -- bitwise equality with the one-process build --------------------------------------------
+
+def bitwise_rank(rank, world):
+    out = {}
+    for kind in ("gpt", "llama", "llama-tied"):
+        torch.manual_seed(SEED)
+        reference, _ = build(kind)
+        ref = reference.state_dict()
+        after_reference = torch.get_rng_state()
+        for size in (1, 2, 3):
+            group = subgroup(size)
+            if group is None:
+                continue
+            torch.manual_seed(SEED)
+            model, units = build(kind, "meta")
+            shard(model, units, group)
+            returned = materialize(model)
+            rng_matches = torch.equal(torch.get_rng_state(), after_reference)
+            pieces = [fqn for fqn, p in sharded_parameters(model)
+                      if not torch.equal(p.sharded.detach(),
+                                         ref[fqn].reshape(-1)[slice(*p.flat_range)])]
+            full = full_state_dict(model)
+            differ = sorted(k for k in ref if not torch.equal(full[k], ref[k]))
+            buffers = sorted(n for n, b in model.named_buffers()
+                             if not torch.equal(b, dict(reference.named_buffers())[n]))
+            tied = kind != "llama-tied" or \
+                model.lm_head.weight is model.model.embed_tokens.weight
+            gpt_tied = kind != "gpt" or model.head.weight is model.wte.weight
+            out[(kind, size)] = (returned is model, rng_matches, pieces, differ, buffers,
+                                 sorted(set(ref) ^ set(full)), tied and gpt_tied)
+    return out
+
+
+def test_materialize_is_bitwise_a_one_process_build_at_1_2_3_ranks(pool):
+    """Every rank of each group holds exactly its flat range of the one-process values, the
+    gathered state dict (buffers included: Llama's rotary inv_freq) is bitwise equal, tied
+    weights stay tied, and the generator ends where the one-process build left it."""
+    results = pool.run(bitwise_rank)
+    for rank, out in enumerate(results):
+        assert len(out) == 3 * (WORLD - rank)  # rank r is in the groups of size > r
+        for key, value in out.items():
+            assert value == (True, True, [], [], [], [], True), (rank, key, value)
+
+
+# -- initialize with a meta model ------------------------------------------------------------
+
+ENGINE_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2, "seed": 99,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "vescale": {"wrap_policy": {"module_classes": ["Block", "LlamaDecoderLayer"]}},
+}
+
+
+def engine_rank(rank, world, kind, plain_parameters):
+    """The same script twice: seed, build (whole / on meta), initialize, one step. The config's
+    seed is different from the script's: materialize must draw from the state initialize was
+    called with, as the whole build did, and leave the config's seed for training."""
+    from vescale_engine import initialize
+    results = []
+    for device in ("cpu", "meta"):
+        torch.manual_seed(SEED)
+        model, _ = build(kind, device)
+        params = model.parameters() if plain_parameters else \
+            [{"params": [p for n, p in model.named_parameters() if "norm" not in n]},
+             {"params": [p for n, p in model.named_parameters() if "norm" in n],
+              "weight_decay": 0.0}]
+        engine, opt, _, _ = initialize(model=model, config=ENGINE_CONFIG, model_parameters=params)
+        initial = full_state_dict(engine.module)
+        idx, tgt = fm.batch("gpt", rank, 2)
+        if kind == "gpt":
+            loss = engine(idx, tgt)
+        else:
+            loss = engine(input_ids=idx, labels=tgt).loss
+        engine.backward(loss)
+        engine.step()
+        after = full_state_dict(engine.module)
+        on_cpu = {str(p.device) for group in opt.param_groups for p in group["params"]}
+        results.append((loss.item(), initial, after, torch.get_rng_state(), on_cpu))
+        engine.destroy()
+    (loss_w, init_w, after_w, rng_w, dev_w), (loss_m, init_m, after_m, rng_m, dev_m) = results
+    return (loss_w == loss_m, sorted(k for k in init_w if not torch.equal(init_w[k], init_m[k])),
+            sorted(k for k in after_w if not torch.equal(after_w[k], after_m[k])),
+            torch.equal(rng_w, rng_m), dev_m, math.isfinite(loss_m))
+
+
+@pytest.mark.parametrize("kind,plain", [("gpt", True), ("llama", False)])
+def test_initialize_a_meta_model_trains_as_the_whole_build(pool, kind, plain):
+    for out in pool.run(engine_rank, kind, plain):
+        assert out == (True, [], [], True, {"cpu"}, True), out
+
+
+# -- peak memory ---------------------------------------------------------------------------
+
+MEMORY_MODEL = dict(vocab=2048, dim=384, heads=4, layers=8, seq=16)
+
+
+def _status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _growth(fn):
+    """Peak resident growth while fn runs: VmHWM reset right before (as
+    benchmarks/fake_pg_memory.py does), so earlier checks in this rank do not count."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    kept = fn()
+    return _status_bytes("VmHWM") - before, kept
+
+
+def memory_rank(rank, world):
+    group = subgroup(2)
+    if group is None:
+        return None
+
+    def deferred(size=MEMORY_MODEL):
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = fm.GPT(**size)
+        shard(model, list(model.blocks), group)
+        return materialize(model)
+
+    def whole(size=MEMORY_MODEL):
+        torch.manual_seed(SEED)
+        model = fm.GPT(**size)
+        return shard(model, list(model.blocks), group)
+
+    # Code pages a first call touches count as resident too: run both paths once, small.
+    deferred({})
+    whole({})
+    meta_growth, model = _growth(deferred)
+    shard_bytes = sum(b.master.untyped_storage().nbytes()
+                      for u in _units_of(model) for b in u.buffers)
+    largest = max(sum(math.prod(sp.shape) * 4 for sp in _own(m)) for m in model.modules())
+    del model
+    whole_growth, model = _growth(whole)
+    del model
+    return meta_growth, whole_growth, shard_bytes, largest
+
+
+def _units_of(model):
+    from vescale_engine.fsdp import unit_of
+    return [u for u in (unit_of(m) for m in model.modules()) if u is not None]
+
+
+def _own(module):
+    return [p._vescale for p in module._parameters.values() if getattr(p, "_vescale", None)]
+
+
+def test_peak_memory_is_shard_plus_the_largest_module(pool):
+    """Cap: 1.1 x shard + the largest module's own parameters + 12 MiB (allocator slack; the
+    shard is 28.6 MiB per rank, the model 57 MiB). The control (build whole, then shard) must
+    exceed it, so the check can fail."""
+    for rank, out in enumerate(pool.run(memory_rank)[:2]):
+        meta_growth, whole_growth, shard_bytes, largest = out
+        cap = 1.1 * shard_bytes + largest + 12 * 2**20
+        assert meta_growth <= cap < whole_growth, (rank, out, cap)
+
+
+# -- every silent failure is an error naming the parameter -----------------------------------
+
+class NoInit(nn.Module):
+    """A parameter made with torch.empty and no reset_parameters: nothing initializes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.empty(4))
+
+
+class HalfInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 4))
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.w[:2].zero_()
+
+
+class MaskBuffer(nn.Module):
+    """A buffer computed in __init__: on meta its value is lost and no init recomputes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)))
+
+
+def _message(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+def errors_rank(rank, world):
+    out = {}
+    with torch.device("meta"):
+        gpt = fm.GPT()
+    for block in gpt.blocks:
+        fully_shard(block)
+    fully_shard(gpt)
+    idx, tgt = fm.batch("gpt", 0, 2)
+    out["forward"] = _message(lambda: gpt(idx, tgt))
+    out["full_state_dict"] = _message(lambda: full_state_dict(gpt))
+    out["to_empty"] = _message(lambda: gpt.to_empty(device="cpu"))
+    out["half"] = _message(lambda: gpt.half())
+
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    out["mixed"] = _message(lambda: fully_shard(mixed))
+
+    for name, cls in (("no_init", NoInit), ("half_init", HalfInit), ("mask", MaskBuffer)):
+        with torch.device("meta"):
+            model = cls()
+        fully_shard(model)
+        out[name] = _message(lambda: materialize(model))
+
+    unsharded = nn.Sequential(nn.Linear(2, 2, device="meta"))
+    out["unmanaged"] = _message(lambda: allocate_shards(unsharded))
+
+    # the same modules with an init_fn that sets what their own init leaves alone
+    def init_fn(module):
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.fill_(0.5)
+    for cls in (NoInit, HalfInit, MaskBuffer):
+        with torch.device("meta"):
+            model = cls()
+        fully_shard(model)
+        materialize(model, init_fn=init_fn)
+        values = full_state_dict(model)
+        out[f"init_fn {cls.__name__}"] = all(bool((v == 0.5).all()) for v in values.values())
+
+    # reset_parameters between steps: a clear error on flat pieces, works at full shape
+    torch.manual_seed(0)
+    real = fm.GPT()
+    for block in real.blocks:
+        fully_shard(block)
+    fully_shard(real)
+    out["reset"] = _message(lambda: real.blocks[0].fc.reset_parameters())
+    torch.manual_seed(5)
+    with gathered_parameters(real, writeback=True):
+        real.blocks[0].fc.reset_parameters()
+    torch.manual_seed(5)
+    expected = nn.Linear(64, 256)
+    fc = full_state_dict(real)
+    out["reset_gathered"] = torch.equal(fc["blocks.0.fc.weight"], expected.weight.detach())
+    return out
+
+
+def test_meta_failures_are_errors_that_name_the_parameter(pool):
+    for out in pool.run(errors_rank):
+        assert out["forward"].startswith("wte.weight (and ") and \
+            "still on the meta device at forward" in out["forward"], out["forward"]
+        assert "at gathering full parameters" in out["full_state_dict"]
+        assert "to_empty" in out["to_empty"] and "vescale_engine.materialize(model)" in \
+            out["to_empty"], out["to_empty"]
+        assert "GPT.half(...)" in out["half"], out["half"]
+        assert "1.weight is on the meta device but 0.weight is on cpu" in out["mixed"]
+        assert out["no_init"].startswith("scale (NoInit) was not initialized"), out["no_init"]
+        assert out["half_init"].startswith("w (HalfInit): the init wrote only part of it"), \
+            out["half_init"]
+        assert out["mask"].startswith("mask (MaskBuffer) is a buffer that was on the meta "
+                                      "device and no init wrote it"), out["mask"]
+        assert out["unmanaged"].startswith("allocate_shards: 0.weight is on the meta device but "
+                                           "no fully_shard unit manages it"), out["unmanaged"]
+        assert out["init_fn NoInit"] and out["init_fn HalfInit"] and out["init_fn MaskBuffer"]
+        assert out["reset"].startswith("Linear.reset_parameters(): weight is a flat piece") and \
+            "vescale_engine.materialize(model)" in out["reset"], out["reset"]
+        assert out["reset_gathered"]
+
+
+# -- allocate_shards: the loader's primitive ---------------------------------------------------
+
+def allocate_rank(rank, world):
+    """allocate_shards keeps the Parameter objects, points them at real storage; writing each
+    rank's `flat_range` of a full value through `p.sharded` (as the HF loader does) gives that
+    value back from full_state_dict, and materialize afterwards has nothing left to do."""
+    torch.manual_seed(SEED)
+    reference = fm.GPT().state_dict()
+    with torch.device("meta"):
+        model = fm.GPT()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    before = {name: p for name, p in model.named_parameters()}
+    allocate_shards(model)
+    same_objects = all(p is before[name] for name, p in model.named_parameters())
+    on_cpu = {str(p.device) for p in model.parameters()}
+    with torch.no_grad():
+        for fqn, p in sharded_parameters(model):
+            p.sharded.copy_(reference[fqn].reshape(-1)[slice(*p.flat_range)])
+    full = full_state_dict(model)
+    materialize(model)  # nothing on meta: a no-op
+    again = full_state_dict(model)
+    return (same_objects, on_cpu, [k for k in reference if not torch.equal(full[k], reference[k])],
+            [k for k in reference if not torch.equal(again[k], reference[k])])
+
+
+def test_allocate_shards_is_what_a_loader_fills(pool):
+    for out in pool.run(allocate_rank):
+        assert out == (True, {"cpu"}, [], []), out
+
+
+def test_vescale_engine_materialize_is_callable_and_a_module():
+    """`vescale_engine.materialize(model)` calls; `.allocate_shards` is the loader's entry."""
+    assert callable(vescale_engine.materialize)
+    assert vescale_engine.materialize.allocate_shards is allocate_shards
+    assert vescale_engine.allocate_shards is allocate_shards
