@@ -120,9 +120,9 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     model on meta stays there (initialize materializes it after wrapping); a model that mixes
     meta with real tensors, or sits on another device than this rank's, is an error."""
     named = [*model.named_parameters(), *model.named_buffers()]
-    meta = [name for name, tensor in named if tensor.is_meta]
+    meta = [name for name, tensor in named if tensor.device.type == "meta"]
     if meta and len(meta) < len(named):
-        real = next((name, t.device) for name, t in named if not t.is_meta)
+        real = next((name, t.device) for name, t in named if t.device.type != "meta")
         raise DeviceError(f"{meta[0]} is on the meta device but {real[0]} is on {real[1]}: "
                           "build the whole model on meta (initialize materializes it) or on CPU")
     if meta:
