@@ -3,8 +3,10 @@ and 3 ranks through sub-groups (3 gives uneven splits). materialize must equal a
 build with the same seed bitwise (our GPT, a tiny transformers LlamaForCausalLM, tied and not),
 keep its peak under shard + largest module (the build-whole control exceeds the cap), and turn
 every silent meta-device failure into an error naming the parameter."""
+import contextlib
 import ctypes
 import gc
+import logging
 import math
 
 import pytest
@@ -15,7 +17,7 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool
 import vescale_engine
-from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters,
+from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
                                  sharded_parameters)
 from vescale_engine.materialize import allocate_shards, materialize
 
@@ -280,6 +282,9 @@ def errors_rank(rank, world):
     out["full_state_dict"] = _message(lambda: full_state_dict(gpt))
     out["to_empty"] = _message(lambda: gpt.to_empty(device="cpu"))
     out["half"] = _message(lambda: gpt.half())
+    out["to"] = _message(lambda: gpt.to("cpu"))
+    with no_sync(gpt):  # a context made before the first forward must not skip the check
+        out["forward in no_sync"] = _message(lambda: gpt(idx, tgt))
 
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     out["mixed"] = _message(lambda: fully_shard(mixed))
@@ -330,6 +335,9 @@ def test_meta_failures_are_errors_that_name_the_parameter(pool):
         assert "to_empty" in out["to_empty"] and "vescale_engine.materialize(model)" in \
             out["to_empty"], out["to_empty"]
         assert "GPT.half(...)" in out["half"], out["half"]
+        assert out["to"].startswith("GPT.to(...) on a module sharded by fully_shard") and \
+            "vescale_engine.materialize(model)" in out["to"], out["to"]
+        assert out["forward in no_sync"] == out["forward"]
         assert "1.weight is on the meta device but 0.weight is on cpu" in out["mixed"]
         assert out["no_init"].startswith("scale (NoInit) was not initialized"), out["no_init"]
         assert out["half_init"].startswith("w (HalfInit): the init wrote only part of it"), \
@@ -366,14 +374,44 @@ def allocate_rank(rank, world):
             p.sharded.copy_(reference[fqn].reshape(-1)[slice(*p.flat_range)])
     full = full_state_dict(model)
     materialize(model)  # nothing on meta: a no-op
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        logged = fm.GPT()
+    fully_shard(logged)
+    with log_messages() as lines:
+        materialize(logged)
+    progress = [line for line in lines if line.startswith("materialize: ")]
     again = full_state_dict(model)
     return (same_objects, on_cpu, [k for k in reference if not torch.equal(full[k], reference[k])],
-            [k for k in reference if not torch.equal(again[k], reference[k])])
+            [k for k in reference if not torch.equal(again[k], reference[k])], progress)
+
+
+@contextlib.contextmanager
+def log_messages():
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("vescale_engine")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def test_allocate_shards_is_what_a_loader_fills(pool):
-    for out in pool.run(allocate_rank):
-        assert out == (True, {"cpu"}, [], []), out
+    for rank, out in enumerate(pool.run(allocate_rank)):
+        assert out[:4] == (True, {"cpu"}, [], []), out
+        # progress: rank 0 only, a line per 10% of the 28 modules with own parameters (every
+        # 3rd) and one at the end
+        progress = out[4]
+        assert len(progress) == (10 if rank == 0 else 0), progress
+        if rank == 0:
+            assert progress[0].startswith("materialize: 3/28 modules initialized"), progress
+            assert progress[-1].startswith("materialize: 28/28 modules initialized"), progress
 
 
 def test_vescale_engine_materialize_is_callable_and_a_module():

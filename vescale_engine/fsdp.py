@@ -140,6 +140,7 @@ class FSDPUnit:
         self._pending_gather = []
         self._finishers = []
         self._unsharded = False
+        self._storage_checked = False  # nothing left on meta: checked at the first forward
         self._reset_iteration()
         self._build(group, replicate_group, _granularity_of(granularity), max_buffers,
                     align_bytes)
@@ -328,8 +329,10 @@ class FSDPUnit:
 
     def _begin_root_forward(self):
         self.is_root = True
-        if self.ctx is None:  # the first forward: everything must have storage by now
+        if not self._storage_checked:  # the first forward: everything must have storage
             require_materialized(self.module, "forward")
+            self._storage_checked = True
+        if self.ctx is None:
             self.ctx = _Context()
         ctx = self.ctx
         for unit in ctx.order:  # a forward that never ran backward leaves state behind
@@ -807,10 +810,11 @@ def _check_apply(module, fn):
             with torch.no_grad():
                 after = fn(before)
         except Exception as err:  # e.g. .cuda() on a CPU-only build: still not a no-op
-            raise RuntimeError(_apply_error(module, call, "move")) from err
+            kind = "to_empty" if before.is_meta else "move"
+            raise RuntimeError(_apply_error(module, call, kind)) from err
         if after is before:
             continue
-        kind = "to_empty" if call == "to_empty" else \
+        kind = "to_empty" if call == "to_empty" or before.is_meta else \
             "cast" if after.dtype != before.dtype else "move"
         raise RuntimeError(_apply_error(module, call, kind))
 

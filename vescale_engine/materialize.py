@@ -173,7 +173,7 @@ class _Initializer:
 
     def run(self):
         work = [(name, mod) for name, mod in self.order if self._owns_pending(mod)]
-        every = max(1, len(work) // 10)
+        every = max(1, math.ceil(len(work) / 10))  # a line per 10% (rank 0, >= 10 modules)
         started = time.perf_counter()
         if self.init_fn is not None:
             for k, (_, mod) in enumerate(work, 1):
