@@ -57,6 +57,8 @@ def build(kind, device=None):
         if kind == "gpt":
             model = fm.GPT()
             return model, list(model.blocks)
+        if kind == "encoder-layer":  # nn.MultiheadAttention inits through _reset_parameters
+            return nn.TransformerEncoderLayer(32, 4, dim_feedforward=48), []
         model = LlamaForCausalLM(tiny_llama_config(tie=kind == "llama-tied"))
         return model, list(model.model.layers)
 
@@ -69,9 +71,12 @@ def shard(model, units, group):
 
 # -- bitwise equality with the one-process build --------------------------------------------
 
+KINDS = ("gpt", "llama", "llama-tied", "encoder-layer")
+
+
 def bitwise_rank(rank, world):
     out = {}
-    for kind in ("gpt", "llama", "llama-tied"):
+    for kind in KINDS:
         torch.manual_seed(SEED)
         reference, _ = build(kind)
         ref = reference.state_dict()
@@ -106,7 +111,7 @@ def test_materialize_is_bitwise_a_one_process_build_at_1_2_3_ranks(pool):
     weights stay tied, and the generator ends where the one-process build left it."""
     results = pool.run(bitwise_rank)
     for rank, out in enumerate(results):
-        assert len(out) == 3 * (WORLD - rank)  # rank r is in the groups of size > r
+        assert len(out) == len(KINDS) * (WORLD - rank)  # rank r: in the groups of size > r
         for key, value in out.items():
             assert value == (True, True, [], [], [], [], True), (rank, key, value)
 
@@ -419,3 +424,15 @@ def test_vescale_engine_materialize_is_callable_and_a_module():
     assert callable(vescale_engine.materialize)
     assert vescale_engine.materialize.allocate_shards is allocate_shards
     assert vescale_engine.allocate_shards is allocate_shards
+
+
+def test_default_device_follows_the_backend_that_serves_cuda(monkeypatch):
+    """materialize(device=None) outside the engine: the current CUDA device when NCCL serves
+    CUDA tensors in the group, else the CPU (the GPU branch through a seam: no GPU here)."""
+    from vescale_engine import device as dev
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for config, expected in (("cpu:gloo,cuda:nccl", torch.device("cuda", 3)),
+                             ("nccl", torch.device("cuda", 3)),
+                             ("gloo", torch.device("cpu")), ("cpu:gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group, c=config: c)
+        assert dev.default_device(object()) == expected, config

@@ -128,6 +128,17 @@ def _post_order(module: nn.Module) -> list:
     return out
 
 
+def _reset_of(mod: nn.Module):
+    """The class's own init: `reset_parameters`, or `_reset_parameters` for the torch modules
+    that call theirs that (nn.MultiheadAttention). The class's, not the instance attribute:
+    fully_shard guards that one."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(type(mod), name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
 def _is_pretrained(mod: nn.Module) -> bool:
     """A Hugging Face PreTrainedModel (duck-typed: no transformers import needed)."""
     return callable(getattr(type(mod), "_initialize_weights", None)) and hasattr(mod, "config")
@@ -183,8 +194,9 @@ class _Initializer:
             todo = {id(mod) for _, mod in work}
             done = 0
             for _, mod in self.order:
-                if id(mod) in todo and callable(getattr(mod, "reset_parameters", None)):
-                    self._init_module(mod, lambda m: type(m).reset_parameters(m))
+                reset = _reset_of(mod)
+                if id(mod) in todo and reset is not None:
+                    self._init_module(mod, reset)
                 if _is_pretrained(mod):
                     self._hugging_face_init(mod)
                 if id(mod) in todo:
