@@ -40,7 +40,15 @@ def subgroup(size):
     if not _GROUPS:
         for n in range(1, WORLD + 1):
             _GROUPS[n] = dist.new_group(list(range(n)))
+        for r in range(WORLD):
+            _GROUPS[("alone", r)] = dist.new_group([r])
     return _GROUPS[size] if dist.get_rank() < size else None
+
+
+def own_group():
+    """A group of this rank alone: a one-process materialize."""
+    subgroup(1)
+    return _GROUPS[("alone", dist.get_rank())]
 
 
 def tiny_llama_config(tie):
@@ -57,6 +65,12 @@ def build(kind, device=None):
         if kind == "gpt":
             model = fm.GPT()
             return model, list(model.blocks)
+        if kind == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64,
+                                               n_layer=2, n_head=4, eos_token_id=0,
+                                               bos_token_id=0))
+            return model, list(model.transformer.h)
         if kind == "encoder-layer":  # nn.MultiheadAttention inits through _reset_parameters
             return nn.TransformerEncoderLayer(32, 4, dim_feedforward=48), []
         model = LlamaForCausalLM(tiny_llama_config(tie=kind == "llama-tied"))
@@ -103,6 +117,32 @@ def bitwise_rank(rank, world):
             out[(kind, size)] = (returned is model, rng_matches, pieces, differ, buffers,
                                  sorted(set(ref) ^ set(full)), tied and gpt_tied)
     return out
+
+
+def world_size_independence_rank(rank, world):
+    """Hugging Face GPT-2: Conv1D draws in __init__ (lost on meta: not bitwise with a whole
+    build), and GPT2Attention's init writes its child's c_proj.weight. Every world size must
+    still give the same values as a one-process materialize, c_proj at the scaled std."""
+    def run(group):
+        torch.manual_seed(SEED)
+        model, units = build("gpt2", "meta")
+        shard(model, units, group)
+        materialize(model)
+        return full_state_dict(model)
+    alone = run(own_group())
+    out = {}
+    for size in (1, 2, 3):
+        group = subgroup(size)
+        if group is not None:
+            full = run(group)
+            out[size] = sorted(k for k in alone if not torch.equal(full[k], alone[k]))
+    std = float(alone["transformer.h.0.attn.c_proj.weight"].std())
+    return out, abs(std / (0.02 / math.sqrt(4)) - 1) < 0.1
+
+
+def test_a_parent_writing_a_childs_parameter_gives_the_same_values_at_any_world_size(pool):
+    for rank, (out, scaled) in enumerate(pool.run(world_size_independence_rank)):
+        assert out == {size: [] for size in range(rank + 1, WORLD + 1)} and scaled, (rank, out)
 
 
 def test_materialize_is_bitwise_a_one_process_build_at_1_2_3_ranks(pool):
@@ -165,7 +205,7 @@ def test_initialize_a_meta_model_trains_as_the_whole_build(pool, kind, plain):
 
 # -- peak memory ---------------------------------------------------------------------------
 
-MEMORY_MODEL = dict(vocab=2048, dim=384, heads=4, layers=8, seq=16)
+MEMORY_MODEL = dict(vocab=2048, dim=384, heads=4, layers=16, seq=16)
 
 
 def _status_bytes(key):
@@ -228,12 +268,13 @@ def _own(module):
 
 
 def test_peak_memory_is_shard_plus_the_largest_module(pool):
-    """Cap: 1.1 x shard + the largest module's own parameters + 12 MiB (allocator slack; the
-    shard is 28.6 MiB per rank, the model 57 MiB). The control (build whole, then shard) must
-    exceed it, so the check can fail."""
+    """Cap: 1.1 x shard + the largest module's own parameters + 16 MiB (allocator slack; the
+    shard is 55.6 MiB per rank, the model 111 MiB; measured about 65 MiB of growth against a
+    cap of 80). The control (build whole, then shard: about 118) must exceed it, so the check
+    can fail."""
     for rank, out in enumerate(pool.run(memory_rank)[:2]):
         meta_growth, whole_growth, shard_bytes, largest = out
-        cap = 1.1 * shard_bytes + largest + 12 * 2**20
+        cap = 1.1 * shard_bytes + largest + 16 * 2**20
         assert meta_growth <= cap < whole_growth, (rank, out, cap)
 
 

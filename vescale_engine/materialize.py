@@ -152,15 +152,19 @@ class _Initializer:
         self.names = {id(mod): name for name, mod in self.order}
         self.pending = pending_params      # id(ShardedParameter) -> it, until written
         self.pending_buffers = pending_buffers
-        self.buffer_owner = {}             # id(buffer) -> (module name, class) for errors
         self.owner = {}                    # id(ShardedParameter) -> (module, name)
         for _, mod in self.order:
             for name, param in mod._parameters.items():
                 sp = getattr(param, "_vescale", None)
                 if sp is not None and id(sp) in self.pending:
                     self.owner.setdefault(id(sp), (mod, name))
-        self.written = set()
+        self.written = set()               # ids of the ShardedParameters written
         self.visits = 0
+        for buf in root.buffers():  # NaN until an init writes it (see _buffer_written)
+            if id(buf) in pending_buffers and (buf.is_floating_point() or buf.is_complex()):
+                buf.fill_(float("nan"))
+        self.buffer_versions = {id(b): b._version for b in root.buffers()
+                                if id(b) in pending_buffers}
         self.scratch = self._make_scratch()
 
     def _make_scratch(self) -> dict:
@@ -229,27 +233,47 @@ class _Initializer:
         def visit(mod, fn):
             for child in mod.children():
                 visit(child, child._initialize_weights if _is_pretrained(child) else fn)
-            if getattr(mod, "_is_hf_initialized", False):
-                return
-            if self._owns_pending(mod) or self._has_registered(mod):
-                self._init_module(mod, fn)
-            else:
-                fn(mod)  # nothing of its own to write; HF still marks it initialized
+            if not getattr(mod, "_is_hf_initialized", False):
+                self._init_module(mod, fn)  # also with nothing of its own: it may write a child's
 
         with torch.no_grad(), guard_torch_init_functions():
             visit(model, model._initialize_weights)
 
-    def _has_registered(self, mod) -> bool:
-        return any(getattr(p, "_vescale", None) is not None for p in mod._parameters.values())
-
     # -- one module ----------------------------------------------------------------------------
 
     def _init_module(self, mod, fn):
-        """Register `mod`'s own parameters at full shape (NaN), mark its pending buffers, run
-        `fn(mod)`, keep this rank's range of what it wrote, register the shards back."""
+        """Run `fn(mod)` with `mod`'s own parameters at full shape and keep what it wrote.
+
+        Descendants' parameters are registered as meta placeholders meanwhile: an init should
+        write only its own module's, but some write a child's (Hugging Face GPT-2 scales
+        `c_proj.weight` from its parent). A write to a placeholder draws nothing and moves its
+        version counter; then the generator is rewound and the init runs again with those
+        parameters at full shape too, so the draws are the one-process build's."""
+        state, attributes = self._rng_state(), dict(mod.__dict__)
+        touched = self._run(mod, fn, extra={})
+        if touched:  # rewind: the generator, and flags the init set (HF's _is_hf_initialized)
+            self._set_rng_state(state)
+            mod.__dict__.clear()
+            mod.__dict__.update(attributes)
+            self._run(mod, fn, extra=touched)
+
+    def _rng_state(self):
+        devices = {key[0] for key in self.scratch if key[0].type == "cuda"}
+        return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+    @staticmethod
+    def _set_rng_state(state):
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        for device, value in cuda.items():
+            torch.cuda.set_rng_state(value, device)
+
+    def _run(self, mod, fn, extra) -> dict:
+        """One try of `fn(mod)`: own parameters full (NaN), descendants' in `extra` full (NaN)
+        too, other descendants' meta placeholders. Returns {id: (ShardedParameter, module,
+        name)} of the placeholders the init wrote (empty: done)."""
         self.visits += 1
-        full = []   # (name, ShardedParameter, full tensor)
-        used = {}
+        full, used, saved = [], {}, []   # full: (module, name, ShardedParameter, value)
         for name, param in list(mod._parameters.items()):
             sp = getattr(param, "_vescale", None)
             if sp is None or param is not sp.sharded:
@@ -258,43 +282,71 @@ class _Initializer:
             at, n = used.get(key, 0), math.prod(sp.shape)
             used[key] = at + n
             value = self.scratch[key][at:at + n].view(sp.shape).fill_(float("nan"))
-            full.append((name, sp, value))
+            full.append((mod, name, sp, value))
+            saved.append((mod, name, param))
             mod._parameters[name] = nn.Parameter(value, requires_grad=sp.sharded.requires_grad)
-        buffers = []
-        for name, buf in mod._buffers.items():
-            if buf is not None and id(buf) in self.pending_buffers and id(buf) not in self.written:
-                self.buffer_owner.setdefault(id(buf), (name, mod))
-                if buf.is_floating_point() or buf.is_complex():
-                    buf.fill_(float("nan"))
-                buffers.append((name, buf, buf._version))
+        own = {id(sp) for _, _, sp, _ in full}
+        placeholders, extra_values = {}, {}
+        for sub in mod.modules():
+            if sub is mod:
+                continue
+            for name, param in list(sub._parameters.items()):
+                sp = getattr(param, "_vescale", None)
+                if sp is None or param is not sp.sharded or id(sp) in own:
+                    continue
+                saved.append((sub, name, param))
+                if id(sp) in extra:
+                    if id(sp) not in extra_values:
+                        extra_values[id(sp)] = torch.full(
+                            sp.shape, float("nan"), dtype=sp.buffer.master.dtype,
+                            device=sp.buffer.device)
+                    value = extra_values[id(sp)]
+                    full.append((sub, name, sp, value))
+                else:
+                    if id(sp) not in placeholders:
+                        placeholders[id(sp)] = (torch.empty(sp.shape, dtype=param.dtype,
+                                                            device="meta"), sub, name, sp)
+                    value = placeholders[id(sp)][0]
+                sub._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
+        versions = {key: ph[0]._version for key, ph in placeholders.items()}
         try:
             with torch.no_grad():
                 fn(mod)
         finally:
-            for name, sp, _ in full:
-                mod._parameters[name] = sp.sharded
-        for name, sp, value in full:
-            if id(sp) not in self.pending or self.owner.get(id(sp)) != (mod, name):
-                continue  # done already, or a tied registration's scratch init
-            untouched = _nan_count(value)
-            if untouched == value.numel():
-                continue  # this init left it alone; a later one (or none: an error) writes it
-            if untouched:
-                raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the init "
-                                   "wrote only part of it (NaN left in the full tensor)")
-            sp.buffer.load_full_tensor(sp.index, value)
-            self.written.add(id(sp))
-        for name, buf, version in buffers:
-            if buf.is_floating_point() or buf.is_complex():
-                untouched = _nan_count(buf)
-                if untouched == buf.numel():
-                    continue
-                if untouched:
-                    raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the "
-                                       "init wrote only part of this buffer (NaN left)")
-            elif buf._version == version:
-                continue
-            self.written.add(id(buf))
+            for sub, name, param in saved:
+                sub._parameters[name] = param
+        touched = {key: (sp, sub, name) for key, (ph, sub, name, sp) in placeholders.items()
+                   if ph._version != versions[key]}
+        if touched:
+            return {**extra, **touched}
+        for sub, name, sp, value in full:
+            if sub is mod:
+                self._keep_own(mod, name, sp, value)
+            elif id(sp) in extra_values:
+                self._keep_written_part(sp, extra_values.pop(id(sp)))
+        return {}
+
+    def _keep_own(self, mod, name, sp, value):
+        if id(sp) not in self.pending or self.owner.get(id(sp)) != (mod, name):
+            return  # done already, or a tied registration's scratch init
+        untouched = _nan_count(value)
+        if untouched == value.numel():
+            return  # this init left it alone; a later one (or none: an error) writes it
+        if untouched:
+            raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the init "
+                               "wrote only part of it (NaN left in the full tensor)")
+        sp.buffer.load_full_tensor(sp.index, value)
+        self.written.add(id(sp))
+
+    @staticmethod
+    def _keep_written_part(sp, value):
+        """A parent's init wrote (some of) a descendant's parameter: those elements of this
+        rank's piece change; the rest keep what the descendant's own init wrote."""
+        begin, end = sp.flat_range
+        piece = value.reshape(-1)[begin:end]
+        written = ~torch.isnan(piece)
+        with torch.no_grad():
+            sp.sharded[written] = piece[written]
 
     def _name(self, mod, attr) -> str:
         prefix = self.names.get(id(mod), "")
@@ -311,12 +363,24 @@ class _Initializer:
         for name, mod in self.order:
             for bname, buf in mod._buffers.items():
                 if buf is not None and id(buf) in self.pending_buffers and \
-                        id(buf) not in self.written:
+                        not self._buffer_written(buf):
                     raise RuntimeError(
                         f"{self._name(mod, bname)} ({type(mod).__name__}) is a buffer that was "
                         "on the meta device and no init wrote it; pass materialize(..., "
                         "init_fn=...) that sets it (buffers computed in __init__ are lost on "
                         "meta)")
+
+    def _buffer_written(self, buf) -> bool:
+        """Floating: no NaN left (partly NaN is an error); others: the version counter moved
+        since allocate_shards made it."""
+        if buf.is_floating_point() or buf.is_complex():
+            untouched = _nan_count(buf)
+            if 0 < untouched < buf.numel():
+                owner = next(f"{self._name(m, n)} ({type(m).__name__})" for _, m in self.order
+                             for n, b in m._buffers.items() if b is buf)
+                raise RuntimeError(f"{owner}: the init wrote only part of this buffer (NaN left)")
+            return untouched == 0
+        return buf._version != self.buffer_versions[id(buf)]
 
 
 def _nan_count(tensor, chunk=1 << 20) -> int:
