@@ -419,7 +419,30 @@ def allocate_rank(rank, world):
         for fqn, p in sharded_parameters(model):
             p.sharded.copy_(reference[fqn].reshape(-1)[slice(*p.flat_range)])
     full = full_state_dict(model)
-    materialize(model)  # nothing on meta: a no-op
+    rng = torch.get_rng_state()
+    materialize(model)  # nothing on meta: a no-op, no draws
+    no_draws = torch.equal(rng, torch.get_rng_state())
+    # Part loaded, part on meta: materialize keeps the load and initializes only the modules
+    # that own meta tensors: up to the loaded block, the whole build's values; after it the
+    # draws differ (the loaded block's init did not run), every value is still written.
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        mixed = fm.GPT()
+    for block in mixed.blocks:
+        fully_shard(block)
+    fully_shard(mixed)
+    allocate_shards(mixed.blocks[1])
+    with torch.no_grad():
+        for fqn, p in sharded_parameters(mixed.blocks[1]):
+            p.sharded.copy_(reference[f"blocks.1.{fqn}"].reshape(-1)[slice(*p.flat_range)] + 1)
+    materialize(mixed)
+    values = full_state_dict(mixed)
+    before = ("wte.", "wpe.", "blocks.0.", "head.")  # head.weight is wte.weight
+    partial = ([k for k in reference if k.startswith("blocks.1.")
+                and not torch.equal(values[k], reference[k] + 1)] +
+               [k for k in reference if k.startswith(before)
+                and not torch.equal(values[k], reference[k])] +
+               [k for k in reference if not bool(torch.isfinite(values[k]).all())])
     torch.manual_seed(SEED)
     with torch.device("meta"):
         logged = fm.GPT()
@@ -429,7 +452,8 @@ def allocate_rank(rank, world):
     progress = [line for line in lines if line.startswith("materialize: ")]
     again = full_state_dict(model)
     return (same_objects, on_cpu, [k for k in reference if not torch.equal(full[k], reference[k])],
-            [k for k in reference if not torch.equal(again[k], reference[k])], progress)
+            [k for k in reference if not torch.equal(again[k], reference[k])], progress,
+            no_draws, partial)
 
 
 @contextlib.contextmanager
@@ -450,7 +474,7 @@ def log_messages():
 
 def test_allocate_shards_is_what_a_loader_fills(pool):
     for rank, out in enumerate(pool.run(allocate_rank)):
-        assert out[:4] == (True, {"cpu"}, [], []), out
+        assert out[:4] == (True, {"cpu"}, [], []) and out[5:] == (True, []), out
         # progress: rank 0 only, a line per 10% of the 28 modules with own parameters (every
         # 3rd) and one at the end
         progress = out[4]

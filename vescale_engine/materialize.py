@@ -96,6 +96,8 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
     meta_buffers = [(sub, name) for sub in module.modules()
                     for name, b in sub._buffers.items() if b is not None and b.is_meta]
     allocate_shards(module, device)  # replaces those buffers' tensors
+    if not pending_params and not meta_buffers:
+        return module  # nothing was on meta (loaded already): no init runs, no draws
     pending_buffers = {id(sub._buffers[name]) for sub, name in meta_buffers}
     _Initializer(module, pending_params, pending_buffers, init_fn).run()
     fsdp.require_materialized(module, "the end of materialize")
@@ -159,7 +161,6 @@ class _Initializer:
                 if sp is not None and id(sp) in self.pending:
                     self.owner.setdefault(id(sp), (mod, name))
         self.written = set()               # ids of the ShardedParameters written
-        self.visits = 0
         for buf in root.buffers():  # NaN until an init writes it (see _buffer_written)
             if id(buf) in pending_buffers and (buf.is_floating_point() or buf.is_complex()):
                 buf.fill_(float("nan"))
@@ -272,7 +273,6 @@ class _Initializer:
         """One try of `fn(mod)`: own parameters full (NaN), descendants' in `extra` full (NaN)
         too, other descendants' meta placeholders. Returns {id: (ShardedParameter, module,
         name)} of the placeholders the init wrote (empty: done)."""
-        self.visits += 1
         full, used, saved = [], {}, []   # full: (module, name, ShardedParameter, value)
         for name, param in list(mod._parameters.items()):
             sp = getattr(param, "_vescale", None)
@@ -322,7 +322,7 @@ class _Initializer:
         for sub, name, sp, value in full:
             if sub is mod:
                 self._keep_own(mod, name, sp, value)
-            elif id(sp) in extra_values:
+            elif id(sp) in extra_values and id(sp) in self.pending:  # not a loaded one
                 self._keep_written_part(sp, extra_values.pop(id(sp)))
         return {}
 
