@@ -501,3 +501,21 @@ def test_default_device_follows_the_backend_that_serves_cuda(monkeypatch):
                              ("gloo", torch.device("cpu")), ("cpu:gloo", torch.device("cpu"))):
         monkeypatch.setattr(dist, "get_backend_config", lambda group, c=config: c)
         assert dev.default_device(object()) == expected, config
+
+
+def test_the_rewind_restores_every_generator_the_init_draws_from(monkeypatch):
+    """An init rerun (a parent wrote a child's parameter) rewinds the CPU generator and, for
+    temporaries on a GPU, that GPU's (through a seam: no GPU here)."""
+    from vescale_engine import materialize as mat
+    cuda_states = {0: torch.tensor([1]), 1: torch.tensor([2])}
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda d: cuda_states[torch.device(d).index].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda value, d: cuda_states.__setitem__(torch.device(d).index, value))
+    torch.manual_seed(0)
+    state = mat.rng_state({torch.device("cpu"), torch.device("cuda", 1)})
+    expected = torch.rand(3)
+    cuda_states[1] = torch.tensor([9])
+    mat.set_rng_state(state)
+    assert torch.equal(torch.rand(3), expected)
+    assert cuda_states == {0: torch.tensor([1]), 1: torch.tensor([2])}

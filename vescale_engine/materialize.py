@@ -250,24 +250,14 @@ class _Initializer:
         `c_proj.weight` from its parent). A write to a placeholder draws nothing and moves its
         version counter; then the generator is rewound and the init runs again with those
         parameters at full shape too, so the draws are the one-process build's."""
-        state, attributes = self._rng_state(), dict(mod.__dict__)
+        state = rng_state({key[0] for key in self.scratch})
+        attributes = dict(mod.__dict__)
         touched = self._run(mod, fn, extra={})
         if touched:  # rewind: the generator, and flags the init set (HF's _is_hf_initialized)
-            self._set_rng_state(state)
+            set_rng_state(state)
             mod.__dict__.clear()
             mod.__dict__.update(attributes)
             self._run(mod, fn, extra=touched)
-
-    def _rng_state(self):
-        devices = {key[0] for key in self.scratch if key[0].type == "cuda"}
-        return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
-
-    @staticmethod
-    def _set_rng_state(state):
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        for device, value in cuda.items():
-            torch.cuda.set_rng_state(value, device)
 
     def _run(self, mod, fn, extra) -> dict:
         """One try of `fn(mod)`: own parameters full (NaN), descendants' in `extra` full (NaN)
@@ -381,6 +371,19 @@ class _Initializer:
                 raise RuntimeError(f"{owner}: the init wrote only part of this buffer (NaN left)")
             return untouched == 0
         return buf._version != self.buffer_versions[id(buf)]
+
+
+def rng_state(devices) -> tuple:
+    """The generators an init on `devices` draws from: the CPU's, and each CUDA device's."""
+    cuda = [d for d in devices if torch.device(d).type == "cuda"]
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
+
+
+def set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for device, value in cuda.items():
+        torch.cuda.set_rng_state(value, device)
 
 
 def _nan_count(tensor, chunk=1 << 20) -> int:
