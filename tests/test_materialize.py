@@ -228,10 +228,17 @@ def _growth(fn):
     return _status_bytes("VmHWM") - before, kept
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
 def memory_rank(rank, world):
     group = subgroup(2)
     if group is None:
         return None
+    # Every allocation of 1 MiB or more gets its own mapping, returned when freed: resident
+    # memory then follows the live tensors, not glibc's heap heuristics (its threshold otherwise
+    # moves with what earlier checks in this process freed).
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
     def deferred(size=MEMORY_MODEL):
         torch.manual_seed(SEED)
@@ -412,8 +419,11 @@ def allocate_rank(rank, world):
         fully_shard(block)
     fully_shard(model)
     before = {name: p for name, p in model.named_parameters()}
+    model.wte.weight.no_decay = True  # an attribute a user set on the meta parameter
     allocate_shards(model)
-    same_objects = all(p is before[name] for name, p in model.named_parameters())
+    same_objects = all(p is before[name] for name, p in model.named_parameters()) and \
+        getattr(model.wte.weight, "no_decay", False) and \
+        model.wte.weight._vescale.sharded is model.wte.weight
     on_cpu = {str(p.device) for p in model.parameters()}
     with torch.no_grad():
         for fqn, p in sharded_parameters(model):

@@ -93,11 +93,13 @@ class ShardedParameter:
     def bind_storage(self) -> None:
         """After the buffer got real storage (`DBuffer.allocate`): `sharded` becomes the view of
         the new master shard. The same Parameter object (its contents are swapped), so every
-        reference taken while it was on meta (`model.parameters()`, registrations) stays valid."""
+        reference taken while it was on meta (`model.parameters()`, registrations) stays valid,
+        with the attributes set on it."""
+        attributes = dict(self.sharded.__dict__)
         fresh = nn.Parameter(self.buffer.master_view(self.index),
                              requires_grad=self.sharded.requires_grad)
-        torch.utils.swap_tensors(self.sharded, fresh)
-        self.sharded._vescale = self
+        torch.utils.swap_tensors(self.sharded, fresh)  # swaps the __dict__s too
+        self.sharded.__dict__.update(attributes)
 
 
 @functools.lru_cache(maxsize=256)
