@@ -19,7 +19,7 @@ from dist_harness import RankPool
 import vescale_engine
 from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
                                  sharded_parameters)
-from vescale_engine.materialize import allocate_shards, materialize
+from vescale_engine.materialize import allocate_shards, init_unloaded, materialize
 
 WORLD = 3
 SEED = 1234
@@ -529,3 +529,41 @@ def test_the_rewind_restores_every_generator_the_init_draws_from(monkeypatch):
     mat.set_rng_state(state)
     assert torch.equal(torch.rand(3), expected)
     assert cuda_states == {0: torch.tensor([1]), 1: torch.tensor([2])}
+
+
+def loader_flow_rank(rank, world):
+    """What the Hugging Face loader does: allocate_shards, write each rank's pieces of the
+    checkpoint's tensors, then init_unloaded for what the checkpoint lacks: the rotary
+    inv_freq buffers (non-persistent) and, as with strict=False, lm_head.weight."""
+    torch.manual_seed(SEED)
+    reference, _ = build("llama")
+    ref = reference.state_dict()
+    ref_buffers = dict(reference.named_buffers())
+    with torch.device("meta"):
+        model, units = build("llama", "meta")
+    shard(model, units, None)
+    allocate_shards(model)
+    with torch.no_grad():
+        for fqn, p in sharded_parameters(model):
+            if fqn != "lm_head.weight":
+                p.sharded.copy_(ref[fqn].reshape(-1)[slice(*p.flat_range)])
+    rotary = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    init_unloaded(model, rotary + ["lm_head.weight"])
+    full = full_state_dict(model)
+    loaded = [k for k in ref if k != "lm_head.weight" and not torch.equal(full[k], ref[k])]
+    buffers = [n for n in rotary if not torch.equal(dict(model.named_buffers())[n],
+                                                    ref_buffers[n])]
+    head = full["lm_head.weight"]
+    head_ok = bool(torch.isfinite(head).all()) and abs(float(head.std()) / 0.02 - 1) < 0.1
+    errors = [_message(lambda: init_unloaded(model, ["model.nope"])),
+              _message(lambda: init_unloaded(model, ["model.norm.weight"]))]
+    return loaded, buffers, head_ok, errors[0], errors[1]
+
+
+def test_a_loader_initializes_only_what_the_checkpoint_lacks(pool):
+    for out in pool.run(loader_flow_rank):
+        loaded, buffers, head_ok, unknown, fine = out
+        assert (loaded, buffers, head_ok) == ([], [], True), out
+        assert unknown == "init_unloaded: model.nope is not a parameter or buffer of " \
+                          "LlamaForCausalLM", unknown
+        assert fine == "no error", fine
