@@ -9,18 +9,21 @@ passed through `fully_shard` real storage and values, one module at a time, neve
     vescale_engine.materialize(model)      # real shards, initialized
 
 `allocate_shards(module, device)` gives every meta unit real, uninitialized master storage (a
-checkpoint loader fills it through each `ShardedParameter.sharded`). `materialize` allocates,
-then replays initialization module by module, children first, as a one-process build does:
+checkpoint loader fills it through each `ShardedParameter.sharded`, then hands what the
+checkpoint lacks to `init_unloaded`). `materialize` allocates, then replays initialization
+module by module, children first, as a one-process build does:
 
 - `init_fn(module)` when given, once per module that owns (directly) a parameter or buffer
   that was on meta;
-- else torch's contract, `module.reset_parameters()` on modules that define it, then, for a
+- else torch's contract, `reset_parameters()` (`_reset_parameters()` for
+  nn.MultiheadAttention) on modules that define it, then, for a
   Hugging Face `PreTrainedModel` (a module with `_initialize_weights`), its own
   `_initialize_weights` over its subtree, children first, right after its subtree (what its
   `post_init` does at the end of its `__init__`; inner pretrained models run theirs first).
 
-For each module: its own parameters are registered at full shape (NaN-filled), the init runs,
-this rank's flat range is copied into the master shard, the full tensors are dropped. Every
+For each module: its own parameters are registered at full shape (NaN-filled views of one
+scratch tensor; its descendants' as meta placeholders, see `_Initializer._init_module`), the
+init runs, this rank's flat range is copied into the master shard. Every
 rank runs every init in the same order from the same generator state, so the values are bitwise
 those of a one-process build on the same device type with the same seed, at any world size.
 A tied parameter takes its value from its first registration in that order; its other
