@@ -15,10 +15,13 @@ _LAZY = {
     "fully_shard": "fsdp", "MixedPrecisionPolicy": "fsdp", "no_sync": "fsdp",
     "gathered_parameters": "fsdp", "full_state_dict": "fsdp", "sharded_state_dict": "fsdp",
     "load_hf_checkpoint": "hf_checkpoint", "save_hf_checkpoint": "hf_checkpoint",
+    "allocate_shards": "materialize",
     "clip_grad_norm_": "clip", "global_grad_norm": "clip",
     "add_config_arguments": "config", "initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat",
 }
-_SUBMODULES = ("optim",)
+# `materialize` is a callable submodule: vescale_engine.materialize(model) initializes,
+# vescale_engine.materialize.allocate_shards(model) only allocates.
+_SUBMODULES = ("optim", "materialize")
 
 
 def __getattr__(name):

@@ -185,9 +185,11 @@ class DBuffer:
         self.shard_size = S
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self._native_requested = native_collectives
+        self._replicas = replicas
         self.master = torch.zeros(S, dtype=dtype, device=device)
         self.grad = torch.zeros(S, dtype=dtype, device=device)
-        self._grad_bytes = self.grad.untyped_storage().nbytes()
+        self._grad_bytes = S * dtype.itemsize
         self.release_grad()  # gradient storage exists only between backward and zero_grad
         # The full buffers' tensors are made when their storage is first needed (nothing
         # full-size is allocated at wrap time), then kept for life; see `_allocate`.
@@ -200,15 +202,9 @@ class DBuffer:
         self._grad_written = []
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
-        # Native (the backend's) collectives or gloo's exchange, decided per device's backend.
-        self.native = not collectives.uses_exchange(shard_group, self.master,
-                                                    native=native_collectives)
-        backend = collectives.tensor_backend(shard_group, self.master)
-        self.reduction = collectives.gradient_reduction(
-            self.reduce_dtype, self.world_size, replicas, backend,
-            None if replicate_group is None else
-            collectives.tensor_backend(replicate_group, self.master),
-            exchange=not self.native)
+        self.native = self.reduction = None
+        if not self.is_meta:
+            self._choose_collectives()
         lo = self.rank * S
         # Per tensor: (start, end) of its local piece inside the shard, and its full view range.
         self.local_ranges = []
@@ -216,6 +212,45 @@ class DBuffer:
             start = min(max(p.offset, lo), lo + S) - lo
             end = max(min(p.offset + p.numel, lo + S), lo) - lo
             self.local_ranges.append((start, max(start, end)))
+
+    def _choose_collectives(self) -> None:
+        """Native (the backend's) collectives or gloo's exchange, and how gradients are
+        averaged: both depend on the backend that serves the storage's device."""
+        self.native = not collectives.uses_exchange(self.shard_group, self.master,
+                                                    native=self._native_requested)
+        self.reduction = collectives.gradient_reduction(
+            self.reduce_dtype, self.world_size, self._replicas,
+            collectives.tensor_backend(self.shard_group, self.master),
+            None if self.replicate_group is None else
+            collectives.tensor_backend(self.replicate_group, self.master),
+            exchange=not self.native)
+
+    # -- deferred (meta-device) storage ---------------------------------------------------------
+
+    @property
+    def is_meta(self) -> bool:
+        """Planned from shapes only: no storage yet (a model built on the meta device)."""
+        return self.master.is_meta
+
+    def allocate(self, device) -> None:
+        """Give a meta buffer real storage on `device`: the master shard uninitialized (its
+        tensors' ranges are for the caller to fill; the padding between them is zeroed, as the
+        optimizer and the norm rely on), the gradient shard released as usual. Views made
+        before (`master_view`) still point at meta: the caller re-points them."""
+        if not self.is_meta:
+            raise RuntimeError(f"{self.name}: already has storage on {self.device}")
+        self.device = torch.device(device)
+        self.master = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
+        covered = sorted(r for r in self.local_ranges if r[1] > r[0])
+        at = 0
+        for start, end in covered + [(self.shard_size, self.shard_size)]:
+            if start > at:
+                self.master[at:start].zero_()
+            at = max(at, end)
+        # Never written before it is released: no page of it becomes resident.
+        self.grad = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
+        self.release_grad()
+        self._choose_collectives()
 
     # -- views ---------------------------------------------------------------------------------
 

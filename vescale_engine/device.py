@@ -101,14 +101,34 @@ def adopt_group_device(where) -> torch.device:
     return device
 
 
+def default_device(group=None) -> torch.device:
+    """The device a process group's tensors live on when nobody said: the current CUDA device
+    when NCCL serves CUDA tensors in `group`, else the CPU (what `materialize(device=None)`
+    uses outside the engine; inside it, `engine.device`)."""
+    from .collectives import backend_for
+    config = dist.get_backend_config(group if group is not None else dist.group.WORLD)
+    try:
+        if backend_for(config, "cuda") == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    except ValueError:  # no backend for CUDA tensors in this group
+        pass
+    return torch.device("cpu")
+
+
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     """Move a CPU model to this rank's GPU before wrapping (as DeepSpeed's engine does). A
-    model on meta, or already on another device than this rank's, is an error."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    model on meta stays there (initialize materializes it after wrapping); a model that mixes
+    meta with real tensors, or sits on another device than this rank's, is an error."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    meta = [name for name, tensor in named if tensor.device.type == "meta"]
+    if meta and len(meta) < len(named):
+        real = next((name, t.device) for name, t in named if t.device.type != "meta")
+        raise DeviceError(f"{meta[0]} is on the meta device but {real[0]} is on {real[1]}: "
+                          "build the whole model on meta (initialize materializes it) or on CPU")
+    if meta:
+        return model
+    for name, tensor in named:
         where = tensor.device
-        if where.type == "meta":
-            raise DeviceError(f"{name} is on the meta device: deferred initialization is "
-                              "not supported yet; build the model on CPU (initialize moves it)")
         if where != device and not (where.type == "cpu" and device.type == "cuda"):
             raise DeviceError(f"{name} is on {where} but this rank's device is {device}: build "
                               f"the model on CPU, or on {device} (engine.device)")

@@ -20,6 +20,7 @@ from .distributed import join_process_group
 from .from_config import (build_optimizer, build_scheduler, named_model_parameters,
                           optimizer_spec, resolve_named_parameters)
 from .launch_env import discover
+from .materialize import prepare_weights
 from .monitor import Monitors, PendingScalars
 from .progress import Progress
 from .timers import WallClockBreakdown
@@ -345,12 +346,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
     chosen = None if model_parameters is None else \
         named_model_parameters(model_parameters, model)  # only these are optimized
-    if cfg.seed is not None:
-        _seed_everything(cfg.seed)
+    on_meta = any(p.is_meta for p in model.parameters())
     module = wrap_model(model, cfg, device_mesh(cfg, device))
-    if cfg.hf_checkpoint:  # the weights the optimizer will hold
-        from .hf_checkpoint import load_into
-        load_into(module, cfg.hf_checkpoint, device=device)
+    if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
+        prepare_weights(module, cfg, device)  # the generator as the caller left it
+    fsdp.require_materialized(module, "initialize")
+    if cfg.seed is not None:  # after init (wrapping draws nothing): same stream either way
+        _seed_everything(cfg.seed)
     if chosen is None:
         params = [p for p in module.parameters() if p.requires_grad]
     else:

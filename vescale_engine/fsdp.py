@@ -90,6 +90,17 @@ class ShardedParameter:
         for module, name in self.registrations:
             module._parameters[name] = which
 
+    def bind_storage(self) -> None:
+        """After the buffer got real storage (`DBuffer.allocate`): `sharded` becomes the view of
+        the new master shard. The same Parameter object (its contents are swapped), so every
+        reference taken while it was on meta (`model.parameters()`, registrations) stays valid,
+        with the attributes set on it."""
+        attributes = dict(self.sharded.__dict__)
+        fresh = nn.Parameter(self.buffer.master_view(self.index),
+                             requires_grad=self.sharded.requires_grad)
+        torch.utils.swap_tensors(self.sharded, fresh)  # swaps the __dict__s too
+        self.sharded.__dict__.update(attributes)
+
 
 @functools.lru_cache(maxsize=256)
 def _cached_plan(specs, world_size, align, max_buffers):
@@ -131,6 +142,7 @@ class FSDPUnit:
         self._pending_gather = []
         self._finishers = []
         self._unsharded = False
+        self._storage_checked = False  # nothing left on meta: checked at the first forward
         self._reset_iteration()
         self._build(group, replicate_group, _granularity_of(granularity), max_buffers,
                     align_bytes)
@@ -154,6 +166,12 @@ class FSDPUnit:
             raise ValueError(f"fully_shard({self.name}): the module has no parameters that "
                              "another unit does not already manage")
         devices = {found[i][1].device for i in order}
+        on_meta = [found[i][0] for i in order if found[i][1].is_meta]
+        if on_meta and len(on_meta) < len(order):
+            real = next(found[i] for i in order if not found[i][1].is_meta)
+            raise ValueError(f"fully_shard({self.name}): {on_meta[0]} is on the meta device but "
+                             f"{real[0]} is on {real[1].device}; build the whole unit on meta "
+                             "(then vescale_engine.materialize) or on a real device")
         if len(devices) > 1:
             raise ValueError(f"fully_shard({self.name}): parameters are on mixed devices "
                              f"{sorted(map(str, devices))}")
@@ -180,7 +198,8 @@ class FSDPUnit:
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]
-                    buf.load_full_tensor(k, param)
+                    if not param.is_meta:  # a meta model gets its values at materialize
+                        buf.load_full_tensor(k, param)
                     sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad)
                     sp.register(sp.sharded)
                     self.params.append(sp)
@@ -193,6 +212,20 @@ class FSDPUnit:
         self.pending_post_backward = 0
         self.in_backward = False
         self.reduced = False
+
+    @property
+    def is_meta(self) -> bool:
+        """Planned on the meta device and not yet given storage (vescale_engine.materialize)."""
+        return any(buf.is_meta for buf in self.buffers)
+
+    def allocate(self, device) -> None:
+        """Real, uninitialized master storage on `device` for every buffer, and the managed
+        parameters re-pointed at it (the reset_parameters guards stay)."""
+        for buf in self.buffers:
+            buf.allocate(device)
+        for p in self.params:
+            p.bind_storage()
+        self.device = torch.device(device)
 
     @property
     def trainable(self):
@@ -298,6 +331,9 @@ class FSDPUnit:
 
     def _begin_root_forward(self):
         self.is_root = True
+        if not self._storage_checked:  # the first forward: everything must have storage
+            require_materialized(self.module, "forward")
+            self._storage_checked = True
         if self.ctx is None:
             self.ctx = _Context()
         ctx = self.ctx
@@ -559,6 +595,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                     native_collectives)
     module._vescale_unit = unit
     _guard_apply(module)
+    _guard_reset_parameters(unit)
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module
@@ -670,6 +707,7 @@ def _gather_full(module, keep, mode) -> dict:
     not `keep`). One DBuffer at a time: all-gather its fp32 master into a full buffer, copy its
     parameters out (`mode`: "view" keeps the buffer alive as their storage, "clone" copies on
     the device, "host" to CPU), and drop the buffer before gathering the next."""
+    require_materialized(module, "gathering full parameters")
     out = {}
     for unit in _units(module):
         for buf in unit.buffers:
@@ -744,7 +782,9 @@ def release(module: nn.Module) -> None:
                 if hook == fn:
                     del hooks[handle_id]
                     sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
-        sub.__dict__.pop("_apply", None)  # fully_shard's guard
+        sub.__dict__.pop("_apply", None)  # fully_shard's guards
+        for mod, _ in {id(m): (m, n) for p in unit.params for m, n in p.registrations}.values():
+            mod.__dict__.pop("reset_parameters", None)
         del sub._vescale_unit
 
 
@@ -772,10 +812,11 @@ def _check_apply(module, fn):
             with torch.no_grad():
                 after = fn(before)
         except Exception as err:  # e.g. .cuda() on a CPU-only build: still not a no-op
-            raise RuntimeError(_apply_error(module, call, "move")) from err
+            kind = "to_empty" if before.is_meta else "move"
+            raise RuntimeError(_apply_error(module, call, kind)) from err
         if after is before:
             continue
-        kind = "to_empty" if call == "to_empty" else \
+        kind = "to_empty" if call == "to_empty" or before.is_meta else \
             "cast" if after.dtype != before.dtype else "move"
         raise RuntimeError(_apply_error(module, call, kind))
 
@@ -791,7 +832,56 @@ def _apply_error(module, call, kind) -> str:
                     "on the rank's device)",
             "cast": "the fp32 master stays fp32; set the compute dtype with MixedPrecisionPolicy "
                     "(param_dtype) or the bf16/fp16 config",
-            "to_empty": "deferred (meta-device) initialization of sharded modules is not "
-                        "supported yet; build the model on a real device before fully_shard"}[kind]
+            "to_empty": "for a model built on the meta device call "
+                        "vescale_engine.materialize(model) (storage and init, shard by shard) or "
+                        "vescale_engine.materialize.allocate_shards(model) (storage only, e.g. "
+                        "before load_hf_checkpoint)"}[kind]
     return (f"{type(module).__name__}.{call}(...) on a module sharded by fully_shard would detach "
             f"its parameters from their sharded buffers: {what}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferred (meta-device) initialization: what must hold before values are used.
+
+def meta_leftovers(module: nn.Module) -> list:
+    """Names (as `module.state_dict` would say them) of the managed parameters and the module
+    buffers under `module` that are still on the meta device."""
+    left = [fqn for fqn, p in sharded_parameters(module) if p.buffer.is_meta]
+    managed = {id(p.sharded) for _, p in sharded_parameters(module)}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.is_meta and id(param) not in managed:
+            left.append(name)
+    left += [name for name, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
+    return left
+
+
+def require_materialized(module: nn.Module, when: str) -> None:
+    left = meta_leftovers(module)
+    if left:
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise RuntimeError(f"{left[0]}{more} is still on the meta device at {when}: call "
+                           "vescale_engine.materialize(model) (or load_hf_checkpoint) first")
+
+
+def _guard_reset_parameters(unit) -> None:
+    """Between steps a managed parameter is a flat 1-D piece of the shard, so a module's
+    `reset_parameters()` would fail deep inside torch.nn.init (or init the pieces wrongly).
+    Route it through a check that names what to call instead; it runs as usual while the module
+    holds full-shape parameters (inside `gathered_parameters`, or materialize's own calls)."""
+    for module in {id(m): m for p in unit.params for m, _ in p.registrations}.values():
+        if callable(getattr(type(module), "reset_parameters", None)) and \
+                "reset_parameters" not in module.__dict__:
+            module.reset_parameters = types.MethodType(_guarded_reset_parameters, module)
+
+
+def _guarded_reset_parameters(self, *args, **kwargs):
+    flat = [name for name, param in self._parameters.items()
+            if getattr(param, "_vescale", None) is not None and param is param._vescale.sharded
+            and tuple(param.shape) != tuple(param._vescale.shape)]
+    if flat:
+        raise RuntimeError(
+            f"{type(self).__name__}.reset_parameters(): {flat[0]} is a flat piece of the sharded "
+            "master between steps, not a full tensor; initialize through "
+            "vescale_engine.materialize(model) on a model built on the meta device, or inside "
+            "`with gathered_parameters(model, writeback=True):`")
+    return type(self).reset_parameters(self, *args, **kwargs)

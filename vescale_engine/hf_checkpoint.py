@@ -291,16 +291,19 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
               device=None) -> LoadResult:
     """Load a Hugging Face checkpoint into `module` right after `fully_shard` (what
     `initialize` calls for `vescale.hf_checkpoint`). A module whose shards are still on meta
-    gets real storage on `device` first (`materialize.allocate_shards`); it must then find
-    every key in the file, since nothing else would initialize the rest."""
+    gets real storage on `device` first (`materialize.allocate_shards`); what the file does not
+    hold (non-persistent buffers; missing keys under strict=False) is then initialized by its
+    own modules (`materialize.init_unloaded`)."""
     stored, header_bytes, files = read_stored(path)
     plan, missing, unexpected = _match(module, _rename(stored, key_map), strict, path)
     result = LoadResult(missing, unexpected, header_bytes=header_bytes, files=files)
+    unloaded = []
     if _on_meta(module):
-        if missing:
-            raise HFCheckpointError(f"load_hf_checkpoint {os.fspath(path)}: the module is on "
-                                    f"meta and the checkpoint lacks {_listed(missing)}: "
-                                    "call vescale_engine.materialize first")
+        # What the file cannot hold (non-persistent buffers such as rotary inv_freq) and, with
+        # strict=False, its missing keys are initialized by their modules after the load.
+        loaded = {name for name, _ in plan}
+        unloaded = sorted({name for name, b in module.named_buffers(remove_duplicate=False)
+                           if b.is_meta and name not in loaded} | set(missing))
         from .materialize import allocate_shards
         allocate_shards(module, device=device)
         still = _on_meta(module)
@@ -308,6 +311,9 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
             raise HFCheckpointError(f"load_hf_checkpoint: {_listed(still)} still on meta after "
                                     "allocate_shards (not managed by fully_shard)")
     _load(module, plan, result)
+    if unloaded:
+        from .materialize import init_unloaded
+        init_unloaded(module, unloaded)
     return result
 
 
