@@ -176,6 +176,35 @@ def engine_hf(rank, world, pretrained, reference):
     raise AssertionError("load_checkpoint on a Hugging Face directory did not raise")
 
 
+def engine_hf_meta(rank, world, pretrained, reference, strict_path):
+    """A model built on meta and initialize with vescale.hf_checkpoint: the shards are allocated
+    and filled from the file, the rotary inv_freq (a non-persistent buffer no file holds) is
+    made by its module, and the logits equal the source model's. A file lacking a key is named
+    before the optimizer exists."""
+    from transformers import LlamaForCausalLM
+    from vescale_engine import full_state_dict, initialize
+    cfg = {"train_batch_size": world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "vescale": {"hf_checkpoint": pretrained}}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(True)).eval()
+    engine, *_ = initialize(model=model, config=cfg)
+    assert_equal_state(full_state_dict(engine.module), torch.load(reference))
+    source = make_llama(SEED)
+    for name, buf in source.named_buffers():
+        assert torch.equal(dict(engine.module.named_buffers())[name], buf), name
+    ids = torch.arange(8).view(1, 8) + rank
+    with torch.no_grad():
+        same = torch.equal(engine(input_ids=ids).logits, source(input_ids=ids).logits)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(True))
+    cfg["vescale"]["hf_checkpoint"] = strict_path
+    try:
+        initialize(model=model, config=cfg)
+    except ValueError as err:
+        return same, str(err)
+    raise AssertionError("a checkpoint lacking a key loaded into a meta model")
+
+
 # -- the tests -------------------------------------------------------------------------------------
 
 _POOLS = {}
@@ -357,3 +386,16 @@ def test_save_arguments_and_damaged_files_are_named(tmp_path):
         read_stored(tmp_path)
     with pytest.raises(HFCheckpointError, match="not a .safetensors file"):
         read_stored(__file__)
+
+
+def test_initialize_meta_model_from_hf_checkpoint(pools, pretrained, root):
+    path, reference, _ = pretrained[torch.float32]
+    lacking = os.path.join(root, "lacking-norm")
+    if not os.path.exists(lacking):
+        model = make_llama(SEED)
+        sd = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}
+        model.save_pretrained(lacking, state_dict=sd)
+    results = pools(2).run(engine_hf_meta, path, reference, lacking)
+    for same, err in results:
+        assert same, "logits differ from the source model's"
+        assert "model.norm.weight" in err and lacking in err, err
