@@ -5,13 +5,13 @@
 
 Three parts, each system in fresh processes, systems alternated, medians over --rounds:
 
-1. init, W ranks on gloo (default 2): a GPT (default 310M parameters, tied embedding) with its
-   blocks as units.
-   - whole: built whole on each rank (seeded), then `initialize`d: what users do today.
-   - ours:  built on meta, `initialize`d: fully_shard plans from shapes and `materialize`
-            initializes one module at a time into the shards.
+1. init, W ranks on gloo (default 2): the tests' GPT (tests/fsdp_models.py at 310M parameters,
+   tied embedding, torch's init contract) with its blocks and the root as units.
+   - whole: built whole on each rank (seeded), then `fully_shard`: what users do today.
+   - ours:  built on meta, `fully_shard` (plans from shapes), `materialize` (one module at a
+            time into the shards).
    - fsdp2: built on meta, torch `fully_shard` per block and root, `to_empty(device="cpu")`,
-            then each module's own init (`reset_parameters` + the model's `_init`).
+            then every module's `reset_parameters`, in construction order.
    Metric: peak RSS growth per rank (VmHWM - VmRSS, VmHWM reset just before the model is built);
    target for ours: <= 1.1 x shard + largest module's own parameters + 64 MiB. Each system's
    weights are compared with a one-process build at the same seed (parameters that differ).
@@ -42,7 +42,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 MB = 1e6
@@ -80,25 +80,21 @@ def bytes_read() -> int:
 # ---------------------------------------------------------------------------------------------
 # Models.
 
-def gpt_config(args):
-    from gpt_model import GPTConfig
-    return GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                     n_head=args.heads, n_embd=args.dim)
-
-
 def make_gpt(args, device="cpu"):
+    """The tests' GPT (tied embedding, torch's init contract: each module's reset_parameters),
+    at the benchmark's size, seeded."""
     import torch
-    from gpt_model import GPT
+    from fsdp_models import GPT
     torch.manual_seed(args.seed)
     with torch.device(device):
-        return GPT(gpt_config(args))
+        return GPT(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers,
+                   seq=args.seq)
 
 
-def engine_config(args):
-    return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 3},
-            "vescale": {"wrap_policy": {"module_classes": ["Block"]}}}
+def shard_blocks(model, shard):
+    for block in model.blocks:
+        shard(block)
+    return shard(model)
 
 
 def own_params(module) -> int:
@@ -117,39 +113,45 @@ def differing(reference: dict, full: dict) -> list:
 # ---------------------------------------------------------------------------------------------
 # Part 1: init (a worker is one rank of one system).
 
+def build_sharded(system: str, args):
+    """The GPT sharded over the default group, initialized the way `system` does it."""
+    import torch
+    import torch.distributed as dist
+    import vescale_engine
+    from vescale_engine import fsdp
+    if system == "whole":
+        module = shard_blocks(make_gpt(args), fsdp.fully_shard)
+    elif system == "ours":
+        module = shard_blocks(make_gpt(args, device="meta"), fsdp.fully_shard)
+        torch.manual_seed(args.seed)  # the generator state a whole build starts from
+        vescale_engine.materialize(module, device=torch.device("cpu"))
+    else:  # fsdp2
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        module = shard_blocks(make_gpt(args, device="meta"),
+                              lambda m: fully_shard(m, mesh=mesh))
+        module.to_empty(device="cpu")
+        torch.manual_seed(args.seed)
+        for m in module.modules():  # construction order, as a whole build runs them
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return module
+
+
 def init_worker(system: str, args) -> dict:
     import torch
     import torch.distributed as dist
     import vescale_engine
+    from vescale_engine import fsdp
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # Once at a tiny size first: imports and one-time setup are not the init's memory.
+    build_sharded(system, argparse.Namespace(**{**vars(args), "layers": 1, "dim": 8,
+                                                "heads": 1, "vocab": 16, "seq": 4}))
     base = reset_peak()
     start = time.perf_counter()
-    if system == "whole":
-        model = make_gpt(args)
-        engine, *_ = vescale_engine.initialize(model=model, config=engine_config(args))
-        module = engine.module
-    elif system == "ours":
-        model = make_gpt(args, device="meta")
-        torch.manual_seed(args.seed)  # the generator state a whole build would start from
-        engine, *_ = vescale_engine.initialize(model=model, config=engine_config(args))
-        module = engine.module
-    else:  # fsdp2
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from gpt_model import GPT
-        module = make_gpt(args, device="meta")
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(module, mesh=mesh)
-        module.to_empty(device="cpu")
-        torch.manual_seed(args.seed)
-        for m in module.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-        module.apply(GPT._init)
-        torch.optim.AdamW(module.parameters(), lr=1e-4)  # states are lazy: nothing allocated
+    module = build_sharded(system, args)
     seconds = time.perf_counter() - start
     growth = peak() - base
     shard = sum(p.numel() for p in module.parameters()) * 4 if system == "fsdp2" else \
@@ -215,21 +217,18 @@ def load_worker(system: str, args) -> dict:
     rank = dist.get_rank()
     path = args.checkpoint
     if system in ("ours", "gather"):
-        module = make_gpt(args, device="meta")
-        for block in module.blocks:
-            fsdp.fully_shard(block)
-        fsdp.fully_shard(module)
+        module = shard_blocks(make_gpt(args, device="meta"), fsdp.fully_shard)
         from vescale_engine.materialize import allocate_shards
         allocate_shards(module, torch.device("cpu"))
     else:  # dcp_hf: FSDP2's DTensor shards
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        module = make_gpt(args, device="meta")
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+        module = shard_blocks(make_gpt(args, device="meta"),
+                              lambda m: fully_shard(m, mesh=mesh))
         module.to_empty(device="cpu")
+    import torch.distributed.checkpoint  # noqa: F401  (imports are not the load's memory)
+    import vescale_engine.hf_checkpoint  # noqa: F401
     dist.barrier()
     base, read0 = reset_peak(), bytes_read()
     start = time.perf_counter()
