@@ -15,7 +15,8 @@ synchronisations in forward + backward and in the step), memory (no gathered or 
 survives a step; CUDA: memory_allocated does not drift over 10 steps), collectives (the ragged
 redistributions, an all-to-all with empty splits, an object all-gather), checkpoints (save, load,
 resume for AdamW, AdamW8bit and Muon: resumed losses equal, loaded state on the device), stage0
-(the replicate-only path).
+(the replicate-only path), big_models (meta-device init bitwise on the device, Hugging Face
+checkpoint load into meta-built shards and save).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
@@ -330,8 +332,67 @@ def check_stage0(device):
     return ok, {"losses": [round(x, 4) for x in losses]}
 
 
+def check_big_models(device):
+    """Issue 14 on the device: a meta-built model (the tests' GPT, torch's init contract)
+    materialized on the device equals a whole build there with the same seed, bitwise; a
+    Hugging Face style checkpoint (fp32: in place; bf16: through pinned staging) loads into
+    meta-built shards exactly; save_hf_checkpoint writes what was loaded."""
+    import torch.distributed as dist
+    from fsdp_models import GPT as TorchInitGPT
+    from vescale_engine import fsdp
+    from vescale_engine.distributed import join_process_group
+    from vescale_engine.safetensors_format import load_file, save_file
+    if not dist.is_initialized():
+        join_process_group(120)
+    size = dict(vocab=512, dim=128, heads=4, layers=3, seq=64)
+
+    def sharded_meta():
+        with torch.device("meta"):
+            model = TorchInitGPT(**size)
+        for block in model.blocks:
+            fsdp.fully_shard(block)
+        return fsdp.fully_shard(model)
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        reference = {k: v.detach().cpu() for k, v in TorchInitGPT(**size).state_dict().items()}
+    model = sharded_meta()
+    torch.manual_seed(0)
+    vescale_engine.materialize(model, device=device)
+    full = {k: v.cpu() for k, v in vescale_engine.full_state_dict(model).items()}
+    details = {"materialize_on": str(next(model.parameters()).device),
+               "materialize_differing": [k for k in reference if not torch.equal(reference[k],
+                                                                                 full[k])]}
+    ok = details["materialize_on"].startswith(device.type) and not details["materialize_differing"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in (torch.float32, torch.bfloat16):
+            path = os.path.join(tmp, str(dtype)[6:])
+            os.makedirs(path)
+            save_file({k: v.to(dtype) for k, v in reference.items() if k != "head.weight"},
+                      os.path.join(path, "model.safetensors"))
+            loaded = sharded_meta()
+            result = vescale_engine.load_hf_checkpoint(loaded, path)
+            got = {k: v.cpu() for k, v in vescale_engine.full_state_dict(loaded).items()}
+            bad = [k for k, v in reference.items() if not torch.equal(v.to(dtype).float(), got[k])]
+            details[f"load_{str(dtype)[6:]}"] = {"differing": bad,
+                                                 "bytes_read": result.bytes_read,
+                                                 "on": str(next(loaded.parameters()).device)}
+            ok = ok and not bad and result.bytes_read > 0
+        out = os.path.join(tmp, "saved")
+        vescale_engine.save_hf_checkpoint(model, out, dtype="fp32")
+        saved = {}
+        for name in os.listdir(out):
+            if name.endswith(".safetensors"):
+                saved.update(load_file(os.path.join(out, name)))
+        bad = [k for k, v in saved.items() if not torch.equal(v, reference[k])]
+        details["save_fp32"] = {"tensors": len(saved), "differing": bad}
+        ok = ok and saved and not bad
+    return ok, details
+
+
 CHECKS = [check_placement, check_parity_fp32, check_bf16_accumulation, check_fp16_overflow,
-          check_host_syncs, check_memory, check_collectives, check_checkpoints, check_stage0]
+          check_host_syncs, check_memory, check_collectives, check_checkpoints, check_stage0,
+          check_big_models]
 
 
 def main():
