@@ -154,9 +154,7 @@ def init_worker(system: str, args) -> dict:
     module = build_sharded(system, args)
     seconds = time.perf_counter() - start
     growth = peak() - base
-    shard = sum(p.numel() for p in module.parameters()) * 4 if system == "fsdp2" else \
-        sum(buf.shard_size * buf.master.element_size() for unit in _units(module)
-            for buf in unit.buffers)
+    shard = shard_bytes(module)
     largest = largest_module_bytes(make_gpt(args, device="meta"))
     row = {"system": system, "rank": rank, "growth": growth, "seconds": seconds,
            "shard": shard, "largest_module": largest}
@@ -171,6 +169,15 @@ def init_worker(system: str, args) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return row
+
+
+def shard_bytes(module) -> int:
+    """This rank's fp32 parameter storage: our DBuffers' shards (padding included), or FSDP2's
+    local DTensor pieces."""
+    units = _units(module)
+    if units:
+        return sum(buf.shard_size * buf.master.element_size() for u in units for buf in u.buffers)
+    return sum(p.to_local().numel() * p.element_size() for p in module.parameters())
 
 
 def _units(module):
@@ -256,8 +263,7 @@ def load_worker(system: str, args) -> dict:
     full = {k: v.full_tensor() for k, v in module.state_dict().items()} \
         if system == "dcp_hf" else vescale_engine.full_state_dict(module)
     reference = {k: v.to(torch.bfloat16).float() for k, v in make_gpt(args).state_dict().items()}
-    shard = sum(p.numel() for p in module.parameters()) * 4 if system == "dcp_hf" else \
-        sum(buf.shard_size * 4 for unit in _units(module) for buf in unit.buffers)
+    shard = shard_bytes(module)
     row = {"system": system, "rank": rank, "growth": growth, "seconds": seconds, "rchar": read,
            "counted": counted, "shard": shard, "differing": len(differing(reference, full)),
            "parameters": len(reference)}
@@ -293,7 +299,7 @@ def scale_worker(args) -> dict:
     for layer in model.model.layers:
         fsdp.fully_shard(layer)
     fsdp.fully_shard(model)
-    shard = sum(buf.shard_size * 4 for unit in _units(model) for buf in unit.buffers)
+    shard = shard_bytes(model)
 
     def constant(module):  # cheap: the point is memory, not the init's arithmetic
         for p in module.parameters(recurse=False):
