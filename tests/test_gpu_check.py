@@ -24,7 +24,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     statuses = {row["check"]: row["status"] for row in report["checks"]}
     assert statuses.pop("host_syncs") == "n/a"  # CUDA only
     assert set(statuses) == {"placement", "parity_fp32", "bf16_accumulation", "fp16_overflow",
-                             "memory", "collectives", "checkpoints", "stage0"}
+                             "memory", "collectives", "checkpoints", "stage0", "big_models"}
     assert set(statuses.values()) == {"PASS"}, statuses
     table = (tmp_path / "gpu_step_time_cpu.md").read_text()
     assert "| veScale |" in table and "| FSDP2 |" in table
