@@ -49,22 +49,16 @@ MB = 1e6
 MiB = 2 ** 20
 SLACK = 64 * MiB
 
+from fake_pg_memory import _reset_hwm, _status_kb  # noqa: E402  (one RSS probe for benchmarks)
+
 
 # ---------------------------------------------------------------------------------------------
 # Memory probes (this process).
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
 def reset_peak() -> int:
     """Reset VmHWM to the current RSS; return the RSS in bytes (the baseline)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    if not _reset_hwm():
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
     return _status_kb("VmRSS") * 1024
 
 

@@ -53,18 +53,11 @@ def base_config(name: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Worker: one measurement in this process.
 
-def _status_kb(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+from fake_pg_memory import _reset_hwm as reset_hwm, _status_kb  # noqa: E402  (one RSS probe)
 
 
 def _reset_hwm():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    if _status_kb("VmHWM") > _status_kb("VmRSS") + 1024:
+    if not reset_hwm():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
 
 
