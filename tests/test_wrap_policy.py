@@ -212,11 +212,13 @@ def gathered_peak(monkeypatch, policy):
     handler.emit = lambda record: messages.append(record.getMessage())
     logger = logging.getLogger("vescale_engine")
     logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the logger's cache
     try:
         engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, **POLICIES[policy]})
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     units = [unit_of(m) for m in engine.module.modules() if unit_of(m)]
     buffers = [b for u in units for b in u.buffers]
     peak = [0]
