@@ -8,7 +8,9 @@ pool restarts itself so the next test starts clean.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -128,3 +130,37 @@ def value_errors(attempts) -> list:
         except ValueError as err:
             errors.append(str(err))
     return errors
+
+
+@contextlib.contextmanager
+def engine_log_messages():
+    """The vescale_engine logger's messages (INFO and up) while inside, in this process. The
+    level is raised with setLevel (it clears the logger's isEnabledFor cache) and restored."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("vescale_engine")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def rank_pools():
+    """`get(world)`: one RankPool per world size, started on first use; all closed at exit."""
+    pools = {}
+
+    def get(world):
+        if world not in pools:
+            pools[world] = RankPool(world)
+        return pools[world]
+    try:
+        yield get
+    finally:
+        for pool in pools.values():
+            pool.close()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fsdp_models as fm
-from dist_harness import RankPool, scratch_dir
+from dist_harness import rank_pools, scratch_dir
 
 GLOBAL, SAVE_AT, AFTER = 12, 2, 2
 OPT = {"lr": 3e-3, "eps": 1e-6, "weight_decay": 0.01}
@@ -138,19 +138,10 @@ def test_resume_on_other_world_sizes_matches_uninterrupted(saved, root, pools, w
         assert torch.equal(results[r][4], saved[kind][r][4])
 
 
-_POOLS = {}
-
-
 @pytest.fixture(scope="module")
 def pools():
-    def get(world):
-        if world not in _POOLS:
-            _POOLS[world] = RankPool(world)
-        return _POOLS[world]
-    yield get
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    with rank_pools() as get:
+        yield get
 
 
 # -- other readers ---------------------------------------------------------------------------------

@@ -1,13 +1,11 @@
 """initialize + VeScaleEngine on 2 and 3 gloo ranks: DeepSpeed-style training (accumulation,
 clipping, DeepSpeed's WarmupLR) equals single-process training of the same global batch."""
-import contextlib
-import logging
 
 import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool, value_errors
+from dist_harness import RankPool, engine_log_messages, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, unit_of
 
@@ -28,21 +26,6 @@ def pool(request):
     pool = RankPool(request.param)
     yield pool
     pool.close()
-
-
-@contextlib.contextmanager
-def engine_log_messages():
-    """The vescale_engine logger's messages (INFO and up) while inside, in this rank process."""
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("vescale_engine")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 def engine_rank(rank, world, local_accumulation):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool, scratch_dir
+from dist_harness import rank_pools, scratch_dir
 
 SEED = 0
 
@@ -207,19 +207,10 @@ def engine_hf_meta(rank, world, pretrained, reference, strict_path):
 
 # -- the tests -------------------------------------------------------------------------------------
 
-_POOLS = {}
-
-
 @pytest.fixture(scope="module")
 def pools():
-    def get(world):
-        if world not in _POOLS:
-            _POOLS[world] = RankPool(world)
-        return _POOLS[world]
-    yield get
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    with rank_pools() as get:
+        yield get
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,8 @@ and 3 ranks through sub-groups (3 gives uneven splits). materialize must equal a
 build with the same seed bitwise (our GPT, a tiny transformers LlamaForCausalLM, tied and not),
 keep its peak under shard + largest module (the build-whole control exceeds the cap), and turn
 every silent meta-device failure into an error naming the parameter."""
-import contextlib
 import ctypes
 import gc
-import logging
 import math
 
 import pytest
@@ -15,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool
+from dist_harness import RankPool, engine_log_messages
 import vescale_engine
 from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
                                  sharded_parameters)
@@ -457,29 +455,13 @@ def allocate_rank(rank, world):
     with torch.device("meta"):
         logged = fm.GPT()
     fully_shard(logged)
-    with log_messages() as lines:
+    with engine_log_messages() as lines:
         materialize(logged)
     progress = [line for line in lines if line.startswith("materialize: ")]
     again = full_state_dict(model)
     return (same_objects, on_cpu, [k for k in reference if not torch.equal(full[k], reference[k])],
             [k for k in reference if not torch.equal(again[k], reference[k])], progress,
             no_draws, partial)
-
-
-@contextlib.contextmanager
-def log_messages():
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("vescale_engine")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def test_allocate_shards_is_what_a_loader_fills(pool):

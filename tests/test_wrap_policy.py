@@ -3,13 +3,13 @@ Hugging Face model, our GPT, and a model with neither; the explicit policies unc
 rank 0 of 64 on the fake process group, the default's gathered peak next to blocks wrapped
 (measured by the buffers' own accounting). Training with the default runs in test_engine.py's
 rank pool (test_llama_default_wrap_policy_trains_like_one_process)."""
-import logging
 
 import pytest
 import torch
 from torch import nn
 
 import fsdp_models as fm
+from dist_harness import engine_log_messages
 from test_engine import tiny_llama
 from vescale_engine import initialize
 from vescale_engine.dbuffer import DBuffer
@@ -207,18 +207,8 @@ def gathered_peak(monkeypatch, policy):
     """Peak over one forward, backward and step of the full-size bytes all DBuffers hold,
     sampled after each full-size allocation (the only moment the total can grow), the
     units, and the engine's log lines."""
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("vescale_engine")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the logger's cache
-    try:
+    with engine_log_messages() as messages:
         engine, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, **POLICIES[policy]})
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     units = [unit_of(m) for m in engine.module.modules() if unit_of(m)]
     buffers = [b for u in units for b in u.buffers]
     peak = [0]
