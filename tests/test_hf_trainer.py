@@ -1,0 +1,454 @@
+"""Hugging Face Trainer and Accelerate scripts, unchanged, on 2 gloo ranks: once with DeepSpeed
+ZeRO-3 (a config without a "vescale" section) and once after the one-line migration
+(`vescale_engine.patch_deepspeed()` plus a "vescale" section). Every run loads the same tiny
+Llama with `from_pretrained` inside the `TrainingArguments(deepspeed=...)` /
+`Accelerator(deepspeed_plugin=...)` context, as users' scripts do (for stage 3, transformers
+then builds it inside `deepspeed.zero.Init`).
+
+Compared per optimizer step: the loss, the gradient norm and the learning rate Trainer logs
+(or the Accelerate script reads), within 1e-6 relative. Both engines run the same fp32
+arithmetic (torch's AdamW: "torch_adam" in the config, Trainer's own optimizer otherwise);
+only the order of the cross-rank sums differs, which moves these values by float32 round-off
+(~1e-7). A missed optimizer step, a wrong gradient scale, a scheduler that does not reach the
+optimizer or restarts on resume moves them by far more.
+
+Ranks are started once (RankPool); each check runs a whole script in them, so Trainer's and
+Accelerate's process-wide state is reset before every run (`_reset_global_state`).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from dist_harness import RankPool
+
+WORLD = 2
+SEQ = 16
+VOCAB = 128
+STEPS = 6
+MICRO = 2
+LR = 1e-2
+TOLERANCE = 1e-6
+
+# A Trainer config as Hugging Face's DeepSpeed docs write it (their ds_config_zero3.json):
+# "auto" wherever Trainer fills the value in from TrainingArguments. "torch_adam": DeepSpeed on
+# CPU has no FusedAdam; it makes DeepSpeed build torch.optim.AdamW.
+ZERO3_AUTO = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto", "torch_adam": True}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                             "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+# The migration: the same config plus this section (the default wrap policy: one
+# LlamaDecoderLayer per unit).
+VESCALE_SECTION = {}
+
+
+def accelerate_config(engine: str, optimizer=True, scheduler=True) -> dict:
+    """An Accelerate user's config: Accelerate fills "auto" in the batch sizes, the
+    accumulation and optimizer.params lr and weight_decay, not in betas or eps."""
+    cfg = config(engine, optimizer, scheduler)
+    if optimizer:
+        cfg["optimizer"]["params"].update(betas=[0.9, 0.95], eps=1e-8)
+    cfg["gradient_clipping"] = 0.5
+    return cfg
+
+
+def config(engine: str, optimizer=True, scheduler=True) -> dict:
+    """ZERO3_AUTO for `engine` ("deepspeed" or "vescale"); without the optimizer (scheduler)
+    section Trainer and Accelerate scripts bring their own."""
+    cfg = copy.deepcopy(ZERO3_AUTO)
+    if not optimizer:
+        del cfg["optimizer"]
+    if not scheduler:
+        del cfg["scheduler"]
+    if engine == "vescale":
+        cfg["vescale"] = copy.deepcopy(VESCALE_SECTION)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- in the ranks
+
+def _accelerate_on_cpu_shim():
+    """TEST SHIM, not product code: Accelerate turns DeepSpeed on only when it finds an
+    accelerator (CUDA, XPU, ...). On this CPU machine, make PartialState pick gloo for a
+    launched rank (LOCAL_RANK set), so that TrainingArguments(deepspeed=...) and
+    Accelerator(deepspeed_plugin=...) take their DeepSpeed path as they do on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if getattr(PartialState._prepare_backend, "test_shim", False):
+        return
+    original = PartialState._prepare_backend
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        if not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_CPU
+        return original(self, cpu, sagemaker_dp, backend)
+
+    prepare_backend.test_shim = True
+    PartialState._prepare_backend = prepare_backend
+
+
+def _reset_global_state():
+    """What a fresh script starts without: Accelerate's shared state (the DeepSpeed plugin,
+    the distributed type) and transformers' reference to the DeepSpeed config in play."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    unset_hf_deepspeed_config()
+
+
+def _start_script(rank, cfg):
+    """The top of a user's script as a launcher starts it."""
+    os.environ["LOCAL_RANK"] = str(rank)  # what every launcher sets
+    _accelerate_on_cpu_shim()
+    _reset_global_state()
+    if "vescale" in cfg:
+        import vescale_engine
+        vescale_engine.patch_deepspeed()  # the one added line
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed token sequences a model can learn: arithmetic progressions modulo VOCAB with
+    strides 1..4. Labels are the inputs (the model shifts them)."""
+
+    def __init__(self, samples=64, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (samples, 1), generator=gen)
+        stride = torch.randint(1, 5, (samples, 1), generator=gen)
+        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def probe_input():
+    return TokenDataset(4, seed=2).ids
+
+
+def _recorder():
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        """Per optimizer step: the logged loss, grad norm and learning rate; eval losses."""
+
+        def __init__(self):
+            self.train, self.eval = {}, {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                self.train[state.global_step] = (logs["loss"], logs["grad_norm"],
+                                                 logs["learning_rate"])
+            if "eval_loss" in logs:
+                self.eval[state.global_step] = logs["eval_loss"]
+
+    return Recorder()
+
+
+def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
+    """A user's Trainer script; `cfg` picks DeepSpeed or veScale, `options` are the
+    TrainingArguments the scenario changes, plus `resume_from_checkpoint` and
+    `save_model_to` (then the trained model's logits on `probe_input()` come back too)."""
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    _start_script(rank, cfg)
+    options = dict(options)
+    resume = options.pop("resume_from_checkpoint", None)
+    save_model_to = options.pop("save_model_to", None)
+    args = TrainingArguments(**{
+        "output_dir": out_dir, "deepspeed": cfg, "per_device_train_batch_size": MICRO,
+        "per_device_eval_batch_size": MICRO, "max_steps": STEPS, "learning_rate": LR,
+        "warmup_steps": 2, "weight_decay": 0.01, "adam_beta2": 0.95, "max_grad_norm": 0.5,
+        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0,
+        "disable_tqdm": True, **options})
+    model = LlamaForCausalLM.from_pretrained(model_dir)  # inside zero.Init at stage 3
+    recorder = _recorder()
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(),
+                      eval_dataset=TokenDataset(8, seed=1), callbacks=[recorder])
+    trainer.train(resume_from_checkpoint=resume)
+    result = {"engine": type(trainer.model_wrapped).__name__, "train": recorder.train,
+              "eval": recorder.eval, "global_step": trainer.state.global_step,
+              "gradient_checkpointing": trainer.model.is_gradient_checkpointing}
+    if save_model_to:
+        trainer.save_model(save_model_to)
+        with torch.no_grad():
+            result["logits"] = trainer.model_wrapped(input_ids=probe_input()).logits
+    _reset_global_state()
+    return result
+
+
+def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
+    """A user's Accelerate script (the shape of accelerate's DeepSpeed examples). With an
+    optimizer section in `cfg` it passes DummyOptim/DummyScheduler, else its own torch AdamW
+    and a linear warmup schedule. Returns this rank's micro-batch losses, and per optimizer
+    step the grad norm and the learning rates of the schedule and of the optimizer; the
+    trained model's logits on `probe_input()`."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+    from transformers import LlamaForCausalLM, get_linear_schedule_with_warmup
+
+    _start_script(rank, cfg)
+    accelerator = Accelerator(gradient_accumulation_steps=accum,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    model = LlamaForCausalLM.from_pretrained(model_dir)  # inside zero.Init at stage 3
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=MICRO)
+    if "optimizer" in cfg:
+        optimizer = DummyOptim(model.parameters(), lr=LR, weight_decay=0.01)
+        # Accelerate divides total_num_steps by the number of processes
+        scheduler = DummyScheduler(optimizer, total_num_steps=STEPS * world,
+                                   warmup_num_steps=2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95),
+                                      weight_decay=0.01)
+        scheduler = get_linear_schedule_with_warmup(optimizer, 2, STEPS)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
+                                                              scheduler)
+    losses, steps = [], []
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                # the schedule's lr, and the lr the engine's optimizer holds
+                steps.append((grad_norm, scheduler.get_last_lr()[0],
+                              optimizer.param_groups[0]["lr"]))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        if len(steps) == STEPS:
+            break
+    state_dict = accelerator.get_state_dict(model)
+    accelerator.unwrap_model(model).save_pretrained(
+        out_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
+    accelerator.wait_for_everyone()
+    with torch.no_grad():
+        logits = model(input_ids=probe_input()).logits
+    result = {"engine": type(model).__name__, "losses": losses, "steps": steps,
+              "unwrapped": type(accelerator.unwrap_model(model)).__name__, "logits": logits}
+    _reset_global_state()
+    return result
+
+
+# ----------------------------------------------------------------------------- the runs
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama saved once (safetensors); every run starts from these weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    llama = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(llama).save_pretrained(path)
+    return str(path)
+
+
+# The Trainer scenarios: accumulation 1 and 2, each of the four ways the optimizer and the
+# scheduler come (config section or Trainer's own), eval, gradient checkpointing, label
+# smoothing. "accum1" also saves checkpoints (resumed below) and the final model.
+SCENARIOS = {
+    "accum1": (dict(optimizer=True, scheduler=False),
+               dict(save_strategy="steps", save_steps=3)),
+    "accum2_eval_checkpointing": (dict(optimizer=True, scheduler=True),
+                                  dict(gradient_accumulation_steps=2, eval_strategy="steps",
+                                       eval_steps=3, gradient_checkpointing=True)),
+    "accum2_trainer_optimizer": (dict(optimizer=False, scheduler=False),
+                                 dict(gradient_accumulation_steps=2)),
+    "label_smoothing": (dict(optimizer=False, scheduler=True),
+                        dict(label_smoothing_factor=0.1)),
+}
+RESUME_AT = 3
+
+
+class Runs:
+    """Each script run once per module, on demand; a failed run is remembered and its error
+    raised by every test that needs it (the other engine's runs still go ahead)."""
+
+    def __init__(self, pool, model_dir, root):
+        self.pool, self.model_dir, self.root = pool, model_dir, root
+        self._done = {}
+
+    def out_dir(self, *key):
+        return os.path.join(self.root, "-".join(key))
+
+    def get(self, fn, key, *args):
+        key = (fn.__name__, *key)
+        if key not in self._done:
+            try:
+                self._done[key] = (True, self.pool.run(fn, *args, timeout=300))
+            except AssertionError as err:
+                self._done[key] = (False, str(err))
+        ok, value = self._done[key]
+        if not ok:
+            raise AssertionError(f"the run {key} failed:\n{value}")
+        return value
+
+    def trainer(self, engine, scenario):
+        cfg_kw, options = SCENARIOS[scenario]
+        options = dict(options)
+        if scenario == "accum1":
+            options["save_model_to"] = self.out_dir("saved", engine)
+        return self.get(trainer_rank, (engine, scenario), self.model_dir,
+                        self.out_dir(engine, scenario), config(engine, **cfg_kw), options)
+
+    def resume(self, engine, from_engine):
+        """`engine` resumes "accum1" from `from_engine`'s checkpoint of step RESUME_AT."""
+        self.trainer(from_engine, "accum1")  # the run that wrote the checkpoint
+        cfg_kw, options = SCENARIOS["accum1"]
+        checkpoint = os.path.join(self.out_dir(from_engine, "accum1"),
+                                  f"checkpoint-{RESUME_AT}")
+        return self.get(trainer_rank, ("resume", engine, from_engine), self.model_dir,
+                        self.out_dir("resume", engine, from_engine),
+                        config(engine, **cfg_kw), {**options, "resume_from_checkpoint":
+                                                   checkpoint})
+
+    def accelerate(self, engine, accum):
+        own = accum == 2  # accumulation 2: the script's own optimizer and scheduler
+        return self.get(accelerate_rank, (engine, str(accum)), self.model_dir,
+                        self.out_dir("accelerate", engine, str(accum)),
+                        accelerate_config(engine, optimizer=not own, scheduler=not own), accum)
+
+
+@pytest.fixture(scope="module")
+def runs(pool, model_dir, tmp_path_factory):
+    return Runs(pool, model_dir, str(tmp_path_factory.mktemp("runs")))
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def _close(a, b):
+    return abs(a - b) <= TOLERANCE * max(abs(a), abs(b))
+
+
+def _assert_steps_equal(ours: dict, theirs: dict, what: str):
+    """Per step: (loss, grad norm, learning rate) within TOLERANCE relative."""
+    assert sorted(ours) == sorted(theirs), (what, sorted(ours), sorted(theirs))
+    for step in sorted(theirs):
+        for name, a, b in zip(("loss", "grad_norm", "learning_rate"), ours[step],
+                              theirs[step]):
+            assert _close(a, b), f"{what}: step {step} {name}: veScale {a!r}, DeepSpeed {b!r}"
+
+
+def _assert_trained(train: dict):
+    """The run did STEPS optimizer steps that changed the model (the comparison is not
+    between two idle runs): the loss fell well beyond the tolerance."""
+    assert sorted(train) == list(range(1, STEPS + 1)), sorted(train)
+    first, last = train[1][0], train[STEPS][0]
+    assert last < first * (1 - 1e3 * TOLERANCE), (first, last)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_trainer_same_steps_as_deepspeed(runs, scenario):
+    options = SCENARIOS[scenario][1]
+    ds = runs.trainer("deepspeed", scenario)
+    assert all(r["engine"] == "DeepSpeedEngine" for r in ds), ds[0]["engine"]
+    _assert_trained(ds[0]["train"])
+    if "eval_strategy" in options:
+        assert sorted(ds[0]["eval"]) == [3, 6], ds[0]["eval"]
+    ours = runs.trainer("vescale", scenario)
+    assert all(r["engine"] == "VeScaleEngine" for r in ours), ours[0]["engine"]
+    for rank in range(WORLD):
+        _assert_steps_equal(ours[rank]["train"], ds[rank]["train"], f"{scenario} rank {rank}")
+        assert ours[rank]["global_step"] == ds[rank]["global_step"] == STEPS
+        assert ours[rank]["gradient_checkpointing"] == ds[rank]["gradient_checkpointing"] == \
+            options.get("gradient_checkpointing", False)
+        assert sorted(ours[rank]["eval"]) == sorted(ds[rank]["eval"]), ours[rank]["eval"]
+        for step, loss in ds[rank]["eval"].items():
+            assert _close(ours[rank]["eval"][step], loss), (step, ours[rank]["eval"], loss)
+
+
+def test_trainer_save_model_loads_with_from_pretrained(runs):
+    """trainer.save_model writes a Hugging Face model; from_pretrained in one process (this
+    one, no DeepSpeed config in play) gives the trained model's logits."""
+    from transformers import LlamaForCausalLM
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    assert not is_deepspeed_zero3_enabled()
+    logits = {}
+    for engine in ("deepspeed", "vescale"):
+        trained = runs.trainer(engine, "accum1")
+        model = LlamaForCausalLM.from_pretrained(runs.out_dir("saved", engine)).eval()
+        with torch.no_grad():
+            logits[engine] = model(input_ids=probe_input()).logits
+        for rank in range(WORLD):
+            torch.testing.assert_close(trained[rank]["logits"], logits[engine],
+                                       rtol=TOLERANCE, atol=TOLERANCE)
+    torch.testing.assert_close(logits["vescale"], logits["deepspeed"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("from_engine", ["vescale", "deepspeed"])
+def test_trainer_resume_equals_uninterrupted(runs, from_engine):
+    """Trainer(resume_from_checkpoint=checkpoint-3) with our engine, from our checkpoint and
+    from DeepSpeed's: steps 4..6 as the uninterrupted run (the scheduler continues)."""
+    uninterrupted = runs.trainer("deepspeed", "accum1")
+    resumed = runs.resume("vescale", from_engine)
+    for rank in range(WORLD):
+        after = {s: v for s, v in uninterrupted[rank]["train"].items() if s > RESUME_AT}
+        _assert_steps_equal(resumed[rank]["train"], after, f"resumed from {from_engine}")
+        assert resumed[rank]["global_step"] == STEPS
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_accelerate_same_steps_as_deepspeed(runs, accum):
+    ds = runs.accelerate("deepspeed", accum)
+    assert ds[0]["engine"] == "DeepSpeedEngine"
+    assert len(ds[0]["steps"]) == STEPS and len(ds[0]["losses"]) == STEPS * accum
+    first, last = (sum(ds[0]["losses"][k * accum:(k + 1) * accum]) for k in (0, STEPS - 1))
+    assert last < first * (1 - 1e3 * TOLERANCE), ds[0]["losses"]  # it trained
+    ours = runs.accelerate("vescale", accum)
+    assert ours[0]["engine"] == "VeScaleEngine"
+    assert ours[0]["unwrapped"] == "LlamaForCausalLM"
+    for rank in range(WORLD):
+        assert all(_close(a, b) for a, b in zip(ours[rank]["losses"], ds[rank]["losses"],
+                                                strict=True)), \
+            (rank, ours[rank]["losses"], ds[rank]["losses"])
+        for step, (values, ds_values) in enumerate(zip(ours[rank]["steps"], ds[rank]["steps"],
+                                                       strict=True), 1):
+            assert all(_close(a, b) for a, b in zip(values, ds_values)), \
+                f"rank {rank} step {step}: (grad norm, scheduler lr, optimizer lr) veScale " \
+                f"{values}, DeepSpeed {ds_values}"
+        torch.testing.assert_close(ours[rank]["logits"], ds[rank]["logits"], rtol=1e-5,
+                                   atol=1e-5)
+    # unwrap_model(model).save_pretrained(state_dict=get_state_dict(model)) wrote a Hugging
+    # Face model with the trained weights: loaded in this process, the same logits
+    from transformers import LlamaForCausalLM
+    for engine, result in (("deepspeed", ds), ("vescale", ours)):
+        saved = LlamaForCausalLM.from_pretrained(runs.out_dir("accelerate", engine, str(accum)))
+        with torch.no_grad():
+            logits = saved.eval()(input_ids=probe_input()).logits
+        torch.testing.assert_close(logits, result[0]["logits"], rtol=TOLERANCE, atol=TOLERANCE)
