@@ -84,22 +84,34 @@ def test_engine_matches_single_process(pool, local):
 
 
 def bad_engine_rank(rank, world):
+    model = fm.make("gpt")
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(*fm.batch("gpt", 0, 2)).backward()
+    stepped.step()
+    other = torch.optim.SGD(fm.make("gpt").parameters(), lr=0.1)
     return value_errors(
-        lambda kwargs=kwargs: initialize(model=fm.make("gpt"), **kwargs)
+        lambda kwargs=kwargs: initialize(**{"model": fm.make("gpt"), **kwargs})
         for kwargs in (dict(config={**CONFIG, "vescale": {"wrap_policy": {"module_classes":
                                                                            ["Nope"]}}}),
-                       dict(config=CONFIG, optimizer=torch.optim.SGD(
-                           fm.make("gpt").parameters(), lr=0.1)),
+                       dict(config=CONFIG, optimizer=other),
                        dict(config={**CONFIG, "train_batch_size": 7}),
-                       dict(config=None)))
+                       dict(config=None),
+                       dict(model=model, config=CONFIG, optimizer=stepped),
+                       dict(config=CONFIG,
+                            lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))))
 
 
 def test_engine_bad_input(pool):
     errors = pool.run(bad_engine_rank)[0]
     assert "match no module" in errors[0]
-    assert "not an instance" in errors[1]
+    assert errors[1] == ("the SGD passed to initialize holds a tensor of shape [96, 64] that is "
+                         "not a parameter of the model")
     assert "train_batch_size 7" in errors[2]
     assert "no config" in errors[3]
+    assert "SGD passed to initialize already holds state for" in errors[4]
+    assert "(it has stepped)" in errors[4]
+    assert errors[5].startswith("lr_scheduler StepLR steps an optimizer that is not the "
+                                "engine's (none passed to initialize"), errors[5]
 
 
 def patched_rank(rank, world):
