@@ -402,6 +402,53 @@ def save_again(rank, world, root):
         return f.read()
 
 
+# -- frozen parameters left out (DeepSpeed's exclude_frozen_parameters) ---------------------------
+
+def _with_wpe_frozen(model, wpe_from=0):
+    """`model` with wpe.weight frozen and taken from the model of seed `wpe_from`."""
+    with torch.no_grad():
+        model.wpe.weight.copy_(fm.make("gpt", seed=wpe_from).wpe.weight)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
+def frozen_excluded(rank, world, root):
+    """save_checkpoint(exclude_frozen_parameters=True), as Trainer saves a PEFT model: the
+    frozen parameter is not written; loading keeps the model's own value for it, here through
+    Trainer's resume (deepspeed_load_checkpoint: a directory of global_step* tags and
+    `latest`), and continues as the uninterrupted run; a model where it is trainable refuses."""
+    import inspect
+    from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+    from vescale_engine.checkpoint import CheckpointError, read_metadata, read_state
+    engine = make_engine(world, "ours", model=_with_wpe_frozen(fm.make("gpt")))
+    train(engine, rank, world, SAVE_AT)
+    path = engine.save_checkpoint(root, exclude_frozen_parameters=True)
+    after = train(engine, rank, world, AFTER)
+    fresh = make_engine(world, "ours", model=_with_wpe_frozen(fm.make("gpt", seed=1)))
+    deepspeed_load_checkpoint(fresh, root)
+    resumed = train(fresh, rank, world, AFTER)
+    try:
+        make_engine(world, "ours", model=fm.make("gpt", seed=1)).load_checkpoint(root)
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    saved = sorted(k for k in read_metadata(path).state_dict_metadata if k.startswith("model."))
+    return dict(signature="exclude_frozen_parameters" in inspect.signature(
+        engine.save_checkpoint).parameters, saved=saved, after=after, resumed=resumed,
+        flag=read_state(path).get("excludes_frozen_parameters"), refused=refused,
+        path=os.path.basename(path))
+
+
+def test_frozen_parameters_left_out_of_the_checkpoint(pools, tmp_path):
+    r = pools(2).run(frozen_excluded, str(tmp_path))[0]
+    assert r["signature"] and r["flag"] is True and r["path"] == f"global_step{SAVE_AT}"
+    expected = sorted(f"model.{k}" for k in fm.make("gpt").state_dict() if k != "wpe.weight")
+    assert r["saved"] == expected
+    gap = max(abs(a - b) / b for a, b in zip(r["resumed"], r["after"], strict=True))
+    assert gap < 1e-6, (r["resumed"], r["after"])
+    assert "missing keys 'wpe.weight'" in r["refused"], r["refused"]
+
+
 # -- DeepSpeed ZeRO import -------------------------------------------------------------------------
 
 def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=()):

@@ -86,7 +86,7 @@ def _rank_files(path):
 
 def read_zero(path):
     """(full fp32 weights, {name: {moment: full tensor, 'step': 0-d}}, model states dict,
-    optimizer hyperparameters per param group)."""
+    optimizer hyperparameters per param group, ZeRO stage)."""
     model_file = next(os.path.join(path, f) for f in _MODEL_FILES
                       if os.path.isfile(os.path.join(path, f)))
     model = _load(model_file)
@@ -124,7 +124,7 @@ def read_zero(path):
             if "step" in states[0]:
                 moments.setdefault(name, {})["step"] = torch.as_tensor(
                     states[0]["step"], dtype=torch.float32).reshape(())
-    return weights, moments, model, groups
+    return weights, moments, model, groups, stage
 
 
 def _frozen(path, model, stage, world):
@@ -189,12 +189,12 @@ def convert_zero(ds_dir, out_dir, tag=None) -> str:
         if not is_zero_checkpoint(path):
             raise ckpt.CheckpointError(f"{path}: no {_MODEL_FILES[0]} or {_MODEL_FILES[1]}; not "
                                        "a DeepSpeed ZeRO checkpoint")
-    weights, moments, model, groups = read_zero(path)
-    write_converted(weights, moments, model, groups, os.fspath(out_dir), tag)
+    weights, moments, model, groups, stage = read_zero(path)
+    write_converted(weights, moments, model, groups, stage, os.fspath(out_dir), tag)
     return os.path.join(out_dir, tag)
 
 
-def write_converted(weights, moments, model, groups, out_dir, tag):
+def write_converted(weights, moments, model, groups, stage, out_dir, tag):
     sd = {}
     for name, w in weights.items():
         sd[f"model.{name}"] = w
@@ -219,9 +219,9 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
              "imported_from": "deepspeed"}
     if model.get("lr_scheduler") is not None:  # resuming continues the schedule (warmup)
         state["lr_scheduler"] = to_json(model["lr_scheduler"], "lr_scheduler")
-    if model.get("frozen_param_shapes") is None:
-        # Saved without frozen parameters (exclude_frozen_parameters, or a stage that keeps
-        # none): loading keeps the model's own values for its frozen parameters.
+    if stage >= 2 and model.get("frozen_param_shapes") is None:
+        # Saved with exclude_frozen_parameters (ZeRO-2/3 otherwise record the frozen ones,
+        # if only as {}): loading keeps the model's own values for its frozen parameters.
         state["excludes_frozen_parameters"] = True
     os.makedirs(out_dir, exist_ok=True)
     partial = os.path.join(out_dir, f".{tag}.partial")
