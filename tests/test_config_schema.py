@@ -67,8 +67,10 @@ BAD = [
     ({"vescale": {"native_collectives": 1}}, "vescale.native_collectives: expected boolean, got 1"),
     ({"zero_optimization": {"stage3_max_reuse_distance": -1}},
      "zero_optimization.stage3_max_reuse_distance: -1 is out of range (must be >= 0)"),
-    ({"zero_optimization": {"stage3_max_reuse_distance": "auto"}},
-     "zero_optimization.stage3_max_reuse_distance: expected number, got 'auto'"),
+    ({"gradient_predivide_factor": "auto"},
+     'gradient_predivide_factor: "auto" is not filled in here: Hugging Face Trainer and '
+     'Accelerate replace "auto" only in the keys listed under "auto" in '
+     'docs/config_reference.md; give a number'),
 ]
 
 
