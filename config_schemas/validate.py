@@ -1,8 +1,9 @@
 """Validate a config against the JSON Schema, the single source of truth for accepted keys.
 
 Configs as users have them: DeepSpeed's aliases (the schema's `x-aliases`) are read as their
-canonical key, and `"auto"` is accepted exactly where Hugging Face Trainer/Accelerate fill it in
-before `initialize` (the schema's `x-hf-auto`, which says who fills it from what). Then the
+canonical key; `"auto"` is accepted where Hugging Face Trainer/Accelerate fill it in before
+`initialize` (the schema's `x-hf-auto`, which says who fills it from what) and, as in DeepSpeed,
+means DeepSpeed's default in zero_optimization keys nobody fills in (`_resolve_autos`). Then the
 schema, then the checks no schema can say (contradictory precision, batch sizes no world size
 can satisfy). Every message names the JSON path, the bad value and what is allowed; a misspelt
 key gets the nearest valid name. Keys the schema marks `x-not-acted-on` are accepted and
@@ -301,7 +302,7 @@ def _semantic_errors(config) -> list:
     return errors
 
 
-def _node_at(parts):
+def node_at(parts):
     """(schema node, inherited x-not-acted-on reason, inside a section where DeepSpeed reads
     "auto" as its default) for a canonical key path; node None if the schema has no such key."""
     node, why, auto_default = load_schema(), None, False
@@ -329,7 +330,7 @@ def _resolve_autos(config, names: _Names, allow_auto):
     skip, lines, errors = set(), [], []
     for parts in list(_auto_paths(config)):
         dotted = _dotted(parts)
-        node, why, auto_default = _node_at(parts)
+        node, why, auto_default = node_at(parts)
         written_as_alias = names.path(parts) != dotted
         filled = None if written_as_alias else hf_auto().get(dotted)
         if filled and (allow_auto or why):
