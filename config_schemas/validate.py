@@ -77,7 +77,7 @@ def _dotted(parts) -> str:
 
 
 def _show(value) -> str:
-    return json.dumps(value) if not isinstance(value, str) else repr(value)
+    return json.dumps(value, default=repr) if not isinstance(value, str) else repr(value)
 
 
 def _is_number(value) -> bool:

@@ -138,3 +138,10 @@ def test_validate_command(tmp_path):
 def test_granularity_kinds_the_optimizers_use_are_accepted():
     for kind in ("block:256", "matrix", "tile:32x32", "element", "tensor"):
         assert check_config({"vescale": {"granularity": {"default": kind}}}).errors == [], kind
+
+
+def test_values_that_are_not_json_get_a_message_not_a_crash():
+    from pathlib import Path
+    report = check_config({"zero_optimization": {"offload_param": {"nvme_path": Path("/nvme")}}})
+    assert report.errors == ["zero_optimization.offload_param.nvme_path: expected string or null, "
+                             "got \"PosixPath('/nvme')\""], report.errors
