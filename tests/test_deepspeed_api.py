@@ -388,15 +388,19 @@ def test_unwrap_patch_names_the_version_when_accelerate_moved_its_function(monke
         patch_accelerate_unwrap()
 
 
-def test_gather_16bit_key_and_the_names_deepspeed_accepts_for_it():
-    from vescale_engine.deepspeed_surface import gather_16bit_weights_on_model_save as gather
-    assert gather({}) is False and gather({"zero_optimization": {"stage": 3}}) is False
+def test_gather_16bit_flag_under_every_name_deepspeed_accepts():
+    from types import SimpleNamespace
+    from vescale_engine.config import build_config
+    from vescale_engine.deepspeed_surface import DeepSpeedSurface
+
+    def answer(zero):
+        cfg = build_config({"train_batch_size": 2, "zero_optimization": zero}, 2)
+        return DeepSpeedSurface.zero_gather_16bit_weights_on_model_save(
+            SimpleNamespace(engine_config=cfg))
+    assert answer({"stage": 3}) is False  # DeepSpeed's default
     for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "stage3_gather_fp16_weights_on_model_save"):
-        assert gather({"zero_optimization": {key: True}}) is True, key
-    assert gather({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": False,
-                                         "stage3_gather_fp16_weights_on_model_save": True}}) \
-        is False  # the canonical name wins
+        assert answer({key: True}) is True, key
 
 
 # -- resuming DeepSpeed's ZeRO-3 checkpoint continues its warmup -----------------------------------

@@ -18,23 +18,6 @@ from torch import nn
 
 LOG = logging.getLogger("vescale_engine")
 
-# zero_optimization's key for "gather the full 16-bit weights when saving the model", then the
-# names DeepSpeed accepts for it (its pydantic alias and the deprecated fp16 name).
-GATHER_16BIT_KEYS = ("stage3_gather_16bit_weights_on_model_save",
-                     "gather_16bit_weights_on_model_save",
-                     "stage3_gather_fp16_weights_on_model_save")
-
-
-def gather_16bit_weights_on_model_save(config: dict) -> bool:
-    """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (or a name
-    DeepSpeed accepts for it); DeepSpeed's default, False, when absent."""
-    zero = config.get("zero_optimization") or {}
-    for key in GATHER_16BIT_KEYS:
-        if key in zero:
-            return bool(zero[key])
-    return False
-
-
 class DeepSpeedSurface:
     # -- gradient accumulation ------------------------------------------------------------------
 
@@ -51,7 +34,9 @@ class DeepSpeedSurface:
         return self.engine_config.zero_stage
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return gather_16bit_weights_on_model_save(self.config)
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save (or a name DeepSpeed
+        accepts for it); false when absent, as in DeepSpeed."""
+        return self.engine_config.gather_16bit_weights_on_model_save
 
     # -- the full model in 16 bits --------------------------------------------------------------
 
