@@ -201,6 +201,19 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
     return result
 
 
+def trainer_offload_rank(rank, world, model_dir, out_dir):
+    """The Trainer script with an offload section in the vescale config: the error each rank
+    gets from trainer.train() (None if it trained)."""
+    cfg = config("vescale")
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    try:
+        trainer_rank(rank, world, model_dir, out_dir, cfg, {})
+    except Exception as err:  # the test checks which error it is
+        _reset_global_state()
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
     """A user's Accelerate script (the shape of accelerate's DeepSpeed examples). With an
     optimizer section in `cfg` it passes DummyOptim/DummyScheduler, else its own torch AdamW
@@ -424,6 +437,16 @@ def test_trainer_resume_equals_uninterrupted(runs, from_engine):
         after = {s: v for s, v in uninterrupted[rank]["train"].items() if s > RESUME_AT}
         _assert_steps_equal(resumed[rank]["train"], after, f"resumed from {from_engine}")
         assert resumed[rank]["global_step"] == STEPS
+
+
+def test_trainer_with_offload_is_an_error(pool, model_dir, tmp_path):
+    """Offload is not supported: Trainer's run stops at deepspeed.initialize, on every rank,
+    with the message that says what to change, instead of training without it."""
+    errors = pool.run(trainer_offload_rank, model_dir, str(tmp_path))
+    for error in errors:
+        assert error is not None and "ConfigError" in error, error
+        assert "zero_optimization.offload_optimizer.device: 'cpu' is not allowed" in error, error
+        assert "AdamW8bit" in error, error
 
 
 @pytest.mark.parametrize("accum", [1, 2])
