@@ -1,6 +1,8 @@
 """`patch_deepspeed()`: the one-line migration for existing ZeRO scripts and for frameworks
 that call `deepspeed.initialize` themselves. After it, `deepspeed.initialize` returns our
-engine when the config has a "vescale" section, and DeepSpeed's own engine otherwise."""
+engine when the config has a "vescale" section, and DeepSpeed's own engine otherwise; and
+`deepspeed.zero.Init` builds on the meta device for such a config (zero_init; transformers'
+from_pretrained / from_config under it: hf_zero_init)."""
 from __future__ import annotations
 
 import functools
@@ -23,6 +25,8 @@ def patch_deepspeed() -> None:
     (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are untouched."""
     import deepspeed
 
+    from .zero_init import install as install_zero_init
+    install_zero_init()  # idempotent on its own
     if hasattr(deepspeed.initialize, "__vescale_original__"):
         return
     original = deepspeed.initialize
@@ -39,6 +43,9 @@ def patch_deepspeed() -> None:
             if unknown:
                 raise TypeError(f"deepspeed.initialize got arguments veScale does not know: "
                                 f"{unknown}")
+            if kwargs.get("model") is not None:
+                from .zero_init import require_not_partitioned
+                require_not_partitioned(kwargs["model"])
             return ours(**{k: v for k, v in kwargs.items() if k in _OUR_ARGUMENTS})
         return original(**kwargs)
 
