@@ -82,10 +82,11 @@ def save_checkpoints(rank, world, directory):
             saved = json.load(f)
         with open(f"{directory}/wide/config.json", "w") as f:  # claims the shapes we build
             json.dump({**saved, "intermediate_size": 80}, f)
-        torch.manual_seed(SEED + 6)  # GPT-2's attention re-initializes its child c_proj
+        torch.manual_seed(SEED + 6)  # GPT-2's attention re-initializes its child c_proj;
         GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=32, n_embd=48, n_layer=2,
                                    n_head=4)).save_pretrained(f"{directory}/gpt2")
         tensors = load_file(f"{directory}/gpt2/model.safetensors")
+        del tensors["transformer.h.0.attn.c_attn.bias"]  # its loaded weight must draw nothing
         del tensors["transformer.h.0.attn.c_proj.weight"]
         save_file(tensors, f"{directory}/gpt2/model.safetensors", metadata={"format": "pt"})
     torch.distributed.barrier()
@@ -231,7 +232,8 @@ def missing_rank(rank, world, directory):
     from_pretrained started with (a draw in between does not matter): a new classification
     head on a causal-LM checkpoint, a base-model checkpoint (no "model." prefix) under a
     causal-LM head, a file without lm_head, tensors of the wrong shape with
-    ignore_mismatched_sizes=True, and a GPT-2 projection that its parent's init rewrites
+    ignore_mismatched_sizes=True, and in GPT-2 a bias whose module's weight is loaded (its
+    init must skip that weight, drawing nothing) and a projection its parent's init rewrites
     after its own. Returns the differing names per case."""
     import vescale_engine
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, LlamaForSequenceClassification
@@ -259,7 +261,8 @@ def test_missing_keys_get_the_init_transformers_gives_them(pool, checkpoints):
     for out in pool.run(missing_rank, checkpoints):
         assert out == [("untied", ["score.weight"], []), ("base", ["lm_head.weight"], []),
                        ("no_head", ["lm_head.weight"], []), ("wide", [], []),
-                       ("gpt2", ["transformer.h.0.attn.c_proj.weight"], [])], out
+                       ("gpt2", ["transformer.h.0.attn.c_attn.bias",
+                                 "transformer.h.0.attn.c_proj.weight"], [])], out
 
 
 # -- from_config, the plain script form, DeepSpeed's own ------------------------------------
