@@ -362,7 +362,8 @@ def script_rank(rank, world, directory):
         losses = []
         for step in range(2):
             idx, tgt = fm.batch("gpt", step, MICRO * world)
-            loss = engine(idx[rank * MICRO:(rank + 1) * MICRO], tgt[rank * MICRO:(rank + 1) * MICRO])
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            loss = engine(idx[mine], tgt[mine])
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -391,6 +392,17 @@ def test_the_plain_zero_init_script_form_equals_the_whole_build(pool, checkpoint
 
 
 # -- every misuse names itself --------------------------------------------------------------
+
+class GathersWhileBuilt(torch.nn.Module):
+    """As wav2vec2's positional convolution under ZeRO-3: GatheredParameters in __init__."""
+
+    def __init__(self):
+        import deepspeed
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        with deepspeed.zero.GatheredParameters(self.linear.weight, modifier_rank=0):
+            self.scale = torch.nn.Parameter(self.linear.weight.norm(dim=1))
+
 
 def _error(fn):
     try:
@@ -444,6 +456,10 @@ def errors_rank(rank, world, directory):
     out["mpu"] = _error(lambda: init(mpu=object()))
     out["quantized"] = _error(lambda: init(zero_quantized_weights=True))
     out["same_dtype"] = {p.device.type for p in init(dtype=torch.float32).parameters()}
+    with deepspeed.zero.Init(config_dict_or_path=CONFIG):
+        built = GathersWhileBuilt()  # gathering during the build passes
+    out["gathered_later"] = _error(lambda: deepspeed.zero.GatheredParameters(
+        built.linear.weight).__enter__())
     out["disabled"] = {p.device.type for p in init(enabled=False).parameters()}
 
     with deepspeed.zero.Init(config_dict_or_path=DEEPSPEED_ONLY):  # DeepSpeed's own
@@ -484,6 +500,7 @@ def test_misuse_is_an_error_that_names_it(pool, checkpoints):
         assert "mpu= (model parallelism)" in errors["mpu"], errors
         assert "ZeRO++ quantized" in errors["quantized"], errors
         assert errors["same_dtype"] == {"meta"} and errors["disabled"] == {"cpu"}, errors
+        assert "no values until initialize" in errors["gathered_later"], errors
         assert "is a DeepSpeed ZeRO-3 partition" in errors["partitioned"], errors
         assert "did not call _load_pretrained_model" in errors["unrecorded"], errors
         for key, message in errors.items():

@@ -16,8 +16,10 @@ Every module that registers a tensor inside the context carries its `DeferredIni
   resolved, or that `from_config` wants its own init).
 On those modules `.to(device)` / `.cuda()` wait for `initialize` (which places the model),
 dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.GatheredParameters`
-on their parameters, or on parameters vescale has sharded, is an error naming the caller:
-there is nothing to gather, and DeepSpeed's own would silently do nothing.
+on their parameters once the build is over, or on parameters vescale has sharded, is an
+error naming the caller: there is nothing to gather, and DeepSpeed's own would silently do
+nothing. (During the build it passes: a model that gathers in `__init__` writes nothing that
+is kept.)
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ class MetaInit:
     """What `deepspeed.zero.Init(...)` returns for a vescale config: a context that builds on
     the meta device and marks what it builds with its `DeferredInit` record."""
 
+    active = 0  # contexts entered and not left: a build is running
+
     def __init__(self, config: dict, arguments: dict):
         refuse_changed_meaning(config, arguments)
         self.config = config
@@ -77,6 +81,8 @@ class MetaInit:
         for register in (module.register_module_parameter_registration_hook,
                          module.register_module_buffer_registration_hook):
             stack.callback(register(self._registered).remove)
+        MetaInit.active += 1
+        stack.callback(lambda: setattr(MetaInit, "active", MetaInit.active - 1))
         self._stack = stack
         return self
 
@@ -266,7 +272,9 @@ def _refuse_gathering(params, modifier_rank) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             continue
-        if p.is_meta and getattr(p, MARK, None) is not None:
+        # During the build (models that gather in __init__, as wav2vec2's weight norm does)
+        # there is nothing to gather and nothing written on meta is kept: DeepSpeed's no-op.
+        if p.is_meta and getattr(p, MARK, None) is not None and not MetaInit.active:
             raise RuntimeError(
                 f"deepspeed.zero.GatheredParameters (called from {_callers()}) on a parameter "
                 f"of shape {list(p.shape)} built under deepspeed.zero.Init with a vescale "
@@ -287,7 +295,8 @@ def _callers(limit: int = 3) -> str:
     names, frame = [], sys._getframe(1)
     while frame is not None and len(names) < limit:
         if frame.f_globals.get("__name__") != __name__:
-            names.append(frame.f_code.co_qualname)
+            code = frame.f_code  # co_qualname: Python 3.11+
+            names.append(getattr(code, "co_qualname", code.co_name))
         frame = frame.f_back
     return " <- ".join(names)
 
