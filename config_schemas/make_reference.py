@@ -1,6 +1,7 @@
 """Write docs/config_reference.md from the JSON Schema, so the reference cannot drift from the
 keys the validator accepts. Every key gets its type, default, allowed values, description and
-whether the engine acts on it (the schema's x-not-acted-on, inherited by nested keys).
+whether the engine acts on it (the schema's x-not-acted-on, inherited by nested keys); then
+DeepSpeed's aliases (x-aliases) and the keys where Hugging Face fills in "auto" (x-hf-auto).
 
     python -m config_schemas.make_reference          # rewrite docs/config_reference.md
     python -m config_schemas.make_reference --check  # exit 1 if the committed file is stale
@@ -12,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .validate import SCHEMA_PATH, load_schema
+from .validate import SCHEMA_PATH, node_at, aliases, hf_auto, load_schema
 
 REFERENCE_PATH = Path(__file__).resolve().parent.parent / "docs" / "config_reference.md"
 COMMAND = "python -m config_schemas.make_reference"
@@ -121,6 +122,18 @@ def _rows(properties: dict, prefix: str, not_acted_on: str | None, condition: st
     return rows
 
 
+def _auto_note(path: str, node: dict, why) -> str:
+    """Where "auto" is accepted too, and what it means there."""
+    if path in hf_auto():
+        return '; or "auto" (Hugging Face fills it in: see below)'
+    in_section = node_at(path.split("."))[2]
+    if in_section and "x-deepspeed-default" in node:
+        return f'; or "auto" (DeepSpeed\'s default, {json.dumps(node["x-deepspeed-default"])})'
+    if in_section and why:
+        return '; or "auto" (DeepSpeed\'s default)'
+    return ""
+
+
 def render() -> str:
     schema = load_schema()
     lines = [
@@ -149,10 +162,33 @@ def render() -> str:
                   "|---|---|---|---|---|---|"]
         for path, node, why, condition in _rows(props, prefix, None):
             acted = f"no: {why}" if why else "yes"
+            allowed = _allowed(node) + _auto_note(path, node, why)
             lines.append("| " + " | ".join(_cell(c) for c in (
-                f"`{path}`" + (f" ({condition})" if condition else ""), _type(node), _default(node), _allowed(node), acted,
-                node.get("description", ""))) + " |")
+                f"`{path}`" + (f" ({condition})" if condition else ""), _type(node),
+                _default(node), allowed, acted, node.get("description", ""))) + " |")
         lines.append("")
+    lines += [
+        "## Aliases", "",
+        "Names DeepSpeed also accepts. The validator reads each as its canonical key (what the "
+        "engine and this reference use) and `vescale validate` lists it as `written (= "
+        "canonical)`; giving both names with different values is an error naming both.", "",
+        "| Written | Read as | Why |", "|---|---|---|"]
+    for written, alias in aliases().items():
+        lines.append(f"| `{written}` | `{alias['of']}` | {_cell(alias['why'])} |")
+    lines += [
+        "", '## "auto" values', "",
+        'Hugging Face Trainer (`TrainingArguments(deepspeed=...)`) and Accelerate replace `"auto"` '
+        "in these keys before they call `initialize`; `vescale validate` accepts it here and "
+        'says who fills it in. An `"auto"` that reaches `initialize` unresolved (a script '
+        "calling it itself) is an error naming the key and who would have filled it in, unless "
+        'the engine does not act on the key. In `zero_optimization` an `"auto"` nobody fills in '
+        "means DeepSpeed's default, as in DeepSpeed: accepted where the engine does not act on "
+        "the key or where the reference states DeepSpeed's default (the **Allowed** column says "
+        'so). Anywhere else `"auto"` is an error.', "",
+        "| Key | Filled in from | A script calling initialize itself gives |", "|---|---|---|"]
+    for path, auto in hf_auto().items():
+        lines.append(f"| `{path}` | {_cell(auto['by'])} | {_cell(auto['value'])} |")
+    lines.append("")
     return "\n".join(lines)
 
 

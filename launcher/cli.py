@@ -171,7 +171,10 @@ def _plot(plans, model, path):
 def _add_validate_parser(sub):
     p = sub.add_parser("validate", help="check a config against the JSON Schema",
                        description="Validate a veScale/DeepSpeed JSON config: every problem "
-                                   "with its JSON path, and the keys accepted but not acted on.")
+                                   "with its JSON path; DeepSpeed's aliases read as their "
+                                   "canonical names; each \"auto\" and who fills it in "
+                                   "(Hugging Face Trainer/Accelerate) or what DeepSpeed reads "
+                                   "it as; and the keys accepted but not acted on.")
     p.add_argument("config", metavar="CONFIG.json")
     p.set_defaults(run=_run_validate)
 
@@ -190,9 +193,16 @@ def _run_validate(args) -> int:
     if report.errors:
         print(f"{args.config}: {len(report.errors)} problem(s)", file=sys.stderr)
         return 2
+    for alias in report.aliases:
+        print(f"{args.config}: alias: {alias}")
+    for auto in report.auto:
+        print(f'{args.config}: "auto": {auto}')
     if report.not_acted_on:
         print(f"{args.config}: accepted but not acted on: " + "; ".join(report.not_acted_on))
-    print(f"{args.config}: valid")
+    if report.auto:
+        print(f'{args.config}: valid, with {len(report.auto)} "auto" value(s) as listed')
+    else:
+        print(f"{args.config}: valid")
     return 0
 
 

@@ -67,8 +67,10 @@ BAD = [
     ({"vescale": {"native_collectives": 1}}, "vescale.native_collectives: expected boolean, got 1"),
     ({"zero_optimization": {"stage3_max_reuse_distance": -1}},
      "zero_optimization.stage3_max_reuse_distance: -1 is out of range (must be >= 0)"),
-    ({"zero_optimization": {"stage3_max_reuse_distance": "auto"}},
-     "zero_optimization.stage3_max_reuse_distance: expected number, got 'auto'"),
+    ({"gradient_predivide_factor": "auto"},
+     'gradient_predivide_factor: "auto" is not filled in here: Hugging Face Trainer and '
+     'Accelerate replace "auto" only in the keys listed under "auto" in '
+     'docs/config_reference.md; give a number'),
 ]
 
 
@@ -136,3 +138,10 @@ def test_validate_command(tmp_path):
 def test_granularity_kinds_the_optimizers_use_are_accepted():
     for kind in ("block:256", "matrix", "tile:32x32", "element", "tensor"):
         assert check_config({"vescale": {"granularity": {"default": kind}}}).errors == [], kind
+
+
+def test_values_that_are_not_json_get_a_message_not_a_crash():
+    from pathlib import Path
+    report = check_config({"zero_optimization": {"offload_param": {"nvme_path": Path("/nvme")}}})
+    assert report.errors == ["zero_optimization.offload_param.nvme_path: expected string or null, "
+                             "got \"PosixPath('/nvme')\""], report.errors

@@ -121,3 +121,26 @@ def test_optimizer_keys_the_class_does_not_take_are_one_line_errors(spec, messag
     from vescale_engine.from_config import optimizer_spec
     with pytest.raises(ValueError, match=message):
         optimizer_spec(spec)
+
+
+def test_steps_per_print_infinity_never_prints():
+    """Accelerate writes steps_per_print = float("inf") into every config it manages."""
+    import math
+    from vescale_engine.progress import Progress
+    cfg = build_config({"train_batch_size": 2, "steps_per_print": math.inf}, world_size=2)
+    assert cfg.steps_per_print == math.inf
+    progress = Progress(cfg.steps_per_print, rank=0)
+    assert not any(progress.due(step) for step in range(1, 10 ** 4))
+    assert build_config({"train_batch_size": 2, "steps_per_print": 1e5},
+                        world_size=2).steps_per_print == 100000
+
+
+def test_checks_that_need_no_world_size_run_in_the_validator_too():
+    from config_schemas.validate import check_config
+    for config in ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+                   {"train_batch_size": 9, "train_micro_batch_size_per_gpu": 2}):
+        assert check_config(config).errors, config
+    # a world size is needed to see this one: 8 = 2 x 1 x 4 ranks, not 3
+    assert check_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}).errors == []
+    with pytest.raises(ConfigError, match="not a multiple of train_micro_batch_size_per_gpu 2 x 3"):
+        build_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, world_size=3)

@@ -1,10 +1,13 @@
 """Typed engine config built from a validated JSON config: DeepSpeed's keys with DeepSpeed's
-meaning, our `vescale` section, and DeepSpeed's batch-size arithmetic. No torch import."""
+meaning, our `vescale` section, and DeepSpeed's batch-size arithmetic. It reads canonical key
+names only (the validator maps DeepSpeed's aliases); what depends on the world size is checked
+here, everything else by the validator. No torch import."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from config_schemas.validate import ConfigError, validate_config
+from config_schemas.validate import ConfigError, read_config, validate_config
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
@@ -64,12 +67,12 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int) -> BatchSizes:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    raw: dict
+    raw: dict  # the config as given (DeepSpeed's engine.config); the fields below are canonical
     batch: BatchSizes
     optimizer: dict | None
     scheduler: dict | None
     gradient_clipping: float
-    steps_per_print: int
+    steps_per_print: int | float  # math.inf: never (Accelerate writes Infinity)
     wall_clock_breakdown: bool
     zero_stage: int
     bf16: bool
@@ -92,36 +95,42 @@ class EngineConfig:
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
     checkpoint_import_timeout_s: float = 3 * 3600  # ranks waiting for rank 0's ZeRO import
     hf_checkpoint: str | None = None  # Hugging Face weights initialize loads into the shards
+    # zero_optimization.stage3_gather_16bit_weights_on_model_save (aliases included): what
+    # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
+    gather_16bit_weights_on_model_save: bool = False
 
 
 def build_config(source, world_size: int) -> EngineConfig:
     """Validate `source` (path or dict) and resolve it for `world_size` ranks; every problem is
-    a ConfigError raised before any collective starts."""
-    config, report = validate_config(source)
+    a ConfigError raised before any collective starts, an "auto" that Hugging Face did not fill
+    in included."""
+    raw = read_config(source)
+    prefix = f"{source}: " if not isinstance(source, dict) else ""
+    try:
+        config, report = validate_config(raw, allow_auto=False)
+    except ConfigError as err:
+        raise ConfigError([prefix + m for m in err.messages]) from None
     ves = config.get("vescale", {})
     replicas = ves.get("hsdp_replicate_size", 1)
     if world_size % replicas:
         raise ConfigError([f"vescale.hsdp_replicate_size {replicas} does not divide the world "
                            f"size {world_size}"])
-    bf16 = config.get("bf16", {}).get("enabled", False)
+    bf16 = config.get("bf16", {}).get("enabled", False)  # both true: the validator's error
     fp16 = config.get("fp16", {}).get("enabled", False)
-    if bf16 and fp16:
-        raise ConfigError(["fp16.enabled and bf16.enabled are both true: choose one"])
-    stage = config.get("zero_optimization", {}).get("stage", 3)
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 3)
     mp = ves.get("mixed_precision", {})
     param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else "fp16" if fp16 else None)
-    if fp16 and DTYPES[param_dtype] != "float16":
-        raise ConfigError([f"fp16.enabled computes in float16, but vescale.mixed_precision."
-                           f"param_dtype is {param_dtype!r}: drop one of them"])
+    steps_per_print = config.get("steps_per_print", 10)
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
     return EngineConfig(
-        raw=config,
+        raw=raw,
         batch=resolve_batch_sizes(config, world_size),
         optimizer=config.get("optimizer"),
         scheduler=config.get("scheduler"),
         gradient_clipping=float(config.get("gradient_clipping", 0.0)),
-        steps_per_print=config.get("steps_per_print", 10),
+        steps_per_print=steps_per_print if steps_per_print == math.inf else int(steps_per_print),
         wall_clock_breakdown=config.get("wall_clock_breakdown", False),
         zero_stage=stage,
         bf16=bf16,
@@ -135,8 +144,7 @@ def build_config(source, world_size: int) -> EngineConfig:
         param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
         reduce_dtype=DTYPES.get(mp["reduce_dtype"]) if mp.get("reduce_dtype") else None,
         reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
-        max_reuse_distance=int(config.get("zero_optimization", {}).get(
-            "stage3_max_reuse_distance", 0)),
+        max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0)),
         grads_in_place=ves.get("grads_in_place", True),
         local_grad_accumulation=ves.get("local_grad_accumulation", False),
         native_collectives=ves.get("native_collectives", False),
@@ -145,4 +153,6 @@ def build_config(source, world_size: int) -> EngineConfig:
         fp16=dict(config.get("fp16", {})) if fp16 else {},
         checkpoint_import_timeout_s=float(ves.get("checkpoint_import_timeout_s", 3 * 3600)),
         hf_checkpoint=ves.get("hf_checkpoint"),
+        gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save",
+                                                    False),
     )
