@@ -404,10 +404,10 @@ class GathersWhileBuilt(torch.nn.Module):
             self.scale = torch.nn.Parameter(self.linear.weight.norm(dim=1))
 
 
-def _error(fn):
+def _error(fn, kinds=(ValueError, RuntimeError)):
     try:
         fn()
-    except (ValueError, RuntimeError) as err:
+    except kinds as err:
         return f"{type(err).__name__}: {err}"
     return None
 
@@ -437,6 +437,7 @@ def errors_rank(rank, world, directory):
     out["gathered"] = _error(lambda: deepspeed.zero.GatheredParameters(
         model.lm_head.weight, modifier_rank=0).__enter__())
     out["to_empty"] = _error(lambda: model.to_empty(device="cpu"))
+    out["no_such_device"] = _error(lambda: model.to("cuda:99"))  # a move that cannot happen
     model.half()  # a cast applies on meta: the load then casts into float16
     out["half"] = {p.dtype for p in model.parameters()}
     engine, *_ = vescale_engine.initialize(model=model, config=CONFIG)
@@ -469,6 +470,11 @@ def errors_rank(rank, world, directory):
     model = pretrained()  # initialize wraps it before it finds out
     out["part"] = _error(lambda: vescale_engine.initialize(model=model.model, config=CONFIG))
 
+    from vescale_engine.hf_zero_init import check_transformers
+    check_transformers()  # this transformers has every name the steps rely on
+    out["transformers"] = _error(lambda: check_transformers(
+        [("transformers.modeling_utils", "PreTrainedModel.renamed_away")]), ImportError)
+
     model = pretrained()  # transformers loaded it another way: nothing may train
     record = deferred_record(model)
     record.root = record.pretrained = None
@@ -489,6 +495,8 @@ def test_misuse_is_an_error_that_names_it(pool, checkpoints):
             "resize_token_embeddings" in errors["resize"], errors["resize"]
         assert "no values until initialize" in errors["gathered"], errors
         assert "to_empty(...)" in errors["to_empty"], errors
+        assert "Embedding.to(...) on a model built under deepspeed.zero.Init with a vescale " \
+            "config: " in errors["no_such_device"], errors
         assert "a part of the LlamaForCausalLM" in errors["part"], errors
         assert errors["half"] == {torch.float16} and errors["half_loaded"] == {torch.float16}
         assert "which vescale has sharded" in errors["sharded"], errors
@@ -503,6 +511,8 @@ def test_misuse_is_an_error_that_names_it(pool, checkpoints):
         assert "no values until initialize" in errors["gathered_later"], errors
         assert "is a DeepSpeed ZeRO-3 partition" in errors["partitioned"], errors
         assert "did not call _load_pretrained_model" in errors["unrecorded"], errors
+        assert "needs transformers.modeling_utils.PreTrainedModel.renamed_away, which " \
+            "transformers 5." in errors["transformers"], errors
         for key, message in errors.items():
             if isinstance(message, str):
                 assert "\n" not in message.split(": ", 1)[1] or key == "wide", (key, message)

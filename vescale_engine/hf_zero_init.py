@@ -280,27 +280,34 @@ def _lookup(module_name, dotted):
     return value
 
 
-def install() -> None:
-    """Take over the three steps of the module docstring (idempotent). A name this needs that
-    the installed transformers lacks is an error naming it and the version."""
+def check_transformers(needed=_NEEDED) -> None:
+    """An ImportError naming every name in `needed` (module, dotted attribute) the installed
+    transformers lacks, and its version; `_load_pretrained_model`'s signature is checked too."""
     import transformers
-    modeling = importlib.import_module("transformers.modeling_utils")
-    integration = importlib.import_module("transformers.integrations.deepspeed")
-    pretrained = modeling.PreTrainedModel
-    if hasattr(pretrained._initialize_missing_keys, "__vescale_original__"):
-        return
-    absent = [f"{m}.{n}" for m, n in _NEEDED if _lookup(m, n) is None]
-    load = pretrained.__dict__.get("_load_pretrained_model")
-    if not absent and (not isinstance(load, staticmethod) or list(
-            inspect.signature(load.__func__).parameters)[:4] !=
-            ["model", "state_dict", "checkpoint_files", "load_config"]):
+    absent = [f"{m}.{n}" for m, n in needed if _lookup(m, n) is None]
+    load = importlib.import_module("transformers.modeling_utils").PreTrainedModel.__dict__.get(
+        "_load_pretrained_model")
+    if not isinstance(load, staticmethod) or list(inspect.signature(
+            load.__func__).parameters)[:4] != ["model", "state_dict", "checkpoint_files",
+                                               "load_config"]:
         absent.append("PreTrainedModel._load_pretrained_model(model, state_dict, "
                       "checkpoint_files, load_config, ...)")
     if absent:
         raise ImportError(f"vescale's deferred from_pretrained/from_config needs "
                           f"{', '.join(absent)}, which transformers {transformers.__version__} "
                           f"does not have (written for {_WRITTEN_FOR})")
-    original_load = load.__func__
+
+
+def install() -> None:
+    """Take over the three steps of the module docstring (idempotent). A name this needs that
+    the installed transformers lacks is an error naming it and the version."""
+    modeling = importlib.import_module("transformers.modeling_utils")
+    integration = importlib.import_module("transformers.integrations.deepspeed")
+    pretrained = modeling.PreTrainedModel
+    if hasattr(pretrained._initialize_missing_keys, "__vescale_original__"):
+        return
+    check_transformers()
+    original_load = pretrained.__dict__["_load_pretrained_model"].__func__
 
     @functools.wraps(original_load)
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
