@@ -9,7 +9,8 @@ untied, one file and an index of several); keys the file lacks must get transfor
 (a new classification head, a base-model checkpoint); `from_config` must give DeepSpeed's
 values; the plain `with deepspeed.zero.Init(config_dict_or_path=cfg)` script form equals the
 whole build; without a vescale section DeepSpeed's own partitioned model comes back; every
-misuse is an error that names it.
+misuse is an error that names it (and the conversion a Mixtral checkpoint's error asks for
+then loads exactly).
 """
 import contextlib
 import json
@@ -58,7 +59,8 @@ def llama_config(tied=True, **overrides):
 def save_checkpoints(rank, world, directory):
     """Rank 0 writes every checkpoint the checks load (the others wait)."""
     from safetensors.torch import load_file, save_file
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, LlamaModel
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, LlamaModel,
+                              MixtralConfig, MixtralForCausalLM)
     if rank == 0:
         torch.manual_seed(SEED)
         LlamaForCausalLM(llama_config(tied=True)).save_pretrained(f"{directory}/tied")
@@ -82,6 +84,16 @@ def save_checkpoints(rank, world, directory):
             saved = json.load(f)
         with open(f"{directory}/wide/config.json", "w") as f:  # claims the shapes we build
             json.dump({**saved, "intermediate_size": 80}, f)
+        tensors = load_file(f"{directory}/tied/model.safetensors")  # two keys for one name
+        os.makedirs(f"{directory}/twice")
+        twice = {**tensors, "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+        save_file(twice, f"{directory}/twice/model.safetensors", metadata={"format": "pt"})
+        llama_config().save_pretrained(f"{directory}/twice")
+        MixtralForCausalLM(MixtralConfig(  # per-expert tensors, merged as the model loads them
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, num_local_experts=2,
+            num_experts_per_tok=1, max_position_embeddings=32)).save_pretrained(
+                f"{directory}/mixtral")
         torch.manual_seed(SEED + 6)  # GPT-2's attention re-initializes its child c_proj;
         GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=32, n_embd=48, n_layer=2,
                                    n_head=4)).save_pretrained(f"{directory}/gpt2")
@@ -426,6 +438,20 @@ def errors_rank(rank, world, directory):
         with hf_config(CONFIG):
             return LlamaForCausalLM.from_pretrained(f"{directory}/{name}", **kwargs)
     out["bin"] = _error(lambda: pretrained("bin"))
+    out["twice"] = _error(lambda: pretrained("twice"))
+    from transformers import MixtralForCausalLM
+    with hf_config(CONFIG):
+        out["conversion"] = _error(lambda: MixtralForCausalLM.from_pretrained(
+            f"{directory}/mixtral"))
+    reference = MixtralForCausalLM.from_pretrained(f"{directory}/mixtral")  # the advice:
+    if rank == 0:
+        reference.save_pretrained(f"{directory}/mixtral_merged", save_original_format=False)
+    torch.distributed.barrier()
+    with hf_config(CONFIG):
+        merged = MixtralForCausalLM.from_pretrained(f"{directory}/mixtral_merged")
+    engine, *_ = vescale_engine.initialize(model=merged, config=CONFIG)
+    out["converted"] = differing(state(engine.module), state(reference))
+    engine.destroy()
     out["wide"] = _error(lambda: pretrained("wide"))
     with hf_config(CONFIG):
         out["state_dict"] = _error(lambda: LlamaForCausalLM.from_pretrained(
@@ -489,6 +515,12 @@ def test_misuse_is_an_error_that_names_it(pool, checkpoints):
         assert "pytorch_model.bin is not a safetensors file" in errors["bin"], errors
         assert "convert the checkpoint once" in errors["bin"], errors
         assert "ignore_mismatched_sizes" in errors["wide"], errors  # transformers' report
+        assert "checkpoint keys embed_tokens.weight and model.embed_tokens.weight both give " \
+            "model.embed_tokens.weight" in errors["twice"], errors
+        assert "checkpoint key model.layers.0.block_sparse_moe.experts.0.w1.weight" in \
+            errors["conversion"] and "needs one of transformers' weight conversions into " \
+            "model.layers.0.mlp.experts.gate_up_proj" in errors["conversion"], errors
+        assert errors["converted"] == [], errors  # the conversion the message says loads
         assert errors["state_dict"].startswith("ValueError: from_pretrained(") and \
             "state_dict= is not supported" in errors["state_dict"], errors
         assert "GatheredParameters (called from" in errors["resize"] and \

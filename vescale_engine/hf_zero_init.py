@@ -116,18 +116,18 @@ def _match_keys(model, stored, load_config) -> tuple[dict, set, set]:
     prefix = model.base_model_prefix
     key_map, unexpected, mismatched, source_of = {}, set(), set(), {}
     for key in sorted(stored):
-        name, converter = rename_source_key(key, renamings, converters, prefix, expected)
+        name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if name not in expected and key in expected:  # as transformers: the prefix only
-            name, converter = rename_source_key(key, [], [], prefix, expected)
+            name, pattern = rename_source_key(key, [], [], prefix, expected)
         if name not in expected:
             unexpected.add(name)
             continue
-        if converter is not None:
+        if pattern is not None:  # a converter's source pattern matched
             raise ValueError(f"from_pretrained under a vescale config: checkpoint key {key} "
-                             f"needs transformers' weight conversion {converter!r} into {name}, "
-                             "which works on whole tensors; convert the checkpoint once "
-                             "(from_pretrained without the vescale section, then "
-                             "save_pretrained)")
+                             f"({pattern!r}) needs one of transformers' weight conversions "
+                             f"into {name}, which work on whole tensors; convert the "
+                             "checkpoint once (from_pretrained without the vescale section, "
+                             "then save_pretrained(directory, save_original_format=False))")
         if name in source_of:
             raise ValueError(f"from_pretrained under a vescale config: checkpoint keys "
                              f"{source_of[name]} and {key} both give {name}")
