@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .granularity import Granularity, parse_granularity
 from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, TensorSpec, check_plan,
-                      plan_buffer, plan_unit)
+                      plan_buffer, plan_unit, shard_lower_bound)
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
@@ -206,17 +206,8 @@ def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:
     m, align = model_plan.world_size, align_elements(model_plan.align_bytes, model_plan.dtype)
     pad = 0
     for group, specs in zip(model_plan.model.groups, model_plan.specs):
-        total = sum(s.numel for s in specs)
-        S = -(-max(1, -(-total // m)) // align) * align
-        while True:
-            forced = [s for s in specs if s.numel > 2 * S]
-            multiple = math.lcm(align, *(s.block for s in forced))
-            candidate = -(-S // multiple) * multiple
-            drop = min((-(-s.numel // 2) for s in forced), default=None)
-            if drop is None or candidate < drop:
-                break
-            S = drop  # from here on the longest forced tensor no longer forces S
-        pad += group.repeat * (m * candidate - total)
+        S = shard_lower_bound([(s.numel, s.block, 1) for s in specs], m, align)
+        pad += group.repeat * (m * S - sum(s.numel for s in specs))
     return pad / model_plan.model.numel
 
 

@@ -160,12 +160,12 @@ def _place(runs, S: int, align: int, offsets: list | None = None):
 
 
 def _place_run(p, n, g, count, S, align, step, offsets):
-    """Place `count` identical tensors from p, a shard at a time: the tensors that fit in the
-    current shard go back to back in one step, and only one that meets a boundary needs
-    `_earliest_offset`. Where a tensor goes depends only on where p is within its shard
-    (p mod S), so once that position repeats the run is periodic: jump over the remaining whole
-    periods. Hundreds of experts cost a few steps either way."""
-    stride = -(-n // align) * align
+    """Place `count` identical tensors from p, a shard at a time: one step places the tensor
+    that meets the next boundary (`_earliest_offset`) and then, back to back, those that fit
+    after it in the next shard. Where a step goes depends only on where it starts within its
+    shard (p mod S), so once that position repeats the run is periodic: jump over the remaining
+    whole periods. Hundreds of experts cost a few steps either way."""
+    stride = -(-n // align) * align      # from one tensor's start to the next one's, back to back
     seen = {}
     i = 0
     while i < count:
@@ -181,20 +181,20 @@ def _place_run(p, n, g, count, S, align, step, offsets):
                 p, i, seen = p + cycles * advance, i + cycles * period, None
                 continue
             seen[p % S] = (i, p)
-        room = (p // S + 1) * S - p                 # up to the next shard boundary
-        if n <= room:
+        if n > S - p % S:                           # meets the next boundary
+            off = _earliest_offset(p, n, g, S, step)
+            if off is None:
+                return None
+            if offsets is not None:
+                offsets.append(off)
+            p = -(-(off + n) // align) * align
+            i += 1
+        room = S - p % S
+        if n <= room and i < count:                 # these fit before the next boundary
             k = min(count - i, (room - n) // stride + 1)
             if offsets is not None:
                 offsets.extend(p + j * stride for j in range(k))
             p, i = p + (k - 1) * stride + n, i + k
-            continue
-        off = _earliest_offset(p, n, g, S, step)
-        if off is None:
-            return None
-        if offsets is not None:
-            offsets.append(off)
-        p = off + n
-        i += 1
     return p
 
 
@@ -246,6 +246,21 @@ def _refine_down(items, world_size, align, bad, good):
         else:
             lo = mid
     return good
+
+
+def shard_lower_bound(items, world_size: int, align: int) -> int:
+    """A shard size no one-buffer layout of items [(numel, block, count)] can beat: S is at
+    least the fair share, and a multiple of the block of every tensor longer than 2S (the lcm
+    trap). The split search uses it to skip trials that cannot pay off."""
+    total = sum(n * count for n, _, count in items)
+    S = _round_up(max(1, -(-total // world_size)), align)
+    while True:
+        forced = [(n, g) for n, g, _ in items if n > 2 * S]
+        candidate = _round_up(S, math.lcm(align, *(g for _, g in forced)))
+        drop = min((-(-n // 2) for n, _ in forced), default=None)
+        if drop is None or candidate < drop:
+            return candidate
+        S = drop  # from here on the longest forced tensor no longer forces S
 
 
 def _min_shard(items, world_size: int, align: int) -> int:
@@ -414,10 +429,11 @@ def _split_by_block(specs):
     return [classes[g] for g in sorted(classes, reverse=True)]
 
 
-def _merge_classes(classes, max_buffers, padding_of, tolerance):
+def _merge_classes(classes, max_buffers, padding_of, floor_of, tolerance):
     """Greedy agglomeration: merge the pair of buffers whose merge costs the least padding;
     merge while that costs at most `tolerance` elements (fewer collectives are worth a little
-    padding) or while more than max_buffers remain. `padding_of` takes a group's kinds."""
+    padding) or while more than max_buffers remain. `padding_of` takes a group's kinds;
+    `floor_of` is a lower bound of it that costs no search."""
     groups = [(c, _kinds(c)) for c in classes]
     groups = [(c, kinds, padding_of(kinds)) for c, kinds in groups]
     while len(groups) > 1:
@@ -425,6 +441,8 @@ def _merge_classes(classes, max_buffers, padding_of, tolerance):
         for i in range(len(groups)):
             for j in range(i + 1, len(groups)):
                 kinds = groups[i][1] + groups[j][1]
+                if best is not None and floor_of(kinds) - groups[i][2] - groups[j][2] >= best[0]:
+                    continue  # cannot beat the best pair so far
                 cost = padding_of(kinds) - groups[i][2] - groups[j][2]
                 if best is None or cost < best[0]:
                     best = (cost, i, j, kinds)
@@ -437,7 +455,7 @@ def _merge_classes(classes, max_buffers, padding_of, tolerance):
     return [group for group, _, _ in groups]
 
 
-def _move_tensors(groups, padding_of, rounds: int = 3):
+def _move_tensors(groups, padding_of, floor_of, rounds: int = 3):
     """Local search over the split: move one tensor, or all tensors of one shape, from one
     buffer to another while that lowers the total padding (e.g. a tensor that fills another
     buffer's last shard exactly). Trials work on the groups' kinds; only an accepted move
@@ -458,6 +476,9 @@ def _move_tensors(groups, padding_of, rounds: int = 3):
                         into[kind] += count
                         stay += Counter()  # drop the kind if none is left
                         before = padding_of(kinds[i]) + padding_of(kinds[j])
+                        if floor_of(stay) + floor_of(into) >= before or \
+                                padding_of(stay) + floor_of(into) >= before:
+                            continue  # the bounds show the move cannot lower the padding
                         if padding_of(stay) + padding_of(into) < before:
                             moved = [s for s in groups[i] if (s.shape, s.block) == kind][:count]
                             ids = {id(s) for s in moved}
@@ -492,14 +513,19 @@ def plan_unit(specs, world_size: int, align: int = 1, max_buffers: int = DEFAULT
         return world_size * shard_of[key] - sum(
             math.prod(shape) * count for (shape, _), count in key)
 
+    def floor_of(kinds):  # no search: padding_of(kinds) >= floor_of(kinds)
+        items = [(math.prod(shape), block, count) for (shape, block), count in kinds.items()]
+        return world_size * shard_lower_bound(items, world_size, align) - sum(
+            n * count for n, _, count in items)
+
     groups = [specs]
     classes = _split_by_block(specs)
     whole = _kinds(specs)
     if max_buffers > 1 and len(classes) > 1 and padding_of(whole) > 0:
         tolerance = split_gain * sum(s.numel for s in specs)
-        split = _merge_classes(classes, max_buffers, padding_of, tolerance)
+        split = _merge_classes(classes, max_buffers, padding_of, floor_of, tolerance)
         if len(split) > 1:
-            split = _move_tensors(split, padding_of)
+            split = _move_tensors(split, padding_of, floor_of)
         if sum(padding_of(_kinds(g)) for g in split) < padding_of(whole) - tolerance:
             groups = sorted(split, key=lambda g: min(position[s.name] for s in g))
     buffers = tuple(_layout(_search(sorted(g, key=lambda s: position[s.name]), world_size,
