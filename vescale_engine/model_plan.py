@@ -2,7 +2,8 @@
 
 The shapes format is the one in `shared/models/*.json`:
 `{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`.
-Each group is one FSDP unit, planned once however often it repeats (identical decoder layers).
+Each group is one FSDP unit, planned once however often it repeats (identical decoder layers),
+and groups listing the same tensors are planned once between them.
 """
 from __future__ import annotations
 
@@ -165,16 +166,24 @@ def model_specs(model: ModelShapes, granularity) -> list:
 def plan_model(model: ModelShapes, world_size: int, granularity, *,
                align_bytes: int = DEFAULT_ALIGN_BYTES, dtype: str = "bf16",
                max_buffers: int = DEFAULT_MAX_BUFFERS) -> ModelPlan:
-    """Plan every group of the model once; the clock covers the planning of all of them."""
+    """Plan every group of the model once, and groups with identical tensors (names, shapes and
+    blocks: the same layer listed as several groups) once between them; the clock covers the
+    planning of all of them."""
     if world_size < 1:
         raise ShapesError(f"world size must be positive, got {world_size}")
     granularity = parse_granularity(granularity)
     align = align_elements(align_bytes, dtype)
     all_specs = model_specs(model, granularity)
     t0 = time.perf_counter()
-    plans = tuple(plan_unit(specs, world_size, align, max_buffers) for specs in all_specs)
-    return ModelPlan(model, granularity, world_size, align_bytes, dtype, max_buffers, plans,
-                     tuple(all_specs), time.perf_counter() - t0)
+    planned, plans = {}, []
+    for specs in all_specs:
+        key = tuple(specs)
+        if key not in planned:
+            planned[key] = plan_unit(specs, world_size, align, max_buffers)
+        plans.append(planned[key])
+    seconds = time.perf_counter() - t0
+    return ModelPlan(model, granularity, world_size, align_bytes, dtype, max_buffers,
+                     tuple(plans), tuple(all_specs), seconds)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,13 +22,12 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import cached_property
 
 DEFAULT_ALIGN_BYTES = 16
 DEFAULT_MAX_BUFFERS = 4
 DEFAULT_SPLIT_GAIN = 0.0  # fraction of a unit's elements a split must save (0: any saving)
-_SEARCH_EVALS = 48
-_SWAP_TENSORS = 12  # buffers of at most this many tensors get a swap search over their order  # placement passes per (order, search start): bounds planning time
+_SEARCH_EVALS = 48  # placement passes per (order, search start): bounds planning time
+_SWAP_TENSORS = 12  # buffers of at most this many tensors get a swap search over their order
 
 
 class PlanError(ValueError):
@@ -42,9 +41,8 @@ class TensorSpec:
     shape: tuple
     block: int
 
-    @cached_property
-    def numel(self) -> int:  # cached: the search sums it over thousands of candidate groups
-        return math.prod(self.shape)
+    def __post_init__(self):  # computed once: the search sums it over many candidate groups
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
 @dataclass(frozen=True)
@@ -160,41 +158,41 @@ def _place(runs, S: int, align: int, offsets: list | None = None):
 
 
 def _place_run(p, n, g, count, S, align, step, offsets):
-    """Place `count` identical tensors from p, a shard at a time: one step places the tensor
-    that meets the next boundary (`_earliest_offset`) and then, back to back, those that fit
-    after it in the next shard. Where a step goes depends only on where it starts within its
-    shard (p mod S), so once that position repeats the run is periodic: jump over the remaining
-    whole periods. Hundreds of experts cost a few steps either way."""
+    """Place `count` identical tensors after p (where the last tensor placed ends), a shard at a
+    time: one step places the tensor that meets the next boundary (`_earliest_offset`) and then,
+    back to back, those that fit after it in the next shard. Where a step goes depends only on
+    where it starts within its shard, so once that position repeats the run is periodic: jump
+    over the remaining whole periods. Hundreds of experts cost a few steps either way."""
     stride = -(-n // align) * align      # from one tensor's start to the next one's, back to back
     seen = {}
     i = 0
     while i < count:
-        p = -(-p // align) * align
+        start = -(-p // align) * align
         if seen is not None:
-            if p % S in seen:
-                i0, p0 = seen[p % S]
-                period, advance = i - i0, p - p0    # advance is a multiple of S
+            if start % S in seen:
+                i0, start0 = seen[start % S]
+                period, advance = i - i0, start - start0    # advance is a multiple of S
                 cycles = (count - i) // period
                 if offsets is not None:
                     last = offsets[len(offsets) - period:]
                     offsets.extend(o + c * advance for c in range(1, cycles + 1) for o in last)
                 p, i, seen = p + cycles * advance, i + cycles * period, None
                 continue
-            seen[p % S] = (i, p)
-        if n > S - p % S:                           # meets the next boundary
-            off = _earliest_offset(p, n, g, S, step)
+            seen[start % S] = (i, start)
+        if n > S - start % S:                       # meets the next boundary
+            off = _earliest_offset(start, n, g, S, step)
             if off is None:
                 return None
             if offsets is not None:
                 offsets.append(off)
-            p = -(-(off + n) // align) * align
-            i += 1
-        room = S - p % S
+            p, i = off + n, i + 1
+            start = -(-p // align) * align
+        room = S - start % S
         if n <= room and i < count:                 # these fit before the next boundary
             k = min(count - i, (room - n) // stride + 1)
             if offsets is not None:
-                offsets.extend(p + j * stride for j in range(k))
-            p, i = p + (k - 1) * stride + n, i + k
+                offsets.extend(start + j * stride for j in range(k))
+            p, i = start + (k - 1) * stride + n, i + k
     return p
 
 
