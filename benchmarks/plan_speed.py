@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,8 +50,10 @@ def worker(args) -> None:
     out = {}
     for name, gran, world in _cells(args):   # models alternate inside each (W, granularity)
         model = models.setdefault(name, mp.load_shapes(os.path.join(MODELS, f"{name}.json")))
+        cpu = time.process_time()
         plan = mp.plan_model(model, world, gran)
-        cell = {"seconds": plan.plan_seconds, "padding_ratio": plan.padding_ratio}
+        cell = {"seconds": plan.plan_seconds, "cpu": time.process_time() - cpu,
+                "padding_ratio": plan.padding_ratio}
         if args.check:
             plan.verify()
             layout = plan.to_json()
@@ -114,12 +117,15 @@ def measure(args) -> tuple:
         tmp = tempfile.TemporaryDirectory()
         trees = {"before": extract(args.baseline, tmp.name), "after": ROOT}
     rounds = {tree: [] for tree in trees}
+    load = [os.getloadavg()[0]]
     for r in range(args.repeats):
         for tree in (trees if r % 2 == 0 else reversed(list(trees))):
             rounds[tree].append(run_worker(trees[tree], args, check=r == 0))
             print(f"round {r + 1}/{args.repeats} {tree} done", flush=True)
     medians = {tree: {key: statistics.median(rnd[key]["seconds"] for rnd in rounds[tree])
                       for key in rounds[tree][0]} for tree in trees}
+    cpu = {key: statistics.median(rnd[key]["cpu"] for rnd in rounds["after"])
+           for key in rounds["after"][0]}
     largest = max(args.world_sizes)
     slowest = {tree: max((k for k in medians[tree] if k.endswith(f" {largest}")),
                          key=medians[tree].get) for tree in trees}
@@ -128,23 +134,26 @@ def measure(args) -> tuple:
     if tmp is not None:
         tmp.cleanup()
     first = {tree: rounds[tree][0] for tree in trees}
-    return medians, first, profiles
+    return medians, cpu, first, profiles, load + [os.getloadavg()[0]]
 
 
 def fmt_s(x: float) -> str:
     return f"{x:.3f}"
 
 
-def report(args, medians, first, profiles) -> tuple:
+def report(args, medians, cpu, first, profiles, load) -> tuple:
     before = "before" in medians
     lines = ["# Whole-model planning time", "",
              "Produced by `" + " ".join(["python benchmarks/plan_speed.py", *sys.argv[1:]])
-             + f"` on {cpu_model()} (one process per planner; {os.cpu_count()} CPUs, shared "
-             "with other work, so absolute times are upper bounds).", "",
-             f"Median of {args.repeats} rounds of `plan_model(...).plan_seconds`; each round "
-             "plans every cell once with the models alternating, and the rounds alternate the "
-             "two planners." + (f" `before` is the planner at `{args.baseline}`, `after` this "
-                                "tree." if before else ""),
+             + f"` on {cpu_model()}, {os.cpu_count()} CPUs, one process per planner; load "
+             f"average {load[0]:.1f} at the start and {load[1]:.1f} at the end (other work "
+             "shared the machine: on a quiet one the times are lower).", "",
+             f"Median of {args.repeats} rounds of `plan_model(...).plan_seconds` (wall clock); "
+             "each round plans every cell once with the models alternating, and the rounds "
+             "alternate the two planners." + (f" `before` is the planner at `{args.baseline}`, "
+                                             "`after` this tree." if before else "")
+             + " `after CPU s` is the CPU time of the same call (the median too), which other "
+             "work on the machine disturbs less than the wall clock.",
              "Every plan passed the invariant checker; `same plan` compares the whole layout "
              "(every offset, shard size and local_units) of the two planners.", ""]
     over = worse = 0
@@ -152,9 +161,9 @@ def report(args, medians, first, profiles) -> tuple:
         target = world == max(args.world_sizes)
         lines += [f"## {world} ranks" + (f" (bound: <= {BOUND_SECONDS} s)" if target else ""), ""]
         head = "| model | granularity | "
-        head += "before s | after s | speed-up | padding before | padding after | same plan |" \
-            if before else "after s | padding |"
-        lines += [head, "|---|---|" + "---:|" * (5 if before else 2) + ("---|" if before else "")]
+        head += ("before s | after s | after CPU s | speed-up | padding before | padding after "
+                 "| same plan |") if before else "after s | after CPU s | padding |"
+        lines += [head, "|---|---|" + "---:|" * (6 if before else 3) + ("---|" if before else "")]
         for key in [k for k in medians["after"] if k.endswith(f" {world}")]:
             name, gran, _ = key.split()
             after = medians["after"][key]
@@ -165,13 +174,16 @@ def report(args, medians, first, profiles) -> tuple:
                 worse += pad > old_pad
                 same = first["before"][key]["digest"] == first["after"][key]["digest"]
                 lines.append(f"| {name} | {gran} | {fmt_s(old)} | **{fmt_s(after)}** | "
-                             f"{old / after:.1f}x | {100 * old_pad:.3f}% | {100 * pad:.3f}% | "
-                             f"{'yes' if same else 'no'} |")
+                             f"{fmt_s(cpu[key])} | {old / after:.1f}x | {100 * old_pad:.3f}% | "
+                             f"{100 * pad:.3f}% | {'yes' if same else 'no'} |")
             else:
-                lines.append(f"| {name} | {gran} | **{fmt_s(after)}** | {100 * pad:.3f}% |")
+                lines.append(f"| {name} | {gran} | **{fmt_s(after)}** | {fmt_s(cpu[key])} | "
+                             f"{100 * pad:.3f}% |")
         worst = {tree: max(v for k, v in medians[tree].items() if k.endswith(f" {world}"))
                  for tree in medians}
-        lines += ["", f"Slowest cell at {world} ranks: **{fmt_s(worst['after'])}** s"
+        most_cpu = max(v for k, v in cpu.items() if k.endswith(f" {world}"))
+        lines += ["", f"Slowest cell at {world} ranks: **{fmt_s(worst['after'])}** s, "
+                      f"**{fmt_s(most_cpu)}** s of CPU"
                   + (f" (before: {fmt_s(worst['before'])} s)" if before else "") + ".", ""]
     for tree, (cell, text) in profiles.items():
         lines += [f"## cProfile, {tree}: {cell}", "", "```", text, "```", ""]
@@ -197,8 +209,8 @@ def main(argv=None):
     if args.worker:
         worker(args)
         return 0
-    medians, first, profiles = measure(args)
-    lines, over, worse = report(args, medians, first, profiles)
+    medians, cpu, first, profiles, load = measure(args)
+    lines, over, worse = report(args, medians, cpu, first, profiles, load)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

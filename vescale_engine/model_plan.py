@@ -1,7 +1,8 @@
 """Whole-model planning from a shapes file, and the padding of the alternatives beside ours.
 
 The shapes format is the one in `shared/models/*.json`:
-`{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`.
+`{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`,
+with an optional "description" (the published config the shapes come from; not read).
 Each group is one FSDP unit, planned once however often it repeats (identical decoder layers),
 and groups listing the same tensors are planned once between them.
 """

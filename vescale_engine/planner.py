@@ -7,11 +7,16 @@ solve it with a fast heuristic built from three observations:
 
 1. For a fixed order and a fixed S, placing each tensor at its earliest feasible offset is optimal
    (feasible offsets only shrink as the start moves right), and that offset is O(1) arithmetic.
-2. Any S can be tested in O(#tensors) that way. Runs of identical tensors whose size is a multiple
-   of their block are placed as one item, so a layer of 256 experts costs a few items, not 768.
+2. Any S can be tested in O(#tensors) that way, and faster: a run of identical tensors is placed
+   a shard at a time, and where its next tensor goes depends only on where the previous one
+   ended within its shard, so the run turns periodic and whole periods are skipped. A layer of
+   384 experts costs one step per shard boundary it meets at most, not one per tensor (1152).
 3. A tensor longer than 2S contains two boundaries, which forces S to be a multiple of its block:
    large tensors with different row lengths couple through the lcm of their blocks (the "lcm
    trap"). Splitting the unit into a few buffers, each with its own S, removes the coupling.
+   The split search tries many candidate buffers; each is searched once per multiset of tensor
+   shapes (names do not change the result), and not at all when a lower bound on its shard
+   size already shows the candidate cannot win.
 
 Pure Python: no torch, no torch.distributed, no modules.
 """
@@ -162,7 +167,7 @@ def _place_run(p, n, g, count, S, align, step, offsets):
     time: one step places the tensor that meets the next boundary (`_earliest_offset`) and then,
     back to back, those that fit after it in the next shard. Where a step goes depends only on
     where it starts within its shard, so once that position repeats the run is periodic: jump
-    over the remaining whole periods. Hundreds of experts cost a few steps either way."""
+    over the remaining whole periods. Exactly what placing one tensor at a time would do."""
     stride = -(-n // align) * align      # from one tensor's start to the next one's, back to back
     seen = {}
     i = 0
