@@ -402,9 +402,56 @@ def save_again(rank, world, root):
         return f.read()
 
 
+# -- frozen parameters left out (DeepSpeed's exclude_frozen_parameters) ---------------------------
+
+def _with_wpe_frozen(model, wpe_from=0):
+    """`model` with wpe.weight frozen and taken from the model of seed `wpe_from`."""
+    with torch.no_grad():
+        model.wpe.weight.copy_(fm.make("gpt", seed=wpe_from).wpe.weight)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
+def frozen_excluded(rank, world, root):
+    """save_checkpoint(exclude_frozen_parameters=True), as Trainer saves a PEFT model: the
+    frozen parameter is not written; loading keeps the model's own value for it, here through
+    Trainer's resume (deepspeed_load_checkpoint: a directory of global_step* tags and
+    `latest`), and continues as the uninterrupted run; a model where it is trainable refuses."""
+    import inspect
+    from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+    from vescale_engine.checkpoint import CheckpointError, read_metadata, read_state
+    engine = make_engine(world, "ours", model=_with_wpe_frozen(fm.make("gpt")))
+    train(engine, rank, world, SAVE_AT)
+    path = engine.save_checkpoint(root, exclude_frozen_parameters=True)
+    after = train(engine, rank, world, AFTER)
+    fresh = make_engine(world, "ours", model=_with_wpe_frozen(fm.make("gpt", seed=1)))
+    deepspeed_load_checkpoint(fresh, root)
+    resumed = train(fresh, rank, world, AFTER)
+    try:
+        make_engine(world, "ours", model=fm.make("gpt", seed=1)).load_checkpoint(root)
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    saved = sorted(k for k in read_metadata(path).state_dict_metadata if k.startswith("model."))
+    return dict(signature="exclude_frozen_parameters" in inspect.signature(
+        engine.save_checkpoint).parameters, saved=saved, after=after, resumed=resumed,
+        flag=read_state(path).get("excludes_frozen_parameters"), refused=refused,
+        path=os.path.basename(path))
+
+
+def test_frozen_parameters_left_out_of_the_checkpoint(pools, tmp_path):
+    r = pools(2).run(frozen_excluded, str(tmp_path))[0]
+    assert r["signature"] and r["flag"] is True and r["path"] == f"global_step{SAVE_AT}"
+    expected = sorted(f"model.{k}" for k in fm.make("gpt").state_dict() if k != "wpe.weight")
+    assert r["saved"] == expected
+    gap = max(abs(a - b) / b for a, b in zip(r["resumed"], r["after"], strict=True))
+    assert gap < 1e-6, (r["resumed"], r["after"])
+    assert "missing keys 'wpe.weight'" in r["refused"], r["refused"]
+
+
 # -- DeepSpeed ZeRO import -------------------------------------------------------------------------
 
-def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=()):
+def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=(), exclude_frozen=False):
     """Real DeepSpeed ZeRO (torch AdamW) on these ranks: 2 steps, save, 2 more steps."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -420,7 +467,7 @@ def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=()):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
     train(engine, rank, world, SAVE_AT)
-    engine.save_checkpoint(ds_dir)
+    engine.save_checkpoint(ds_dir, exclude_frozen_parameters=exclude_frozen)
     weights, moments = {}, {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:  # frozen: no fp32 master, no optimizer state
@@ -559,20 +606,27 @@ def test_convert_zero_bad_input_names_the_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("stage,freeze", [(1, ()), (2, ()), (2, ("wpe.weight",)),
-                                          (3, ("wpe.weight", "blocks.1.fc.bias"))])
-def test_deepspeed_zero_checkpoints_convert(pools, tmp_path, stage, freeze):
-    """ZeRO-1 and 2, and frozen parameters (kept outside the optimizer files) at 2 and 3."""
-    from vescale_engine.checkpoint import consolidate
+@pytest.mark.parametrize("stage,freeze,exclude", [
+    (1, (), False), (2, (), False), (2, ("wpe.weight",), False),
+    (3, ("wpe.weight", "blocks.1.fc.bias"), False), (3, ("wpe.weight",), True)])
+def test_deepspeed_zero_checkpoints_convert(pools, tmp_path, stage, freeze, exclude):
+    """ZeRO-1 and 2, and frozen parameters (kept outside the optimizer files) at 2 and 3, or
+    left out by save_checkpoint(exclude_frozen_parameters=True): then the import says so."""
+    from vescale_engine.checkpoint import consolidate, read_state
     from vescale_engine.checkpoint_zero import convert_zero
     ds_dir = str(tmp_path / "ds")
-    weights, moments, _ = pools(2).run(deepspeed_train_and_save, ds_dir, stage, freeze)[0]
+    weights, moments, _ = pools(2).run(deepspeed_train_and_save, ds_dir, stage, freeze,
+                                       exclude)[0]
     model_file = "zero_pp_rank_1_mp_rank_00_model_states.pt" if stage == 3 else \
         "mp_rank_00_model_states.pt"
     frozen = torch.load(os.path.join(ds_dir, "global_step2", model_file), weights_only=True)
-    assert sorted(frozen["frozen_param_shapes"] or {}) == sorted(freeze)
+    assert sorted(frozen["frozen_param_shapes"] or {}) == ([] if exclude else sorted(freeze))
     path = convert_zero(ds_dir, str(tmp_path / "out"))
     full = consolidate(path)
+    assert read_state(path).get("excludes_frozen_parameters", False) is exclude
+    if exclude:
+        assert not set(full) & set(freeze)
+        weights = {k: v for k, v in weights.items() if k not in freeze}
     for name in weights:
         assert torch.equal(full[name], weights[name]), name
     state = {f"optim.state.{n}.{k}": torch.empty(weights[n].shape)

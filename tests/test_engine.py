@@ -84,22 +84,34 @@ def test_engine_matches_single_process(pool, local):
 
 
 def bad_engine_rank(rank, world):
+    model = fm.make("gpt")
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(*fm.batch("gpt", 0, 2)).backward()
+    stepped.step()
+    other = torch.optim.SGD(fm.make("gpt").parameters(), lr=0.1)
     return value_errors(
-        lambda kwargs=kwargs: initialize(model=fm.make("gpt"), **kwargs)
+        lambda kwargs=kwargs: initialize(**{"model": fm.make("gpt"), **kwargs})
         for kwargs in (dict(config={**CONFIG, "vescale": {"wrap_policy": {"module_classes":
                                                                            ["Nope"]}}}),
-                       dict(config=CONFIG, optimizer=torch.optim.SGD(
-                           fm.make("gpt").parameters(), lr=0.1)),
+                       dict(config=CONFIG, optimizer=other),
                        dict(config={**CONFIG, "train_batch_size": 7}),
-                       dict(config=None)))
+                       dict(config=None),
+                       dict(model=model, config=CONFIG, optimizer=stepped),
+                       dict(config=CONFIG,
+                            lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))))
 
 
 def test_engine_bad_input(pool):
     errors = pool.run(bad_engine_rank)[0]
     assert "match no module" in errors[0]
-    assert "not an instance" in errors[1]
+    assert errors[1] == ("the SGD passed to initialize holds a tensor of shape [96, 64] that is "
+                         "not a parameter of the model")
     assert "train_batch_size 7" in errors[2]
     assert "no config" in errors[3]
+    assert "SGD passed to initialize already holds state for" in errors[4]
+    assert "(it has stepped)" in errors[4]
+    assert errors[5].startswith("lr_scheduler StepLR steps an optimizer that is not the "
+                                "engine's (none passed to initialize"), errors[5]
 
 
 def patched_rank(rank, world):
@@ -370,13 +382,15 @@ def fp16_overflow_rank(rank, world):
         after = _local_params(engine)
         skipped = dict(unchanged=all(torch.equal(a, b) for a, b in zip(before, after)),
                        scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
-                       steps=engine.global_steps, lr_kept=engine.get_lr()[0] == lr_before)
+                       steps=engine.global_steps, lr_kept=engine.get_lr()[0] == lr_before,
+                       overflow=engine.optimizer.overflow)  # what Accelerate reads
         losses = [_train_step(engine, rank, step) for step in range(1, 4)]
         now = _local_params(engine)
         trained = dict(changed=not all(torch.equal(a, b) for a, b in zip(after, now)),
                        scale=engine.loss_scaler.loss_scale, skipped=engine.skipped_steps,
                        steps=engine.global_steps, lr_moved=engine.get_lr()[0] > lr_before,
-                       finite=all(abs(x) < 1e4 for x in losses))
+                       finite=all(abs(x) < 1e4 for x in losses),
+                       overflow=engine.optimizer.overflow)
         # The scale can also start too high: 2**40 makes the fp16 loss gradient itself inf.
         high, *_ = initialize(model=fm.make("gpt"), config={
             **CONFIG, "fp16": {"enabled": True, "initial_scale_power": 40}})
@@ -392,10 +406,11 @@ def fp16_overflow_rank(rank, world):
 def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale(pool):
     results = pool.run(fp16_overflow_rank)
     for skipped, trained, first, second, _ in results:
-        assert skipped == dict(unchanged=True, scale=128.0, skipped=1, steps=1, lr_kept=True)
+        assert skipped == dict(unchanged=True, scale=128.0, skipped=1, steps=1, lr_kept=True,
+                               overflow=True)
         # window 2, DeepSpeed's counting: raised on the third good step after the overflow
         assert trained == dict(changed=True, scale=256.0, skipped=1, steps=4, lr_moved=True,
-                               finite=True)
+                               finite=True, overflow=False)
         assert first == (2.0 ** 40, 1, True)
         assert second == (2.0 ** 39, 2, 2)
     messages = results[0][4]

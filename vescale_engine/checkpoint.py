@@ -13,6 +13,8 @@ Layout of `SAVE_DIR/TAG/`:
                                 `rng.rank<R>.<kind>` (each rank's generators)
   `vescale_state.json`          plain data: counters, scheduler, loss scaler, optimizer
                                 hyperparameters, client state, and every file's size and CRC32
+With `exclude_frozen_parameters` (DeepSpeed's option) the parameters with requires_grad=False are
+not saved and `excludes_frozen_parameters` says so: loading keeps the model's own values for them.
 
 Atomicity: everything is written into `SAVE_DIR/.TAG.partial`; once every rank has written and
 fsynced, rank 0 renames it to `SAVE_DIR/TAG` and then replaces `latest` by rename. A process
@@ -77,7 +79,8 @@ def engine_state_dict(engine):
     return sd, params, names_of
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True):
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True,
+                    exclude_frozen_parameters=False):
     rank = dist.get_rank()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST_FILE:
@@ -101,6 +104,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         state["loss_scaler"] = to_json(scaler.state_dict(), "loss_scaler")
 
     sd, params, names_of = engine_state_dict(engine)
+    if exclude_frozen_parameters:  # DeepSpeed's option: the frozen parameters are not saved
+        for key in _frozen_keys(params):
+            del sd[key]
+        state["excludes_frozen_parameters"] = True
     sd.update(optimizer_entries(engine.optimizer, names_of,
                                  optimizer_state(engine.optimizer, create=False)))
     sd.update(rng_entries(rank))
@@ -128,6 +135,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         publish(save_dir, partial, final, tag, save_latest)
     dist.barrier()  # nobody returns before the checkpoint is visible
     return final
+
+
+def _frozen_keys(params) -> list:
+    """The state dict keys of the parameters with requires_grad=False (every name of each)."""
+    return [f"model.{name}" for p, names in params if not p.requires_grad for name in names]
 
 
 def publish(save_dir, partial, final, tag, save_latest):
@@ -355,7 +367,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                       "nothing to load", stacklevel=3)
         return None, None
     from .checkpoint_zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint
-    wait_s = getattr(getattr(engine, "config", None), "checkpoint_import_timeout_s",
+    wait_s = getattr(getattr(engine, "engine_config", None), "checkpoint_import_timeout_s",
                      DEFAULT_IMPORT_TIMEOUT_S)
     path = ensure_vescale_checkpoint(path, wait_s)
     state = read_state(path)
@@ -363,6 +375,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     metadata = read_metadata(path)
 
     sd, params, names_of = engine_state_dict(engine)
+    if state.get("excludes_frozen_parameters"):  # saved without them: the model keeps its own
+        for key in _frozen_keys(params):
+            if key not in metadata.state_dict_metadata:
+                del sd[key]
     skipped, unexpected = _check_model_keys(path, metadata, sd, load_module_strict)
     if skipped or unexpected:
         message = (f"load_checkpoint {path} (load_module_strict=False): skipped missing "

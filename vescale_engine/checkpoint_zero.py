@@ -3,7 +3,8 @@
 DeepSpeed's layout (learnt from its checkpoint files; stage in the optimizer files):
   TAG/mp_rank_00_model_states.pt (ZeRO-1/2) or zero_pp_rank_R_mp_rank_00_model_states.pt
       (ZeRO-3): `param_shapes` (one ordered {name: shape} per param group), `shared_params`
-      (tied alias -> name), `buffer_names` and `module` (buffers), counters, `lr_scheduler`.
+      (tied alias -> name), `buffer_names` and `module` (buffers), counters, `lr_scheduler`,
+      and the client_state the script saved (every other key).
   TAG/zero_pp_rank_R_mp_rank_00_optim_states.pt, one per data-parallel rank R:
       ZeRO-1/2: the group's parameters are concatenated (each followed by its alignment padding)
         and cut into equal partitions; rank R holds `single_partition_of_fp32_groups[g]` and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import logging
 import math
 import os
 import re
@@ -33,6 +35,8 @@ from .checkpoint_dcp import CrcWriter
 from .checkpoint_state import fsync_dir, to_json, write_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
+
+LOG = logging.getLogger("vescale_engine")
 
 _MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 _DEEPSPEED_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -82,7 +86,7 @@ def _rank_files(path):
 
 def read_zero(path):
     """(full fp32 weights, {name: {moment: full tensor, 'step': 0-d}}, model states dict,
-    optimizer hyperparameters per param group)."""
+    optimizer hyperparameters per param group, ZeRO stage)."""
     model_file = next(os.path.join(path, f) for f in _MODEL_FILES
                       if os.path.isfile(os.path.join(path, f)))
     model = _load(model_file)
@@ -120,7 +124,7 @@ def read_zero(path):
             if "step" in states[0]:
                 moments.setdefault(name, {})["step"] = torch.as_tensor(
                     states[0]["step"], dtype=torch.float32).reshape(())
-    return weights, moments, model, groups
+    return weights, moments, model, groups, stage
 
 
 def _frozen(path, model, stage, world):
@@ -185,12 +189,12 @@ def convert_zero(ds_dir, out_dir, tag=None) -> str:
         if not is_zero_checkpoint(path):
             raise ckpt.CheckpointError(f"{path}: no {_MODEL_FILES[0]} or {_MODEL_FILES[1]}; not "
                                        "a DeepSpeed ZeRO checkpoint")
-    weights, moments, model, groups = read_zero(path)
-    write_converted(weights, moments, model, groups, os.fspath(out_dir), tag)
+    weights, moments, model, groups, stage = read_zero(path)
+    write_converted(weights, moments, model, groups, stage, os.fspath(out_dir), tag)
     return os.path.join(out_dir, tag)
 
 
-def write_converted(weights, moments, model, groups, out_dir, tag):
+def write_converted(weights, moments, model, groups, stage, out_dir, tag):
     sd = {}
     for name, w in weights.items():
         sd[f"model.{name}"] = w
@@ -201,15 +205,24 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
     for name, states in moments.items():
         for kind, t in states.items():
             sd[f"optim.state.{name}.{kind}"] = t
+    steps = int(model.get("global_steps") or 0)
+    accumulation = (model.get("ds_config") or {}).get("gradient_accumulation_steps")
     state = {"format": ckpt.FORMAT, "tag": tag, "world_size": 1,
-             "global_steps": int(model.get("global_steps") or 0),
+             "global_steps": steps,
              "global_samples": int(model.get("global_samples") or 0),
-             "micro_steps": int(model.get("global_steps") or 0) * int(
-                 (model.get("ds_config") or {}).get("gradient_accumulation_steps") or 1),
+             "micro_steps": steps * (accumulation if isinstance(accumulation, int) else 1),
+             "skipped_steps": int(model.get("skipped_steps") or 0),
              "optimizer": {"class": "DeepSpeedZeRO", "param_groups": [
                  {k: to_json(v, k) for k, v in g.items()} for g in groups]},
-             "client_state": {}, "model_keys": sorted(k[6:] for k in sd if k.startswith("model.")),
+             "client_state": _client_state(model),
+             "model_keys": sorted(k[6:] for k in sd if k.startswith("model.")),
              "imported_from": "deepspeed"}
+    if model.get("lr_scheduler") is not None:  # resuming continues the schedule (warmup)
+        state["lr_scheduler"] = to_json(model["lr_scheduler"], "lr_scheduler")
+    if stage >= 2 and model.get("frozen_param_shapes") is None:
+        # Saved with exclude_frozen_parameters (ZeRO-2/3 otherwise record the frozen ones,
+        # if only as {}): loading keeps the model's own values for its frozen parameters.
+        state["excludes_frozen_parameters"] = True
     os.makedirs(out_dir, exist_ok=True)
     partial = os.path.join(out_dir, f".{tag}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -220,6 +233,32 @@ def write_converted(weights, moments, model, groups, out_dir, tag):
     write_json(os.path.join(partial, ckpt.STATE_FILE), state)
     fsync_dir(partial)
     ckpt.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
+
+
+# What DeepSpeed's model states file holds of its own; the rest is the client_state a script
+# passed to save_checkpoint.
+_DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+                   "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler",
+                   "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
+                   "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+                   "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
+
+
+def _client_state(model) -> dict:
+    """The script's client_state entries, as plain data; an entry that is not plain data (the
+    only kind a vescale checkpoint keeps) is left out and named in a warning."""
+    kept, dropped = {}, []
+    for key, value in model.items():
+        if key in _DEEPSPEED_KEYS:
+            continue
+        try:
+            kept[key] = to_json(value, f"client_state[{key!r}]")
+        except ckpt.CheckpointError:
+            dropped.append(str(key))
+    if dropped:
+        LOG.warning("importing a DeepSpeed checkpoint: client_state entries %s are not plain "
+                    "data; left out", ", ".join(dropped))
+    return kept
 
 
 DEFAULT_IMPORT_TIMEOUT_S = 3 * 3600

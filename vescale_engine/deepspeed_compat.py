@@ -1,11 +1,13 @@
 """`patch_deepspeed()`: the one-line migration for existing ZeRO scripts and for frameworks
-that call `deepspeed.initialize` themselves. After it, `deepspeed.initialize` returns our
-engine when the config has a "vescale" section, and DeepSpeed's own engine otherwise; and
+that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate). After it,
+`deepspeed.initialize` returns our engine when the config has a "vescale" section, and
+DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's; and
 `deepspeed.zero.Init` builds on the meta device for such a config (zero_init; transformers'
 from_pretrained / from_config under it: hf_zero_init)."""
 from __future__ import annotations
 
 import functools
+import sys
 
 _OUR_ARGUMENTS = ("args", "model", "optimizer", "model_parameters", "training_data",
                   "lr_scheduler", "mpu", "dist_init_required", "collate_fn", "config",
@@ -21,12 +23,53 @@ def _config_of(kwargs):
 
 
 def patch_deepspeed() -> None:
-    """Route `deepspeed.initialize` to `vescale_engine.initialize` for vescale configs
-    (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are untouched."""
+    """Route `deepspeed.initialize` to `vescale_engine.initialize` for vescale configs, let
+    Accelerate unwrap our engine, and make `deepspeed.zero.Init` build on meta for vescale
+    configs (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are
+    untouched."""
+    from .zero_init import install as install_zero_init
+    _route_initialize()
+    patch_accelerate_unwrap()
+    install_zero_init()
+
+
+def patch_accelerate_unwrap() -> None:
+    """`accelerator.unwrap_model(engine)` returns the model. Accelerate's
+    `extract_model_from_parallel` (behind unwrap_model, transformers' unwrap_model and
+    Trainer's label smoothing, which asks the unwrapped model its class) recognises
+    DeepSpeedEngine only: ours is unwrapped first, then Accelerate's own runs. Modules that
+    imported the function by name get the new one too. Nothing to do without Accelerate."""
+    try:
+        import accelerate
+        import accelerate.utils.other as other
+    except ImportError:
+        return
+    original = getattr(other, "extract_model_from_parallel", None)
+    if original is None:
+        raise ImportError(
+            f"accelerate {getattr(accelerate, '__version__', '?')} has no "
+            "accelerate.utils.other.extract_model_from_parallel: vescale_engine.patch_deepspeed() "
+            "cannot make accelerator.unwrap_model return the model with this version")
+    if hasattr(original, "__vescale_original__"):
+        return
+
+    @functools.wraps(original)
+    def extract_model_from_parallel(model, *args, **kwargs):
+        from .engine import VeScaleEngine
+        while isinstance(model, VeScaleEngine):
+            model = model.module
+        return original(model, *args, **kwargs)
+
+    extract_model_from_parallel.__vescale_original__ = original
+    for module in list(sys.modules.values()):
+        # __dict__, not getattr: lazy modules (transformers) import nothing here
+        if getattr(module, "__dict__", {}).get("extract_model_from_parallel") is original:
+            module.extract_model_from_parallel = extract_model_from_parallel
+
+
+def _route_initialize() -> None:
     import deepspeed
 
-    from .zero_init import install as install_zero_init
-    install_zero_init()  # idempotent on its own
     if hasattr(deepspeed.initialize, "__vescale_original__"):
         return
     original = deepspeed.initialize

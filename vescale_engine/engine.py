@@ -15,10 +15,12 @@ from . import fsdp
 from . import loss_scaler as scaling
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
+from .deepspeed_surface import DeepSpeedSurface
 from .device import place_model
 from .distributed import join_process_group
-from .from_config import (build_optimizer, build_scheduler, named_model_parameters,
-                          optimizer_spec, resolve_named_parameters)
+from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
+                          client_optimizer_groups, named_model_parameters, optimizer_spec,
+                          rebuild_optimizer, resolve_named_parameters)
 from .launch_env import discover
 from .materialize import prepare_weights
 from .monitor import Monitors, PendingScalars
@@ -31,17 +33,21 @@ LOG = logging.getLogger("vescale_engine")
 DEFAULT_TIMEOUT_S = 600
 
 
-class VeScaleEngine(nn.Module):
+class VeScaleEngine(DeepSpeedSurface, nn.Module):
     """What DeepSpeed scripts call: engine(...), backward (or plain loss.backward()), step,
-    no_sync, train/eval, destroy, counters."""
+    no_sync, train/eval, destroy, counters. What Hugging Face Trainer and Accelerate call
+    besides (the accumulation boundary they set, 16-bit state dicts, attribute forwarding to
+    the model) comes from DeepSpeedSurface (deepspeed_surface.py)."""
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
                  device: torch.device):
         super().__init__()
         self.device = device  # this rank's device: batches go here (batch.to(engine.device))
         self.module = module
-        self.config = config
+        self.engine_config = config  # typed; `config` is the dict, as DeepSpeed's engine.config
+        self.config = config.raw
         self.optimizer = optimizer
+        self.optimizer.overflow = False  # DeepSpeed's flag, read by Accelerate's wrapper
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
         self.global_samples = 0
@@ -65,6 +71,7 @@ class VeScaleEngine(nn.Module):
         self._user_no_sync = 0
         self._sync_context = None
         self._destroyed = False
+        self._boundary = None  # set_gradient_accumulation_boundary's value, once called
 
     # -- forward and backward ------------------------------------------------------------------
 
@@ -114,7 +121,7 @@ class VeScaleEngine(nn.Module):
         accumulate full gradients locally. Decided at forward, before any unit starts its
         backward (a plain loss.backward() reaches the engine's output hook only after the root
         unit's), and again at backward for an engine.no_sync entered between."""
-        local = self._user_no_sync or (self.config.local_grad_accumulation and
+        local = self._user_no_sync or (self.engine_config.local_grad_accumulation and
                                        not self.is_gradient_accumulation_boundary())
         if local and self._sync_context is None:
             self._sync_context = fsdp.no_sync(self.module)
@@ -124,10 +131,14 @@ class VeScaleEngine(nn.Module):
             self._sync_context = None
 
     def _backward_prologue(self, loss):
-        """Once per backward: note the loss and settle which micro-steps communicate."""
+        """Once per backward: note the loss and the micro-batch, and settle which micro-steps
+        communicate."""
         self._check_alive()
         if loss is not None:
             self._window_losses.append(loss.float())
+        # Counted per backward, not per step(): Accelerate calls step() once per window.
+        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.world_size,
+                                 self._tokens and self._tokens * self.world_size)
         self.timers.start("backward")
         self._choose_gradient_sync()
 
@@ -171,7 +182,8 @@ class VeScaleEngine(nn.Module):
     def step(self, lr_kwargs=None):
         """At the accumulation boundary: (fp16: overflow check and unscale), clip, optimizer
         step, scheduler step, zero gradients. A step whose gradients overflowed is skipped on
-        every rank but still counts in global_steps, as in DeepSpeed."""
+        every rank but still counts in global_steps, as in DeepSpeed. Counters as DeepSpeed's:
+        micro_steps counts step() calls, global_samples a train batch per optimizer step."""
         self._check_alive()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -179,10 +191,8 @@ class VeScaleEngine(nn.Module):
             self._take_model_step(lr_kwargs)
             self.timers.stop("optimizer")
             self.timers.optimizer_step_done()
+            self.global_samples += self.train_batch_size()
         self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
-        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.world_size,
-                                 self._tokens and self._tokens * self.world_size)
         if boundary:
             self._report()
 
@@ -190,7 +200,7 @@ class VeScaleEngine(nn.Module):
         # Norm, clipping and overflow over what the optimizer steps (model_parameters may be
         # a subset), as DeepSpeed's ZeRO does.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        clip = self.config.gradient_clipping
+        clip = self.engine_config.gradient_clipping
         overflow = False
         if self.loss_scaler is not None:
             overflow, self._grad_norm = scaling.unscale_and_clip_(
@@ -202,6 +212,7 @@ class VeScaleEngine(nn.Module):
             self._grad_norm = clip_grad_norm_(params, clip)
         else:
             self._grad_norm = global_grad_norm(params)
+        self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
         else:
@@ -240,15 +251,19 @@ class VeScaleEngine(nn.Module):
     # -- DeepSpeed's accessors -----------------------------------------------------------------
 
     def train_batch_size(self) -> int:
-        return self.config.batch.train_batch_size
+        return self.engine_config.batch.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.batch.micro_batch_per_gpu
+        return self.engine_config.batch.micro_batch_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.batch.gradient_accumulation_steps
+        return self.engine_config.batch.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """The boundary set_gradient_accumulation_boundary gave last, once it was called;
+        otherwise every gradient_accumulation_steps-th step() call."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def zero_grad(self):
@@ -261,9 +276,13 @@ class VeScaleEngine(nn.Module):
     def get_global_grad_norm(self):
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
+        with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                               exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -286,7 +305,7 @@ class VeScaleEngine(nn.Module):
         return self.loss_scaler is not None
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16
+        return self.engine_config.bf16
 
     def train(self, mode: bool = True):
         self._check_alive()
@@ -343,9 +362,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
     if optimizer is None:
         optimizer_spec(cfg.optimizer)
+    check_client_scheduler(lr_scheduler, optimizer)
+    instance = isinstance(optimizer, torch.optim.Optimizer)
+    # Parameters by name, before wrapping replaces them: the client optimizer's groups (as
+    # DeepSpeed, model_parameters is then unused), else model_parameters (only these are
+    # optimized), else every trainable parameter.
+    chosen = client_optimizer_groups(optimizer, model) if instance else \
+        None if model_parameters is None else named_model_parameters(model_parameters, model)
     model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
-    chosen = None if model_parameters is None else \
-        named_model_parameters(model_parameters, model)  # only these are optimized
     on_meta = any(p.is_meta for p in model.parameters())
     module = wrap_model(model, cfg, device_mesh(cfg, device))
     if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
@@ -357,7 +381,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         params = [p for p in module.parameters() if p.requires_grad]
     else:
         params = resolve_named_parameters(chosen, module)
-    opt = build_optimizer(cfg.optimizer, optimizer, params)
+    opt = rebuild_optimizer(optimizer, params) if instance else \
+        build_optimizer(cfg.optimizer, optimizer, params)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
     engine = VeScaleEngine(module, cfg, opt, sched, device)
     loader = None

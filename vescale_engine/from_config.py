@@ -44,11 +44,9 @@ def optimizer_spec(spec: dict | None) -> tuple[str, dict]:
 
 
 def build_optimizer(spec, client, params):
-    """The client's optimizer class or callable(params), else the config's optimizer."""
+    """The client's optimizer class or callable(params), else the config's optimizer. (An
+    optimizer instance goes through `client_optimizer_groups` and `rebuild_optimizer`.)"""
     if client is not None:
-        if isinstance(client, torch.optim.Optimizer):
-            raise ValueError("pass the optimizer class or a callable(params), not an instance: "
-                             "its parameters are replaced by their shards here")
         return client(params)
     name, kwargs = optimizer_spec(spec)
     if name == "AdamW":
@@ -63,6 +61,59 @@ def build_optimizer(spec, client, params):
                      "(%s); using torch.optim.AdamW", err)
             return torch.optim.AdamW(params, **kwargs)
     return optim.build_optimizer(name, params, kwargs)
+
+
+def client_optimizer_groups(optimizer, model) -> list:
+    """An optimizer instance passed to initialize (Hugging Face Trainer passes the one its
+    create_optimizer built over the model's parameters), checked before wrapping: its parameter
+    groups with parameter names instead of parameters (wrapping replaces every parameter
+    object; names stay). It must not have stepped: its state could not follow the shards."""
+    name = type(optimizer).__name__
+    if optimizer.state:
+        raise ValueError(f"the {name} passed to initialize already holds state for "
+                         f"{len(optimizer.state)} parameters (it has stepped): pass it before its "
+                         "first step, or pass its class or a callable(params)")
+    return named_model_parameters(optimizer.param_groups, model, f"the {name} passed to "
+                                  "initialize")
+
+
+def rebuild_optimizer(optimizer, groups):
+    """The client's optimizer instance made again over the sharded parameters `groups` (its
+    groups as `client_optimizer_groups` named them, resolved): its own class, called with its
+    defaults, each group keeping its hyperparameters. The instance itself is rebuilt, as
+    DeepSpeed rewrites the client optimizer's groups in place, so whatever holds it keeps
+    working: a scheduler built on it (Accelerate steps such a scheduler itself), Trainer's and
+    Accelerate's references. Hooks registered on it and a scheduler's step wrapper stay."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items()
+              if k in accepted and k not in ("self", "params")}
+    try:
+        fresh = cls(groups, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"cannot rebuild the {cls.__name__} passed to initialize over the "
+                         f"sharded parameters ({err}); pass its class or a callable(params) "
+                         "instead") from None
+    kept = {k: v for k, v in vars(optimizer).items() if k == "step" or k.endswith("_hooks")}
+    vars(optimizer).update(vars(fresh))
+    vars(optimizer).update(kept)
+    return optimizer
+
+
+def check_client_scheduler(scheduler, optimizer):
+    """A scheduler object must step the optimizer the engine uses: the instance passed with it
+    (rebuilt in place). One bound to any other optimizer would change learning rates nobody
+    uses; checked before wrapping."""
+    if scheduler is None or not hasattr(scheduler, "step"):
+        return  # none, or a callable(optimizer): built on the engine's optimizer
+    bound = getattr(scheduler, "optimizer", None)
+    if bound is not None and bound is not optimizer:
+        what = "the optimizer instance passed with it" if isinstance(
+            optimizer, torch.optim.Optimizer) else "none passed to initialize (the engine " \
+            "builds its own)"
+        raise ValueError(f"lr_scheduler {type(scheduler).__name__} steps an optimizer that is "
+                         f"not the engine's ({what}): pass a callable(optimizer) that builds "
+                         "it, or the optimizer it was built on")
 
 
 def build_scheduler(spec, client, optimizer):
@@ -84,14 +135,15 @@ def build_scheduler(spec, client, optimizer):
     return cls(optimizer, **kwargs)
 
 
-def named_model_parameters(model_parameters, model):
+def named_model_parameters(model_parameters, model, what="model_parameters"):
     """DeepSpeed's model_parameters (parameters, or param-group dicts) as parameter names,
-    checked before wrapping: wrapping replaces every parameter object, names stay."""
+    checked before wrapping: wrapping replaces every parameter object, names stay. Plain
+    parameters give a list of names, groups a list of group dicts with names."""
     names = {id(p): name for name, p in model.named_parameters()}
 
     def name_of(p):
         if id(p) not in names:
-            raise ValueError(f"model_parameters holds a tensor of shape {list(p.shape)} that "
+            raise ValueError(f"{what} holds a tensor of shape {list(p.shape)} that "
                              "is not a parameter of the model")
         return names[id(p)]
 
@@ -106,12 +158,13 @@ def named_model_parameters(model_parameters, model):
             groups.append({**item, "params": [name_of(p) for p in params]})
         else:
             groups.append({"params": [name_of(item)]})
-    if not any_dict:  # plain parameters: one group, as torch makes of them
-        return [{"params": [n for g in groups for n in g["params"]]}]
+    if not any_dict:  # plain parameters stay plain (Muon makes its own groups of them)
+        return [n for g in groups for n in g["params"]]
     return groups
 
 
 def resolve_named_parameters(groups, module):
     """The wrapped module's parameters for the names `named_model_parameters` returned."""
     by_name = dict(module.named_parameters())
-    return [{**g, "params": [by_name[n] for n in g["params"]]} for g in groups]
+    return [by_name[g] if isinstance(g, str) else
+            {**g, "params": [by_name[n] for n in g["params"]]} for g in groups]

@@ -31,7 +31,7 @@ from torch import nn
 from . import fsdp
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
-__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "LoadResult",
+__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "gather_to_rank0", "LoadResult",
            "HFCheckpointError", "INDEX_NAME", "SINGLE_NAME", "STAGING_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -472,6 +472,41 @@ def _write_configs(module, path, dtype):
         generation.save_pretrained(path)
 
 
+def gather_to_rank0(module, dtype=None):
+    """Yield (names, source, value) for every parameter and persistent buffer of `module` on
+    global rank 0: `names` as `state_dict` gives them (a tied parameter once, with all its
+    names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
+    tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
+    all-gathered at a time and dropped before the next. The other ranks yield nothing, but every
+    rank must run the generator to its end (one collective per DBuffer)."""
+    rank0 = dist.get_rank() == 0
+
+    def copied(value):
+        value = value.detach()
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.to(device="cpu", dtype=cast, copy=True)
+
+    entries = _named_entries(module)
+    names_of = {id(t): names for names, t in entries}
+    for unit in fsdp._units(module):
+        for buf in unit.buffers:
+            full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
+                               device=buf.master.device)
+            fsdp._all_gather_master(full, buf)
+            if rank0:
+                for p in unit.params:
+                    names = names_of.get(id(p.sharded))
+                    if p.buffer is buf and names is not None:
+                        pl = buf.layout.placements[p.index]
+                        yield names, p.sharded, copied(
+                            full[pl.offset:pl.offset + pl.numel].view(p.shape))
+            del full
+    if rank0:
+        for names, tensor in entries:
+            if getattr(tensor, "_vescale", None) is None:
+                yield names, tensor, copied(tensor)
+
+
 def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB") -> None:
     """Write the sharded module as a Hugging Face checkpoint `from_pretrained` loads:
     `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json` (or one
@@ -488,30 +523,12 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     if problem[0]:
         raise OSError(problem[0])
 
-    def saved(value):
-        value = value.detach()
-        cast = out_dtype if value.is_floating_point() else value.dtype
-        return value.to(device="cpu", dtype=cast, copy=True)
-
-    name_of = {id(t): _saved_names(module, names) for names, t in _named_entries(module)}
     writer = _ShardWriter(path, limit) if rank0 else None
-    for unit in fsdp._units(module):
-        for buf in unit.buffers:
-            full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
-                               device=buf.master.device)
-            fsdp._all_gather_master(full, buf)
-            if rank0:
-                for p in unit.params:
-                    name = name_of.get(id(p.sharded))
-                    if p.buffer is buf and name is not None:
-                        pl = buf.layout.placements[p.index]
-                        writer.add(name, saved(full[pl.offset:pl.offset + pl.numel].view(p.shape)))
-            del full
+    for names, _source, value in gather_to_rank0(module, out_dtype):
+        name = _saved_names(module, names)
+        if name is not None:
+            writer.add(name, value)
     if rank0:
-        for names, tensor in _named_entries(module):
-            name = name_of[id(tensor)]
-            if getattr(tensor, "_vescale", None) is None and name is not None:
-                writer.add(name, saved(tensor))
         writer.finish()
         _write_configs(module, path, out_dtype)
     dist.barrier()
