@@ -111,9 +111,6 @@ def _route_initialize() -> None:
             if unknown:
                 raise TypeError(f"deepspeed.initialize got arguments veScale does not know: "
                                 f"{unknown}")
-            if kwargs.get("model") is not None:
-                from .zero_init import require_not_partitioned
-                require_not_partitioned(kwargs["model"])
             return ours(**{k: v for k, v in kwargs.items() if k in _OUR_ARGUMENTS})
         return original(**kwargs)
 
