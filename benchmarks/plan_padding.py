@@ -95,7 +95,8 @@ def plot(name, rows, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="deepseek-v3,gpt-oss-120b,llama3-70b")
+    parser.add_argument("--models",
+                        default="deepseek-v3,gpt-oss-120b,llama3-70b,llama-3.1-405b,kimi-k2")
     parser.add_argument("--granularities", default="rows:1,rows:16,rows:128")
     parser.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)))
     parser.add_argument("--max-buffers", type=int, default=mp.DEFAULT_MAX_BUFFERS)

@@ -459,3 +459,25 @@ def test_deepspeed_zero3_checkpoint_resumes_its_warmup_and_counters(pool, tmp_pa
         assert r["lrs"][0] < r["lrs"][-1] < DS_WARMUP["warmup_max_lr"]  # still warming up
         for ours, theirs in zip(r["losses"], r["ds_losses"], strict=True):
             assert abs(ours - theirs) <= 1e-5 * theirs, (r["losses"], r["ds_losses"])
+
+
+def stage2_state_dict_rank(rank, world):
+    """Accelerate reads the unwrapped model's state_dict() below stage 3; our parameters are
+    sharded at every stage, so the patched get_state_dict gathers the full model to rank 0."""
+    import deepspeed
+    import vescale_engine
+    from accelerate import Accelerator
+    model = fm.make("gpt")
+    engine, *_ = initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 2}})
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    deepspeed.initialize = original
+    sd = Accelerator.get_state_dict(None, engine)  # stage < 3: Accelerate's self is not read
+    full = full_state_dict(engine.module)
+    if rank:
+        return sd == {}
+    return sorted(sd) == sorted(full) and all(torch.equal(sd[k], full[k]) for k in full)
+
+
+def test_accelerate_state_dict_below_stage3_is_the_full_model_on_rank0(pool):
+    assert pool.run(stage2_state_dict_rank) == [True, True]

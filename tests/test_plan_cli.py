@@ -50,7 +50,9 @@ def verify_plan_json(plan, shapes_file):
 
 @pytest.mark.parametrize("name,m,gran", [("gpt-oss-120b", 256, "rows:16"),
                                          ("llama3-70b", 1024, "rows:16"),
-                                         ("deepseek-v3", 64, "tile:32x32")])
+                                         ("deepseek-v3", 64, "tile:32x32"),
+                                         ("llama-3.1-405b", 8192, "rows:128"),
+                                         ("kimi-k2", 128, "rows:1")])
 def test_json_plan_verifies_independently(name, m, gran):
     out = vescale("plan", "--shapes", f"{MODELS}/{name}.json", "--world-size", str(m),
                   "--granularity", gran, "--json")

@@ -1,13 +1,14 @@
 """Planner: invariants, an exact reference solver on small instances, the lcm trap, real models."""
 import itertools
+import json
 import math
 import random
 
 import pytest
 
-from vescale_engine import model_plan
+from vescale_engine import model_plan, planner
 from vescale_engine.planner import (BufferLayout, PlanError, Placement, TensorSpec, UnitPlan,
-                                    _earliest_offset, check_plan, plan_unit)
+                                    _earliest_offset, _place, _runs, check_plan, plan_unit)
 from vescale_engine.granularity import parse_granularity
 
 MODELS = "examples/models"
@@ -179,7 +180,8 @@ def test_plan_is_deterministic():
     assert plan_unit(specs, 1024, 8) == plan_unit(specs, 1024, 8)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b", "llama3-70b"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b", "llama3-70b", "llama-3.1-405b",
+                                  "kimi-k2"])
 def test_real_models_plan_valid_and_identical_units_once(name, monkeypatch):
     model = model_plan.load_shapes(f"{MODELS}/{name}.json")
     calls = []
@@ -191,3 +193,151 @@ def test_real_models_plan_valid_and_identical_units_once(name, monkeypatch):
         assert plan.padding_ratio < (0.03 if m <= 1024 else 0.05)
         assert plan.padding_ratio <= model_plan.per_block_size_ratio(plan)
     assert len(calls) == 3 * len(model.groups)  # each group (unit) planned once per request
+
+
+# ---------------------------------------------------------------- the shapes files added for scale
+
+def _llama_params(c):
+    H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    layer = 2 * H + 2 * q * H + 2 * kv * H + 3 * I * H
+    return (1 if c["tie_word_embeddings"] else 2) * V * H + H + L * layer
+
+
+def _deepseek_v3_params(c):
+    H, V, E, dense = c["hidden_size"], c["vocab_size"], c["n_routed_experts"], c["first_k_dense_replace"]
+    heads, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attn = (2 * H + c["q_lora_rank"] * (H + 1 + heads * qk)
+            + (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * H + c["kv_lora_rank"]
+            + heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) * c["kv_lora_rank"]
+            + H * heads * c["v_head_dim"])
+    moe = E * H + E + (E + c["n_shared_experts"]) * 3 * c["moe_intermediate_size"] * H
+    layers = dense * (attn + 3 * c["intermediate_size"] * H) + (c["num_hidden_layers"] - dense) * (
+        attn + moe)
+    return (1 if c["tie_word_embeddings"] else 2) * V * H + H + layers
+
+
+@pytest.mark.parametrize("name,count,config", [
+    ("llama-3.1-405b", _llama_params, dict(  # meta-llama/Llama-3.1-405B config.json
+        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+        num_attention_heads=128, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        tie_word_embeddings=False)),
+    ("kimi-k2", _deepseek_v3_params, dict(  # moonshotai/Kimi-K2-Instruct config.json
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384, n_shared_experts=1,
+        num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, tie_word_embeddings=False)),
+    ("deepseek-v3", _deepseek_v3_params, dict(  # the formula, checked on the file we had
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, tie_word_embeddings=False)),
+])
+def test_shapes_files_match_the_published_configs(name, count, config):
+    model = model_plan.load_shapes(f"{MODELS}/{name}.json")
+    assert model.numel == count(config)
+    description = json.load(open(f"{MODELS}/{name}.json")).get("description", "")
+    for key, value in config.items() if name != "deepseek-v3" else ():
+        assert f"{key} {str(value).lower()}" in description, key
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-405b", "kimi-k2"])
+def test_new_shapes_files_plan_valid_at_scale(name):
+    model = model_plan.load_shapes(f"{MODELS}/{name}.json")
+    for m in (8, 1000, 8192):
+        for gran in ("rows:1", "rows:16", "rows:128", "tile:32x32"):
+            plan = model_plan.plan_model(model, m, gran)
+            plan.verify()
+            assert plan.padding_ratio <= model_plan.per_block_size_ratio(plan) + 1e-12
+
+
+# ---------------------------------------------------------------- the fast path is exact
+
+def _place_one_by_one(runs, S, align, offsets=None):
+    """The straightforward placement: every tensor through `_earliest_offset` in turn."""
+    p = 0
+    for n, g, count in runs:
+        step = math.lcm(g, align)
+        together = count if n > 2 * S and n % step == 0 else 1
+        for _ in range(count // together):
+            p = -(-p // align) * align
+            off = _earliest_offset(p, n * together, g, S, step)
+            if off is None:
+                return None
+            if offsets is not None:
+                offsets.extend(off + i * n for i in range(together))
+            p = off + n * together
+    return p
+
+
+def _same_placement(runs, S, align):
+    fast, slow = [], []
+    end = _place(runs, S, align, fast)
+    assert end == _place_one_by_one(runs, S, align, slow), (runs, S, align)
+    assert end is None or fast == slow, (runs, S, align)
+    assert _place(runs, S, align) == end
+
+
+def test_run_placement_equals_one_tensor_at_a_time():
+    rng = random.Random(16)
+    for _ in range(3000):
+        align = rng.choice([1, 2, 4, 8])
+        S = align * rng.randint(1, 50)
+        runs = [(rng.randint(1, 3 * S), rng.choice([1, 2, 3, 5, 8, 16]), rng.randint(1, 300))
+                for _ in range(rng.randint(1, 4))]
+        _same_placement(runs, S, align)
+    # The expert runs of real models, at shard sizes around the fair share.
+    for name, m in (("kimi-k2", 512), ("deepseek-v3", 8192), ("gpt-oss-120b", 64)):
+        model = model_plan.load_shapes(f"{MODELS}/{name}.json")
+        specs = max(model_plan.model_specs(model, "rows:1"), key=len)
+        total = sum(s.numel for s in specs)
+        for order in (specs, sorted(specs, key=lambda s: (-s.block, -s.numel, s.shape))):
+            runs, _ = _runs(order)
+            for S in range(total // m // 8 * 8, total // m + 800, 96):
+                _same_placement(runs, S, 8)
+
+
+def _straightforward(patch):
+    """The planner without its shortcuts: one tensor at a time, searches over the tensors
+    themselves, no lower-bound pruning, blocks per rank counted rank by rank."""
+    patch.setattr(planner, "_place", _place_one_by_one)
+    patch.setattr(planner, "_placement", lambda spec, off, S: Placement(
+        spec, off, off // S, planner._units_by_rank(spec, off, S)))
+    patch.setattr(planner, "_quick_shard", lambda kinds, m, align: planner._search(
+        [TensorSpec(f"t{i}", shape, block) for i, (shape, block) in enumerate(kinds.elements())],
+        m, align, quick=True)[0])
+    patch.setattr(planner, "shard_lower_bound", lambda items, m, align: 0)
+
+
+@pytest.mark.parametrize("name,m,gran", [("deepseek-v3", 8192, "rows:1"),
+                                         ("deepseek-v3", 8192, "tile:32x32"),
+                                         ("kimi-k2", 1024, "rows:128"),
+                                         ("kimi-k2", 1000, "tile:32x32"),
+                                         ("gpt-oss-120b", 7, "rows:1"),
+                                         ("llama-3.1-405b", 8192, "rows:1")])
+def test_fast_path_gives_the_same_plan_as_the_straightforward_one(name, m, gran, monkeypatch):
+    model = model_plan.load_shapes(f"{MODELS}/{name}.json")
+    fast = model_plan.plan_model(model, m, gran)
+    with monkeypatch.context() as patch:
+        _straightforward(patch)
+        slow = tuple(plan_unit(specs, m, 8) for specs in model_plan.model_specs(model, gran))
+    assert fast.plans == slow
+    assert [len(p.buffers) for p in fast.plans] == [len(p.buffers) for p in slow]
+
+
+def test_identical_groups_are_planned_once(tmp_path, monkeypatch):
+    layer = [{"name": "norm.weight", "shape": [96]}, {"name": "w", "shape": [160, 96]}]
+    shapes = {"name": "toy", "groups": [
+        *({"name": f"layers.{i}", "repeat": 1, "tensors": layer} for i in range(3)),
+        {"name": "head", "tensors": [{"name": "w", "shape": [100, 96]}]}]}
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(shapes))
+    model = model_plan.load_shapes(str(path))
+    calls = []
+    real = model_plan.plan_unit
+    monkeypatch.setattr(model_plan, "plan_unit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plan = model_plan.plan_model(model, 7, "rows:1")
+    plan.verify()
+    assert len(calls) == 2
+    assert plan.plans == tuple(real(specs, 7, 8) for specs in model_plan.model_specs(model, "rows:1"))
+    assert plan.padding == 3 * plan.plans[0].padding + plan.plans[3].padding > 0

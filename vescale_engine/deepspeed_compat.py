@@ -1,7 +1,9 @@
 """`patch_deepspeed()`: the one-line migration for existing ZeRO scripts and for frameworks
 that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate). After it,
 `deepspeed.initialize` returns our engine when the config has a "vescale" section, and
-DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's."""
+DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's; and
+`deepspeed.zero.Init` builds on the meta device for such a config (zero_init; transformers'
+from_pretrained / from_config under it: hf_zero_init)."""
 from __future__ import annotations
 
 import functools
@@ -21,11 +23,15 @@ def _config_of(kwargs):
 
 
 def patch_deepspeed() -> None:
-    """Route `deepspeed.initialize` to `vescale_engine.initialize` for vescale configs and let
-    Accelerate unwrap our engine (idempotent). DeepSpeed's launcher, `deepspeed.comm` and
-    `init_distributed` are untouched."""
+    """Route `deepspeed.initialize` to `vescale_engine.initialize` for vescale configs, let
+    Accelerate unwrap our engine, and make `deepspeed.zero.Init` build on meta for vescale
+    configs (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are
+    untouched."""
+    from .zero_init import install as install_zero_init
     _route_initialize()
     patch_accelerate_unwrap()
+    patch_accelerate_state_dict()
+    install_zero_init()
 
 
 def patch_accelerate_unwrap() -> None:
@@ -60,6 +66,30 @@ def patch_accelerate_unwrap() -> None:
         # __dict__, not getattr: lazy modules (transformers) import nothing here
         if getattr(module, "__dict__", {}).get("extract_model_from_parallel") is original:
             module.extract_model_from_parallel = extract_model_from_parallel
+
+
+def patch_accelerate_state_dict() -> None:
+    """`accelerator.get_state_dict(engine)` (behind Trainer.save_model) gathers the full model
+    to rank 0 for our engine at every ZeRO stage. Accelerate gathers only at stage 3 and
+    otherwise reads the unwrapped model's state_dict(), which for our engine (parameters are
+    sharded at every stage) holds each rank's flat pieces."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return
+    original = Accelerator.get_state_dict
+    if hasattr(original, "__vescale_original__"):
+        return
+
+    @functools.wraps(original)
+    def get_state_dict(self, model, unwrap=True):
+        from .engine import VeScaleEngine
+        if isinstance(model, VeScaleEngine) and model.zero_optimization_stage() < 3:
+            return model._zero3_consolidated_16bit_state_dict()
+        return original(self, model, unwrap)
+
+    get_state_dict.__vescale_original__ = original
+    Accelerator.get_state_dict = get_state_dict
 
 
 def _route_initialize() -> None:

@@ -27,6 +27,7 @@ from .monitor import Monitors, PendingScalars
 from .progress import Progress
 from .timers import WallClockBreakdown
 from .wrap import device_mesh, wrap_model
+from .zero_init import require_not_partitioned
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -360,6 +361,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S,
         create=dist_init_required is not False)
     cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
+    require_not_partitioned(model)
     if optimizer is None:
         optimizer_spec(cfg.optimizer)
     check_client_scheduler(lr_scheduler, optimizer)
@@ -373,7 +375,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     on_meta = any(p.is_meta for p in model.parameters())
     module = wrap_model(model, cfg, device_mesh(cfg, device))
     if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
-        prepare_weights(module, cfg, device)  # the generator as the caller left it
+        # random init draws from the generator as the caller left it (or, for a model built
+        # inside a vescale zero.Init, as it was at the build: zero_init)
+        prepare_weights(module, cfg, device)
     fsdp.require_materialized(module, "initialize")
     if cfg.seed is not None:  # after init (wrapping draws nothing): same stream either way
         _seed_everything(cfg.seed)

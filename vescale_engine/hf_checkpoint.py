@@ -75,7 +75,15 @@ class _Stored:
 
 def checkpoint_files(path) -> tuple[list, dict | None, int]:
     """(safetensors files, weight_map or None, index bytes read) for a directory holding
-    `model.safetensors.index.json` or `model.safetensors`, or one `.safetensors` file."""
+    `model.safetensors.index.json` or `model.safetensors`, one `.safetensors` file, or a list
+    of them (the files from_pretrained resolved)."""
+    if isinstance(path, (list, tuple)):
+        files = [os.fspath(f) for f in path]
+        wrong = [f for f in files if not (f.endswith(".safetensors") and os.path.isfile(f))]
+        if wrong or not files:
+            raise HFCheckpointError(f"{wrong[0] if wrong else 'an empty list'} is not a "
+                                    ".safetensors file")
+        return files, None, 0
     path = os.fspath(path)
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
@@ -288,12 +296,13 @@ def _on_meta(module) -> list:
 
 
 def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
-              device=None) -> LoadResult:
+              device=None, init_missing=None) -> LoadResult:
     """Load a Hugging Face checkpoint into `module` right after `fully_shard` (what
     `initialize` calls for `vescale.hf_checkpoint`). A module whose shards are still on meta
     gets real storage on `device` first (`materialize.allocate_shards`); what the file does not
-    hold (non-persistent buffers; missing keys under strict=False) is then initialized by its
-    own modules (`materialize.init_unloaded`)."""
+    hold (non-persistent buffers; missing keys under strict=False) is then initialized by
+    `init_missing(module, names)`, by default by its own modules
+    (`materialize.init_unloaded`)."""
     stored, header_bytes, files = read_stored(path)
     plan, missing, unexpected = _match(module, _rename(stored, key_map), strict, path)
     result = LoadResult(missing, unexpected, header_bytes=header_bytes, files=files)
@@ -312,8 +321,9 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
                                     "allocate_shards (not managed by fully_shard)")
     _load(module, plan, result)
     if unloaded:
-        from .materialize import init_unloaded
-        init_unloaded(module, unloaded)
+        if init_missing is None:
+            from .materialize import init_unloaded as init_missing
+        init_missing(module, unloaded)
     return result
 
 

@@ -107,13 +107,15 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
     return module
 
 
-def init_unloaded(module: nn.Module, names, init_fn=None) -> None:
+def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> None:
     """For a loader after `allocate_shards`: initialize the parameters and buffers named in
     `names` (as `named_parameters` / `named_buffers` say them, non-persistent buffers
     included) that it did not write, as materialize would (the modules owning them run their
     init, children first; nothing else changes). Typically the non-persistent buffers a
     checkpoint does not hold (rotary `inv_freq`) and, with strict=False, its missing keys. Not
-    bitwise with a whole build (the other modules' draws do not happen). An unknown name, or a
+    bitwise with a whole build (the other modules' draws do not happen). With `init_fn` and
+    `ancestors=True`, `init_fn` also runs on every ancestor of those modules (an init that
+    writes a child's tensors, as Hugging Face's `_init_weights` may). An unknown name, or a
     name still on meta, is an error."""
     names = set(names)
     if not names:
@@ -141,19 +143,28 @@ def init_unloaded(module: nn.Module, names, init_fn=None) -> None:
         owns = any(id(getattr(p, "_vescale", None)) in pending for p in sub._parameters.values())
         if owns or any(id(b) in pending_buffers for b in sub._buffers.values()):
             sub.__dict__.pop("_is_hf_initialized", None)
-    _Initializer(module, pending, pending_buffers, init_fn).run()
+    _Initializer(module, pending, pending_buffers, init_fn, ancestors).run()
 
 
 def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
-    """`initialize`'s one place for the weights, before the optimizer is built: the checkpoint
-    `vescale.hf_checkpoint` names (a meta model gets its shards allocated and filled; what the
-    file lacks is initialized by its modules), else, for a model wrapped on meta, random init
-    by `materialize` (from the generator state initialize was called with)."""
-    if cfg.hf_checkpoint:
+    """`initialize`'s one place for the weights, before the optimizer is built, first match:
+    a model transformers built under a vescale ZeRO-3 config (`hf_zero_init`: the checkpoint
+    `from_pretrained` recorded, or `from_config`'s init); the checkpoint `vescale.hf_checkpoint`
+    names (a meta model gets its shards allocated and filled; what the file lacks is
+    initialized by its modules); else, for a model wrapped on meta, random init by
+    `materialize`, drawing from the generator as the caller left it, or, for a model built
+    inside `deepspeed.zero.Init` (zero_init), as it was when the build started."""
+    from .zero_init import deferred_record, replayed_generator
+    record = deferred_record(module)
+    if record is not None and record.builder is not None:
+        from .hf_zero_init import prepare_transformers_weights
+        prepare_transformers_weights(module, record, cfg, device)
+    elif cfg.hf_checkpoint:
         from .hf_checkpoint import load_into
         load_into(module, cfg.hf_checkpoint, device=device)
     elif fsdp.meta_leftovers(module):
-        materialize(module, device)
+        with replayed_generator(record, device):
+            materialize(module, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +186,15 @@ def _post_order(module: nn.Module) -> list:
     return out
 
 
+def _ancestor_names(names) -> set:
+    """Every proper prefix of each dotted module name ("" is the root)."""
+    out = set()
+    for name in names:
+        parts = name.split(".") if name else []
+        out.update(".".join(parts[:k]) for k in range(len(parts)))
+    return out
+
+
 def _reset_of(mod: nn.Module):
     """The class's own init: `reset_parameters`, or `_reset_parameters` for the torch modules
     that call theirs that (nn.MultiheadAttention). The class's, not the instance attribute:
@@ -192,9 +212,10 @@ def _is_pretrained(mod: nn.Module) -> bool:
 
 
 class _Initializer:
-    def __init__(self, root, pending_params, pending_buffers, init_fn):
+    def __init__(self, root, pending_params, pending_buffers, init_fn, ancestors=False):
         self.root = root
         self.init_fn = init_fn
+        self.ancestors = ancestors         # init_fn also runs on the owners' ancestors
         self.order = _post_order(root)
         self.names = {id(mod): name for name, mod in self.order}
         self.pending = pending_params      # id(ShardedParameter) -> it, until written
@@ -234,6 +255,10 @@ class _Initializer:
 
     def run(self):
         work = [(name, mod) for name, mod in self.order if self._owns_pending(mod)]
+        if self.init_fn is not None and self.ancestors:
+            above = _ancestor_names(name for name, _ in work)
+            work = [(name, mod) for name, mod in self.order
+                    if self._owns_pending(mod) or name in above]
         every = max(1, math.ceil(len(work) / 10))  # a line per 10% (rank 0, >= 10 modules)
         started = time.perf_counter()
         if self.init_fn is not None:

@@ -1,8 +1,10 @@
 """Whole-model planning from a shapes file, and the padding of the alternatives beside ours.
 
 The shapes format is the one in `shared/models/*.json`:
-`{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`.
-Each group is one FSDP unit, planned once however often it repeats (identical decoder layers).
+`{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`,
+with an optional "description" (the published config the shapes come from; not read).
+Each group is one FSDP unit, planned once however often it repeats (identical decoder layers),
+and groups listing the same tensors are planned once between them.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from .granularity import Granularity, parse_granularity
 from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, TensorSpec, check_plan,
-                      plan_buffer, plan_unit)
+                      plan_buffer, plan_unit, shard_lower_bound)
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
@@ -165,16 +167,24 @@ def model_specs(model: ModelShapes, granularity) -> list:
 def plan_model(model: ModelShapes, world_size: int, granularity, *,
                align_bytes: int = DEFAULT_ALIGN_BYTES, dtype: str = "bf16",
                max_buffers: int = DEFAULT_MAX_BUFFERS) -> ModelPlan:
-    """Plan every group of the model once; the clock covers the planning of all of them."""
+    """Plan every group of the model once, and groups with identical tensors (names, shapes and
+    blocks: the same layer listed as several groups) once between them; the clock covers the
+    planning of all of them."""
     if world_size < 1:
         raise ShapesError(f"world size must be positive, got {world_size}")
     granularity = parse_granularity(granularity)
     align = align_elements(align_bytes, dtype)
     all_specs = model_specs(model, granularity)
     t0 = time.perf_counter()
-    plans = tuple(plan_unit(specs, world_size, align, max_buffers) for specs in all_specs)
-    return ModelPlan(model, granularity, world_size, align_bytes, dtype, max_buffers, plans,
-                     tuple(all_specs), time.perf_counter() - t0)
+    planned, plans = {}, []
+    for specs in all_specs:
+        key = tuple(specs)
+        if key not in planned:
+            planned[key] = plan_unit(specs, world_size, align, max_buffers)
+        plans.append(planned[key])
+    seconds = time.perf_counter() - t0
+    return ModelPlan(model, granularity, world_size, align_bytes, dtype, max_buffers,
+                     tuple(plans), tuple(all_specs), seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,17 +216,8 @@ def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:
     m, align = model_plan.world_size, align_elements(model_plan.align_bytes, model_plan.dtype)
     pad = 0
     for group, specs in zip(model_plan.model.groups, model_plan.specs):
-        total = sum(s.numel for s in specs)
-        S = -(-max(1, -(-total // m)) // align) * align
-        while True:
-            forced = [s for s in specs if s.numel > 2 * S]
-            multiple = math.lcm(align, *(s.block for s in forced))
-            candidate = -(-S // multiple) * multiple
-            drop = min((-(-s.numel // 2) for s in forced), default=None)
-            if drop is None or candidate < drop:
-                break
-            S = drop  # from here on the longest forced tensor no longer forces S
-        pad += group.repeat * (m * candidate - total)
+        S = shard_lower_bound([(s.numel, s.block, 1) for s in specs], m, align)
+        pad += group.repeat * (m * S - sum(s.numel for s in specs))
     return pad / model_plan.model.numel
 
 

@@ -7,11 +7,16 @@ solve it with a fast heuristic built from three observations:
 
 1. For a fixed order and a fixed S, placing each tensor at its earliest feasible offset is optimal
    (feasible offsets only shrink as the start moves right), and that offset is O(1) arithmetic.
-2. Any S can be tested in O(#tensors) that way. Runs of identical tensors whose size is a multiple
-   of their block are placed as one item, so a layer of 256 experts costs a few items, not 768.
+2. Any S can be tested in O(#tensors) that way, and faster: a run of identical tensors is placed
+   a shard at a time, and where its next tensor goes depends only on where the previous one
+   ended within its shard, so the run turns periodic and whole periods are skipped. A layer of
+   384 experts costs one step per shard boundary it meets at most, not one per tensor (1152).
 3. A tensor longer than 2S contains two boundaries, which forces S to be a multiple of its block:
    large tensors with different row lengths couple through the lcm of their blocks (the "lcm
    trap"). Splitting the unit into a few buffers, each with its own S, removes the coupling.
+   The split search tries many candidate buffers; each is searched once per multiset of tensor
+   shapes (names do not change the result), and not at all when a lower bound on its shard
+   size already shows the candidate cannot win.
 
 Pure Python: no torch, no torch.distributed, no modules.
 """
@@ -20,13 +25,14 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 DEFAULT_ALIGN_BYTES = 16
 DEFAULT_MAX_BUFFERS = 4
 DEFAULT_SPLIT_GAIN = 0.0  # fraction of a unit's elements a split must save (0: any saving)
-_SEARCH_EVALS = 48
-_SWAP_TENSORS = 12  # buffers of at most this many tensors get a swap search over their order  # placement passes per (order, search start): bounds planning time
+_SEARCH_EVALS = 48  # placement passes per (order, search start): bounds planning time
+_SWAP_TENSORS = 12  # buffers of at most this many tensors get a swap search over their order
 
 
 class PlanError(ValueError):
@@ -40,9 +46,8 @@ class TensorSpec:
     shape: tuple
     block: int
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self):  # computed once: the search sums it over many candidate groups
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
 @dataclass(frozen=True)
@@ -142,15 +147,57 @@ def _place(runs, S: int, align: int, offsets: list | None = None):
     p = 0
     for n, g, count in runs:
         step = math.lcm(g, align)
-        together = count if n > 2 * S and n % step == 0 else 1
-        for _ in range(count // together):
+        if n > 2 * S and n % step == 0:
             p = -(-p // align) * align
-            off = _earliest_offset(p, n * together, g, S, step)
+            off = _earliest_offset(p, n * count, g, S, step)
             if off is None:
                 return None
             if offsets is not None:
-                offsets.extend(off + i * n for i in range(together))
-            p = off + n * together
+                offsets.extend(off + i * n for i in range(count))
+            p = off + n * count
+        else:
+            p = _place_run(p, n, g, count, S, align, step, offsets)
+            if p is None:
+                return None
+    return p
+
+
+def _place_run(p, n, g, count, S, align, step, offsets):
+    """Place `count` identical tensors after p (where the last tensor placed ends), a shard at a
+    time: one step places the tensor that meets the next boundary (`_earliest_offset`) and then,
+    back to back, those that fit after it in the next shard. Where a step goes depends only on
+    where it starts within its shard, so once that position repeats the run is periodic: jump
+    over the remaining whole periods. Exactly what placing one tensor at a time would do."""
+    stride = -(-n // align) * align      # from one tensor's start to the next one's, back to back
+    seen = {}
+    i = 0
+    while i < count:
+        start = -(-p // align) * align
+        if seen is not None:
+            if start % S in seen:
+                i0, start0 = seen[start % S]
+                period, advance = i - i0, start - start0    # advance is a multiple of S
+                cycles = (count - i) // period
+                if offsets is not None:
+                    last = offsets[len(offsets) - period:]
+                    offsets.extend(o + c * advance for c in range(1, cycles + 1) for o in last)
+                p, i, seen = p + cycles * advance, i + cycles * period, None
+                continue
+            seen[start % S] = (i, start)
+        if n > S - start % S:                       # meets the next boundary
+            off = _earliest_offset(start, n, g, S, step)
+            if off is None:
+                return None
+            if offsets is not None:
+                offsets.append(off)
+            p, i = off + n, i + 1
+            start = -(-p // align) * align
+        room = S - start % S
+        if n <= room and i < count:                 # these fit before the next boundary
+            k = min(count - i, (room - n) // stride + 1)
+            if offsets is not None:
+                offsets.extend(start + j * stride for j in range(k))
+            p, i = start + (k - 1) * stride + n, i + k
     return p
 
 
@@ -204,6 +251,21 @@ def _refine_down(items, world_size, align, bad, good):
     return good
 
 
+def shard_lower_bound(items, world_size: int, align: int) -> int:
+    """A shard size no one-buffer layout of items [(numel, block, count)] can beat: S is at
+    least the fair share, and a multiple of the block of every tensor longer than 2S (the lcm
+    trap). The split search uses it to skip trials that cannot pay off."""
+    total = sum(n * count for n, _, count in items)
+    S = _round_up(max(1, -(-total // world_size)), align)
+    while True:
+        forced = [(n, g) for n, g, _ in items if n > 2 * S]
+        candidate = _round_up(S, math.lcm(align, *(g for _, g in forced)))
+        drop = min((-(-n // 2) for n, _ in forced), default=None)
+        if drop is None or candidate < drop:
+            return candidate
+        S = drop  # from here on the longest forced tensor no longer forces S
+
+
 def _min_shard(items, world_size: int, align: int) -> int:
     """Smallest S found for this order: the shortfall walk from the lower bound, and from the
     lcm-aligned candidates that make large tensors tile the shards exactly (paper: lcm of block
@@ -234,7 +296,7 @@ def _min_shard(items, world_size: int, align: int) -> int:
 
 def _runs(specs):
     """Group consecutive identical tensors (same shape and block) into runs (numel, block,
-    count) with their members, so that the placement can handle them in one step."""
+    count), each with its member tensors, so that the placement can handle them in one step."""
     runs, members = [], []
     for spec in specs:
         if members and members[-1][-1].shape == spec.shape and members[-1][-1].block == spec.block:
@@ -243,40 +305,68 @@ def _runs(specs):
         else:
             runs.append([spec.numel, spec.block, 1])
             members.append([spec])
-    return [tuple(r) for r in runs], [m for run in members for m in run]
+    return [tuple(r) for r in runs], members
+
+
+def _by_block(shape, block, numel):
+    return -block, -numel, shape
+
+
+def _by_size(shape, block, numel):
+    return -numel, -block, shape
 
 
 def _orders(specs, quick=False):
     if not quick:
         yield list(specs)                                                    # module order
-    yield sorted(specs, key=lambda s: (-s.block, -s.numel, s.shape))         # by block size
-    yield sorted(specs, key=lambda s: (-s.numel, -s.block, s.shape))         # by size
+    for key in (_by_block, _by_size):
+        yield sorted(specs, key=lambda s: key(s.shape, s.block, s.numel))
 
 
 def _search(specs, world_size, align, quick=False):
     """Best (S, runs, members) over the candidate orders, without building placements.
     `quick` skips module order: the sorted orders group identical tensors into few runs."""
-    best = None
-    for order in _orders(specs, quick):
-        runs, members = _runs(order)
-        S = _min_shard(runs, world_size, align)
-        if S is not None and (best is None or S < best[0]):
-            best = (S, runs, members)
-    if best is None:
+    found = _best_order([_runs(order) for order in _orders(specs, quick)], world_size, align)
+    if found is None:
         raise PlanError("no feasible layout found for tensors "
                         + ", ".join(s.name for s in specs))
-    return _swap_runs(best, world_size, align)
+    S, runs, members = found
+    return S, runs, [spec for run in members for spec in run]
+
+
+def _quick_shard(kinds, world_size, align):
+    """The S that `_search(..., quick=True)` finds, from the multiset of tensor kinds alone
+    (a Counter of (shape, block)): in the sorted orders identical tensors are adjacent, so each
+    kind is one run and the tensors' names and module positions do not matter."""
+    candidates = []
+    for key in (_by_block, _by_size):
+        order = sorted(kinds, key=lambda kind: key(*kind, math.prod(kind[0])))
+        candidates.append(([(math.prod(shape), block, kinds[(shape, block)])
+                            for shape, block in order], order))
+    found = _best_order(candidates, world_size, align)
+    if found is None:
+        raise PlanError("no feasible layout found for tensors of shapes "
+                        + ", ".join(str(list(shape)) for shape, _ in kinds))
+    return found[0]
+
+
+def _best_order(candidates, world_size, align):
+    """Smallest S over candidate orders [(runs, one label per run)], the first on ties, then
+    improved by swapping runs; returns (S, runs, labels) or None when no order is feasible."""
+    best = None
+    for runs, labels in candidates:
+        S = _min_shard(runs, world_size, align)
+        if S is not None and (best is None or S < best[0]):
+            best = (S, runs, labels)
+    return best if best is None else _swap_runs(best, world_size, align)
 
 
 def _swap_runs(best, world_size, align):
     """Local search on the order of a few runs: swap two runs while that shrinks S. Which tensor
     straddles each shard boundary decides the padding, and the sorted orders can miss it."""
-    S, runs, members = best
-    if len(members) > _SWAP_TENSORS:
+    S, runs, labels = best
+    if sum(count for _, _, count in runs) > _SWAP_TENSORS:
         return best
-    groups = []
-    for n, _, count in runs:
-        groups.append(members[sum(len(g) for g in groups):][:count])
     improved = True
     while improved:
         improved = False
@@ -286,10 +376,10 @@ def _swap_runs(best, world_size, align):
             candidate = [runs[k] for k in order]
             found = _min_shard(candidate, world_size, align)
             if found is not None and found < S:
-                S, runs, groups = found, candidate, [groups[k] for k in order]
+                S, runs, labels = found, candidate, [labels[k] for k in order]
                 improved = True
                 break
-    return S, runs, [spec for group in groups for spec in group]
+    return S, runs, labels
 
 
 def plan_buffer(specs, world_size: int, align: int = 1) -> BufferLayout:
@@ -306,13 +396,33 @@ def _layout(found, world_size, align) -> BufferLayout:
 
 
 def _placement(spec: TensorSpec, offset: int, S: int) -> Placement:
-    end = offset + spec.numel
+    """Blocks per rank in closed form: a tensor that spans more than two shards has every
+    boundary inside it on a block edge and S a multiple of its block (the plan's invariant), so
+    every rank strictly inside holds S / block blocks; only the two end ranks are partial."""
+    n, g = spec.numel, spec.block
+    end = offset + n
     first, last = offset // S, (end - 1) // S
+    if first == last:
+        return Placement(spec, offset, first, (-(-n // g),))
+    head = -(-((first + 1) * S - offset) // g)
+    tail = -(-n // g) - -(-(last * S - offset) // g)
+    middle = (S // g,) * (last - first - 1)
+    return Placement(spec, offset, first, (head,) + middle + (tail,))
+
+
+def _units_by_rank(spec: TensorSpec, offset: int, S: int) -> tuple:
+    """Blocks per rank counted rank by rank, for the checker (independent of the closed form)."""
+    end = offset + spec.numel
     units = []
-    for r in range(first, last + 1):
+    for r in range(offset // S, (end - 1) // S + 1):
         lo, hi = max(offset, r * S), min(end, (r + 1) * S)
         units.append(-(-(hi - offset) // spec.block) - (-(-(lo - offset) // spec.block)))
-    return Placement(spec, offset, first, tuple(units))
+    return tuple(units)
+
+
+def _kinds(specs) -> Counter:
+    """The multiset of (shape, block) of a group: all that its quick search depends on."""
+    return Counter((s.shape, s.block) for s in specs)
 
 
 def _split_by_block(specs):
@@ -322,45 +432,62 @@ def _split_by_block(specs):
     return [classes[g] for g in sorted(classes, reverse=True)]
 
 
-def _merge_classes(classes, max_buffers, padding_of, tolerance):
+def _merge_classes(classes, max_buffers, padding_of, floor_of, tolerance):
     """Greedy agglomeration: merge the pair of buffers whose merge costs the least padding;
     merge while that costs at most `tolerance` elements (fewer collectives are worth a little
-    padding) or while more than max_buffers remain."""
-    groups = [(c, padding_of(c)) for c in classes]
+    padding) or while more than max_buffers remain. `padding_of` takes a group's kinds;
+    `floor_of` is a lower bound of it that costs no search."""
+    groups = [(c, _kinds(c)) for c in classes]
+    groups = [(c, kinds, padding_of(kinds)) for c, kinds in groups]
     while len(groups) > 1:
         best = None
         for i in range(len(groups)):
             for j in range(i + 1, len(groups)):
-                merged = groups[i][0] + groups[j][0]
-                cost = padding_of(merged) - groups[i][1] - groups[j][1]
+                kinds = groups[i][1] + groups[j][1]
+                if best is not None and floor_of(kinds) - groups[i][2] - groups[j][2] >= best[0]:
+                    continue  # cannot beat the best pair so far
+                cost = padding_of(kinds) - groups[i][2] - groups[j][2]
                 if best is None or cost < best[0]:
-                    best = (cost, i, j, merged)
-        cost, i, j, merged = best
+                    best = (cost, i, j, kinds)
+        cost, i, j, kinds = best
         if cost > tolerance and len(groups) <= max_buffers:
             break
-        groups = [g for k, g in enumerate(groups) if k not in (i, j)] + [(merged, padding_of(merged))]
-    return [group for group, _ in groups]
+        merged = groups[i][0] + groups[j][0]
+        groups = [g for k, g in enumerate(groups) if k not in (i, j)] + [
+            (merged, kinds, padding_of(kinds))]
+    return [group for group, _, _ in groups]
 
 
-def _move_tensors(groups, padding_of, rounds: int = 3):
+def _move_tensors(groups, padding_of, floor_of, rounds: int = 3):
     """Local search over the split: move one tensor, or all tensors of one shape, from one
     buffer to another while that lowers the total padding (e.g. a tensor that fills another
-    buffer's last shard exactly)."""
+    buffer's last shard exactly). Trials work on the groups' kinds; only an accepted move
+    touches the tensor lists."""
     groups = [list(g) for g in groups]
+    kinds = [_kinds(g) for g in groups]
     for _ in range(rounds):
         improved = False
         for i in range(len(groups)):
-            shapes = sorted({(s.shape, s.block) for s in groups[i]})
             for j in range(len(groups)):
-                for shape in shapes if i != j else ():
-                    same = [s for s in groups[i] if (s.shape, s.block) == shape]
-                    for moved in ([same[0]], same) if len(same) > 1 else ([same[0]],):
-                        if len(moved) == len(groups[i]):
+                for kind in sorted(kinds[i]) if i != j else ():
+                    have = kinds[i][kind]
+                    for count in (1, have) if have > 1 else (1,):
+                        if count == len(groups[i]):
                             continue
-                        stay = [s for s in groups[i] if s not in moved]
-                        before = padding_of(groups[i]) + padding_of(groups[j])
-                        if padding_of(stay) + padding_of(groups[j] + moved) < before:
-                            groups[i], groups[j] = stay, groups[j] + moved
+                        stay, into = kinds[i].copy(), kinds[j].copy()
+                        stay[kind] -= count
+                        into[kind] += count
+                        stay += Counter()  # drop the kind if none is left
+                        before = padding_of(kinds[i]) + padding_of(kinds[j])
+                        if floor_of(stay) + floor_of(into) >= before or \
+                                padding_of(stay) + floor_of(into) >= before:
+                            continue  # the bounds show the move cannot lower the padding
+                        if padding_of(stay) + padding_of(into) < before:
+                            moved = [s for s in groups[i] if (s.shape, s.block) == kind][:count]
+                            ids = {id(s) for s in moved}
+                            groups[i] = [s for s in groups[i] if id(s) not in ids]
+                            groups[j] = groups[j] + moved
+                            kinds[i], kinds[j] = stay, into
                             improved = True
                             break
                     if improved:
@@ -380,28 +507,32 @@ def plan_unit(specs, world_size: int, align: int = 1, max_buffers: int = DEFAULT
     specs = list(specs)
     _check_specs(specs, world_size, align, max_buffers)
     position = {s.name: i for i, s in enumerate(specs)}
-    found = {}
+    shard_of = {}
 
-    def search(group, quick=True):
-        key = (frozenset(s.name for s in group), quick)
-        if key not in found:
-            ordered = sorted(group, key=lambda s: position[s.name])
-            found[key] = _search(ordered, world_size, align, quick)
-        return found[key]
+    def padding_of(kinds):  # one quick search per multiset of (shape, block), however named
+        key = frozenset(kinds.items())
+        if key not in shard_of:
+            shard_of[key] = _quick_shard(kinds, world_size, align)
+        return world_size * shard_of[key] - sum(
+            math.prod(shape) * count for (shape, _), count in key)
 
-    def padding_of(group):
-        return world_size * search(group)[0] - sum(s.numel for s in group)
+    def floor_of(kinds):  # no search: padding_of(kinds) >= floor_of(kinds)
+        items = [(math.prod(shape), block, count) for (shape, block), count in kinds.items()]
+        return world_size * shard_lower_bound(items, world_size, align) - sum(
+            n * count for n, _, count in items)
 
     groups = [specs]
     classes = _split_by_block(specs)
-    if max_buffers > 1 and len(classes) > 1 and padding_of(specs) > 0:
+    whole = _kinds(specs)
+    if max_buffers > 1 and len(classes) > 1 and padding_of(whole) > 0:
         tolerance = split_gain * sum(s.numel for s in specs)
-        split = _merge_classes(classes, max_buffers, padding_of, tolerance)
+        split = _merge_classes(classes, max_buffers, padding_of, floor_of, tolerance)
         if len(split) > 1:
-            split = _move_tensors(split, padding_of)
-        if sum(map(padding_of, split)) < padding_of(specs) - tolerance:
+            split = _move_tensors(split, padding_of, floor_of)
+        if sum(padding_of(_kinds(g)) for g in split) < padding_of(whole) - tolerance:
             groups = sorted(split, key=lambda g: min(position[s.name] for s in g))
-    buffers = tuple(_layout(search(g, quick=False), world_size, align) for g in groups)
+    buffers = tuple(_layout(_search(sorted(g, key=lambda s: position[s.name]), world_size,
+                                    align), world_size, align) for g in groups)
     return UnitPlan(world_size, buffers, time.perf_counter() - t0)
 
 
@@ -459,6 +590,9 @@ def check_buffer(buf: BufferLayout, where: str = "buffer") -> None:
             if (k * S - off) % g:
                 raise PlanError(f"{where}: shard boundary {k * S} cuts a block of {p.name!r} "
                                 f"(offset {off}, block {g})")
+        want = [0] * m
+        counted = _units_by_rank(p.spec, off, S)
+        want[off // S:off // S + len(counted)] = counted
         units = p.local_units(m)
-        if sum(units) != -(-n // g) or units != _placement(p.spec, off, S).local_units(m):
+        if sum(units) != -(-n // g) or units != want:
             raise PlanError(f"{where}: local_units of {p.name!r} do not match its placement")

@@ -1,0 +1,344 @@
+"""Hugging Face models that transformers builds for a ZeRO-3 config with a "vescale" section.
+
+With a stage-3 config in play (TrainingArguments(deepspeed=...), HfDeepSpeedConfig,
+Accelerate's DeepSpeed plugin) transformers builds every model inside `deepspeed.zero.Init`,
+which a vescale section turns into a build on the meta device (zero_init). Where DeepSpeed
+would then gather each partition to write rank 0's values into it, these steps only record,
+and `initialize` does the work after wrapping, each rank holding its shard plus one module:
+
+- `from_pretrained` (PreTrainedModel._load_pretrained_model) reads no weights. It matches the
+  checkpoint's keys to the model's from the safetensors headers alone (transformers' key
+  renames and base-model prefix applied; a shape mismatch fails in its loading report, as
+  always) and records the resolved files and the key map (`PretrainedWeights`). `initialize`
+  loads each rank's own bytes (`hf_checkpoint.load_into`).
+- What the checkpoint lacks (PreTrainedModel._initialize_missing_keys), and everything for
+  `from_config` (integrations.deepspeed.initialize_weights_zero3), is initialized by
+  `initialize` with the walk transformers' `initialize_weights` makes (each module's
+  `_init_weights`, children first, loaded tensors skipped), one module at a time, from the
+  generator state the build started from: the values a one-process `from_pretrained` gives,
+  and DeepSpeed's `from_config` (no `reset_parameters` draws: transformers builds under
+  `no_init_weights`).
+
+Those three are transformers' private names: `install` checks them (and the loading helpers
+used here) once and names the installed version if one is missing. zero_init installs this
+at the first vescale Init that finds transformers imported: nothing here imports it first.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import zero_init
+
+_WRITTEN_FOR = "5.24"
+_NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model"),
+           ("transformers.modeling_utils", "PreTrainedModel._initialize_missing_keys"),
+           ("transformers.modeling_utils", "PreTrainedModel._initialize_weights"),
+           ("transformers.integrations.deepspeed", "initialize_weights_zero3"),
+           ("transformers.core_model_loading", "rename_source_key"),
+           ("transformers.core_model_loading", "WeightConverter"),
+           ("transformers.core_model_loading", "WeightRenaming"),
+           ("transformers.utils.loading_report", "LoadStateDictInfo"),
+           ("transformers.initialization", "guard_torch_init_functions"))
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """What `from_pretrained` resolved, for `initialize` to load."""
+    source: str          # what from_pretrained was given (a directory or a hub name)
+    files: tuple         # the local .safetensors files
+    key_map: dict        # checkpoint key -> the model's name for it (state_dict names)
+    dtype: torch.dtype   # the dtype the model was built in (from_pretrained's dtype=)
+
+
+# -- from_pretrained ----------------------------------------------------------------------------
+
+def record_checkpoint(model, record, state_dict, checkpoint_files, load_config):
+    """In place of transformers' `_load_pretrained_model` for a model built on meta: check
+    the checkpoint against the model from its headers, record it, and return the loading
+    report transformers finishes with (missing keys are initialized at `initialize`)."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    from .hf_checkpoint import read_stored
+    where = f"from_pretrained({load_config.pretrained_model_name_or_path!r}) under a vescale " \
+            "config"
+    unsupported = [name for name, value in (
+        ("state_dict=", state_dict), ("quantization", load_config.hf_quantizer),
+        ("device_map=", load_config.device_map), ("tp_plan=", load_config.device_mesh))
+        if value is not None]
+    if unsupported:
+        raise ValueError(f"{where}: {unsupported[0]} is not supported (initialize loads each "
+                         "rank's shard from the checkpoint's safetensors files)")
+    files = list(checkpoint_files or [])
+    if not files:
+        raise ValueError(f"{where}: found no weight files to load")
+    other = [f for f in files if not f.endswith(".safetensors")]
+    if other:
+        raise ValueError(f"{where}: {os.path.basename(other[0])} is not a safetensors file, and "
+                         "each rank reads its own bytes from safetensors only; convert the "
+                         "checkpoint once: from_pretrained without the vescale section, then "
+                         "save_pretrained(directory)")
+    stored, _, _ = read_stored(files)  # headers only
+    key_map, unexpected, mismatched = _match_keys(model, stored, load_config)
+    kept_fp32 = _kept_in_fp32(load_config, key_map.values())
+    if kept_fp32:
+        raise ValueError(f"{where}: {kept_fp32} is kept in float32 (_keep_in_fp32_modules), "
+                         "which this loader does not do; load with dtype=torch.float32")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in key_map.values():  # as transformers marks what it loaded
+        if name in params:
+            params[name]._is_hf_initialized = True
+    record.builder, record.root = "from_pretrained", model
+    record.pretrained = PretrainedWeights(str(load_config.pretrained_model_name_or_path),
+                                          tuple(files), key_map, _dtype_of(model))
+    missing = set(model.state_dict()) - set(key_map.values()) - {k for k, *_ in mismatched}
+    return LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected,
+                             mismatched_keys=mismatched, error_msgs=[], conversion_errors={},
+                             skipped_pp_keys=set())
+
+
+def _match_keys(model, stored, load_config) -> tuple[dict, set, set]:
+    """({checkpoint key: model name}, unexpected names, {(name, file shape, model shape)}),
+    renaming each key as transformers' loader does (its renames, then the base-model prefix
+    added or dropped). A key that needs one of its conversions (merging or splitting tensors)
+    is an error: those need the whole tensors."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    mapping = load_config.weight_mapping or []
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    expected = model.state_dict()
+    prefix = model.base_model_prefix
+    key_map, unexpected, mismatched, source_of = {}, set(), set(), {}
+    for key in sorted(stored):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if name not in expected and key in expected:  # as transformers: the prefix only
+            name, pattern = rename_source_key(key, [], [], prefix, expected)
+        if name not in expected:
+            unexpected.add(name)
+            continue
+        if pattern is not None:  # a converter's source pattern matched
+            raise ValueError(f"from_pretrained under a vescale config: checkpoint key {key} "
+                             f"({pattern!r}) needs one of transformers' weight conversions "
+                             f"into {name}, which work on whole tensors; convert the "
+                             "checkpoint once (from_pretrained without the vescale section, "
+                             "then save_pretrained(directory, save_original_format=False))")
+        if name in source_of:
+            raise ValueError(f"from_pretrained under a vescale config: checkpoint keys "
+                             f"{source_of[name]} and {key} both give {name}")
+        source_of[name] = key
+        file_shape, model_shape = tuple(stored[key].shape), tuple(expected[name].shape)
+        if file_shape != model_shape:
+            mismatched.add((name, torch.Size(file_shape), torch.Size(model_shape)))
+            continue
+        key_map[key] = name
+    model._weight_conversions = [m for m in mapping if m.was_used()]  # for save_pretrained
+    return key_map, unexpected, mismatched
+
+
+def _kept_in_fp32(load_config, names) -> str | None:
+    """A loaded name transformers would keep in float32 (its dtype_plan), if any."""
+    plan = load_config.dtype_plan or {}
+    if not plan:
+        return None
+    from transformers.core_model_loading import build_glob_alternation
+    pattern = build_glob_alternation(list(plan))[0]
+    return next((name for name in sorted(names) if pattern.search(name)), None)
+
+
+def _dtype_of(model) -> torch.dtype:
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return floating[0] if floating else torch.get_default_dtype()
+
+
+# -- initialize ---------------------------------------------------------------------------------
+
+def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None:
+    """`materialize.prepare_weights` for a model transformers built under a vescale config:
+    load the checkpoint from_pretrained recorded (what it lacks initialized as transformers
+    would), or run from_config's init."""
+    root = record.root
+    if root is None:
+        step = "_load_pretrained_model" if record.builder == "from_pretrained" else \
+            "initialize_weights_zero3"
+        raise RuntimeError(f"{record.builder} built {type(module).__name__} under a vescale "
+                           f"config, but transformers did not call {step}, the step vescale "
+                           f"takes over (written for transformers {_WRITTEN_FOR}): its weights "
+                           "are unknown, so initialize stops rather than train random ones")
+    prefix = _prefix_of(root, module)
+    init_missing = functools.partial(init_like_transformers, record=record, device=device)
+    pretrained = record.pretrained
+    if pretrained is not None:
+        if cfg.hf_checkpoint and not _same_checkpoint(cfg.hf_checkpoint, pretrained.files):
+            raise ValueError(f"vescale.hf_checkpoint {cfg.hf_checkpoint!r} and from_pretrained("
+                             f"{pretrained.source!r}) name different weights for the model: "
+                             "keep one")
+        from .hf_checkpoint import load_into
+        names = {key: prefix + name for key, name in pretrained.key_map.items()}
+        # checkpoint keys from_pretrained did not map (unexpected, mismatched) stay unloaded
+        record.loaded = load_into(module, list(pretrained.files), strict=False,
+                                  key_map=lambda key: names.get(key, f"{key} (not loaded)"),
+                                  device=device, init_missing=init_missing)
+    elif cfg.hf_checkpoint:
+        from .hf_checkpoint import load_into
+        record.loaded = load_into(module, cfg.hf_checkpoint, device=device,
+                                  init_missing=init_missing)
+    else:  # from_config: everything, as DeepSpeed's initialize_weights_zero3 would
+        from .materialize import allocate_shards
+        names = [name for name, _ in module.named_parameters(remove_duplicate=False)] + \
+            [name for name, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
+        allocate_shards(module, device)
+        init_missing(module, names)
+
+
+def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
+    """Initialize the parameters and buffers `names` (after `allocate_shards`) as transformers'
+    `initialize_weights` would with every other tensor loaded: each module's `_init_weights`
+    (dispatched as its `smart_apply` does: the nearest PreTrainedModel's), children first,
+    on the modules owning those tensors and their ancestors, with the loaded tensors marked
+    `_is_hf_initialized` so that transformers' guarded init functions skip them (drawing
+    nothing), from the generator state the build started from (zero_init)."""
+    from transformers.initialization import guard_torch_init_functions
+    from transformers.modeling_utils import PreTrainedModel
+
+    from .materialize import init_unloaded
+    pending = _registrations(module, names)
+    owner_of, outer = {}, None
+
+    def visit(mod, owner):
+        nonlocal outer
+        if isinstance(mod, PreTrainedModel):
+            owner, outer = mod, outer or mod
+        owner_of.setdefault(id(mod), owner)
+        for child in mod.children():
+            visit(child, owner)
+    visit(module, None)
+    custom = outer.is_custom_code() if outer is not None else False
+
+    def init_fn(mod):
+        for sub in mod.modules():
+            for attr, tensor in (*sub._parameters.items(), *sub._buffers.items()):
+                if tensor is not None and (id(sub), attr) not in pending:
+                    tensor._is_hf_initialized = True  # loaded (or another module's to write)
+        owner = owner_of.get(id(mod))
+        if owner is not None:
+            owner._initialize_weights(mod, custom)
+
+    with zero_init.replayed_generator(record, device), guard_torch_init_functions():
+        init_unloaded(module, names, init_fn=init_fn, ancestors=True)
+
+
+def _registrations(module, names) -> set:
+    """{(id(module), attribute)} of every registration of the tensors `names` name (a tied
+    parameter is registered under several modules)."""
+    groups = {}
+    for name, tensor in (*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)):
+        groups.setdefault(id(tensor), []).append(name)
+    wanted, out = set(names), set()
+    for group in groups.values():
+        if wanted.intersection(group):
+            for name in group:
+                owner, _, attr = name.rpartition(".")
+                out.add((id(module.get_submodule(owner)), attr))
+    return out
+
+
+def _prefix_of(root, module) -> str:
+    """The name prefix of the model transformers built inside the module given to
+    initialize ("" when it is that model)."""
+    for name, sub in module.named_modules():
+        if sub is root:
+            return f"{name}." if name else ""
+    raise ValueError(f"initialize got {type(module).__name__}, a part of the "
+                     f"{type(root).__name__} that transformers built under a vescale config: "
+                     "pass the whole model (its checkpoint and init cover all of it)")
+
+
+def _same_checkpoint(path, files) -> bool:
+    from .hf_checkpoint import checkpoint_files
+    try:
+        named = checkpoint_files(path)[0]
+    except (OSError, ValueError):
+        return False
+    return sorted(map(os.path.realpath, named)) == sorted(map(os.path.realpath, files))
+
+
+# -- installing ---------------------------------------------------------------------------------
+
+def _lookup(module_name, dotted):
+    value = importlib.import_module(module_name)
+    for part in dotted.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def check_transformers(needed=_NEEDED) -> None:
+    """An ImportError naming every name in `needed` (module, dotted attribute) the installed
+    transformers lacks, and its version; `_load_pretrained_model`'s signature is checked too."""
+    import transformers
+    absent = [f"{m}.{n}" for m, n in needed if _lookup(m, n) is None]
+    load = importlib.import_module("transformers.modeling_utils").PreTrainedModel.__dict__.get(
+        "_load_pretrained_model")
+    if not isinstance(load, staticmethod) or list(inspect.signature(
+            load.__func__).parameters)[:4] != ["model", "state_dict", "checkpoint_files",
+                                               "load_config"]:
+        absent.append("PreTrainedModel._load_pretrained_model(model, state_dict, "
+                      "checkpoint_files, load_config, ...)")
+    if absent:
+        raise ImportError(f"vescale's deferred from_pretrained/from_config needs "
+                          f"{', '.join(absent)}, which transformers {transformers.__version__} "
+                          f"does not have (written for {_WRITTEN_FOR})")
+
+
+def install() -> None:
+    """Take over the three steps of the module docstring (idempotent). A name this needs that
+    the installed transformers lacks is an error naming it and the version."""
+    modeling = importlib.import_module("transformers.modeling_utils")
+    integration = importlib.import_module("transformers.integrations.deepspeed")
+    pretrained = modeling.PreTrainedModel
+    if hasattr(pretrained._initialize_missing_keys, "__vescale_original__"):
+        return
+    check_transformers()
+    original_load = pretrained.__dict__["_load_pretrained_model"].__func__
+
+    @functools.wraps(original_load)
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
+                               **kwargs):
+        record = zero_init.deferred_record(model)
+        if record is None:
+            return original_load(model, state_dict, checkpoint_files, load_config, *args,
+                                 **kwargs)
+        return record_checkpoint(model, record, state_dict, checkpoint_files, load_config), None
+
+    original_missing = pretrained._initialize_missing_keys
+
+    @functools.wraps(original_missing)
+    def _initialize_missing_keys(self, *args, **kwargs):
+        if zero_init.deferred_record(self) is None:
+            return original_missing(self, *args, **kwargs)
+        return None  # initialize initializes them, after loading (init_like_transformers)
+
+    original_zero3 = integration.initialize_weights_zero3
+
+    @functools.wraps(original_zero3)
+    def initialize_weights_zero3(model):
+        record = zero_init.deferred_record(model)
+        if record is None:
+            return original_zero3(model)
+        record.builder, record.root, record.init_like_transformers = "from_config", model, True
+        return None
+
+    _load_pretrained_model.__vescale_original__ = original_load
+    _initialize_missing_keys.__vescale_original__ = original_missing
+    initialize_weights_zero3.__vescale_original__ = original_zero3
+    pretrained._load_pretrained_model = staticmethod(_load_pretrained_model)
+    integration.initialize_weights_zero3 = initialize_weights_zero3
+    pretrained._initialize_missing_keys = _initialize_missing_keys  # last: marks it installed
