@@ -248,7 +248,7 @@ class _Planned:
     rank0: dict = field(default_factory=dict)  # tensor name -> rank 0's elements of it
 
 
-class _PlanCache:
+class PlanCache:
     def __init__(self):
         self.plans = {}
 
@@ -322,7 +322,7 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
     return state, (MASTER_BYTES + 2) * muon_local + ns
 
 
-def simulate_ours(root: Unit, others: list, setup: Setup, cache: _PlanCache) -> dict:
+def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
     M = setup.shard_size
     plans = {u.name: cache.plan(u, setup) for u in others}
@@ -628,7 +628,7 @@ def estimate_zero3(root: Unit, others: list, setup: Setup) -> dict:
 # --------------------------------------------------------------------------------------------
 # Traffic: bytes each rank moves per optimizer step.
 
-def traffic(root: Unit, others: list, setup: Setup, cache: _PlanCache) -> dict:
+def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     """Ours, per rank per optimizer step: `all_gather` is what each rank receives ((M-1) of M
     shards of every gathered buffer, in the param dtype), `reduce_scatter` what it sends ((M-1)
     shards of every reduced buffer, in the reduce dtype); a unit is gathered in forward and
@@ -652,22 +652,72 @@ def traffic(root: Unit, others: list, setup: Setup, cache: _PlanCache) -> dict:
             "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
 
 
+def traffic_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
+    """FSDP2: every unit gathered in forward, the non-root ones again in backward when resharded
+    (the last one too), W x the dim-0 padded shard; one reduce-scatter per unit."""
+    M, R = setup.shard_size, setup.hsdp
+    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
+    gathered = reduced = 0
+    for unit, is_root in ([(root, True)] if root.tensors else []) + [(u, False) for u in others]:
+        shard = sum(_dim0_shard(t.shape, M) for t in unit.tensors) * unit.repeat
+        gathered += shard * (2 if setup.reshard_after_forward and not is_root else 1)
+        reduced += shard
+    n = setup.grad_accum
+    return {"all_gather": n * (M - 1) * gathered * pb,
+            "reduce_scatter": n * (M - 1) * reduced * rb,
+            "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+
+
+def traffic_zero3(root: Unit, others: list, setup: Setup) -> dict:
+    """ZeRO-3: every parameter above the persistence threshold gathered in forward and, unless
+    the reuse distance keeps it, again in backward; every gradient reduce-scattered, per
+    micro-step; flat partitions of ceil(numel / W)."""
+    M = setup.shard_size
+    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
+    d = ZERO3_DEFAULTS
+    gathered = reduced = kept = later = 0
+    for u, _ in reversed(_expand(others)):
+        if 2 * later >= d["max_reuse_distance"]:
+            break
+        kept += sum(-(-t.numel // M) for t in u.tensors if t.numel >= d[
+            "param_persistence_threshold"])
+        later += u.numel
+    for unit in ([root] if root.tensors else []) + list(others):
+        for t in unit.tensors:
+            part = -(-t.numel // M) * unit.repeat
+            reduced += part
+            if t.numel >= d["param_persistence_threshold"]:
+                gathered += 2 * part
+    gathered -= kept
+    n, R = setup.grad_accum, setup.hsdp
+    return {"all_gather": n * (M - 1) * gathered * pb,
+            "reduce_scatter": n * (M - 1) * reduced * rb,
+            "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+
+
 # --------------------------------------------------------------------------------------------
 # The whole estimate.
 
 def estimate(model: ModelShapes, setup: Setup, uses: dict | None = None,
-             cache: _PlanCache | None = None) -> dict:
-    """{"memory": {ours, fsdp2, zero3}, "traffic": {...}, ...} in bytes per rank."""
+             cache: PlanCache | None = None, device_memory_gb: float | None = None) -> dict:
+    """{"memory": {ours, fsdp2, zero3}, "traffic": {...}, ...} in bytes per rank. With
+    `device_memory_gb`, each system also gets `headroom`: what its peak leaves of the device."""
     check_setup(setup, model)
     root_groups = setup.root if setup.root is not None else default_root(model)
     uses = tensor_uses(model.path) if uses is None else uses
     root, others = model_units(model, root_groups, uses)
-    cache = cache or _PlanCache()
-    ours = simulate_ours(root, others, setup, cache)
+    cache = cache or PlanCache()
+    memory = {"ours": simulate_ours(root, others, setup, cache),
+              "fsdp2": simulate_fsdp2(root, others, setup),
+              "zero3": estimate_zero3(root, others, setup)}
+    if device_memory_gb is not None:
+        for system in memory.values():
+            system["headroom"] = int(device_memory_gb * 1e9) - system["total"]
     return {
-        "memory": {"ours": ours, "fsdp2": simulate_fsdp2(root, others, setup),
-                   "zero3": estimate_zero3(root, others, setup)},
-        "traffic": traffic(root, others, setup, cache),
+        "memory": memory,
+        "traffic": {**traffic(root, others, setup, cache),
+                    "fsdp2": traffic_fsdp2(root, others, setup),
+                    "zero3": traffic_zero3(root, others, setup)},
         "setup": {"world_size": setup.world_size, "shard_group_size": setup.shard_size,
                   "hsdp": setup.hsdp, "optimizer": setup.optimizer,
                   "param_dtype": setup.param_dtype, "reduce_dtype": setup.reduce,
