@@ -57,6 +57,55 @@ VARIANT_WORLD = 64
 
 
 # ---------------------------------------------------------------------------------------------
+# Shapes files: how the committed ones were made (`--write-models`), and tiny ones for tests.
+
+def layer_tensors(H, Hq, Hkv, F, experts=None, bias=False) -> list:
+    """A decoder layer's tensors, Hugging Face names: attention, then a dense SwiGLU MLP or
+    GPT-OSS-style fused experts (gate_up_proj [E, H, 2F], down_proj [E, F, H])."""
+    def proj(name, shape, bias_size):
+        return [(name + ".weight", shape)] + ([(name + ".bias", [bias_size])] if bias else [])
+    tensors = ([("input_layernorm.weight", [H])] + proj("self_attn.q_proj", [Hq, H], Hq)
+               + proj("self_attn.k_proj", [Hkv, H], Hkv) + proj("self_attn.v_proj", [Hkv, H], Hkv)
+               + proj("self_attn.o_proj", [H, Hq], H) + [("post_attention_layernorm.weight", [H])])
+    if experts is None:
+        tensors += [("mlp.gate_proj.weight", [F, H]), ("mlp.up_proj.weight", [F, H]),
+                    ("mlp.down_proj.weight", [H, F])]
+    else:
+        E = experts
+        tensors += [("mlp.router.weight", [E, H]), ("mlp.router.bias", [E]),
+                    ("mlp.experts.gate_up_proj", [E, H, 2 * F]),
+                    ("mlp.experts.gate_up_proj_bias", [E, 2 * F]),
+                    ("mlp.experts.down_proj", [E, F, H]), ("mlp.experts.down_proj_bias", [E, H])]
+    return [{"name": n, "shape": shape} for n, shape in tensors]
+
+
+def model_shapes(name, vocab, H, layers, Hq, Hkv, F, experts=None, bias=False,
+                 tied=False) -> dict:
+    """A shapes file: embeddings, `layers` decoder layers, final norm and head; a tied head
+    reuses the embedding, which then says `"uses": 2`."""
+    embed = {"name": "embed_tokens.weight", "shape": [vocab, H], **({"uses": 2} if tied else {})}
+    head = [{"name": "norm.weight", "shape": [H]}] + \
+        ([] if tied else [{"name": "lm_head.weight", "shape": [vocab, H]}])
+    return {"name": name, "groups": [
+        {"name": "embed_tokens", "repeat": 1, "tensors": [embed]},
+        {"name": "layers", "repeat": layers,
+         "tensors": layer_tensors(H, Hq, Hkv, F, experts, bias)},
+        {"name": "head", "repeat": 1, "tensors": head}]}
+
+
+# Llama-3-70B, GPT-OSS-120B (128 experts kept: FSDP2 pads them past W = 128) and
+# Llama-3.2-1B (tied), dimensions divided by 16, 20 and 8, fewer layers.
+COMMITTED = {
+    "dense": dict(name="dense-llama3-70b-scaled", vocab=8016, H=512, layers=6, Hq=512, Hkv=64,
+                  F=1792),
+    "moe": dict(name="moe-gpt-oss-120b-scaled", vocab=10054, H=144, layers=4, Hq=256, Hkv=32,
+                F=144, experts=128, bias=True),
+    "tied": dict(name="tied-llama3.2-1b-scaled", vocab=16032, H=256, layers=6, Hq=256, Hkv=64,
+                 F=1024, tied=True),
+}
+
+
+# ---------------------------------------------------------------------------------------------
 # The model a shapes file describes: embeddings, a stack of decoder layers (dense MLP or fused
 # experts), final norm and head (tied to the embedding when the file has no lm_head).
 
@@ -210,8 +259,7 @@ def _wrap(model, case, dtypes):
         buffers = [b for m in model.modules() if unit_of(m) for b in unit_of(m).buffers]
 
         def read_state():
-            extra = sum(q.device_bytes() for *_, q in opt._buffers) \
-                if case["optimizer"] == "AdamW8bit" else 0
+            extra = _quantizer_bytes(opt) if case["optimizer"] == "AdamW8bit" else 0
             return {"master": sum(_nbytes(b.master) for b in buffers),
                     "grad": sum(_nbytes(b.grad) for b in buffers),
                     "optimizer": _state_bytes(opt) + extra}
@@ -234,6 +282,20 @@ def _wrap(model, case, dtypes):
                                       if p.grad is not None),
                 "optimizer": _state_bytes(opt)}
     return opt, read_state
+
+
+def _quantizer_bytes(opt) -> int:
+    """What AdamW8bit keeps beside its state: each quantizer's segment lengths, and the
+    lookup tables quantize.py builds once per process and device."""
+    import torch
+    from vescale_engine.optim import quantize
+
+    tables = []
+    for signed in (True, False):
+        tables += [*quantize._nearest_code_lookup(opt.quant_map, signed, torch.device("cpu")),
+                   quantize.code_table(opt.quant_map, signed),
+                   quantize._midpoints(opt.quant_map, signed)]
+    return sum(q.device_bytes() for *_, q in opt._buffers) + _unique_bytes(tables)
 
 
 def _nbytes(t) -> int:
@@ -413,10 +475,18 @@ def main():
     ap.add_argument("--quick", action="store_true", help="default setup only, no variants")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per measurement")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "capacity_check.md"))
+    ap.add_argument("--write-models", action="store_true",
+                    help="write benchmarks/capacity_models/*.json from COMMITTED and exit")
     ap.add_argument("--worker", metavar="CASE_JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(measure(json.loads(args.worker))))
+        return
+    if args.write_models:
+        for kind, dims in COMMITTED.items():
+            with open(MODELS[kind], "w") as f:
+                json.dump(model_shapes(**dims), f, indent=1)
+                f.write("\n")
         return
     command = "python " + " ".join(shlex.quote(a) for a in
                                     [os.path.relpath(os.path.abspath(__file__), ROOT)]

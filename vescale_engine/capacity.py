@@ -46,6 +46,10 @@ ACTIVATIONS_NOTE = "activations excluded"
 # values (4), the int32 keys (4), and the lookup `below[key]`: the int64 copy of the keys that
 # indexing makes (8) and its int32 result (4). (Measured: benchmarks/capacity_check.py.)
 ADAMW8BIT_STEP_BYTES_PER_ELEMENT = 28
+# ... and once per process and device, its lookup tables: for the signed and the unsigned code
+# table, the midpoint count below each of the 2^17 float keys (int32), and the small tables
+# (codes, midpoints) of at most 256 fp32 entries each.
+ADAMW8BIT_TABLE_BYTES = 2 * ((1 << 17) * 4 + 3 * 256 * 4)
 # DeepSpeed ZeRO-3's defaults (deepspeed/runtime/zero/config.py): elements.
 ZERO3_DEFAULTS = {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_000_000,
                   "max_live_parameters": 1_000_000_000, "max_reuse_distance": 1_000_000_000,
@@ -107,6 +111,10 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
         if unknown:
             raise CapacityError(f"root group {unknown[0]!r} is not a group of {model.path} "
                                 f"(groups: {', '.join(names)})")
+        repeated = [g.name for g in model.groups if g.name in setup.root and g.repeat > 1]
+        if repeated:
+            raise CapacityError(f"root group {repeated[0]!r} repeats: a repeated group is one "
+                                "unit per repeat, not part of the root")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,13 +181,11 @@ def model_units(model: ModelShapes, root: tuple, uses: dict) -> tuple:
                    for name, shape in group.tensors]
         if group.name in root:
             qualified = [Tensor(f"{group.name}.{t.name}", t.shape, t.uses) for t in tensors]
-            root_tensors += qualified * group.repeat if group.repeat > 1 else qualified
+            root_tensors += qualified
             if first_other is None or i > first_other:
                 late += [t.name for t in qualified]
         else:
             others.append(Unit(group.name, tuple(tensors), group.repeat))
-    if len({t.name for t in root_tensors}) != len(root_tensors):
-        raise CapacityError("a repeated group cannot be part of the root unit")
     return Unit("root", tuple(root_tensors), 1, tuple(late)), others
 
 
@@ -331,7 +337,8 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
     planned = ([root_plan] if root_plan else []) + list(plans.values())
     repeats = {id(p): p.unit.repeat for p in planned}
     tl = _Timeline()
-    optimizer_state, step_peak = 0, 0
+    optimizer_state = ADAMW8BIT_TABLE_BYTES if setup.optimizer == "AdamW8bit" else 0
+    step_peak = 0
     for p in planned:
         state, peak = _ours_optimizer(p, setup)
         optimizer_state += state * repeats[id(p)]
@@ -539,7 +546,6 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
                     tl.spike(t.numel * pb)
                     tl.free(("rootgrad", "new", t.name))
             rootgrads = [k for k in tl.live if k[0] == "rootgrad"]
-            tl.alloc(name("grads", rkey), 0)
             rs_state = _fsdp2_reduce(tl, rkey, name, S, M, rb, rs_state, accumulate, grad_kind,
                                      extra=rootgrads)
         if rs_state:
@@ -604,16 +610,17 @@ def estimate_zero3(root: Unit, others: list, setup: Setup) -> dict:
         persistent * pb
     grad = MASTER_BYTES * partition
     # Gathered: what the reuse distance keeps from forward to backward (the trailing units
-    # whose later parameters, gathered twice, stay under it), the unit being computed and the
-    # prefetch bucket, capped by max_live_parameters; plus the reduce bucket and one gradient.
+    # whose later parameters, gathered twice, stay under it), the module being computed (its
+    # own parameters: about one tensor) and the prefetch bucket, capped by max_live_parameters
+    # but never below that module; plus the reduce bucket and one gradient.
     kept, later = 0, 0
     for u, _ in reversed(_expand(others)):
         if 2 * later >= d["max_reuse_distance"]:
             break
         kept += u.numel
         later += u.numel
-    largest_unit = max((u.numel for u in units), default=0)
-    live = min(d["max_live_parameters"], kept + largest_unit + d["prefetch_bucket_size"], numel)
+    live = max(largest_tensor, min(d["max_live_parameters"],
+                                   kept + largest_tensor + d["prefetch_bucket_size"], numel))
     gathered = live * pb + min(d["reduce_bucket_size"], numel) * pb + largest_tensor * pb
     step = MASTER_BYTES * min(d["sub_group_size"], partition)   # flattened fp32 gradient
     total = master + grad + state + max(gathered, step)
@@ -725,6 +732,6 @@ def estimate(model: ModelShapes, setup: Setup, uses: dict | None = None,
                   "reshard_after_forward": setup.reshard_after_forward,
                   "granularity": ADAMW8BIT_BLOCK if setup.optimizer == "AdamW8bit"
                   else str(parse_granularity(setup.granularity)),
-                  "root": list(root_groups)},
+                  "root": list(root_groups), "activations": "excluded"},
         "activations": ACTIVATIONS_NOTE,
     }
