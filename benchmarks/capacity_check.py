@@ -408,8 +408,8 @@ def report(rows, command, cpu) -> str:
            "`total`. Ours: `vescale_engine.fsdp.fully_shard` per decoder layer then the root, "
            "our AdamW / AdamW8bit / Muon; FSDP2: `torch.distributed.fsdp.fully_shard` the same "
            "way, `torch.optim.AdamW(fused=True)`. fp32 parameters unless the setup says "
-           "otherwise; 8 tokens (activations, measured but not estimated, are well under 1% "
-           "here). MB = 10^6 bytes. Error = estimate / measured - 1; the master/grad/optimizer "
+           f"otherwise; one sequence of {TOKENS} tokens (its activations are measured but not "
+           "estimated: most of what the estimate misses). MB = 10^6 bytes. Error = estimate / measured - 1; the master/grad/optimizer "
            "columns give (estimate - measured) of that part as a share of the measured peak.",
            "",
            f"**Worst error: {100 * worst:.1f}%** over {len(rows)} measurements "
@@ -431,9 +431,11 @@ def report(rows, command, cpu) -> str:
     out += ["", "Notes:", "",
             "- The fake process group's collectives move no data but fill their outputs "
             "(torch 2.13), so every buffer a real collective would write exists, at its size.",
-            "- The ZeRO-3 column is the estimate alone (DeepSpeed's default bucket and "
-            "live-parameter limits); DeepSpeed cannot run on the fake process group.",
-            f"- Plot: `capacity_check.png` (memory vs W per model)."]
+            "- The ZeRO-3 column is the estimate alone, with DeepSpeed's defaults: its "
+            "reduce bucket alone is 5e8 elements (2 GB in fp32) whatever the model's size, "
+            "and a model this small stays gathered whole (prefetch bucket, reuse distance). "
+            "DeepSpeed cannot run on the fake process group.",
+            "- Plot: `capacity_check.png` (peak per rank vs W per model, log scale)."]
     return "\n".join(out) + "\n"
 
 
@@ -459,6 +461,7 @@ def plot(rows, path):
         if pts:
             ax.plot(*zip(*pts), "--", color="tab:green", label="ZeRO-3 estimate")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("world size W")
         ax.set_ylabel("peak per rank (MB)")
         ax.set_title(model)

@@ -621,7 +621,7 @@ def estimate_zero3(root: Unit, others: list, setup: Setup) -> dict:
         later += u.numel
     live = max(largest_tensor, min(d["max_live_parameters"],
                                    kept + largest_tensor + d["prefetch_bucket_size"], numel))
-    gathered = live * pb + min(d["reduce_bucket_size"], numel) * pb + largest_tensor * pb
+    gathered = live * pb + d["reduce_bucket_size"] * pb + largest_tensor * pb  # bucket: whole
     step = MASTER_BYTES * min(d["sub_group_size"], partition)   # flattened fp32 gradient
     total = master + grad + state + max(gathered, step)
     padding = partition * M - numel
