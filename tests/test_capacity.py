@@ -1,6 +1,7 @@
 """`vescale plan --memory`: the per-rank estimate equals the fake-process-group measurement of a
-real training step within the tolerance (the benchmark's own code, on tiny models), the JSON
-contract, and bad input as one-line errors."""
+real training step within the tolerance and its traffic equals the bytes the step's collectives
+move (the benchmark's own code, on tiny models), the JSON contract, and bad input as one-line
+errors."""
 import importlib.util
 import json
 import math
@@ -72,6 +73,9 @@ def test_estimate_matches_fake_pg_measurement(tiny_models, kind, system, world, 
     est = bench.estimate(case)
     row = bench.compare(found, est)
     assert abs(row["error"]) <= bench.TOLERANCE, (row, found["peak"])
+    traffic = est["traffic"] if system == "ours" else est["traffic"][system]
+    assert {k: traffic[k] for k in found["traffic"]} == found["traffic"]  # bytes, exactly
+    assert row["traffic_exact"]
     mine = est["memory"][system]
     # The persistent parts are exact: the same shards and states the runtime allocated.
     assert mine["master"] == found["master"]
