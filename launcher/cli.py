@@ -63,7 +63,85 @@ def _add_plan_parser(sub):
                    help="check every plan against the layout invariants")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw padding against world size per granularity (needs matplotlib)")
+    m = p.add_argument_group("memory and traffic (--memory)",
+                             "Per-rank bytes of one training step for ours, PyTorch FSDP2 and "
+                             "DeepSpeed ZeRO-3, and the bytes each rank all-gathers and "
+                             "reduce-scatters per optimizer step; activations excluded. "
+                             "docs/capacity_planning.md explains every term.")
+    m.add_argument("--memory", action="store_true",
+                   help="estimate per-rank memory and traffic (with --json: the `memory` and "
+                        "`traffic` keys of each result)")
+    m.add_argument("--optimizer", metavar="NAME",
+                   help="AdamW (default), AdamW8bit (shards in its block:256 quantization "
+                        "blocks) or Muon")
+    m.add_argument("--param-dtype", metavar="DTYPE",
+                   help="compute and all-gather dtype: bf16 (default), fp16 or fp32; master "
+                        "weights, gradient shards and optimizer moments are fp32")
+    m.add_argument("--reduce-dtype", metavar="DTYPE",
+                   help="gradient reduce-scatter dtype (default: the param dtype)")
+    m.add_argument("--grad-accum", metavar="N",
+                   help="micro-steps per optimizer step, each reduce-scattering (default 1)")
+    m.add_argument("--hsdp", metavar="R",
+                   help="HSDP replicate size: shard over world-size / R ranks, all-reduce the "
+                        "gradient shards over R replicas (default 1)")
+    m.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                   action="store_false", default=None,
+                   help="keep every unit gathered from its forward to its backward")
+    m.add_argument("--root", metavar="GROUP[,GROUP]",
+                   help="shapes-file groups the root unit owns (default: the non-repeated "
+                        "groups before and after the repeated ones, e.g. embeddings and head)")
+    m.add_argument("--device-memory", metavar="GB",
+                   help="memory of one device in GB (10^9 bytes): also print what each system "
+                        "leaves for activations")
     p.set_defaults(run=_run_plan)
+
+
+_MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp",
+                 "reshard_after_forward", "root", "device_memory")
+
+
+def _flag_number(text, flag, kind):
+    """A positive number from a flag's text (None stays None); else one line naming it."""
+    from vescale_engine.capacity import CapacityError
+    if text is None:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise CapacityError(f"{flag} must be a positive {'integer' if kind is int else 'number'}"
+                            f", got {text!r}")
+    return value
+
+
+def _capacity_setups(args, model) -> dict:
+    """{world size: capacity.Setup}, checked: a bad value is one line, before any planning."""
+    from vescale_engine import capacity
+
+    if not args.memory:
+        given = [f for f in _MEMORY_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise capacity.CapacityError(f"--{given[0].replace('_', '-')} needs --memory")
+        return {}
+    args.grad_accum = _flag_number(args.grad_accum, "--grad-accum", int)
+    args.hsdp = _flag_number(args.hsdp, "--hsdp", int)
+    args.device_memory = _flag_number(args.device_memory, "--device-memory", float)
+    root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
+                                                 if r.strip())
+    setups = {}
+    for granularity in args.granularity:
+        for world_size in args.world_size:
+            setup = capacity.Setup(
+                world_size, optimizer=args.optimizer or "AdamW",
+                param_dtype=args.param_dtype or "bf16", reduce_dtype=args.reduce_dtype,
+                grad_accum=args.grad_accum or 1, hsdp=args.hsdp or 1,
+                reshard_after_forward=args.reshard_after_forward is not False,
+                granularity=str(granularity), align_bytes=args.align_bytes,
+                max_buffers=args.max_buffers, root=root)
+            capacity.check_setup(setup, model)
+            setups[(str(granularity), world_size)] = setup
+    return setups
 
 
 def _run_plan(args) -> int:
@@ -74,6 +152,8 @@ def _run_plan(args) -> int:
         raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
     if args.plot:
         _require_matplotlib()
+    setups = _capacity_setups(args, model)
+    estimates = {}
     plans = []
     for granularity in args.granularity:
         for world_size in args.world_size:
@@ -86,12 +166,27 @@ def _run_plan(args) -> int:
                 _print_table_header(model, args)
             if not args.json and len(args.world_size) * len(args.granularity) > 1:
                 _print_table_row(plan)
+    if setups:
+        from vescale_engine import capacity
+        cache = capacity.PlanCache()
+        uses = capacity.tensor_uses(model.path)
+        for plan in plans:
+            key = (str(plan.granularity), plan.world_size)
+            estimates[key] = capacity.estimate(model, setups[key], uses, cache,
+                                               args.device_memory)
     if args.json:
         out = [p.to_json() for p in plans]
+        for obj, plan in zip(out, plans):
+            found = estimates.get((str(plan.granularity), plan.world_size))
+            if found:
+                obj.update(memory=found["memory"], traffic=found["traffic"],
+                           memory_setup=found["setup"])
         json.dump(out[0] if len(out) == 1 else out, sys.stdout)
         print()
     elif len(plans) == 1:
         _print_detail(plans[0])
+    if estimates and not args.json:
+        _print_memory(model, plans, estimates, args.device_memory)
     if args.verify and not args.json:
         print(f"verified: {len(plans)} model plan(s), every invariant holds")
     if args.plot:
@@ -137,6 +232,39 @@ def _print_detail(plan):
           f"(FSDP2 {100 * mp.fsdp2_padding_ratio(plan.model, m):.3f}%, "
           f"ZeRO-3 {100 * mp.zero3_padding_ratio(plan.model, m):.3f}%), "
           f"planned in {plan.plan_seconds:.3f} s")
+
+
+def _print_memory(model, plans, estimates, device_memory):
+    """One block per plan: per-rank GB of each system's parts and peak, and the traffic."""
+    gb = 1e9
+    for plan in plans:
+        est = estimates[(str(plan.granularity), plan.world_size)]
+        s = est["setup"]
+        shard = (f"{s['shard_group_size']} x {s['hsdp']} replicas" if s["hsdp"] > 1
+                 else f"{s['world_size']} ranks")
+        print(f"\nmemory per rank: {model.name} on {shard}, {s['optimizer']}, params "
+              f"{s['param_dtype']}, reduce {s['reduce_dtype']}, {s['grad_accum']} micro-step(s), "
+              f"{'reshard' if s['reshard_after_forward'] else 'no reshard'} after forward, "
+              f"granularity {s['granularity']}, root {'+'.join(s['root']) or '(none)'}")
+        print(f"GB (10^9 bytes) per rank, {est['activations']}; traffic: GB each rank "
+              f"receives (all-gather) / sends (reduce-scatter) per optimizer step")
+        left = f" {'left':>7}" if device_memory else ""
+        print(f"{'system':<7} {'master':>8} {'grad':>8} {'optim':>8} {'gathered':>9} "
+              f"{'peak':>8}{left} {'padding':>8} {'gather':>8} {'scatter':>8}")
+        for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
+            m = est["memory"][name]
+            t = est["traffic"] if name == "ours" else est["traffic"][name]
+            room = f" {m['headroom'] / gb:>7.2f}" if device_memory else ""
+            print(f"{label:<7} {m['master'] / gb:>8.2f} {m['grad'] / gb:>8.2f} "
+                  f"{m['optimizer'] / gb:>8.2f} {m['gathered_peak'] / gb:>9.2f} "
+                  f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
+                  f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}")
+        if device_memory:
+            fits = [label for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"),
+                                               ("zero3", "ZeRO-3"))
+                    if est["memory"][name]["headroom"] > 0]
+            print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
+                  f"(left: what remains for activations and the collectives' own buffers)")
 
 
 def _require_matplotlib():

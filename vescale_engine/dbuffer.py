@@ -409,9 +409,10 @@ class DBuffer:
         if self.grads_in_full:
             self._zero_unwritten()
             source = self.full
-            self._reducing_full = True
         if self.reduce_dtype != source.dtype:
             source = source.to(self.reduce_dtype)  # the one fused cast of the buffer
+        elif source is self.full:
+            self._reducing_full = True  # read in flight: reshard leaves `full` to the reduction
         if self.reduction.pre_divide != 1.0:  # fp16: keep the sum over ranks finite
             source.div_(self.reduction.pre_divide)  # in place: the source is dead after this
         if not accumulate and not self.has_grad:
@@ -424,7 +425,8 @@ class DBuffer:
         STATS.log("reduce_scatter", self.name)
         work = collectives.reduce_scatter(out, source, self.shard_group,
                                           op=self.reduction.reduce_scatter_op, native=self.native)
-        return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct)
+        return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct,
+                                source)
 
     def _free_reduced_source(self) -> None:
         if self._reducing_full:
@@ -463,9 +465,12 @@ class PendingReduction:
     what is left of the average, and put the result into (or add it to) the gradient shard."""
 
     def __init__(self, buffer: DBuffer, work, out: torch.Tensor, accumulate: bool,
-                 direct: bool):
+                 direct: bool, source: torch.Tensor | None = None):
         self.buffer = buffer
         self.work = work
+        # The collective's input lives until it is done, whatever the backend keeps (NCCL and
+        # the gloo exchange keep it; the fake process group does not): the same memory on all.
+        self.source = source
         self.out = out
         self.accumulate = accumulate
         self.direct = direct
@@ -481,7 +486,7 @@ class PendingReduction:
         if self.work is None:
             return
         self.work.wait()
-        self.work = None
+        self.work = self.source = None
         buf = self.buffer
         buf._free_reduced_source()
         if buf.replicate_group is not None:

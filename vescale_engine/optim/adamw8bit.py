@@ -16,11 +16,12 @@ import torch
 
 from ..checkpoint_dcp import CheckpointError, RaggedPiece
 from ..granularity import parse_granularity
+from ..optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
 from .flat import evaluate_closure, flat_buffers
 from .quantize import MAPS, BlockQuantizer, code_table
 
-DEFAULT_BLOCK = "block:256"
+DEFAULT_BLOCK = ADAMW8BIT_BLOCK
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed code table)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
 from ..ragged import RaggedShard
 from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
@@ -34,12 +35,12 @@ from .flat import evaluate_closure
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
 DEFAULT_EPS = 1e-7
 DEFAULT_NS_STEPS = 5
-DEFAULT_ADAMW_PATTERNS = ("*embed*", "wte.*", "wpe.*", "lm_head.*", "head.*", "output.*",
-                          "*norm*", "ln*", "*bias")
+DEFAULT_ADAMW_PATTERNS = MUON_ADAMW_PATTERNS
 NS_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
              "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64}
 MODES = ("gather", "tensor")
-ROUNDS_IN_FLIGHT = 2  # gather mode: rounds gathered ahead of the one being orthogonalized
+ROUNDS_IN_FLIGHT = MUON_ROUNDS_IN_FLIGHT  # gather mode: rounds gathered ahead of the one
+# being orthogonalized
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients, steps: int, eps: float,
@@ -338,17 +339,6 @@ class Muon(torch.optim.Optimizer):
                      [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"])
-
-
-def is_muon_matrix(name: str, shape, adamw_patterns=DEFAULT_ADAMW_PATTERNS) -> bool:
-    """Muon takes 2-D weights and stacked 3-D expert weights whose name matches no AdamW
-    pattern; everything else (vectors, embeddings, the head, higher-rank tensors) is AdamW's."""
-    if len(shape) not in (2, 3) or min(shape) == 0:
-        return False
-    parts = name.split(".")
-    suffixes = [".".join(parts[i:]) for i in range(len(parts))]
-    return not any(fnmatch.fnmatchcase(suffix, pattern) for pattern in adamw_patterns
-                   for suffix in suffixes)
 
 
 def _check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn,

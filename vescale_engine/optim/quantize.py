@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..optim_spec import QUANT_CHUNK_ELEMENTS
+
 MAPS = ("dynamic", "linear")
-CHUNK_ELEMENTS = 1 << 22  # elements per chunk: ~80 MB of temporaries at most
+CHUNK_ELEMENTS = QUANT_CHUNK_ELEMENTS  # elements per chunk: ~80 MB of temporaries at most
 _HOST = torch.device("cpu")
 
 
