@@ -352,6 +352,11 @@ def forwarding_rank(rank, world):
         missing = None
     except AttributeError as err:
         missing = str(err)
+    try:  # the model's own save_pretrained would write flat shard pieces
+        engine.save_pretrained("unused-dir")
+        unguarded = True
+    except ValueError as err:
+        unguarded = str(err)
     before = Accelerator.unwrap_model(None, engine) is engine  # accelerate alone: not unwrapped
     original = deepspeed.initialize
     vescale_engine.patch_deepspeed()
@@ -362,6 +367,7 @@ def forwarding_rank(rank, world):
                  unwrap_model(engine))
     original_extract = other.extract_model_from_parallel.__vescale_original__
     return dict(forwarded=forwarded, missing=missing, hasattr=hasattr(engine, "nope"),
+                unguarded=unguarded,
                 before=before, unwrapped=all(m is engine.module for m in unwrapped),
                 # Trainer's label smoothing asks the unwrapped model's class
                 label_smoothing=unwrapped[0]._get_name() in
@@ -375,6 +381,7 @@ def test_attributes_forward_to_the_model_and_accelerate_unwraps_the_engine(pool)
         assert r["missing"] == ("'VeScaleEngine' object has no attribute 'no_such_attribute', "
                                 "and neither has its module (LlamaForCausalLM)")
         assert r["hasattr"] is False
+        assert "save_pretrained without state_dict=" in r["unguarded"], r["unguarded"]
         assert r["before"] and r["unwrapped"] and r["label_smoothing"] and r["once"]
 
 

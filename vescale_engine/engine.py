@@ -21,6 +21,7 @@ from .distributed import join_process_group
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
                           rebuild_optimizer, resolve_named_parameters)
+from .hf_checkpoint import guard_save_pretrained
 from .launch_env import discover
 from .materialize import prepare_weights
 from .monitor import Monitors, PendingScalars
@@ -374,6 +375,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
     on_meta = any(p.is_meta for p in model.parameters())
     module = wrap_model(model, cfg, device_mesh(cfg, device))
+    guard_save_pretrained(module)  # its own state_dict() now holds flat pieces
     if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
         # random init draws from the generator as the caller left it (or, for a model built
         # inside a vescale zero.Init, as it was at the build: zero_init)

@@ -19,6 +19,7 @@ shard plus one gathered buffer.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -532,3 +533,26 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
         writer.finish()
         _write_configs(module, path, out_dtype)
     dist.barrier()
+
+
+def guard_save_pretrained(model) -> None:
+    """A Hugging Face model's own `save_pretrained(dir)` reads `state_dict()`, which for a
+    sharded model holds each rank's flat pieces: the file would not load. Without a state_dict
+    it is therefore an error saying what to pass; with one (Trainer's save_model, Accelerate's
+    get_state_dict pattern) it runs as written."""
+    save = getattr(model, "save_pretrained", None)
+    if save is None or getattr(save, "__vescale_guarded__", False):
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(*args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ValueError(
+                f"{type(model).__name__}.save_pretrained without state_dict= would write each "
+                "rank's flat shard pieces: pass state_dict=accelerator.get_state_dict(engine) "
+                "(or engine._zero3_consolidated_16bit_state_dict(), on every rank; rank 0 "
+                "saves), or call vescale_engine.save_hf_checkpoint(engine, dir) on every rank")
+        return save(*args, state_dict=state_dict, **kwargs)
+
+    save_pretrained.__vescale_guarded__ = True
+    model.save_pretrained = save_pretrained
