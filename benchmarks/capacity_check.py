@@ -547,12 +547,8 @@ def main():
         print(f"{case['model']:5s} {case['label']:26s} W={case['world_size']:5d} "
               f"{case['system']:5s} measured {row['peak'] / MB:9.1f} MB  estimate "
               f"{row['estimate'] / MB:9.1f} MB  {100 * row['error']:+6.1f}%", flush=True)
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-            if line.startswith("Model name"))
-    except (OSError, StopIteration, subprocess.SubprocessError):
-        cpu = "unknown CPU"
+    from ranks import cpu_model  # benchmarks/: the script's own directory
+    cpu = cpu_model()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(report(rows, command, cpu))

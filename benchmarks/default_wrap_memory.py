@@ -151,17 +151,6 @@ def run_one(name, world_size, timeout):
     return json.loads(lines[-1])
 
 
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    names = [ln.split(":", 1)[1].strip() for ln in out.splitlines()
-             if ln.startswith("Model name:")]
-    cpus = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("CPU(s):")]
-    return f"{names[0] if names else 'unknown'}, {cpus[0] if cpus else '?'} CPUs"
-
-
 def report(rows, args, command):
     by = {}
     for r in rows:
@@ -237,7 +226,8 @@ def main():
         return
     import torch
     args.torch_version = torch.__version__
-    args.cpu = _cpu_model()
+    from ranks import cpu_model
+    args.cpu = f"{cpu_model()}, {os.cpu_count()} CPUs"
     try:
         args.git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, text=True,
                                   capture_output=True, timeout=10).stdout.strip() or "unknown"

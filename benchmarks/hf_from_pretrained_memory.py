@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -156,16 +155,6 @@ def differing_from_file(full, path):
 # ---------------------------------------------------------------------------------------------
 # Driver.
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    names = [ln.split(":", 1)[1].strip() for ln in out.splitlines()
-             if ln.startswith("Model name:")]
-    return names[0] if names else "unknown"
-
-
 def worst(runs, key):
     """Median over rounds of the largest value over ranks."""
     return statistics.median(max(r[key] for r in rows) for rows in runs)
@@ -173,6 +162,7 @@ def worst(runs, key):
 
 def report(runs, args, total, command) -> list:
     import torch
+    from ranks import cpu_model
     params = total // 2
     lines = ["# from_pretrained under a ZeRO-3 config: peak memory per rank", "",
              f"Produced by `{command}` (torch {torch.__version__}, lscpu model name: "

@@ -20,7 +20,6 @@ import hashlib
 import io
 import json
 import os
-import platform
 import pstats
 import statistics
 import subprocess
@@ -99,17 +98,6 @@ def extract(revision: str, into: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Driver.
 
-def cpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in text.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def measure(args) -> tuple:
     trees = {"after": ROOT}
     tmp = None
@@ -142,6 +130,7 @@ def fmt_s(x: float) -> str:
 
 
 def report(args, medians, cpu, first, profiles, load) -> tuple:
+    from ranks import cpu_model
     before = "before" in medians
     lines = ["# Whole-model planning time", "",
              "Produced by `" + " ".join(["python benchmarks/plan_speed.py", *sys.argv[1:]])

@@ -11,6 +11,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def cpu_model() -> str:
+    """lscpu's model name, for the header of a CPU benchmark's results."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown CPU"
+    names = [ln.split(":", 1)[1].strip() for ln in out.splitlines()
+             if ln.startswith("Model name:")]
+    return names[0] if names else "unknown CPU"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
