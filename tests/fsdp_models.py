@@ -103,3 +103,13 @@ def batch(kind, step, size, seq=16, seed=1234):
     vocab = 96 if kind == "gpt" else 64
     idx = torch.randint(0, vocab, (size, seq), generator=gen)
     return idx, torch.roll(idx, -1, dims=1)
+
+
+def rank_micro_batches(kind, step, rank, world, micro, accum):
+    """This rank's `accum` micro-batches of `micro` samples from the global batch of `step`
+    (micro x accum x world samples), as the data-parallel ranks of a reference run split it."""
+    idx, tgt = batch(kind, step, micro * accum * world)
+    mine = slice(rank * micro * accum, (rank + 1) * micro * accum)
+    idx, tgt = idx[mine], tgt[mine]
+    return [(idx[k * micro:(k + 1) * micro], tgt[k * micro:(k + 1) * micro])
+            for k in range(accum)]

@@ -47,12 +47,7 @@ def pool():
 
 
 def _micro_batches(step, rank, world):
-    """This rank's ACCUM micro-batches of the global batch of `step`."""
-    idx, tgt = fm.batch("gpt", step, MICRO * ACCUM * world)
-    mine = slice(rank * MICRO * ACCUM, (rank + 1) * MICRO * ACCUM)
-    idx, tgt = idx[mine], tgt[mine]
-    return [(idx[k * MICRO:(k + 1) * MICRO], tgt[k * MICRO:(k + 1) * MICRO])
-            for k in range(ACCUM)]
+    return fm.rank_micro_batches("gpt", step, rank, world, MICRO, ACCUM)
 
 
 def _reference(world, make_optimizer, make_scheduler, steps=STEPS):
