@@ -22,6 +22,7 @@ while lora_B is still zero), loaded in this process without DeepSpeed, gives the
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -232,12 +233,22 @@ def _saved_logits(model_dir, path, lora):
         return model.eval()(input_ids=probe_input()).logits
 
 
+def _assert_trained(train: dict, case: str):
+    """The DeepSpeed run is a sane reference: STEPS logged steps, each with its own nonzero
+    gradient (the model changed every step); DPO starts at loss log 2 (the policy is its
+    reference before the first update: a copy, or the LoRA model with lora_B = 0)."""
+    assert sorted(train) == list(range(1, STEPS + 1)), train
+    grad_norms = [train[step][1] for step in sorted(train)]
+    assert all(g > 0 for g in grad_norms) and len(set(grad_norms)) == STEPS, grad_norms
+    if case.startswith("dpo"):
+        assert abs(train[1][0] - math.log(2)) < 1e-6, train[1]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_trl_same_steps_as_deepspeed(runs, case):
     ds = runs.get("deepspeed", case)
     assert all(r["engine"] == "DeepSpeedEngine" for r in ds), ds[0]["engine"]
-    assert sorted(ds[0]["train"]) == list(range(1, STEPS + 1)), ds[0]["train"]
-    assert all(ds[0]["train"][s][1] > 0 for s in ds[0]["train"]), ds[0]["train"]  # it trained
+    _assert_trained(ds[0]["train"], case)
     if case == "dpo_full":
         assert ds[0]["ref_engine"] == "DeepSpeedEngine"  # TRL's prepare_deepspeed
     ours = runs.get("vescale", case)
