@@ -492,6 +492,18 @@ def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
         assert cfg.ignored == () and warnings == []
 
 
+def test_ignored_keys_are_logged_on_rank_0_only(caplog, monkeypatch):
+    config = _load("public/llamafactory_ds_z3_config.json")
+    config = _trainer_filled(config | {"vescale": {}})
+    for rank, logged in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)  # no process group here: the launcher's RANK decides
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vescale_engine"):
+            cfg = build_config(config, world_size=2)
+        assert len(cfg.ignored) == 2  # every rank knows; rank 0 says it
+        assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == logged, rank
+
+
 def _trl_prepare_deepspeed_config(accelerate_config, hidden_size):
     """The config trl.models.utils.prepare_deepspeed (trl 1.16.0) gives deepspeed.initialize
     for a DPO reference model: the Accelerator's config plus three top-level dotted keys for
