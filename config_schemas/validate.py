@@ -219,11 +219,8 @@ def _dotted_key(config, key: str, value):
     "zero_optimization.reduce_bucket_size". DeepSpeed reads a section's keys only inside the
     section, so it ignores such a key; so do we, unless the key is one the engine acts on and
     the section does not already say the same (then the config does not mean what it says)."""
-    parts = key.split(".")
-    written = ".".join(parts)
-    for alias, target in aliases().items():  # a dotted alias names its canonical key
-        if alias == written:
-            parts = target["of"].split(".")
+    alias = aliases().get(key)  # a dotted alias names its canonical key
+    parts = (alias["of"] if alias else key).split(".")
     section = parts[0]
     node, why, _ = node_at(parts)
     found, inside = _at(config, parts)
