@@ -176,6 +176,26 @@ def render() -> str:
     for written, alias in aliases().items():
         lines.append(f"| `{written}` | `{alias['of']}` | {_cell(alias['why'])} |")
     lines += [
+        "", "## Top-level keys not listed here", "",
+        "DeepSpeed reads its config by name and ignores any other top-level key; so does the "
+        "validator, with a warning naming the key (`vescale validate` prints `warning: "
+        "ignored: ...` and exits 0; `initialize` logs it once, on rank 0). Examples in the "
+        "wild: LLaMA-Factory's `comms_config` and `monitor_config`. Except, where ignoring it "
+        "would train differently from what the config says:", "",
+        "- a key one character (names of up to five characters) or two characters away from a "
+        "top-level key the engine acts on is a misspelling (`gradient_acumulation_steps`): an "
+        "error with the nearest name, since DeepSpeed would silently use the default;",
+        "- a top-level key with a dot, as TRL's `prepare_deepspeed` writes "
+        "(`\"zero_optimization.reduce_bucket_size\"`), is ignored as DeepSpeed ignores it (it "
+        "reads a section's keys only inside the section), with a warning that gives the "
+        "section's own value where it differs; if it names a key the engine acts on "
+        "(`\"zero_optimization.stage\"`) and the section does not give the same value, it is "
+        "an error: write it inside the section;",
+        "- the keys below, which DeepSpeed reads, are errors:", "",
+        "| Key | Why |", "|---|---|"]
+    for key, why in schema["x-deepspeed-only"].items():
+        lines.append(f"| `{key}` | {_cell(why)} |")
+    lines += [
         "", '## "auto" values', "",
         'Hugging Face Trainer (`TrainingArguments(deepspeed=...)`) and Accelerate replace `"auto"` '
         "in these keys before they call `initialize`; `vescale validate` accepts it here and "

@@ -7,7 +7,16 @@ means DeepSpeed's default in zero_optimization keys nobody fills in (`_resolve_a
 schema, then the checks no schema can say (contradictory precision, batch sizes no world size
 can satisfy). Every message names the JSON path, the bad value and what is allowed; a misspelt
 key gets the nearest valid name. Keys the schema marks `x-not-acted-on` are accepted and
-reported once, by name, with the reason. No torch import: `vescale validate` starts instantly.
+reported once, by name, with the reason.
+
+Top-level keys the schema does not list are treated as DeepSpeed treats them (`_top_level`):
+DeepSpeed reads its config by name and ignores any other top-level key, so such a key is
+ignored with a warning (LLaMA-Factory's `comms_config`, TRL's dotted
+`"zero_optimization.reduce_bucket_size"`), except where ignoring it would silently train
+differently from what the config says: a near-miss of a key the engine acts on (DeepSpeed
+would train with that key's default), a dotted key naming a key the engine acts on, and the
+keys DeepSpeed reads that we do not support (the schema's `x-deepspeed-only`) are errors. No
+torch import: `vescale validate` starts instantly.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ class Report:
     not_acted_on: list = field(default_factory=list)  # "path (why)"
     auto: list = field(default_factory=list)  # "path (who fills it in from what)"
     aliases: list = field(default_factory=list)  # "written (= canonical; why)"
+    ignored: list = field(default_factory=list)  # "key (why)": top-level keys DeepSpeed ignores
     config: dict | None = None  # the config under canonical names (what the engine reads)
 
 
@@ -163,6 +173,100 @@ def canonical_config(config: dict):
     return config, renamed, notes, errors
 
 
+def _distance(a: str, b: str) -> int:
+    """Levenshtein distance: insertions, deletions and substitutions."""
+    row = list(range(len(b) + 1))
+    for i, char in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, other in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1,
+                                           previous + (char != other))
+    return row[-1]
+
+
+def _acted_on_top_level() -> dict:
+    """{name a config may write at the top level: canonical key} for the top-level keys the
+    engine acts on (schema properties without x-not-acted-on), their aliases included."""
+    props = load_schema()["properties"]
+    acted = {k: k for k, node in props.items()
+             if not (node.get("x-not-acted-on") or _resolve(node).get("x-not-acted-on"))}
+    acted.update({w: a["of"] for w, a in aliases().items()
+                  if "." not in w and a["of"] in acted})
+    return acted
+
+
+def _near_miss(key: str):
+    """The acted-on top-level key `key` misspells (one character away for names of up to five
+    characters, two for longer ones), or None."""
+    for name in _acted_on_top_level():
+        if _distance(key.lower(), name.lower()) <= (1 if len(name) <= 5 else 2):
+            return name
+    return None
+
+
+def _at(config, parts):
+    """(True, value) at `parts` inside `config`, or (False, None)."""
+    node = config
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _dotted_key(config, key: str, value):
+    """("ignored", why) or ("error", message) for a top-level key with a dot, like TRL's
+    "zero_optimization.reduce_bucket_size". DeepSpeed reads a section's keys only inside the
+    section, so it ignores such a key; so do we, unless the key is one the engine acts on and
+    the section does not already say the same (then the config does not mean what it says)."""
+    alias = aliases().get(key)  # a dotted alias names its canonical key
+    parts = (alias["of"] if alias else key).split(".")
+    section = parts[0]
+    node, why, _ = node_at(parts)
+    found, inside = _at(config, parts)
+    if node is None:
+        return "ignored", f"top-level key with a dot: ignored, as in DeepSpeed; {section} " \
+                          f"has no key {parts[-1]} either"
+    if why:
+        note = f"; {section} itself gives {_show(inside)}" if found and inside != value else ""
+        return "ignored", f"top-level key with a dot: ignored, as in DeepSpeed, which reads " \
+                          f"{parts[-1]} only inside {section}; not acted on there either: " \
+                          f"{why}{note}"
+    if found and inside == value:
+        return "ignored", f"top-level key with a dot: ignored, as in DeepSpeed, which reads " \
+                          f"{parts[-1]} only inside {section}, where it has the same value"
+    said = f"uses {section}'s own {_show(inside)}" if found else "trains with the default"
+    return "error", (f"{key}: DeepSpeed ignores a top-level key with a dot (it reads "
+                     f"{parts[-1]} only inside {section}, so it {said}); write {parts[-1]} "
+                     f"inside {section}")
+
+
+def _top_level(config: dict):
+    """Split the top-level keys the schema does not list into (ignored entries, errors) and
+    remove the ignored ones from `config` (canonical names, edited in place). Keys left in
+    get the schema's "unknown key; did you mean" message."""
+    schema = load_schema()
+    known = set(schema["properties"])
+    ignored, errors = [], []
+    for key in [k for k in config if k not in known]:
+        if key in schema["x-deepspeed-only"]:
+            errors.append(f"{key}: not supported: {schema['x-deepspeed-only'][key]}; "
+                          "remove it")
+            config.pop(key)
+        elif "." in key and key.split(".", 1)[0] in known:
+            kind, text = _dotted_key(config, key, config[key])
+            if kind == "error":
+                errors.append(text)
+            else:
+                ignored.append(f"{key} ({text})")
+            config.pop(key)
+        elif _near_miss(key) is None:
+            ignored.append(f"{key} (unknown top-level key: ignored, as DeepSpeed ignores "
+                           "top-level keys it does not read)")
+            config.pop(key)
+    return ignored, errors
+
+
 def _auto_paths(config, parts=()):
     """Every path whose value is the string "auto"."""
     if isinstance(config, dict):
@@ -183,6 +287,8 @@ def _message(error, names: _Names, aliases_here) -> list:
         for key in sorted(set(value) - set(allowed)):
             near = difflib.get_close_matches(key, allowed + aliases_here(error.absolute_path),
                                              n=1, cutoff=0.6)
+            if not error.absolute_path and _near_miss(key):  # the misspelling _top_level kept
+                near = [_near_miss(key)]
             hint = f"; did you mean {near[0]!r}?" if near else \
                 f" (allowed here: {', '.join(allowed)})"
             out.append(f"{names.path([*error.absolute_path, key])}: unknown key{hint}")
@@ -361,6 +467,8 @@ def check_config(config, allow_auto: bool = True) -> Report:
     if not isinstance(config, dict):
         return Report([f"(top level): expected object, got {_show(config)}"])
     canonical, renamed, notes, messages = canonical_config(config)
+    ignored, top_errors = _top_level(canonical)
+    messages += top_errors
     names = _Names(renamed)
     skip, auto, auto_errors = _resolve_autos(canonical, names, allow_auto)
     messages += auto_errors
@@ -384,8 +492,8 @@ def check_config(config, allow_auto: bool = True) -> Report:
     if not messages:
         messages = _semantic_errors(canonical)
     if messages:
-        return Report(messages, aliases=notes)
-    return Report([], _not_acted_on(canonical, schema, names), auto, notes, canonical)
+        return Report(messages, aliases=notes, ignored=ignored)
+    return Report([], _not_acted_on(canonical, schema, names), auto, notes, ignored, canonical)
 
 
 def read_config(source) -> dict:

@@ -302,7 +302,9 @@ def _add_validate_parser(sub):
                                    "with its JSON path; DeepSpeed's aliases read as their "
                                    "canonical names; each \"auto\" and who fills it in "
                                    "(Hugging Face Trainer/Accelerate) or what DeepSpeed reads "
-                                   "it as; and the keys accepted but not acted on.")
+                                   "it as; the keys accepted but not acted on; and, as "
+                                   "warnings, the top-level keys ignored as DeepSpeed "
+                                   "ignores them.")
     p.add_argument("config", metavar="CONFIG.json")
     p.set_defaults(run=_run_validate)
 
@@ -321,6 +323,8 @@ def _run_validate(args) -> int:
     if report.errors:
         print(f"{args.config}: {len(report.errors)} problem(s)", file=sys.stderr)
         return 2
+    for entry in report.ignored:
+        print(f"{args.config}: warning: ignored: {entry}", file=sys.stderr)
     for alias in report.aliases:
         print(f"{args.config}: alias: {alias}")
     for auto in report.auto:

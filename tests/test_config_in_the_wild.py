@@ -1,10 +1,15 @@
-"""Configs as users have them: ZeRO-3 configs in the style of widely used public fine-tuning
-projects (tests/configs_in_the_wild/, written for these tests) and bad configs, each with the
-outcome `vescale validate` must give and the message it must print; the "auto" values reaching
-initialize unresolved; and the tables the validator relies on checked against the DeepSpeed,
-transformers and accelerate sources installed (so a new version that adds a key fails here)."""
+"""Configs as users have them: the ZeRO configs public fine-tuning projects ship
+(tests/configs_in_the_wild/public/, copied verbatim; sources in its README), configs in the
+style of such projects (tests/configs_in_the_wild/, written for these tests) and bad configs,
+each with the outcome `vescale validate` must give and the message it must print; each public
+config built as Hugging Face Trainer hands it to initialize; TRL's DPO reference-model config;
+the "auto" values reaching initialize unresolved; and the tables the validator relies on
+checked against the DeepSpeed, transformers and accelerate sources installed (so a new version
+that adds a key fails here)."""
+import copy
 import inspect
 import json
+import logging
 import math
 import re
 import subprocess
@@ -192,6 +197,24 @@ BAD = [
      "tensor_parallel.autotp_size: 2 is not allowed (allowed: 0, 1); veScale Engine shards "
      "data-parallel only"),
     ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled: true is not allowed"),
+    # top-level keys the schema does not list: ignored as in DeepSpeed, except where that would
+    # train differently from what the config says
+    ({"train_batch_size": 8, "gradient_acumulation_steps": 2},  # DeepSpeed: accumulation 1
+     "gradient_acumulation_steps: unknown key; did you mean 'gradient_accumulation_steps'?"),
+    ({"vescal": {"hsdp_replicate_size": 2}}, "vescal: unknown key; did you mean 'vescale'?"),
+    ({"sed": 3}, "sed: unknown key; did you mean 'seed'?"),
+    ({"zero_optimization": {"stage": 3}, "zero_optimization.stage": 2},
+     "zero_optimization.stage: DeepSpeed ignores a top-level key with a dot (it reads stage "
+     "only inside zero_optimization, so it uses zero_optimization's own 3); write stage inside "
+     "zero_optimization"),
+    ({"zero_optimization.stage3_max_reuse_distance": 0},
+     "zero_optimization.stage3_max_reuse_distance: DeepSpeed ignores a top-level key with a dot "
+     "(it reads stage3_max_reuse_distance only inside zero_optimization, so it trains with the "
+     "default); write stage3_max_reuse_distance inside zero_optimization"),
+    ({"pipeline": {"stages": 2}}, "pipeline: not supported: DeepSpeed acts on it (pipeline "
+                                  "parallelism), veScale Engine does not; remove it"),
+    ({"nebula": {"enabled": True}},
+     "nebula: not supported: removed from DeepSpeed, which refuses it too; remove it"),
 ]
 
 
@@ -203,6 +226,41 @@ def test_bad_configs(config, message, tmp_path, capsys):
     assert status == 2, out
     assert f"{path}: {message}" in out, out
     assert "Traceback" not in out
+
+
+IGNORED = "unknown top-level key: ignored, as DeepSpeed ignores top-level keys it does not read"
+
+# (config, the warnings `vescale validate` must print; it exits 0)
+WARNED = [
+    ({"train_batch_size": 8, "comms_config": {"verbose": False}},
+     [f"warning: ignored: comms_config ({IGNORED})"]),
+    ({"train_batch_size": 8, "fp8": {"enabled": True}},  # 2 from fp16, too short to be a typo
+     [f"warning: ignored: fp8 ({IGNORED})"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3, "reduce_bucket_size": 5},
+      "zero_optimization.reduce_bucket_size": 4096},
+     ["warning: ignored: zero_optimization.reduce_bucket_size (top-level key with a dot: "
+      "ignored, as in DeepSpeed, which reads reduce_bucket_size only inside zero_optimization; "
+      "not acted on there either: one collective per planner buffer, no buckets; "
+      "zero_optimization itself gives 5)"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3}, "zero_optimization.stage": 3},
+     ["warning: ignored: zero_optimization.stage (top-level key with a dot: ignored, as in "
+      "DeepSpeed, which reads stage only inside zero_optimization, where it has the same "
+      "value)"]),
+    ({"train_batch_size": 8, "zero_optimization.no_such_key": 1},
+     ["warning: ignored: zero_optimization.no_such_key (top-level key with a dot: ignored, as "
+      "in DeepSpeed; zero_optimization has no key no_such_key either)"]),
+]
+
+
+@pytest.mark.parametrize("config,texts", WARNED, ids=[str(i) for i in range(len(WARNED))])
+def test_top_level_keys_deepspeed_ignores_are_warned_about(config, texts, tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    status, out = validate(path, capsys)
+    assert status == 0, out
+    for text in texts:
+        assert f"{path}: {text}" in out, out
+    assert out.count("warning: ") == len(texts), out
 
 
 def test_validate_command_end_to_end():
@@ -309,6 +367,258 @@ def test_aliases_are_read_as_the_canonical_key():
     short = build_config({"train_batch_size": 2, "zero_optimization": {
         "gather_16bit_weights_on_model_save": True}}, world_size=2)
     assert short.gather_16bit_weights_on_model_save is True
+
+
+# ---- the configs public projects ship (tests/configs_in_the_wild/public/, sources in README) --
+
+PUBLIC = WILD / "public"
+OFFLOAD = "veScale Engine does not offload to CPU or NVMe"
+# The offloading ones: `vescale validate` exits 2 naming each offload section and what to change
+# (a later issue implements offload); the others are valid.
+OFFLOADING = {
+    "axolotl_zero2.json": ["offload_optimizer"],
+    "axolotl_zero3_bf16_cpuoffload_all.json": ["offload_optimizer", "offload_param"],
+    "axolotl_zero3_bf16_cpuoffload_params.json": ["offload_param"],
+    "llamafactory_ds_z2_offload_config.json": ["offload_optimizer"],
+    "llamafactory_ds_z3_offload_config.json": ["offload_optimizer", "offload_param"],
+    "llava_zero3_offload.json": ["offload_optimizer", "offload_param"],
+    "msswift_zero3_offload.json": ["offload_param"],
+    "transformers_docs_zero3.json": ["offload_optimizer", "offload_param"],
+    "transformers_tests_ds_config_zero2.json": ["offload_optimizer"],
+    "transformers_tests_ds_config_zero3.json": ["offload_optimizer", "offload_param"],
+    "transformers_tests_ds_config_zero3_bf16.json": ["offload_optimizer", "offload_param"],
+}
+# Other errors: transformers' own bf16 test config writes DeepSpeed's older name with "auto",
+# which Trainer does not fill in (it fills bf16.enabled) and DeepSpeed reads as its default,
+# false: bf16 would silently stay off under DeepSpeed.
+ALSO_REFUSED = {"transformers_tests_ds_config_zero3_bf16.json": [
+    'bfloat16.enabled: "auto" is not filled in here: Hugging Face Trainer and Accelerate '
+    'replace "auto" only in']}
+# what `vescale validate` must print for the valid ones beyond "valid"
+PUBLIC_TEXTS = {
+    "llamafactory_ds_z3_config.json": [f"warning: ignored: comms_config ({IGNORED})",
+                                       f"warning: ignored: monitor_config ({IGNORED})"],
+    "axolotl_zero1_torch_compile.json": ["accepted but not acted on: ", "compile (DeepSpeed "
+                                         "compiles only when the script calls engine.compile()"],
+    "openrlhf_get_train_ds_config_zero3.json": ["compile (DeepSpeed compiles only"],
+}
+PUBLIC_JSON = sorted(p.name for p in PUBLIC.glob("*.json"))
+DIRECT = {"openrlhf_get_train_ds_config_zero3.json"}  # given to initialize as written
+
+
+def test_every_public_config_is_listed_with_its_source():
+    readme = (PUBLIC / "README.md").read_text()
+    files = sorted(p.name for p in PUBLIC.iterdir() if p.name != "README.md")
+    assert len(files) >= 20
+    for name in files:
+        assert f"`{name}`" in readme, name
+    assert set(OFFLOADING) <= set(PUBLIC_JSON)
+
+
+@pytest.mark.parametrize("name", PUBLIC_JSON)
+def test_public_config_validates(name, capsys):
+    status, out = validate(PUBLIC / name, capsys)
+    assert "Traceback" not in out
+    if name in OFFLOADING:
+        assert status == 2, out
+        for section in OFFLOADING[name]:
+            assert f"zero_optimization.{section}.device: 'cpu' is not allowed (allowed: " \
+                   f"'none'); {OFFLOAD}" in out, out
+        for text in ALSO_REFUSED.get(name, []):
+            assert text in out, out
+        problems = len(OFFLOADING[name]) + len(ALSO_REFUSED.get(name, []))
+        assert f"{PUBLIC / name}: {problems} problem(s)" in out, out
+        return
+    assert status == 0, out
+    assert any(line.startswith(f"{PUBLIC / name}: valid") for line in out.splitlines()), out
+    for text in PUBLIC_TEXTS.get(name, []):
+        assert text in out, (text, out)
+    if name not in PUBLIC_TEXTS or "warning" not in PUBLIC_TEXTS[name][0]:
+        assert "warning: " not in out, out
+
+
+def _trainer_filled(config, world_size=2):
+    """`config` with "auto" filled in as transformers' Trainer does (TrainingArguments values,
+    the model's hidden_size, the step count) before it calls initialize."""
+    from transformers.integrations.deepspeed import (HfTrainerDeepSpeedConfig,
+                                                     unset_hf_deepspeed_config)
+    args = SimpleNamespace(world_size=world_size, per_device_train_batch_size=3,
+                           gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=2e-4,
+                           adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-7, weight_decay=0.1,
+                           save_on_each_node=False, fp16=False, fp16_full_eval=False, bf16=True,
+                           bf16_full_eval=False, get_warmup_steps=lambda steps: steps // 10)
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=64))
+    try:
+        hf = HfTrainerDeepSpeedConfig(config)
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, model, num_training_steps=100)
+    finally:
+        unset_hf_deepspeed_config()  # transformers keeps a global reference
+    return hf.config
+
+
+@pytest.mark.parametrize("name", PUBLIC_JSON)
+def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
+    """With "vescale": {} added, as a user switching would: the config Trainer passes to
+    initialize builds (the offloading ones fail on offload, naming what to change)."""
+    written = _load(f"public/{name}") | {"vescale": {}}
+    config = written if name in DIRECT else _trainer_filled(written)
+    if name in OFFLOADING:
+        with pytest.raises(ConfigError) as err:
+            build_config(config, world_size=2)
+        messages = "\n".join(err.value.messages)
+        for section in OFFLOADING[name]:
+            assert f"zero_optimization.{section}.device: 'cpu' is not allowed" in messages
+        assert OFFLOAD in messages and 'Set device to "none"' in messages
+        for text in ALSO_REFUSED.get(name, []):
+            assert text in messages
+        return
+    with caplog.at_level(logging.WARNING, logger="vescale_engine"):
+        cfg = build_config(config, world_size=2)
+    assert cfg.zero_stage == written["zero_optimization"]["stage"]
+    if name in DIRECT:
+        assert (cfg.batch.train_batch_size, cfg.batch.gradient_accumulation_steps) == (8, 4)
+    else:
+        assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
+                cfg.batch.gradient_accumulation_steps) == (12, 3, 2)
+        assert cfg.gradient_clipping == (0.5 if "gradient_clipping" in written else 0.0)
+    assert cfg.bf16 and cfg.param_dtype == "bfloat16"
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    if name == "llamafactory_ds_z3_config.json":
+        assert [e.split(" (")[0] for e in cfg.ignored] == ["comms_config", "monitor_config"]
+        assert warnings == ["config keys ignored, as DeepSpeed ignores them: comms_config "
+                            f"({IGNORED}); monitor_config ({IGNORED})"], warnings
+    else:
+        assert cfg.ignored == () and warnings == []
+
+
+def test_ignored_keys_are_logged_on_rank_0_only(caplog, monkeypatch):
+    config = _load("public/llamafactory_ds_z3_config.json")
+    config = _trainer_filled(config | {"vescale": {}})
+    for rank, logged in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)  # no process group here: the launcher's RANK decides
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vescale_engine"):
+            cfg = build_config(config, world_size=2)
+        assert len(cfg.ignored) == 2  # every rank knows; rank 0 says it
+        assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == logged, rank
+
+
+def _trl_prepare_deepspeed_config(accelerate_config, hidden_size):
+    """The config trl.models.utils.prepare_deepspeed (trl 1.16.0) gives deepspeed.initialize
+    for a DPO reference model: the Accelerator's config plus three top-level dotted keys for
+    ZeRO-3, without optimizer, scheduler and offload_optimizer (stage 0 below ZeRO-3)."""
+    config = copy.deepcopy(accelerate_config)
+    stage = config["zero_optimization"]["stage"]
+    if stage == 3:
+        config.update({
+            "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
+            "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+            "zero_optimization.stage3_prefetch_bucket_size": 0.9 * hidden_size * hidden_size})
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    config["zero_optimization"].pop("offload_optimizer", None)
+    if stage != 3:
+        config["zero_optimization"]["stage"] = 0
+    return config
+
+
+def test_trl_prepare_deepspeed_source_is_what_the_test_copies():
+    """The copy above follows trl's code: the same three keys with the same values."""
+    from trl.models import utils
+    source = inspect.getsource(utils.prepare_deepspeed)
+    for line in ('"zero_optimization.reduce_bucket_size": hidden_size * hidden_size',
+                 '"zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size',
+                 '"zero_optimization.stage3_prefetch_bucket_size": 0.9 * hidden_size * '
+                 "hidden_size", 'config_kwargs.pop("optimizer", None)',
+                 'config_kwargs.pop("scheduler", None)',
+                 'config_kwargs["zero_optimization"].pop("offload_optimizer", None)'):
+        assert line in source, line
+
+
+def test_dpo_reference_model_config_from_trl_builds():
+    """TRL's DPO reference model: from the config Trainer filled in (LLaMA-Factory's ZeRO-3 one,
+    and TRL's own accelerate ZeRO-3 yaml through accelerate's DeepSpeedPlugin)."""
+    import yaml
+    from accelerate.utils.dataclasses import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    filled = _trainer_filled(_load("public/llamafactory_ds_z3_config.json") | {"vescale": {}})
+    plugin_args = yaml.safe_load((PUBLIC / "trl_deepspeed_zero3.yaml").read_text())
+    try:
+        plugin = DeepSpeedPlugin(**{k: v for k, v in plugin_args["deepspeed_config"].items()
+                                    if k != "deepspeed_multinode_launcher"})
+    finally:
+        unset_hf_deepspeed_config()
+    from_yaml = plugin.deepspeed_config | {  # what Accelerator._prepare_deepspeed fills in
+        "train_batch_size": 6, "train_micro_batch_size_per_gpu": 3, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "vescale": {}}
+    built = []
+    for accelerate_config in (filled, from_yaml):
+        ref = _trl_prepare_deepspeed_config(accelerate_config, hidden_size=64)
+        cfg = build_config(ref, world_size=2)
+        built.append(cfg)
+        assert cfg.zero_stage == 3 and cfg.optimizer is None and cfg.scheduler is None
+        dotted = [e.split(" (")[0] for e in cfg.ignored if e.startswith("zero_optimization.")]
+        assert dotted == [
+            "zero_optimization.reduce_bucket_size",
+            "zero_optimization.stage3_param_persistence_threshold",
+            "zero_optimization.stage3_prefetch_bucket_size"]
+        assert all("ignored, as in DeepSpeed" in e for e in cfg.ignored if "." in e)
+    # Trainer filled the section's prefetch size as int(0.9 * 64 * 64); TRL writes 3686.4: the
+    # warning says which value the section holds (the yaml's section has none)
+    assert built[0].ignored[-1].endswith("zero_optimization itself gives 3686)"), built[0]
+    assert "itself gives" not in " ".join(built[1].ignored)
+    assert [e.split(" (")[0] for e in built[0].ignored][:2] == ["comms_config",
+                                                                "monitor_config"]
+
+
+def test_deepspeed_ignores_dotted_and_unknown_top_level_keys():
+    """What the warnings claim, checked on the installed DeepSpeed: its config reads the
+    section's value, not the dotted key, and accepts LLaMA-Factory's unknown keys."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    ds = DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": 7}, "zero_optimization.reduce_bucket_size": 5,
+        "zero_optimization.stage": 1, "comms_config": {"verbose": False},
+        "monitor_config": {"enabled": True}})
+    assert ds.zero_config.reduce_bucket_size == 7 and ds.zero_optimization_stage == 3
+
+
+def _top_level_keys_deepspeed_reads():
+    """Every top-level key the installed DeepSpeedConfig looks up while reading a config."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    seen = set()
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            seen.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            seen.add(key)
+            return super().get(key, default)
+
+        def __contains__(self, key):
+            seen.add(key)
+            return super().__contains__(key)
+
+        def __copy__(self):
+            return self
+
+    DeepSpeedConfig(Recording({"train_batch_size": 1}))
+    return seen
+
+
+def test_every_top_level_key_deepspeed_reads_is_in_the_schema():
+    """So an unlisted top-level key really is one DeepSpeed ignores: each key DeepSpeed reads
+    is a schema key, an alias, or an x-deepspeed-only error (and nothing else is there)."""
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+    schema = load_schema()
+    reads = _top_level_keys_deepspeed_reads()
+    listed = set(schema["properties"]) | {w for w in aliases() if "." not in w}
+    assert reads - listed == set(schema["x-deepspeed-only"]), \
+        reads - listed ^ set(schema["x-deepspeed-only"])
+    removed = {k for k, why in schema["x-deepspeed-only"].items() if why.startswith("removed")}
+    assert removed == set(_REMOVED_TOP_LEVEL_CONFIG_KEYS) - set(schema["properties"])
 
 
 # ---- the tables, checked against the installed DeepSpeed / transformers / accelerate --------

@@ -145,3 +145,25 @@ def test_values_that_are_not_json_get_a_message_not_a_crash():
     report = check_config({"zero_optimization": {"offload_param": {"nvme_path": Path("/nvme")}}})
     assert report.errors == ["zero_optimization.offload_param.nvme_path: expected string or null, "
                              "got \"PosixPath('/nvme')\""], report.errors
+
+
+def test_ignored_top_level_keys_are_reported_and_left_out_of_the_config():
+    """An unknown top-level key is in report.ignored, not in the config the engine reads (raw
+    keeps it); misspellings of acted-on keys are errors: one character off for names of up to
+    five characters, two for longer ones."""
+    raw = {"train_batch_size": 8, "monitor_config": {"enabled": True},
+           "zero_optimization": {"stage": 3},
+           "zero_optimization.stage3_prefetch_bucket_size": 10}
+    config, report = validate_config(raw)
+    assert [entry.split(" (")[0] for entry in report.ignored] == [
+        "monitor_config", "zero_optimization.stage3_prefetch_bucket_size"]
+    assert "monitor_config" not in config and "monitor_config" in raw
+    assert config["zero_optimization"] == {"stage": 3}
+    assert check_config({"gradient_accumulation_stpes": 2}).errors == [
+        "gradient_accumulation_stpes: unknown key; did you mean 'gradient_accumulation_steps'?"]
+    assert check_config({"bf1": {}}).errors == ["bf1: unknown key; did you mean 'bf16'?"]
+    assert check_config({"bf": {}}).errors == [] and check_config({"fp8": {}}).errors == []
+    assert check_config({"zero_optimisation": {}}).errors[0].startswith(
+        "zero_optimisation: unknown key; did you mean 'zero_optimization'?")
+    # keys we do not act on: a near-miss changes nothing, so it is ignored like any other
+    assert check_config({"zero_allow_untested_optimiser": True}).errors == []

@@ -1,13 +1,19 @@
 """Typed engine config built from a validated JSON config: DeepSpeed's keys with DeepSpeed's
 meaning, our `vescale` section, and DeepSpeed's batch-size arithmetic. It reads canonical key
 names only (the validator maps DeepSpeed's aliases); what depends on the world size is checked
-here, everything else by the validator. No torch import."""
+here, everything else by the validator. Top-level keys the validator ignores (as DeepSpeed
+does) are logged once per build, on rank 0. No torch import."""
 from __future__ import annotations
 
+import logging
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 from config_schemas.validate import ConfigError, read_config, validate_config
+
+LOG = logging.getLogger("vescale_engine")
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
@@ -92,12 +98,25 @@ class EngineConfig:
     native_collectives: bool = False
     hsdp_replicate_size: int = 1
     not_acted_on: tuple = ()
+    ignored: tuple = ()  # "key (why)": top-level keys ignored as DeepSpeed ignores them
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
     checkpoint_import_timeout_s: float = 3 * 3600  # ranks waiting for rank 0's ZeRO import
     hf_checkpoint: str | None = None  # Hugging Face weights initialize loads into the shards
     # zero_optimization.stage3_gather_16bit_weights_on_model_save (aliases included): what
     # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
     gather_16bit_weights_on_model_save: bool = False
+
+
+def _rank() -> int:
+    """This process's rank without importing torch: the process group's if torch.distributed
+    is already imported and initialized, else the launcher's RANK, else 0."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def build_config(source, world_size: int) -> EngineConfig:
@@ -110,6 +129,9 @@ def build_config(source, world_size: int) -> EngineConfig:
         config, report = validate_config(raw, allow_auto=False)
     except ConfigError as err:
         raise ConfigError([prefix + m for m in err.messages]) from None
+    if report.ignored and _rank() == 0:
+        LOG.warning("%sconfig keys ignored, as DeepSpeed ignores them: %s", prefix,
+                    "; ".join(report.ignored))
     ves = config.get("vescale", {})
     replicas = ves.get("hsdp_replicate_size", 1)
     if world_size % replicas:
@@ -150,6 +172,7 @@ def build_config(source, world_size: int) -> EngineConfig:
         native_collectives=ves.get("native_collectives", False),
         hsdp_replicate_size=replicas,
         not_acted_on=tuple(report.not_acted_on),
+        ignored=tuple(report.ignored),
         fp16=dict(config.get("fp16", {})) if fp16 else {},
         checkpoint_import_timeout_s=float(ves.get("checkpoint_import_timeout_s", 3 * 3600)),
         hf_checkpoint=ves.get("hf_checkpoint"),
