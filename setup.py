@@ -26,10 +26,13 @@ setup(
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "plot": ["matplotlib"],
         # Hugging Face models and checkpoints: our reader/writer needs none of these at run
-        # time; the tests build tiny LlamaForCausalLM models and check from_pretrained.
-        "hf": ["transformers>=5.0", "accelerate>=1.0", "safetensors>=0.4"],
+        # time; the tests build tiny LlamaForCausalLM models and check from_pretrained, and run
+        # PEFT LoRA and TRL's SFT, DPO and GRPO trainers (tests/test_trl.py: the versions
+        # tested are the lower bounds).
+        "hf": ["transformers>=5.0", "accelerate>=1.0", "safetensors>=0.4", "peft>=0.21.2",
+               "trl>=1.16.0", "datasets>=5.2.0"],
         "test": ["pytest>=7", "matplotlib", "transformers>=5.0", "accelerate>=1.0",
-                 "safetensors>=0.4"],
+                 "safetensors>=0.4", "peft>=0.21.2", "trl>=1.16.0", "datasets>=5.2.0"],
     },
     entry_points={"console_scripts": ["vescale = launcher.cli:main"]},
 )
