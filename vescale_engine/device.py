@@ -118,9 +118,15 @@ def default_device(group=None) -> torch.device:
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     """Move a CPU model to this rank's GPU before wrapping (as DeepSpeed's engine does). A
     model on meta stays there (initialize materializes it after wrapping); a model that mixes
-    meta with real tensors, or sits on another device than this rank's, is an error."""
+    meta with real tensors (unless a vescale zero.Init built it: then the real ones, added
+    after the build, move), or sits on another device than this rank's, is an error."""
+    from .zero_init import deferred_record
     named = [*model.named_parameters(), *model.named_buffers()]
     meta = [name for name, tensor in named if tensor.device.type == "meta"]
+    if meta and len(meta) < len(named) and deferred_record(model) is not None:
+        # built under a vescale zero.Init, then given real tensors (PEFT adapters, a new head):
+        # those move (the deferred modules' own wait for initialize: zero_init)
+        return model.to(device) if device.type == "cuda" else model
     if meta and len(meta) < len(named):
         real = next((name, t.device) for name, t in named if t.device.type != "meta")
         raise DeviceError(f"{meta[0]} is on the meta device but {real[0]} is on {real[1]}: "

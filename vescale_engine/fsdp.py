@@ -60,6 +60,9 @@ class ShardedParameter:
         self.sharded = nn.Parameter(buffer.master_view(index), requires_grad=requires_grad)
         self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
         self._unsharded = None
+        # The value a real parameter had when its unit was planned on meta (a tensor added to
+        # a deferred build): kept until `FSDPUnit.allocate` writes it; loaders and inits skip it.
+        self.initial = None
 
     @property
     def unsharded(self) -> nn.Parameter:
@@ -166,12 +169,18 @@ class FSDPUnit:
             raise ValueError(f"fully_shard({self.name}): the module has no parameters that "
                              "another unit does not already manage")
         devices = {found[i][1].device for i in order}
-        on_meta = [found[i][0] for i in order if found[i][1].is_meta]
+        on_meta = [i for i in order if found[i][1].is_meta]
         if on_meta and len(on_meta) < len(order):
-            real = next(found[i] for i in order if not found[i][1].is_meta)
-            raise ValueError(f"fully_shard({self.name}): {on_meta[0]} is on the meta device but "
-                             f"{real[0]} is on {real[1].device}; build the whole unit on meta "
-                             "(then vescale_engine.materialize) or on a real device")
+            undeferred = [i for i in on_meta if not _deferred(*found[i][1:])]
+            if undeferred:
+                real = next(found[i] for i in order if not found[i][1].is_meta)
+                raise ValueError(f"fully_shard({self.name}): {found[undeferred[0]][0]} is on the "
+                                 f"meta device but {real[0]} is on {real[1].device}; build the "
+                                 "whole unit on meta (then vescale_engine.materialize) or on a "
+                                 "real device")
+            # A deferred build (zero_init) plus tensors added after it with their values (PEFT
+            # adapters, new heads): planned on meta, the real values kept for allocate.
+            devices = {torch.device("meta")}
         if len(devices) > 1:
             raise ValueError(f"fully_shard({self.name}): parameters are on mixed devices "
                              f"{sorted(map(str, devices))}")
@@ -198,9 +207,12 @@ class FSDPUnit:
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]
-                    if not param.is_meta:  # a meta model gets its values at materialize
-                        buf.load_full_tensor(k, param)
                     sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad)
+                    if not param.is_meta:  # a meta model gets its values at materialize
+                        if buf.is_meta:
+                            sp.initial = param.detach()  # written at allocate
+                        else:
+                            buf.load_full_tensor(k, param)
                     sp.register(sp.sharded)
                     self.params.append(sp)
 
@@ -220,11 +232,16 @@ class FSDPUnit:
 
     def allocate(self, device) -> None:
         """Real, uninitialized master storage on `device` for every buffer, and the managed
-        parameters re-pointed at it (the reset_parameters guards stay)."""
+        parameters re-pointed at it (the reset_parameters guards stay); the parameters that had
+        values at wrap time (`initial`) get them back."""
         for buf in self.buffers:
             buf.allocate(device)
         for p in self.params:
             p.bind_storage()
+            if p.initial is not None:  # the value it had at wrap time (not on meta)
+                with torch.no_grad():
+                    p.buffer.load_full_tensor(p.index, p.initial.to(device))
+                p.initial = None
         self.device = torch.device(device)
 
     @property
@@ -842,6 +859,16 @@ def _apply_error(module, call, kind) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Deferred (meta-device) initialization: what must hold before values are used.
+
+_DEFERRED_MARK = "_vescale_deferred"  # zero_init.MARK: set on what a deferred build made
+
+
+def _deferred(param, registrations) -> bool:
+    """A meta parameter that a vescale `deepspeed.zero.Init` build made (or a copy of one of
+    its modules made, as PEFT's modules_to_save): its values come at initialize."""
+    return getattr(param, _DEFERRED_MARK, None) is not None or \
+        any(module.__dict__.get(_DEFERRED_MARK) is not None for module, _ in registrations)
+
 
 def meta_leftovers(module: nn.Module) -> list:
     """Names (as `module.state_dict` would say them) of the managed parameters and the module

@@ -167,7 +167,8 @@ def _global_shape(tensor) -> tuple:
 
 def _rename(stored: dict, key_map) -> dict:
     """{model name: _Stored} after `key_map` (dict: file key -> model name, keys it does not
-    list unchanged; callable: file key -> model name)."""
+    list unchanged; callable: file key -> model name). A tuple of names loads the file's
+    tensor into each (copies of a module, as PEFT's modules_to_save makes)."""
     if key_map is None:
         return dict(stored)
     if not (callable(key_map) or isinstance(key_map, dict)):
@@ -175,11 +176,13 @@ def _rename(stored: dict, key_map) -> dict:
     renamed, sources = {}, {}
     for key, entry in stored.items():
         new = key_map(key) if callable(key_map) else key_map.get(key, key)
-        if not isinstance(new, str):
+        names = new if isinstance(new, tuple) and new else (new,)
+        if not all(isinstance(name, str) for name in names):
             raise HFCheckpointError(f"key_map gave {new!r} for {key}: it must give a name")
-        if new in renamed:
-            raise HFCheckpointError(f"key_map maps both {sources[new]} and {key} to {new}")
-        renamed[new], sources[new] = entry, key
+        for name in names:
+            if name in renamed:
+                raise HFCheckpointError(f"key_map maps both {sources[name]} and {key} to {name}")
+            renamed[name], sources[name] = entry, key
     return renamed
 
 
@@ -312,8 +315,11 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
         # What the file cannot hold (non-persistent buffers such as rotary inv_freq) and, with
         # strict=False, its missing keys are initialized by their modules after the load.
         loaded = {name for name, _ in plan}
-        unloaded = sorted({name for name, b in module.named_buffers(remove_duplicate=False)
-                           if b.is_meta and name not in loaded} | set(missing))
+        given = {name for names, t in _named_entries(module) for name in names
+                 if getattr(getattr(t, "_vescale", None), "initial", None) is not None}
+        # (`given`: real at wrap time, in a unit planned on meta: allocate writes that value)
+        unloaded = sorted(({name for name, b in module.named_buffers(remove_duplicate=False)
+                            if b.is_meta and name not in loaded} | set(missing)) - given)
         from .materialize import allocate_shards
         allocate_shards(module, device=device)
         still = _on_meta(module)

@@ -29,6 +29,7 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,23 @@ _NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_mod
            ("transformers.core_model_loading", "WeightRenaming"),
            ("transformers.utils.loading_report", "LoadStateDictInfo"),
            ("transformers.initialization", "guard_torch_init_functions"))
+
+
+SOURCE = "_vescale_checkpoint_keys"  # module attribute: its CheckpointRecord
+
+
+class CheckpointRecord:
+    """On each module from_pretrained built on meta: the checkpoint key of each of its own
+    tensors (None: not in the checkpoint, transformers' init gives it). Kept on the module, not
+    by name, so it holds wherever the module ends up (PEFT wraps a targeted Linear as
+    `base_layer` under `base_model.model.`); a deepcopy of the module (PEFT's modules_to_save)
+    carries it with `source` still the original, whose values the copy takes."""
+
+    def __init__(self, source, keys):
+        self.source, self.keys = source, keys
+
+    def __deepcopy__(self, memo):
+        return CheckpointRecord(self.source, dict(self.keys))
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,7 @@ def record_checkpoint(model, record, state_dict, checkpoint_files, load_config):
     for name in key_map.values():  # as transformers marks what it loaded
         if name in params:
             params[name]._is_hf_initialized = True
+    _record_on_modules(model, key_map)
     record.builder, record.root = "from_pretrained", model
     record.pretrained = PretrainedWeights(str(load_config.pretrained_model_name_or_path),
                                           tuple(files), key_map, _dtype_of(model))
@@ -101,6 +120,20 @@ def record_checkpoint(model, record, state_dict, checkpoint_files, load_config):
     return LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected,
                              mismatched_keys=mismatched, error_msgs=[], conversion_errors={},
                              skipped_pp_keys=set())
+
+
+def _record_on_modules(model, key_map) -> None:
+    """A CheckpointRecord on every module owning a meta tensor (see the class)."""
+    key_of = {name: key for key, name in key_map.items()}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        keys = {attr: key_of.get(f"{prefix}.{attr}" if prefix else attr)
+                for attr, t in (*mod._parameters.items(), *mod._buffers.items())
+                if t is not None and t.is_meta}
+        record = mod.__dict__.get(SOURCE)
+        if record is not None:  # a module reached under two names: any name with a key
+            keys = {a: keys.get(a) or record.keys.get(a) for a in {*keys, *record.keys}}
+        if keys:
+            mod.__dict__[SOURCE] = CheckpointRecord(mod, keys)
 
 
 def _match_keys(model, stored, load_config) -> tuple[dict, set, set]:
@@ -170,7 +203,7 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
                            f"config, but transformers did not call {step}, the step vescale "
                            f"takes over (written for transformers {_WRITTEN_FOR}): its weights "
                            "are unknown, so initialize stops rather than train random ones")
-    prefix = _prefix_of(root, module)
+    _prefix_of(root, module)  # the whole model, not a part of it
     init_missing = functools.partial(init_like_transformers, record=record, device=device)
     pretrained = record.pretrained
     if pretrained is not None:
@@ -179,21 +212,71 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
                              f"{pretrained.source!r}) name different weights for the model: "
                              "keep one")
         from .hf_checkpoint import load_into
-        names = {key: prefix + name for key, name in pretrained.key_map.items()}
+        names, to_init = _sources(module)
+
+        def init_recorded(mod, unloaded):  # the others are given (real at wrap) or loaded
+            init_missing(mod, [n for n in unloaded if n in to_init])
         # checkpoint keys from_pretrained did not map (unexpected, mismatched) stay unloaded
         record.loaded = load_into(module, list(pretrained.files), strict=False,
                                   key_map=lambda key: names.get(key, f"{key} (not loaded)"),
-                                  device=device, init_missing=init_missing)
+                                  device=device, init_missing=init_recorded)
     elif cfg.hf_checkpoint:
         from .hf_checkpoint import load_into
         record.loaded = load_into(module, cfg.hf_checkpoint, device=device,
                                   init_missing=init_missing)
     else:  # from_config: everything, as DeepSpeed's initialize_weights_zero3 would
         from .materialize import allocate_shards
-        names = [name for name, _ in module.named_parameters(remove_duplicate=False)] + \
+        names = [name for name, p in module.named_parameters(remove_duplicate=False)
+                 if getattr(p, "_vescale", None) is None or p._vescale.initial is None] + \
             [name for name, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
         allocate_shards(module, device)
         init_missing(module, names)
+
+
+def _pending_tensors(module) -> list:
+    """[(names, [(module, attribute)])] of every tensor under `module` still waiting for a
+    value: on meta, and not a parameter whose unit keeps the value it had at wrap time."""
+    groups = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for attr, t in (*mod._parameters.items(), *mod._buffers.items()):
+            if t is None or not t.is_meta or \
+                    getattr(getattr(t, "_vescale", None), "initial", None) is not None:
+                continue
+            names, where = groups.setdefault(id(t), ([], []))
+            names.append(f"{prefix}.{attr}" if prefix else attr)
+            where.append((mod, attr))
+    return list(groups.values())
+
+
+def _sources(module) -> tuple[dict, set]:
+    """({checkpoint key: model name(s)}, names transformers' init gives) for the tensors still
+    on meta after wrapping, from the modules' CheckpointRecords: a copy's tensor loads its
+    original's key. A tensor that no record covers (made on meta after from_pretrained), or a
+    copy of one that transformers' init gives, is an error naming it."""
+    loads, to_init = {}, set()
+    for names, where in _pending_tensors(module):
+        entries = [(mod, rec, rec.keys[attr]) for mod, attr in where
+                   if (rec := mod.__dict__.get(SOURCE)) is not None and attr in rec.keys]
+        keys = [key for _, _, key in entries if key is not None]
+        if keys:
+            loads.setdefault(keys[0], []).append(names[0])
+        elif any(rec.source is mod for mod, rec, _ in entries):
+            to_init.update(names)
+        elif entries:
+            raise ValueError(
+                f"initialize: {names[0]} is a copy (made after from_pretrained, as PEFT's "
+                "modules_to_save makes) of a tensor the checkpoint does not hold, which "
+                "transformers' init gives at initialize: the copy cannot get the same values; "
+                "put that module in the checkpoint (save_pretrained once) or leave it out of "
+                "modules_to_save")
+        else:
+            owner = type(where[0][0]).__name__
+            hint = " (PEFT adapters: import peft before from_pretrained, so that vescale "                 "keeps them real)" if "lora_" in names[0] else ""
+            raise ValueError(
+                f"initialize: {names[0]} ({owner}) is on the meta device with no known value: "
+                "it was made on meta after from_pretrained, so its values never existed; "
+                f"create it on a real device (its values are kept){hint}")
+    return {key: tuple(names) for key, names in loads.items()}, to_init
 
 
 def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
@@ -304,6 +387,9 @@ def install() -> None:
     modeling = importlib.import_module("transformers.modeling_utils")
     integration = importlib.import_module("transformers.integrations.deepspeed")
     pretrained = modeling.PreTrainedModel
+    if "peft" in sys.modules:  # adapters added to a deferred model keep their values
+        from .peft_zero_init import install as install_peft
+        install_peft()
     if hasattr(pretrained._initialize_missing_keys, "__vescale_original__"):
         return
     check_transformers()

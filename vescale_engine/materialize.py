@@ -95,7 +95,8 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
     that is on the meta device, one module's own tensors at a time; see the module docstring
     for the order, the tied-weight rule and what is bitwise. Returns `module`. Errors name the
     parameter or buffer (and its module class) that no init wrote, or that is still on meta."""
-    pending_params = {id(p): p for _, p in fsdp.sharded_parameters(module) if p.buffer.is_meta}
+    pending_params = {id(p): p for _, p in fsdp.sharded_parameters(module)
+                      if p.buffer.is_meta and p.initial is None}  # initial: allocate writes it
     meta_buffers = [(sub, name) for sub in module.modules()
                     for name, b in sub._buffers.items() if b is not None and b.is_meta]
     allocate_shards(module, device)  # replaces those buffers' tensors

@@ -49,6 +49,9 @@ class DeferredInit:
     init_like_transformers: bool = False  # from_config: initialize_weights' walk, deferred
     loaded: object = None            # hf_checkpoint.LoadResult of initialize's load (this rank)
 
+    def __deepcopy__(self, memo):
+        return self  # a copy of a deferred module (PEFT's modules_to_save) is of this build
+
 
 # -- the context --------------------------------------------------------------------------------
 

@@ -1,0 +1,128 @@
+"""PEFT adapters added to a model that a vescale ZeRO-3 config built on meta (zero_init).
+
+`get_peft_model` (and `add_adapter`) create each adapter on a real device with PEFT's own init
+(LoRA: kaiming A, zero B), then move it to the device of the layer it adapts. For a deferred
+model that device is `meta`, so the values would be dropped and `initialize` could only guess
+them. Here the move keeps the adapter where it was made when the base layer is a deferred meta
+tensor (dtype casts still apply); `fully_shard` plans such a unit on meta and writes the
+adapter's values into the shards at allocation (fsdp.ShardedParameter.initial).
+
+Two PEFT functions move adapters; both are wrapped, checked against the installed PEFT once:
+- `BaseTunerLayer._move_adapter_to_device_of_base_layer` (every tuner's `update_layer`);
+- `BaseTuner._replace_module` and LoRA's override (`module.to(weight.device)` on the new
+  layer's adapter modules).
+LoRA's `ParamWrapper` (target_parameters) moves its own way: its adapters end on meta and
+`initialize` stops naming them, as for any tensor whose values are unknown.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import types
+
+import torch
+
+from .zero_init import MARK
+
+_WRITTEN_FOR = "0.21"
+_WRAPPED = (("peft.tuners.tuners_utils", "BaseTunerLayer", "_move_adapter_to_device_of_base_layer",
+             ["self", "adapter_name", "device"]),
+            ("peft.tuners.tuners_utils", "BaseTuner", "_replace_module",
+             ["self", "parent", "child_name", "new_module", "child"]),
+            ("peft.tuners.lora.model", "LoraModel", "_replace_module",
+             ["self", "parent", "child_name", "new_module", "child"]))
+
+
+def _deferred_weight(layer) -> bool:
+    """The layer's weight (PEFT's choice: weight, qweight) is a meta tensor a vescale
+    zero.Init build made."""
+    if isinstance(layer, torch.nn.MultiheadAttention):
+        layer = layer.out_proj
+    for name in ("weight", "qweight"):
+        weight = getattr(layer, name, None)
+        if isinstance(weight, torch.Tensor):
+            return weight.is_meta and (getattr(weight, MARK, None) is not None or
+                                       layer.__dict__.get(MARK) is not None)
+    return False
+
+
+def _keep_move_adapter(original):
+    @functools.wraps(original)
+    def _move_adapter_to_device_of_base_layer(self, adapter_name, device=None):
+        if device is None and _deferred_weight(self.get_base_layer()):
+            device = _adapter_device(self, adapter_name)  # stays there; dtype still follows
+        return original(self, adapter_name, device=device)
+    return _move_adapter_to_device_of_base_layer
+
+
+def _adapter_device(layer, adapter_name):
+    for attr in layer.adapter_layer_names + layer.other_param_names:
+        container = getattr(layer, attr, None)
+        item = container[adapter_name] if isinstance(container, (torch.nn.ModuleDict,
+                                                                   torch.nn.ParameterDict)) \
+            and adapter_name in container else None
+        tensors = [item] if isinstance(item, torch.Tensor) else \
+            list(item.parameters()) + list(item.buffers()) if item is not None else []
+        real = [t.device for t in tensors if not t.is_meta]
+        if real:
+            return real[0]
+    return None  # nothing real to keep: PEFT's own move
+
+
+def _keep_replace_module(original):
+    @functools.wraps(original)
+    def _replace_module(self, parent, child_name, new_module, child, *args, **kwargs):
+        base = getattr(child, "base_layer", child)
+        if not _deferred_weight(base):
+            return original(self, parent, child_name, new_module, child, *args, **kwargs)
+        patched = [m for m in new_module.modules() if "_apply" not in m.__dict__]
+        for m in patched:  # its moves to meta keep the values (the deferred ones wait anyway)
+            m._apply = types.MethodType(_apply_keeping_values, m)
+        try:
+            return original(self, parent, child_name, new_module, child, *args, **kwargs)
+        finally:
+            for m in patched:
+                m.__dict__.pop("_apply", None)
+    return _replace_module
+
+
+def _apply_keeping_values(self, fn, recurse=True):
+    """`_apply` whose moves of real tensors to meta are skipped (dtype casts apply)."""
+    def adapted(tensor):
+        if tensor.is_meta:
+            return fn(tensor)
+        probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+        if not probe.is_meta:
+            return fn(tensor)
+        return tensor if probe.dtype == tensor.dtype else tensor.to(probe.dtype)
+    return type(self)._apply(self, adapted, recurse)
+
+
+def check_peft(wrapped=_WRAPPED) -> list:
+    """[(class, name, function)] to wrap; an ImportError naming what the installed PEFT lacks."""
+    import peft
+    found, absent = [], []
+    for module_name, cls_name, name, params in wrapped:
+        cls = getattr(importlib.import_module(module_name), cls_name, None)
+        fn = cls.__dict__.get(name) if cls is not None else None
+        if fn is None or list(inspect.signature(fn).parameters)[:len(params)] != params:
+            absent.append(f"{module_name}.{cls_name}.{name}({', '.join(params)})")
+        else:
+            found.append((cls, name, fn))
+    if absent:
+        raise ImportError(f"vescale keeps PEFT adapters of a deferred model real through "
+                          f"{', '.join(absent)}, which peft {peft.__version__} does not have "
+                          f"(written for {_WRITTEN_FOR})")
+    return found
+
+
+def install() -> None:
+    """Wrap the functions of the module docstring (idempotent)."""
+    for cls, name, fn in check_peft():
+        if hasattr(fn, "__vescale_original__"):
+            continue
+        wrapper = _keep_move_adapter(fn) if name.startswith("_move") else \
+            _keep_replace_module(fn)
+        wrapper.__vescale_original__ = fn
+        setattr(cls, name, wrapper)
