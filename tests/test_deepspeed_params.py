@@ -214,7 +214,7 @@ def test_gathered_parameters_reads_and_writes_back(pool):
         for loss, ref in out["train"]:
             assert abs(loss - ref) <= TOLERANCE * abs(ref), out["train"]
         assert out["trained"] < 1e-4, out
-        changed = "model.embed_tokens.weight has shape [3, 3], not [64, 32]" if rank == 0 \
+        changed = "model.embed_tokens.weight of LlamaForCausalLM has shape [3, 3], not [64, 32]" if rank == 0 \
             else "another rank changed a shape"  # rank 1 learns of it and stops too
         assert changed in (out["shape_change"] or ""), out
         assert out["after_refusal"] == out["trained"], out
@@ -249,6 +249,27 @@ def fused_head_rank(rank, world):
         except RuntimeError as err:
             out["gradient"] = str(err)
     engine.destroy()
+
+    # lm_head its own unit: the root's forward finds it sharded. Trainable, with gradients,
+    # TRL's gather there is refused; frozen (LoRA), it reads the gathered head.
+    config = {**CONFIG, "vescale": {"wrap_policy": {"module_classes": ["LlamaDecoderLayer",
+                                                                       "Linear"]}}}
+    engine, reference, opt = pair(config)
+    for model in (engine.module, reference):
+        add_fused_lm_head(model)
+    ids = tokens(0)
+    with zero3_enabled():
+        try:
+            engine(ids, labels=ids, fused_lm_head=True)
+            out["own_unit"] = None
+        except RuntimeError as err:
+            out["own_unit"] = str(err)
+        engine.module.lm_head.weight.requires_grad_(False)
+        reference.lm_head.weight.requires_grad_(False)
+        with torch.no_grad():
+            loss = engine(ids, labels=ids, fused_lm_head=True).loss
+    out["frozen_read"] = abs(loss.item() - reference(ids, labels=ids, fused_lm_head=True).loss.item())
+    engine.destroy()
     return out
 
 
@@ -258,7 +279,10 @@ def test_trl_fused_lm_head_trains_as_one_process(pool):
             assert abs(loss - ref) <= TOLERANCE * abs(ref), out["train"]
         assert out["trained"] < 1e-4, out
         assert out["head"] == 0.0 and out["head_after"] == 1, out
-        assert "lm_head.weight was computed with its full value" in (out["gradient"] or ""), out
+        assert "lm_head.weight of LlamaForCausalLM was computed with its full value" in (out["gradient"] or ""), out
+        assert "GatheredParameters on weight of Linear" in (out["own_unit"] or "") and \
+            "inside a forward with gradients" in out["own_unit"], out
+        assert out["frozen_read"] < 1e-5, out
 
 
 class _Accelerator:

@@ -122,7 +122,7 @@ class GatheredShards:
         if fwd_module is not None:
             raise NotImplementedError(
                 "deepspeed.zero.GatheredParameters(fwd_module=...) on vescale-sharded "
-                f"parameters ({self.requested[0][1].fqn}, ...): vescale has no external "
+                f"parameters ({_name(self.requested[0][1])}, ...): vescale has no external "
                 "parameters; put the module that uses them in the same FSDP unit "
                 "(vescale.wrap_policy)")
 
@@ -135,37 +135,37 @@ class GatheredShards:
                 if self.modifier_rank is not None:
                     raise RuntimeError(
                         f"deepspeed.zero.GatheredParameters(modifier_rank={self.modifier_rank}) "
-                        f"on {sp.fqn} while it is gathered already (by its unit's forward or an "
+                        f"on {_name(sp)} while it is gathered already (by its unit's forward or an "
                         "enclosing GatheredParameters): changes would not reach its shard; "
                         "write to it outside the forward, in one context")
                 continue
             if p is not sp.sharded:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters on the full-shape parameter of "
-                    f"{sp.fqn} kept from an earlier forward (its unit is sharded now): pass the "
+                    f"{_name(sp)} kept from an earlier forward (its unit is sharded now): pass the "
                     "parameter the module holds now")
             if self.modifier_rank is not None and sp.unit._unsharded:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters(modifier_rank={self.modifier_rank}) on "
-                    f"{sp.fqn} inside its unit's forward: the unit computes with its own "
+                    f"{_name(sp)} inside its unit's forward: the unit computes with its own "
                     "gathered copy, so the change would not be seen; write outside the forward")
             todo.append((p, sp))
         in_step = fsdp._ACTIVE.ctx is not None or fsdp._in_backward()
         if torch.is_grad_enabled() and in_step:
-            trainable = [sp.fqn for p, sp in todo if p.requires_grad]
+            trainable = [_name(sp) for p, sp in todo if p.requires_grad]
             if trainable:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters on {trainable[0]} (called from "
                     f"{_callers()}) inside a forward with gradients: its gradient would not "
                     "reach its unit's reduce-scatter; keep the module that owns it in the unit "
                     "that uses it (e.g. lm_head in the root unit, the default wrap policy)")
+        full = {}
+        if todo:
+            fsdp.require_materialized(todo[0][1].unit.module, "GatheredParameters")
+            full = fsdp.gather_selected([sp for _, sp in todo], mode="view",
+                                        compute_dtype=self.modifier_rank is None)
         if self.others is not None:
             self.others.__enter__()
-        if not todo:
-            return
-        fsdp.require_materialized(todo[0][1].unit.module, "GatheredParameters")
-        full = fsdp.gather_selected([sp for _, sp in todo], mode="view",
-                                    compute_dtype=self.modifier_rank is None)
         for p, sp in todo:
             own = p.data
             p.data = full[sp]
@@ -192,7 +192,7 @@ class GatheredShards:
         values, wrong = [], None
         for p, _, sp in self.held:
             if tuple(p.shape) != tuple(sp.shape):
-                wrong = wrong or f"{sp.fqn} has shape {list(p.shape)}, not {list(sp.shape)}"
+                wrong = wrong or f"{_name(sp)} has shape {list(p.shape)}, not {list(sp.shape)}"
             values.append(p.data)
         ok = torch.tensor([wrong is None], dtype=torch.int32, device=self.held[0][2].buffer.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank learns of a bad value, no hang
@@ -207,6 +207,11 @@ class GatheredShards:
                 sp.buffer.load_full_tensor(sp.index, value)
 
 
+def _name(sp) -> str:
+    """The parameter's name in its unit, and the unit's class (`weight of Linear`)."""
+    return f"{sp.fqn} of {sp.unit.name.split('#')[0]}"
+
+
 def _guard_gradient(p, sp) -> None:
     """A gradient computed through the full tensor a context lent the shard object would be
     accumulated as if it were this rank's piece: stop it instead (registered once)."""
@@ -217,7 +222,7 @@ def _guard_gradient(p, sp) -> None:
     def check(grad):
         if tuple(grad.shape) != local:
             raise RuntimeError(
-                f"a gradient for {sp.fqn} was computed with its full value from "
+                f"a gradient for {_name(sp)} was computed with its full value from "
                 "deepspeed.zero.GatheredParameters: vescale reduces gradients only through the "
                 "unit's forward; compute with the module inside its unit's forward instead")
         return grad
