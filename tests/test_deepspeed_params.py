@@ -202,6 +202,18 @@ def gathered_rank(rank, world):
     except NotImplementedError as err:
         out["fwd_module"] = str(err)
     engine.destroy()
+
+    # bf16 compute: a read holds what forward computes with (DeepSpeed's bf16 parameters), a
+    # write the fp32 master
+    engine, reference, _ = pair({**CONFIG, "bf16": {"enabled": True}})
+    master = full_state(engine)["lm_head.weight"]
+    weight = engine.module.lm_head.weight
+    with deepspeed.zero.GatheredParameters([weight]):
+        out["bf16_read"] = (weight.dtype, torch.equal(weight, master.to(torch.bfloat16)))
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        out["bf16_write"] = (weight.dtype, torch.equal(weight, master))
+    out["bf16_kept"] = torch.equal(full_state(engine)["lm_head.weight"], master)
+    engine.destroy()
     return out
 
 
@@ -219,6 +231,8 @@ def test_gathered_parameters_reads_and_writes_back(pool):
         assert changed in (out["shape_change"] or ""), out
         assert out["after_refusal"] == out["trained"], out
         assert "fwd_module=" in (out["fwd_module"] or ""), out
+        assert out["bf16_read"] == (torch.bfloat16, True), out
+        assert out["bf16_write"] == (torch.float32, True) and out["bf16_kept"], out
 
 
 # -- TRL ------------------------------------------------------------------------------------------
