@@ -1,9 +1,11 @@
 """`patch_deepspeed()`: the one-line migration for existing ZeRO scripts and for frameworks
 that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate). After it,
 `deepspeed.initialize` returns our engine when the config has a "vescale" section, and
-DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's; and
+DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's;
 `deepspeed.zero.Init` builds on the meta device for such a config (zero_init; transformers'
-from_pretrained / from_config under it: hf_zero_init)."""
+from_pretrained / from_config under it: hf_zero_init); and the per-parameter ZeRO-3 surface
+libraries read (`ds_status`, `ds_shape`, `GatheredParameters`, TRL's generation hooks) works on
+our sharded parameters (deepspeed_params)."""
 from __future__ import annotations
 
 import functools
@@ -24,14 +26,17 @@ def _config_of(kwargs):
 
 def patch_deepspeed() -> None:
     """Route `deepspeed.initialize` to `vescale_engine.initialize` for vescale configs, let
-    Accelerate unwrap our engine, and make `deepspeed.zero.Init` build on meta for vescale
-    configs (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are
+    Accelerate unwrap our engine, make `deepspeed.zero.Init` build on meta for vescale
+    configs, and give our parameters DeepSpeed's per-parameter surface (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are
     untouched."""
+    from . import deepspeed_params
     from .zero_init import install as install_zero_init
     _route_initialize()
     patch_accelerate_unwrap()
     patch_accelerate_state_dict()
     install_zero_init()
+    deepspeed_params.install()
+    deepspeed_params.patch_trl_generation()  # now if TRL is imported, else at the first gather
 
 
 def patch_accelerate_unwrap() -> None:

@@ -70,6 +70,7 @@ class ShardedParameter:
         if self._unsharded is None:
             self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
                                            requires_grad=self.sharded.requires_grad)
+            self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
             if self._unsharded.requires_grad:
                 self._unsharded.register_hook(self._grad_arrived)
         return self._unsharded
@@ -721,24 +722,35 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
 
 def _gather_full(module, keep, mode) -> dict:
     """{ShardedParameter: full value} for every managed parameter under `module` (empty when
-    not `keep`). One DBuffer at a time: all-gather its fp32 master into a full buffer, copy its
-    parameters out (`mode`: "view" keeps the buffer alive as their storage, "clone" copies on
-    the device, "host" to CPU), and drop the buffer before gathering the next."""
+    not `keep`); `gather_selected` says how."""
     require_materialized(module, "gathering full parameters")
+    return gather_selected([p for unit in _units(module) for p in unit.params], keep, mode)
+
+
+def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict:
+    """{ShardedParameter: full value} for `params` (empty when not `keep`). One DBuffer at a
+    time, in the order `params` first name them: all-gather its master into a full buffer,
+    copy the selected parameters out (`mode`: "view" keeps the buffer alive as their storage,
+    "clone" copies on the device, "host" to CPU), and drop the buffer before gathering the
+    next. `compute_dtype`: the values in the buffer's compute dtype (what forward computes
+    with) instead of the master's."""
+    selected = {}
+    for p in params:
+        selected.setdefault(p.buffer, {})[p] = None
     out = {}
-    for unit in _units(module):
-        for buf in unit.buffers:
-            full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
-                               device=buf.master.device)
-            _all_gather_master(full, buf)
-            if keep:
-                for p in unit.params:
-                    if p.buffer is buf:
-                        pl = buf.layout.placements[p.index]
-                        out[p] = _copy_out(full[pl.offset:pl.offset + pl.numel].view(p.shape),
-                                           mode)
-                _finish_host_copies(full.device, mode)
-            del full  # freed here unless "view" kept it as the parameters' storage
+    for buf, members in selected.items():
+        full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
+                           device=buf.master.device)
+        _all_gather_master(full, buf)
+        if keep:
+            for p in members:
+                pl = buf.layout.placements[p.index]
+                value = full[pl.offset:pl.offset + pl.numel].view(p.shape)
+                if compute_dtype and buf.param_dtype != value.dtype:
+                    value = value.to(buf.param_dtype)  # a copy: the buffer is not kept for it
+                out[p] = _copy_out(value, mode)
+            _finish_host_copies(full.device, mode)
+        del full  # freed here unless "view" kept it as the parameters' storage
     return out
 
 

@@ -16,10 +16,11 @@ Every module that registers a tensor inside the context carries its `DeferredIni
   resolved, or that `from_config` wants its own init).
 On those modules `.to(device)` / `.cuda()` wait for `initialize` (which places the model),
 dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.GatheredParameters`
-on their parameters once the build is over, or on parameters vescale has sharded, is an
-error naming the caller: there is nothing to gather, and DeepSpeed's own would silently do
-nothing. (During the build it passes: a model that gathers in `__init__` writes nothing that
-is kept.)
+on their parameters once the build is over is an error naming the caller: there is nothing to
+gather, and DeepSpeed's own would silently do nothing. (During the build it passes: a model
+that gathers in `__init__` writes nothing that is kept.) On parameters vescale has sharded
+(after initialize) it gathers them: deepspeed_params.GatheredShards; any others in the same
+call go to DeepSpeed's own.
 """
 from __future__ import annotations
 
@@ -271,7 +272,7 @@ def _deferred_apply(self, fn, recurse=True):
     return type(self)._apply(self, adapted, recurse)
 
 
-def _refuse_gathering(params, modifier_rank) -> None:
+def _refuse_gathering(params) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             continue
@@ -283,15 +284,8 @@ def _refuse_gathering(params, modifier_rank) -> None:
                 f"of shape {list(p.shape)} built under deepspeed.zero.Init with a vescale "
                 "config: it has no values until initialize gives them (from_pretrained's "
                 "checkpoint or the model's init). Read or change weights after initialize, "
-                "inside `with vescale_engine.gathered_parameters(engine.module, "
-                "writeback=True):`, or change the checkpoint before from_pretrained")
-        sp = getattr(p, "_vescale", None)
-        if sp is not None:
-            raise RuntimeError(
-                f"deepspeed.zero.GatheredParameters (called from {_callers()}) on {sp.fqn}, "
-                "which vescale has sharded (DeepSpeed's would leave it a flat piece): use "
-                "`with vescale_engine.gathered_parameters(module, "
-                f"writeback={modifier_rank is not None}):` on the module holding it")
+                "inside `with deepspeed.zero.GatheredParameters(params, modifier_rank=0):`, "
+                "or change the checkpoint before from_pretrained")
 
 
 def _callers(limit: int = 3) -> str:
@@ -324,11 +318,19 @@ def _patched_init(original):
 def _patched_gathered_parameters(original):
     @functools.wraps(original, updated=())
     def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):
-        if enabled and isinstance(params, (torch.Tensor, Iterable)):
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            _refuse_gathering(params, modifier_rank)
-        return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module,
-                        enabled=enabled)
+        if not enabled or not isinstance(params, (torch.Tensor, Iterable)):
+            return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module,
+                            enabled=enabled)
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _refuse_gathering(params)
+        from .deepspeed_params import GatheredShards, sharded_of
+        ours = [p for p in params if sharded_of(p) is not None]
+        if not ours:
+            return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module)
+        rest = [p for p in params if sharded_of(p) is None]  # DeepSpeed's, or plain ones
+        return GatheredShards(ours, modifier_rank, fwd_module,
+                              others=original(rest, modifier_rank=modifier_rank,
+                                              fwd_module=fwd_module) if rest else None)
     GatheredParameters.__vescale_original__ = original
     return GatheredParameters
 

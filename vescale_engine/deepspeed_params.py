@@ -1,0 +1,299 @@
+"""DeepSpeed's per-parameter ZeRO-3 surface, as libraries read it, on vescale-sharded parameters.
+
+Under a ZeRO-3 config (`is_deepspeed_zero3_enabled()`), TRL, PEFT, Accelerate and transformers
+reach past the engine into the parameters. What they call in the versions we test (trl 1.16,
+peft 0.21, accelerate 1.15, transformers 5.24), and what we give them:
+
+- `p.ds_status` (trl.trainer.utils.maybe_gather_lm_head_ctx, before the fused LM head's
+  loss): AVAILABLE while the object holds the full tensor (the full-shape parameter a unit
+  registers while gathered, or a sharded one inside GatheredParameters), else NOT_AVAILABLE.
+  The same on every rank, since it decides a collective.
+- `p.ds_shape` (PEFT's tuners sizing adapters, PeftModel's word-embedding lookup): the full
+  shape.
+- `deepspeed.zero.GatheredParameters(params, modifier_rank=None)` (TRL's generation, its
+  fused LM head, ref-model sync and vLLM weight sync; PEFT; transformers' embedding resize):
+  `GatheredShards` below. The objects passed hold the full tensors for the duration (what
+  DeepSpeed does: callers keep references, e.g. TRL's `weight = lm_head.weight`), gathered
+  one DBuffer at a time; read-only they are in the compute dtype (what forward and DeepSpeed's
+  bf16 parameters hold), with `modifier_rank=r` in the master dtype, and rank r's values are
+  broadcast and written into every rank's master shard on exit. Without modifier_rank,
+  changes are dropped on exit, as DeepSpeed drops them.
+- TRL's `remove_hooks` / `add_hooks` (trl.models.utils, around generation inside
+  GatheredParameters(model.parameters())): for our engine they suspend and restore the units'
+  forward hooks, so generation computes with the gathered parameters and re-gathers nothing.
+
+Left out, because no library reads them on parameters: `ds_id` (DeepSpeed's own test for "a
+ZeRO-3 parameter": giving it to ours would hand them to DeepSpeed's internals), `ds_tensor`,
+`ds_active_sub_modules` (only TRL's remove_hooks, replaced for our engine). Left out on
+purpose: `ds_numel`. PEFT reads it only where `p.numel() == 0` (ModulesToSaveWrapper.update
+then enters GatheredParameters); our shards are empty on some ranks only, so those ranks
+alone would enter a collective and hang.
+
+`install()` puts `ds_status` and `ds_shape` on `torch.nn.Parameter` as descriptors that
+answer for vescale's parameters, keep the values DeepSpeed stores on its own, and raise
+AttributeError (hasattr is False) for every other parameter, as before.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
+
+
+def sharded_of(p):
+    """The ShardedParameter `p` is a face of (its 1-D shard or its full-shape parameter)."""
+    if not isinstance(p, torch.Tensor):
+        return None
+    d = p.__dict__
+    return d.get("_vescale") or d.get("_vescale_full")
+
+
+def holds_full(p, sp) -> bool:
+    """Does the object hold the full tensor now? (rank-consistent: it decides collectives)"""
+    if id(p) in _GATHERED:
+        return True
+    if p is sp._unsharded:
+        module, name = sp.registrations[0]
+        return module._parameters.get(name) is p
+    return False
+
+
+# -- the attributes ------------------------------------------------------------------------------
+
+class _Attribute:
+    """A ds_* attribute of nn.Parameter: a value stored on the object (DeepSpeed's own params)
+    wins; vescale's parameters compute it; any other parameter has none."""
+
+    def __init__(self, name, compute):
+        self.name = name
+        self.compute = compute
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        stored = obj.__dict__.get(self.name, _Attribute)
+        if stored is not _Attribute:
+            return stored
+        sp = sharded_of(obj)
+        if sp is None:
+            raise AttributeError(f"'{type(obj).__name__}' object has no attribute '{self.name}'")
+        return self.compute(obj, sp)
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.name] = value
+
+    def __delete__(self, obj):
+        if obj.__dict__.pop(self.name, _Attribute) is _Attribute:
+            raise AttributeError(self.name)
+
+
+def _ds_status(p, sp):
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return ZeroParamStatus.AVAILABLE if holds_full(p, sp) else ZeroParamStatus.NOT_AVAILABLE
+
+
+def _ds_shape(p, sp):
+    return torch.Size(sp.shape)
+
+
+def install() -> None:
+    """The ds_* attributes on nn.Parameter (idempotent)."""
+    for name, compute in (("ds_status", _ds_status), ("ds_shape", _ds_shape)):
+        if not isinstance(nn.Parameter.__dict__.get(name), _Attribute):
+            setattr(nn.Parameter, name, _Attribute(name, compute))
+
+
+# -- GatheredParameters ------------------------------------------------------------------------
+
+class GatheredShards:
+    """`deepspeed.zero.GatheredParameters` over vescale-sharded parameters (see the module
+    docstring). Objects that hold the full tensor already (inside their unit's forward, or an
+    enclosing context) are left as they are."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, others=None):
+        self.modifier_rank = modifier_rank
+        self.others = others  # DeepSpeed's context over the rest of a mixed list, or None
+        self.requested = list({id(p): (p, sharded_of(p)) for p in params}.values())
+        self.held = []  # (object, its own data, ShardedParameter), in gathering order
+        if fwd_module is not None:
+            raise NotImplementedError(
+                "deepspeed.zero.GatheredParameters(fwd_module=...) on vescale-sharded "
+                f"parameters ({_name(self.requested[0][1])}, ...): vescale has no external "
+                "parameters; put the module that uses them in the same FSDP unit "
+                "(vescale.wrap_policy)")
+
+    def __enter__(self):
+        from . import fsdp
+        patch_trl_generation()  # TRL calls remove_hooks right after gathering
+        todo = []
+        for p, sp in self.requested:
+            if holds_full(p, sp):
+                if self.modifier_rank is not None:
+                    raise RuntimeError(
+                        f"deepspeed.zero.GatheredParameters(modifier_rank={self.modifier_rank}) "
+                        f"on {_name(sp)} while it is gathered already (by its unit's forward or an "
+                        "enclosing GatheredParameters): changes would not reach its shard; "
+                        "write to it outside the forward, in one context")
+                continue
+            if p is not sp.sharded:
+                raise RuntimeError(
+                    f"deepspeed.zero.GatheredParameters on the full-shape parameter of "
+                    f"{_name(sp)} kept from an earlier forward (its unit is sharded now): pass the "
+                    "parameter the module holds now")
+            if self.modifier_rank is not None and sp.unit._unsharded:
+                raise RuntimeError(
+                    f"deepspeed.zero.GatheredParameters(modifier_rank={self.modifier_rank}) on "
+                    f"{_name(sp)} inside its unit's forward: the unit computes with its own "
+                    "gathered copy, so the change would not be seen; write outside the forward")
+            todo.append((p, sp))
+        in_step = fsdp._ACTIVE.ctx is not None or fsdp._in_backward()
+        if torch.is_grad_enabled() and in_step:
+            trainable = [_name(sp) for p, sp in todo if p.requires_grad]
+            if trainable:
+                raise RuntimeError(
+                    f"deepspeed.zero.GatheredParameters on {trainable[0]} (called from "
+                    f"{_callers()}) inside a forward with gradients: its gradient would not "
+                    "reach its unit's reduce-scatter; keep the module that owns it in the unit "
+                    "that uses it (e.g. lm_head in the root unit, the default wrap policy)")
+        full = {}
+        if todo:
+            fsdp.require_materialized(todo[0][1].unit.module, "GatheredParameters")
+            full = fsdp.gather_selected([sp for _, sp in todo], mode="view",
+                                        compute_dtype=self.modifier_rank is None)
+        if self.others is not None:
+            self.others.__enter__()
+        for p, sp in todo:
+            own = p.data
+            p.data = full[sp]
+            self.held.append((p, own, sp))
+            _GATHERED.add(id(p))
+            if p.requires_grad and torch.is_grad_enabled():
+                _guard_gradient(p, sp)
+
+    def __exit__(self, *exc):
+        try:
+            if self.modifier_rank is not None and self.held and exc[0] is None:
+                self._write_back()
+        finally:
+            for p, own, _ in self.held:
+                p.data = own
+                _GATHERED.discard(id(p))
+            self.held = []
+            if self.others is not None:
+                self.others.__exit__(*exc)
+        return False
+
+    def _write_back(self):
+        """Rank `modifier_rank`'s values into every rank's master shard (and replica)."""
+        values, wrong = [], None
+        for p, _, sp in self.held:
+            if tuple(p.shape) != tuple(sp.shape):
+                wrong = wrong or f"{_name(sp)} has shape {list(p.shape)}, not {list(sp.shape)}"
+            values.append(p.data)
+        ok = torch.tensor([wrong is None], dtype=torch.int32, device=self.held[0][2].buffer.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank learns of a bad value, no hang
+        if not ok.item():
+            raise RuntimeError(f"deepspeed.zero.GatheredParameters(modifier_rank="
+                               f"{self.modifier_rank}): {wrong or 'another rank changed a shape'}; "
+                               "the shards keep their values")
+        with torch.no_grad():
+            for value, (_, _, sp) in zip(values, self.held):
+                value = value.to(sp.buffer.master.dtype).contiguous()
+                dist.broadcast(value, src=self.modifier_rank)
+                sp.buffer.load_full_tensor(sp.index, value)
+
+
+def _name(sp) -> str:
+    """The parameter's name in its unit, and the unit's class (`weight of Linear`)."""
+    return f"{sp.fqn} of {sp.unit.name.split('#')[0]}"
+
+
+def _guard_gradient(p, sp) -> None:
+    """A gradient computed through the full tensor a context lent the shard object would be
+    accumulated as if it were this rank's piece: stop it instead (registered once)."""
+    if p.__dict__.get("_vescale_gradient_guard"):
+        return
+    local = (sp.flat_range[1] - sp.flat_range[0],)
+
+    def check(grad):
+        if tuple(grad.shape) != local:
+            raise RuntimeError(
+                f"a gradient for {_name(sp)} was computed with its full value from "
+                "deepspeed.zero.GatheredParameters: vescale reduces gradients only through the "
+                "unit's forward; compute with the module inside its unit's forward instead")
+        return grad
+    p.register_hook(check)
+    p._vescale_gradient_guard = True
+
+
+def _callers(limit: int = 3) -> str:
+    names, frame = [], sys._getframe(1)
+    while frame is not None and len(names) < limit:
+        if not frame.f_globals.get("__name__", "").startswith("vescale_engine."):
+            code = frame.f_code
+            names.append(getattr(code, "co_qualname", code.co_name))
+        frame = frame.f_back
+    return " <- ".join(names)
+
+
+# -- TRL's generation ---------------------------------------------------------------------------
+
+def suspend_hooks(module: nn.Module) -> None:
+    """The units' forward hooks under `module` do nothing until `resume_hooks` (their places
+    among other hooks kept): forwards compute with what the modules hold."""
+    from . import fsdp
+    for unit in fsdp._units(module):
+        if unit.__dict__.get("_suspended"):
+            continue
+        saved = []
+        for hooks, fn in ((unit.module._forward_pre_hooks, unit.pre_forward),
+                          (unit.module._forward_hooks, unit.post_forward)):
+            for key, hook in list(hooks.items()):
+                if hook == fn:
+                    hooks[key] = _inert
+                    saved.append((hooks, key, hook))
+        unit._suspended = saved
+
+
+def resume_hooks(module: nn.Module) -> None:
+    from . import fsdp
+    for unit in fsdp._units(module):
+        for hooks, key, hook in unit.__dict__.pop("_suspended", None) or ():
+            hooks[key] = hook
+
+
+def _inert(*args):
+    return None
+
+
+def patch_trl_generation() -> None:
+    """trl.models.utils.remove_hooks / add_hooks (once TRL is imported) suspend and restore our
+    units' hooks for a VeScaleEngine, and run TRL's own for anything else."""
+    utils = sys.modules.get("trl.models.utils")
+    if utils is None or hasattr(getattr(utils, "remove_hooks", None), "__vescale_original__"):
+        return
+    missing = [n for n in ("remove_hooks", "add_hooks") if not callable(getattr(utils, n, None))]
+    if missing:
+        version = getattr(sys.modules.get("trl"), "__version__", "?")
+        raise ImportError(f"trl {version} has no trl.models.utils.{missing[0]} (tested with trl "
+                          "1.16): vescale_engine cannot make unwrap_model_for_generation's "
+                          "gathered generation work with this version")
+    for name, ours in (("remove_hooks", suspend_hooks), ("add_hooks", resume_hooks)):
+        setattr(utils, name, _for_our_engine(getattr(utils, name), ours))
+
+
+def _for_our_engine(original, ours):
+    import functools
+
+    @functools.wraps(original)
+    def patched(model, *args, **kwargs):
+        from .engine import VeScaleEngine
+        if isinstance(model, VeScaleEngine):
+            return ours(model.module)
+        return original(model, *args, **kwargs)
+    patched.__vescale_original__ = original
+    return patched
