@@ -4,6 +4,8 @@ PEFT's disable_adapter reference pass between forward and backward, layers froze
 mid-training, a flag toggled between forward and backward, extra forwards (no_grad,
 inference_mode, eval) while a backward is pending. 2 gloo ranks, each against one process
 without sharding doing the same thing with torch.optim.AdamW."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.clip import global_grad_norm
-from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters, unit_of
+from vescale_engine.fsdp import (full_state_dict, fully_shard, no_sync, sharded_parameters,
+                                 unit_of)
 
 GLOBAL_BATCH = 4
 SEQ = 12
@@ -119,10 +122,14 @@ def optimizers(model, reference, kind):
     return cls(ours, **OPT), torch.optim.AdamW(theirs, **OPT)
 
 
-def train(rank, world, build, steps, kind, step_fn):
+def train(rank, world, build, steps, kind, step_fn, first=None):
     """`step_fn(model, ids, step, sharded)` runs forward and backward; both sides run it, then
-    AdamW steps. Returns the worst gradient, norm and parameter errors and what went missing."""
+    AdamW steps. `first(model, ids)` runs once on each before training. Returns the worst
+    gradient, norm and parameter errors and what went missing."""
     reference, model = build(), shard(build())
+    if first is not None:
+        first(reference, batch(0))
+        first(model, batch(0, rank, world))
     opt, ref_opt = optimizers(model, reference, kind)
     grads, norms, missing = 0.0, 0.0, []
     for step in range(steps):
@@ -165,11 +172,21 @@ def test_peft_disable_adapter_reference_pass_between_forward_and_backward(pool, 
 
 # -- (b) freezing and unfreezing mid-training ----------------------------------------------
 
+def frozen_at_build():
+    """layer 2's up_proj frozen before wrapping: its full-shape face is made frozen."""
+    model = tiny_llama()
+    model.model.layers[2].mlp.up_proj.weight.requires_grad_(False)
+    return model
+
+
 def freeze_schedule_step(model, ids, step, sharded):
     """Layer 1 frozen for steps 1-2 (a whole unit), one projection of layer 0 frozen for steps
-    2-3 (part of a buffer), the embedding frozen for step 1 through module.requires_grad_;
-    each set between steps, while the module holds the sharded parameters."""
+    2-3 (part of a buffer), the embedding frozen for step 1 through module.requires_grad_,
+    layer 2's up_proj (frozen at build) unfrozen from step 2; each set between steps, while
+    the module holds the sharded parameters."""
     layers = layers_of(model)
+    if step == 2:
+        layers[2].mlp.up_proj.weight.requires_grad_(True)
     if step == 1:
         layers[1].requires_grad_(False)
         model.model.embed_tokens.requires_grad_(False)
@@ -184,7 +201,7 @@ def freeze_schedule_step(model, ids, step, sharded):
 
 
 def freeze_rank(rank, world, kind):
-    return train(rank, world, tiny_llama, 6, kind, freeze_schedule_step)
+    return train(rank, world, frozen_at_build, 6, kind, freeze_schedule_step)
 
 
 @pytest.mark.parametrize("kind", ["torch", "vescale"])
@@ -255,8 +272,15 @@ def extra_forward_step(model, ids, step, sharded):
     assert after.shape == logits.shape
 
 
+def inference_first(model, ids):
+    """The very first forward under inference_mode: the full buffers and full-shape faces it
+    makes must serve training afterwards."""
+    with torch.inference_mode():
+        model(input_ids=ids)
+
+
 def extra_forward_rank(rank, world):
-    return train(rank, world, tiny_llama, 3, "vescale", extra_forward_step)
+    return train(rank, world, tiny_llama, 3, "vescale", extra_forward_step, inference_first)
 
 
 def test_extra_forwards_between_forward_and_backward(pool):
@@ -280,3 +304,55 @@ def two_forwards_rank(rank, world):
 
 def test_two_forwards_then_one_backward(pool):
     check(pool.run(two_forwards_rank))
+
+
+# -- gradient accumulation: a flag changed between micro-steps ------------------------------
+
+def accumulation_step(model, ids, step, sharded):
+    """Two micro-steps, the first without communication (no_sync) at step 0 and with it at
+    step 1: between them layer 0's q_proj is frozen (its first micro-step's gradient stays, as
+    torch keeps .grad) and layer 1's k_proj unfrozen (it gets the second's only)."""
+    layers = layers_of(model)
+    if step == 0:
+        layers[1].self_attn.k_proj.weight.requires_grad_(False)
+    # Micro-batch k: row k of each rank's share (rows k, k + 2 of the global batch).
+    with no_sync(model) if sharded and step == 0 else contextlib.nullcontext():
+        (lm_loss(model(input_ids=ids[0::2]).logits, ids[0::2]) / 2).backward()
+    layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    layers[1].self_attn.k_proj.weight.requires_grad_(True)
+    (lm_loss(model(input_ids=ids[1::2]).logits, ids[1::2]) / 2).backward()
+    layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    layers[1].self_attn.k_proj.weight.requires_grad_(False)
+
+
+def accumulation_rank(rank, world, kind):
+    return train(rank, world, tiny_llama, 2, kind, accumulation_step)
+
+
+@pytest.mark.parametrize("kind", ["torch", "vescale"])
+def test_flags_changed_between_accumulation_micro_steps(pool, kind):
+    check(pool.run(accumulation_rank, kind))
+
+
+# -- a flag changed while its unit's backward runs: an error naming it -----------------------
+
+def changed_in_backward_rank(rank, world):
+    model = shard(tiny_llama())
+    ids = batch(0, rank, world)
+    last = layers_of(model)[-1]
+
+    def toggle_later(module, args, output):  # attention's output gradient comes after the MLP's
+        output[0].register_hook(lambda g: setattr(last.mlp.down_proj.weight, "requires_grad",
+                                                  False))
+    last.self_attn.register_forward_hook(toggle_later)
+    try:
+        lm_loss(model(input_ids=ids).logits, ids).backward()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_flag_changed_during_its_units_backward_is_an_error(pool):
+    for message in pool.run(changed_in_backward_rank):
+        assert message is not None and "mlp.down_proj.weight" in message and \
+            "while the backward" in message, message

@@ -76,8 +76,9 @@ class ShardedParameter:
     def unsharded(self) -> nn.Parameter:
         """The full-shape parameter the module holds while unsharded (made at first unshard)."""
         if self._unsharded is None:
-            self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
-                                           requires_grad=self.requires_grad)
+            with torch.inference_mode(False):  # made once, for training too
+                self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
+                                               requires_grad=self.requires_grad)
             self._hook_when_trainable()
         return self._unsharded
 
