@@ -279,12 +279,15 @@ class DBuffer:
     def _views(self, flat):
         """Views over `flat`'s storage with version counters of their own: refilling the buffer
         for backward restores exactly what forward saw, and autograd must not mistake the
-        collective's write for a change to the tensors it saved."""
+        collective's write for a change to the tensors it saved. Made as normal tensors even
+        inside torch.inference_mode (the first forward may be one): training uses them later."""
         views = []
-        for p in self.layout.placements:
-            view = torch.empty(0, dtype=flat.dtype, device=flat.device)
-            view.set_(flat.untyped_storage(), flat.storage_offset() + p.offset, p.spec.shape)
-            views.append(view)
+        with torch.inference_mode(False):
+            for p in self.layout.placements:
+                view = torch.empty(0, dtype=flat.dtype, device=flat.device)
+                view.set_(flat.untyped_storage(), flat.storage_offset() + p.offset,
+                          p.spec.shape)
+                views.append(view)
         return views
 
     def load_full_tensor(self, i: int, full: torch.Tensor) -> None:
@@ -315,8 +318,9 @@ class DBuffer:
         """Give `full` or `full_grad` its storage, making the tensor the first time."""
         tensor = getattr(self, name)
         if tensor is None:
-            tensor = torch.empty(self.world_size * self.shard_size, dtype=self.param_dtype,
-                                 device=self.device)
+            with torch.inference_mode(False):  # kept for life: training uses it too
+                tensor = torch.empty(self.world_size * self.shard_size, dtype=self.param_dtype,
+                                     device=self.device)
             setattr(self, name, tensor)
         else:
             tensor.untyped_storage().resize_(self._full_bytes)

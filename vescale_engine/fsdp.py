@@ -20,6 +20,7 @@ import fnmatch
 import functools
 import itertools
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,12 @@ class MixedPrecisionPolicy:
 
 
 class ShardedParameter:
-    """One managed parameter: where the module holds it, and its two faces."""
+    """One managed parameter: where the module holds it, and its two faces.
+
+    Users and libraries set `requires_grad` on whichever face the module holds at that moment
+    (PEFT's disable_adapter, `module.requires_grad_()`) or on one they kept a reference to.
+    `requires_grad` reads the flag as last set on either face and puts it on both, so every
+    swap (`register`) and every decision about gradients sees one flag."""
 
     def __init__(self, unit, fqn, registrations, buffer, index, requires_grad):
         self.unit = unit
@@ -63,17 +69,44 @@ class ShardedParameter:
         # The value a real parameter had when its unit was planned on meta (a tensor added to
         # a deferred build): kept until `FSDPUnit.allocate` writes it; loaders and inits skip it.
         self.initial = None
+        self._requires_grad = requires_grad  # what both faces carried when last in agreement
+        self._hooked = False
+        self.graphed = False      # a forward with gradients used it with requires_grad set
+        self.unreduced = False    # its gradient sits in a no_sync full buffer, not yet reduced
+        self.backward_flag = None  # requires_grad when its unit's backward began
 
     @property
     def unsharded(self) -> nn.Parameter:
         """The full-shape parameter the module holds while unsharded (made at first unshard)."""
         if self._unsharded is None:
-            self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
-                                           requires_grad=self.sharded.requires_grad)
+            with torch.inference_mode(False):  # made once, for training too
+                self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
+                                               requires_grad=self.requires_grad)
             self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
-            if self._unsharded.requires_grad:
-                self._unsharded.register_hook(self._grad_arrived)
+            self._hook_when_trainable()
         return self._unsharded
+
+    @property
+    def requires_grad(self) -> bool:
+        """The flag as last set on either face; both faces carry it afterwards. (Both set
+        since the last call: they were set the same way, a flag has only two values.)"""
+        faces = [f for f in (self.sharded, self._unsharded) if f is not None]
+        for face in faces:
+            if face.requires_grad != self._requires_grad:
+                self._requires_grad = face.requires_grad
+                break
+        for face in faces:
+            if face.requires_grad != self._requires_grad:
+                face.requires_grad_(self._requires_grad)
+        self._hook_when_trainable()
+        return self._requires_grad
+
+    def _hook_when_trainable(self):
+        """The gradient hook goes on the full-shape face once it requires grad (torch refuses a
+        hook on a tensor that does not), whenever that happens first; it stays for life."""
+        if not self._hooked and self._requires_grad and self._unsharded is not None:
+            self._unsharded.register_hook(self._grad_arrived)
+            self._hooked = True
 
     def _grad_arrived(self, grad):
         """Runs once all of this parameter's gradient is summed, just before autograd adds it
@@ -91,6 +124,7 @@ class ShardedParameter:
         return (begin, begin + end - start) if end > start else (0, 0)
 
     def register(self, which: nn.Parameter):
+        self.requires_grad  # the outgoing face's flag goes to the incoming one
         for module, name in self.registrations:
             module._parameters[name] = which
 
@@ -101,7 +135,7 @@ class ShardedParameter:
         with the attributes set on it."""
         attributes = dict(self.sharded.__dict__)
         fresh = nn.Parameter(self.buffer.master_view(self.index),
-                             requires_grad=self.sharded.requires_grad)
+                             requires_grad=self.requires_grad)
         torch.utils.swap_tensors(self.sharded, fresh)  # swaps the __dict__s too
         self.sharded.__dict__.update(attributes)
 
@@ -126,6 +160,19 @@ class _Context:
         self.require_sync = True
         self.reducing = []     # units whose reduce-scatter is in flight
         self.all_reducing = []  # units whose replicas' all-reduce (HSDP) is in flight
+        # One token per forward with gradients since the last backward finished, alive while
+        # that forward's graph is (the graph's hooks and nodes hold it): a backward can still
+        # come for it, so another forward must leave the units' state for that backward.
+        self.live_forwards = weakref.WeakSet()
+        self.token = None
+
+    @property
+    def backward_pending(self) -> bool:
+        return len(self.live_forwards) > 0
+
+
+class _ForwardToken:
+    """Held by one forward's autograd graph (see _Context.live_forwards)."""
 
 
 class FSDPUnit:
@@ -225,6 +272,9 @@ class FSDPUnit:
         self.pending_post_backward = 0
         self.in_backward = False
         self.reduced = False
+        for p in self.params:
+            p.graphed = False
+            p.backward_flag = None
 
     @property
     def is_meta(self) -> bool:
@@ -247,7 +297,33 @@ class FSDPUnit:
 
     @property
     def trainable(self):
-        return [p for p in self.params if p.sharded.requires_grad]
+        return [p for p in self.params if p.requires_grad]
+
+    def _note_graphed(self):
+        """A forward with gradients is about to run: the parameters requiring grad now are the
+        ones autograd records (and will compute gradients for)."""
+        if torch.is_grad_enabled():
+            for p in self.params:
+                if p.requires_grad:
+                    p.graphed = True
+
+    def _gradient_members(self):
+        """The parameters whose gradient this backward delivers, as autograd does on an
+        unsharded model: recorded by a forward with requires_grad set and still set now (or
+        holding an unreduced no_sync gradient). A flag changed while the unit's backward ran
+        cannot be honoured either way: an error naming it."""
+        for p in self.params:
+            if p.backward_flag is not None and p.requires_grad != p.backward_flag:
+                raise RuntimeError(
+                    f"{p.fqn}: requires_grad changed from {p.backward_flag} to "
+                    f"{p.requires_grad} while the backward of its unit ({self.name}) ran; set "
+                    "it before that backward starts or after it ends")
+            if p.backward_flag is False and p._unsharded is not None and \
+                    p._unsharded.grad is not None:
+                raise RuntimeError(
+                    f"{p.fqn}: got a gradient with requires_grad=False at the start of its "
+                    f"unit's backward ({self.name}); set requires_grad before backward starts")
+        return [p for p in self.params if (p.graphed and p.requires_grad) or p.unreduced]
 
     @property
     def numel(self) -> int:
@@ -299,20 +375,22 @@ class FSDPUnit:
     def pre_forward(self, module, args, kwargs):
         if _in_backward():  # activation-checkpoint recompute: parameters only
             self.wait_unshard()
+            self._note_graphed()
             return args, kwargs
         if _ACTIVE.ctx is None:
             self._begin_root_forward()
         ctx = self.ctx = _ACTIVE.ctx
-        if self.forward_calls == 0 and self.calls_without_hook == 0:
+        if self not in ctx.order:
             ctx.order.append(self)
         # The next unit's all-gather goes out before we wait for ours (which nothing
         # prefetched if we run first): it moves while ours finishes instead of after.
         self.unshard(async_op=True)
         self._prefetch_forward()
         self.wait_unshard()
+        self._note_graphed()
         STATS.log("forward", self.name)
         if torch.is_grad_enabled():
-            args, kwargs, hooked = _register_post_backward(self, args, kwargs)
+            args, kwargs, hooked = _register_post_backward(self, args, kwargs, ctx.token)
             if hooked:
                 self.forward_calls += 1
                 self.pending_post_backward += 1
@@ -324,12 +402,15 @@ class FSDPUnit:
         if _in_backward():
             return output
         if torch.is_grad_enabled():
+            hook = _OutputGradHook(self, self.ctx.token)
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(hook)
         if self.is_root:
             _ACTIVE.ctx = None
-            if not torch.is_grad_enabled():  # inference: nothing will come back for them
+            self.ctx.token = None  # from now on only the graph holds it
+            if not torch.is_grad_enabled() and not self.ctx.backward_pending:
+                # inference: nothing will come back for them
                 for unit in self.ctx.order:
                     unit.reshard()
                     unit._reset_iteration()
@@ -342,8 +423,8 @@ class FSDPUnit:
         unit backward starts with (the last of the previous forward) always: resharding it would
         only re-gather it moments later. Any other unit when fewer than `max_reuse_distance`
         elements are gathered in between, as DeepSpeed's stage3_max_reuse_distance counts."""
-        if not torch.is_grad_enabled() or self.ctx is None:
-            return False
+        if self.ctx is None or not (torch.is_grad_enabled() or self.ctx.backward_pending):
+            return False  # (a forward without gradients keeps what a pending backward needs)
         distance = self.ctx.reuse_distance.get(self)
         return distance is not None and (distance == 0 or distance < self.max_reuse_distance)
 
@@ -355,15 +436,23 @@ class FSDPUnit:
         if self.ctx is None:
             self.ctx = _Context()
         ctx = self.ctx
-        for unit in ctx.order:  # a forward that never ran backward leaves state behind
-            unit.reshard()
-            unit._reset_iteration()
-            unit.release_dropped_gradients()
-        ctx.last_order, ctx.order = ctx.order, []
-        ctx.reuse_distance = _reuse_distances(ctx.last_order)
-        ctx.callback_queued = False
-        ctx.reducing = []
-        ctx.all_reducing = []
+        ctx.token = None  # (left behind by a forward that raised)
+        if not ctx.backward_pending:
+            # Only a forward whose graph is gone left state behind: no backward comes for it.
+            for unit in ctx.order:
+                unit.reshard()
+                unit._reset_iteration()
+                unit.release_dropped_gradients()
+            ctx.last_order, ctx.order = ctx.order, []
+            ctx.reuse_distance = _reuse_distances(ctx.last_order)
+            ctx.callback_queued = False
+            ctx.reducing = []
+            ctx.all_reducing = []
+        # else: an extra forward (a reference pass under no_grad, an evaluation, a second
+        # forward whose loss joins the first's) while the first one's backward is to come
+        ctx.token = _ForwardToken() if torch.is_grad_enabled() else None
+        if ctx.token is not None:
+            ctx.live_forwards.add(ctx.token)
         _ACTIVE.ctx = ctx
 
     def _prefetch_forward(self):
@@ -385,7 +474,9 @@ class FSDPUnit:
             Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
         self.wait_unshard()
         STATS.log("backward", self.name)
-        trainable = self.trainable
+        for p in self.params:
+            p.backward_flag = p.requires_grad
+        trainable = [p for p in self.params if p.backward_flag]
         for buf in {id(p.buffer): p.buffer for p in trainable}.values():
             buf.begin_backward(grads_in_place=self.grads_in_place and ctx.require_sync)
         for p in trainable:
@@ -414,24 +505,30 @@ class FSDPUnit:
         ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
         ctx.reducing = [self]
         self._finishers = []
-        if self.trainable and self.in_backward:
+        gradients = self._gradient_members() if self.in_backward else []
+        if gradients:
             if not self.ctx.require_sync:
                 for buf in self.buffers:
                     buf.keep_grads_unreduced()
+                for p in gradients:
+                    p.unreduced = True
             else:
                 for buf in self.buffers:
-                    members = [p for p in self.trainable if p.buffer is buf]
+                    members = [p for p in gradients if p.buffer is buf]
                     if members:
                         self._finishers.append((buf, members, buf.reduce_scatter(
-                            accumulate=_prepare_accumulation(buf, members))))
+                            accumulate=_prepare_accumulation(
+                                buf, [p for p in self.params if p.buffer is buf]))))
+                for p in gradients:
+                    p.unreduced = False
         self.reshard()
 
     def release_dropped_gradients(self):
         """Free a buffer's gradient shard once the user dropped every gradient in it
         (zero_grad's set_to_none), so it does not sit through forward and backward."""
         for buf in self.buffers:
-            members = [p for p in self.trainable if p.buffer is buf]
-            if buf.has_grad and all(p.sharded.grad is None for p in members):
+            if buf.has_grad and all(p.sharded.grad is None for p in self.params
+                                    if p.buffer is buf):
                 buf.release_grad()
 
     def advance_gradients(self) -> bool:
@@ -463,11 +560,13 @@ def _reuse_distances(order) -> dict:
     return distances
 
 
-def _prepare_accumulation(buf, members) -> bool:
-    """Does the shard hold gradients to add to? Not if the user dropped them (zero_grad's
-    set_to_none): then the reduce-scatter writes straight into the shard."""
-    dropped = [p for p in members if p.sharded.grad is None]
-    if len(dropped) == len(members):
+def _prepare_accumulation(buf, params) -> bool:
+    """Does the shard hold gradients to add to? Not if the user dropped all of the buffer's
+    (zero_grad's set_to_none): then the reduce-scatter writes straight into the shard. Ranges
+    of dropped ones are zeroed first: a tensor without `.grad` has zeros in the shard, which
+    the norm and the optimizer rely on (this backward may bring it none, being frozen)."""
+    dropped = [p for p in params if p.sharded.grad is None]
+    if len(dropped) == len(params):
         return False
     for p in dropped:  # rare: some dropped, some kept
         buf.grad_view(p.index).zero_()
@@ -486,6 +585,7 @@ def _final_callback(ctx):
         unit._reset_iteration()
     ctx.reducing = []
     ctx.all_reducing = []
+    ctx.live_forwards = weakref.WeakSet()  # this backward took what they had pending
     if any(unit.device.type == "cpu" for unit in ctx.order):
         release_free_host_memory()  # the step's full buffers are all free now
 
@@ -505,25 +605,39 @@ class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs whose backward runs once the unit's own backward is done."""
 
     @staticmethod
-    def forward(ctx, unit, *inputs):
+    def forward(ctx, unit, token, *inputs):
         ctx.unit = unit
+        ctx.token = token  # the graph holds its forward's token (see _Context.live_forwards)
         return inputs if len(inputs) > 1 else inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
+        ctx.token = None
         unit.pending_post_backward -= 1
         if unit.pending_post_backward == 0 and unit.calls_without_hook == 0:
             unit.post_backward()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def _register_post_backward(unit, args, kwargs):
+class _OutputGradHook:
+    """The hook on a unit's outputs: the unit's backward begins. It holds its forward's token
+    for as long as the graph holds the hook."""
+
+    def __init__(self, unit, token):
+        self.unit = unit
+        self.token = token
+
+    def __call__(self, grad):
+        return self.unit._pre_backward(grad)
+
+
+def _register_post_backward(unit, args, kwargs, token):
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return args, kwargs, False
-    out = _PostBackward.apply(unit, *[flat[i] for i in positions])
+    out = _PostBackward.apply(unit, token, *[flat[i] for i in positions])
     out = out if isinstance(out, tuple) else (out,)
     for i, t in zip(positions, out):
         flat[i] = t
@@ -677,15 +791,18 @@ def gathered_parameters(module: nn.Module, writeback: bool = False, *, rank0_onl
                          "rank; it cannot be combined with rank0_only=True")
     keep = not rank0_only or dist.get_rank() == 0
     full = _gather_full(module, keep, "host" if cpu_offload else "view")
-    for p, value in full.items():
-        p.register(nn.Parameter(value, requires_grad=p.sharded.requires_grad))
+    faces = {p: nn.Parameter(value, requires_grad=p.requires_grad) for p, value in full.items()}
+    for p, face in faces.items():
+        p.register(face)
     try:
         yield module
     finally:
-        for p, value in full.items():
+        for p, face in faces.items():
             if writeback:
                 with torch.no_grad():
-                    p.buffer.load_full_tensor(p.index, value)  # this rank's range of it
+                    p.buffer.load_full_tensor(p.index, face)  # this rank's range of it
+            if face.requires_grad != p.requires_grad:  # set inside: it stays set
+                p.sharded.requires_grad_(face.requires_grad)
             p.register(p.sharded)
 
 

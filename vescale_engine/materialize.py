@@ -345,7 +345,7 @@ class _Initializer:
             value = self.scratch[key][at:at + n].view(sp.shape).fill_(float("nan"))
             full.append((mod, name, sp, value))
             saved.append((mod, name, param))
-            mod._parameters[name] = nn.Parameter(value, requires_grad=sp.sharded.requires_grad)
+            mod._parameters[name] = nn.Parameter(value, requires_grad=sp.requires_grad)
         own = {id(sp) for _, _, sp, _ in full}
         placeholders, extra_values = {}, {}
         for sub in mod.modules():

@@ -2,7 +2,11 @@
 
 Same math as `torch.optim.AdamW` (decoupled weight decay, bias correction), applied to the
 master shard, the gradient shard and two flat state tensors per buffer instead of once per
-parameter. Padding holds zero parameters and gradients and stays zero.
+parameter. Padding holds zero parameters and gradients and stays zero. As in torch, a parameter
+without a gradient (frozen: requires_grad=False) is not touched, neither decayed nor moved by
+its moments; a buffer with some of those is stepped over its other tensors' ranges only, and
+such a tensor's step count lags its buffer's by the steps it missed, as torch's per-tensor count
+does. (The lag is not checkpointed: after a load every tensor resumes at its buffer's count.)
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import math
 
 import torch
 
-from .flat import evaluate_closure, flat_buffers
+from .flat import evaluate_closure, flat_buffers, stepped_members
 
 
 class AdamW(torch.optim.Optimizer):
@@ -19,22 +23,41 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._buffers = flat_buffers(self.param_groups, "vescale_engine.optim.AdamW")
+        self._missed = {}  # id(buffer) -> per tensor: steps of the buffer it had no gradient
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = evaluate_closure(closure)
-        for buf, group, decay, probe in self._buffers:
-            if probe.grad is None:  # no backward since zero_grad: like torch, skip
+        for buf, group, decay, members in self._buffers:
+            stepped, everything = stepped_members(buf, members)
+            if not stepped:  # no gradient since zero_grad: like torch, skip
                 continue
             state = self.state.setdefault(buf.master, {})
             if not state:
                 state.update(new_adamw_state(buf.master))
+            missed = self._missed.setdefault(id(buf), [0] * len(buf.layout.placements))
+            torch._foreach_add_([state["step"]], 1)
+            if everything and not any(missed):
+                pieces, steps = [slice(None)], [state["step"]]
+            else:
+                ranges = [(buf.local_ranges[sp.index], missed[sp.index]) for sp in stepped]
+                pieces = [slice(a, b) for (a, b), _ in ranges if b > a]
+                steps = [state["step"] - lag if lag else state["step"]
+                         for (a, b), lag in ranges if b > a]
+                done = {sp.index for sp in stepped}
+                for i in range(len(missed)):
+                    missed[i] += i not in done
+            if not pieces:  # this rank holds none of the stepped tensors
+                continue
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             if isinstance(decay, torch.Tensor):  # per-element decay first, then none inside
-                buf.master.mul_(1 - lr * decay)
-            adamw_update([buf.master], [buf.grad], [state["exp_avg"]], [state["exp_avg_sq"]],
-                         [state["step"]], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
+                for piece in pieces:
+                    buf.master[piece].mul_(1 - lr * decay[piece])
+            adamw_math([buf.master[k] for k in pieces], [buf.grad[k] for k in pieces],
+                       [state["exp_avg"][k] for k in pieces],
+                       [state["exp_avg_sq"][k] for k in pieces], steps,
+                       lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
         return loss
 
 

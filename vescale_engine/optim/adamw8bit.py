@@ -18,7 +18,7 @@ from ..checkpoint_dcp import CheckpointError, RaggedPiece
 from ..granularity import parse_granularity
 from ..optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
-from .flat import evaluate_closure, flat_buffers
+from .flat import evaluate_closure, flat_buffers, stepped_members
 from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = ADAMW8BIT_BLOCK
@@ -48,11 +48,12 @@ class AdamW8bit(torch.optim.Optimizer):
         self._buffers = self._index_buffers()
 
     def _index_buffers(self):
-        """Per DBuffer: its group, weight decay, one trainable parameter to test for gradients,
-        and the quantizer of its shard's blocks."""
-        return [(buf, group, decay, probe, BlockQuantizer(
+        """Per DBuffer: its group, weight decay, its given parameters, and the quantizer of its
+        shard's blocks."""
+        self._ever_stepped = set()  # ids of the ShardedParameters a step has updated
+        return [(buf, group, decay, members, BlockQuantizer(
                     shard_segments(buf), self.quant_map, device=buf.master.device))
-                for buf, group, decay, probe in flat_buffers(
+                for buf, group, decay, members in flat_buffers(
                     self.param_groups, "AdamW8bit", self._check_block)
                 if buf.shard_size]
 
@@ -83,9 +84,13 @@ class AdamW8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = evaluate_closure(closure)
-        for buf, group, decay, probe, quantizer in self._buffers:
-            if probe.grad is None:  # no backward since zero_grad: like torch, skip
+        for buf, group, decay, members, quantizer in self._buffers:
+            stepped, everything = stepped_members(buf, members)
+            if not stepped:  # no gradient since zero_grad: like torch, skip
                 continue
+            if not everything:
+                self._check_untouched(buf, members, decay)
+            self._ever_stepped.update(id(sp) for sp in stepped)
             if not self.state.get(buf.master):
                 self.state[buf.master] = self._new_state(buf, quantizer)
             state = self.state[buf.master]
@@ -98,6 +103,23 @@ class AdamW8bit(torch.optim.Optimizer):
                                  eps=eps, weight_decay=0.0 if isinstance(decay, torch.Tensor)
                                  else decay)
         return loss
+
+    def _check_untouched(self, buf, members, decay):
+        """This optimizer steps whole shards: a tensor without a gradient in a stepped buffer
+        gets a zero gradient instead of being skipped. That changes nothing only while its
+        moments are zero (never stepped) and it has no weight decay; otherwise an error."""
+        for sp in buf_params(buf, members):
+            if sp.sharded.grad is not None:
+                continue
+            decayed = bool(decay[slice(*buf.local_ranges[sp.index])].any()) \
+                if isinstance(decay, torch.Tensor) else decay != 0
+            if decayed or id(sp) in self._ever_stepped:
+                raise ValueError(
+                    f"parameter {sp.fqn}: has no gradient (frozen) but shares a flat buffer with "
+                    "parameters AdamW8bit steps, which would "
+                    + ("decay it" if decayed else "move it by its moments")
+                    + "; freeze whole units, use weight_decay=0 for frozen weights, or use "
+                    "AdamW, which skips it")
 
     @staticmethod
     def _step_chunk(buf, state, quantizer, chunk, **hyper):
@@ -136,7 +158,7 @@ class AdamW8bit(torch.optim.Optimizer):
         saved_granularity = parse_granularity(saved["block"]) if saved else None
         self._converting = []  # (buffer, start, end, restore(moment, signed, codes) -> fp32)
         out = {}
-        for buf, group, decay, probe, quantizer in self._buffers:
+        for buf, group, decay, _members, quantizer in self._buffers:
             if create and not self.state.get(buf.master):
                 self.state[buf.master] = self._new_state(buf, quantizer)
             state = self.state.get(buf.master)
@@ -294,3 +316,8 @@ def fp32_adamw_state_bytes(shard_numel: int) -> int:
 
 __all__ = ["AdamW8bit", "quantization_granularity", "shard_segments", "fp32_adamw_state_bytes",
            "DEFAULT_BLOCK"]
+
+
+def buf_params(buf, members):
+    """Every ShardedParameter laid out in `buf` (given to the optimizer or not)."""
+    return [sp for sp in members[0].unit.params if sp.buffer is buf]

@@ -5,13 +5,13 @@ import torch
 
 
 def flat_buffers(param_groups, optimizer_name: str, check=None):
-    """One (buffer, group, weight_decay, probe) per DBuffer holding trainable parameters.
+    """One (buffer, group, weight_decay, members) per DBuffer holding trainable parameters.
 
     Parameters sharing a buffer are stepped in one pass, so their groups must agree on lr,
     betas and eps; weight decay may differ (a per-element vector then). Every trainable
-    parameter of a stepped buffer must be given (the pass updates all of them). `probe` is one
-    trainable parameter whose `.grad` says whether a backward ran. `check(sp)` may refuse a
-    parameter (raise ValueError)."""
+    parameter of a stepped buffer must be given. `members` are the given ShardedParameters of
+    the buffer: at each step, those whose `.grad` is set are stepped (see `stepped_ranges`).
+    `check(sp)` may refuse a parameter (raise ValueError)."""
     owners = {}
     for group in param_groups:
         for p in group["params"]:
@@ -44,10 +44,18 @@ def flat_buffers(param_groups, optimizer_name: str, check=None):
             for sp, group in members:
                 start, end = buf.local_ranges[sp.index]
                 decay[start:end] = group["weight_decay"]
-        trainable = [sp.sharded for sp, _ in members if sp.sharded.requires_grad]
-        if trainable:  # a buffer of frozen parameters has nothing to step
-            entries.append((buf, first, decay, trainable[0]))
+        if any(sp.requires_grad for sp, _ in members):  # all frozen: nothing to step
+            entries.append((buf, first, decay, [sp for sp, _ in members]))
     return entries
+
+
+def stepped_members(buf, members):
+    """The members one step of `buf` updates, as torch.optim does per parameter: those with a
+    gradient (a frozen parameter has none, or one the user kept), and whether they are every
+    tensor of the buffer (then one pass over the whole shard serves, padding included: it
+    stays zero)."""
+    stepped = [sp for sp in members if sp.sharded.grad is not None]
+    return stepped, len(stepped) == len(buf.layout.placements)
 
 
 def evaluate_closure(closure):
