@@ -120,8 +120,8 @@ def worker(name: str, world_size: int) -> dict:
            "units": len(units), "largest_unit": max(u.numel for u in units),
            "gathered_peak_mb": gathered.peak / MB,
            "wrap_log": [line for line in log if line.startswith("wrap policy")]}
-    for phase, peak in phases.items():
-        row[f"{phase}_mb"] = (peak - before) / MB
+    for phase, value in phases.items():
+        row[f"{phase}_mb"] = (value - before) / MB
     row["growth_mb"] = max(row[f"{p}_mb"] for p in phases)
     dist.destroy_process_group()
     return row
