@@ -90,23 +90,21 @@ def worker(system: str, world_size: int, device: str) -> dict:
                                  for p in (layer.w1, layer.w2))
     x = torch.randn(E, TOK, HID, device=device)
 
-    if device == "cuda":
+    def reset():  # restart the peak from the memory in use now; return that (the baseline)
+        if device == "cpu":
+            return reset_peak()
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        before = reset_peak()
+        return torch.cuda.memory_allocated()
 
     def peak_and_reset():
         if device == "cuda":
             torch.cuda.synchronize()
-            value = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            value = peak()
-            reset_peak()
+        value = peak() if device == "cpu" else torch.cuda.max_memory_allocated()
+        reset()
         return value
 
+    before = reset()
     loss = layer(x).square().mean()
     fwd_peak = peak_and_reset()   # forward: all-gather + activations
     loss.backward()

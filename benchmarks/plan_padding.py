@@ -148,8 +148,7 @@ def main():
                  f"would: {worse_than_per_block}.")
     from ranks import write_report  # benchmarks/: the script's own directory
     write_report(args.out, lines, echo=False)
-    print(f"targets missed: {missed}; worse than per-block: "
-          f"{worse_than_per_block}")
+    print(f"targets missed: {missed}; worse than per-block: {worse_than_per_block}")
     return 1 if missed else 0
 
 
