@@ -26,13 +26,13 @@ def cpu_model() -> str:
     return names[0] if names else "unknown CPU"
 
 
-def command_line(script: str, argv=None, env_keys=()) -> str:
+def command_line(script: str, env_keys=()) -> str:
     """The command that reproduces this run, for a report's header: `python benchmarks/X.py
     ARGS` (shell-quoted), preceded by those of `env_keys` that are set (`K=V ...`)."""
     env = "".join(f"{k}={os.environ[k]} " for k in env_keys if k in os.environ)
-    args = sys.argv[1:] if argv is None else argv
     return env + " ".join(shlex.quote(a) for a in
-                          ["python", os.path.relpath(os.path.abspath(script), ROOT), *args])
+                          ["python", os.path.relpath(os.path.abspath(script), ROOT),
+                           *sys.argv[1:]])
 
 
 def git_describe() -> str:
