@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import benchmark_parser, run_ranks  # noqa: E402
+from ranks import benchmark_parser, run_ranks, write_report  # noqa: E402
 SYSTEMS = ("AdamW", "AdamW8bit")
 
 
@@ -135,9 +135,7 @@ def main():
               f"- Final loss gap: **{gap:+.2%}** (target within 2%: "
               f"{'met' if abs(gap) <= 0.02 else 'MISSED'}).",
               f"- Loss curves: `{os.path.relpath(png, ROOT)}`."]
-    with open(os.path.join(HERE, "results", stem + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(os.path.join(HERE, "results", stem + ".md"), lines)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,21 +46,8 @@ MB = 1e6
 MiB = 2 ** 20
 SLACK = 64 * MiB
 
-from fake_pg_memory import _reset_hwm, _status_kb  # noqa: E402  (one RSS probe for benchmarks)
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory probes (this process).
-
-def reset_peak() -> int:
-    """Reset VmHWM to the current RSS; return the RSS in bytes (the baseline)."""
-    if not _reset_hwm():
-        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
-    return _status_kb("VmRSS") * 1024
-
-
-def peak() -> int:
-    return _status_kb("VmHWM") * 1024
+from ranks import (add_worker_flags, alternate, command_line, cpu_model,  # noqa: E402
+                   peak, reset_peak, run_one, run_ranks, worst_rank_median, write_report)
 
 
 def bytes_read() -> int:
@@ -326,7 +310,6 @@ def worker_flags(args) -> list:
 
 
 def run_part(part, systems, args):
-    from ranks import alternate, run_ranks
     flags = ["--part", part, *worker_flags(args)]
 
     def launch(system):
@@ -337,15 +320,6 @@ def run_part(part, systems, args):
         return " ".join(f"r{r['rank']}: {r['growth'] / MB:,.0f} MB {r['seconds']:.2f} s"
                         for r in rows)
     return alternate(systems, args.rounds, launch, describe, label=f"[{part}] ")
-
-
-def median(runs, key, rank=0):
-    return statistics.median(rows[rank][key] for rows in runs)
-
-
-def worst_rank_median(runs, key):
-    """Median over rounds of the largest value over ranks."""
-    return statistics.median(max(r[key] for r in rows) for rows in runs)
 
 
 def init_table(runs, args) -> list:
@@ -425,9 +399,7 @@ def main():
     parser.add_argument("--parts", nargs="*", default=["init", "load", "scale"])
     parser.add_argument("--smoke", action="store_true", help="small sizes, one round")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    add_worker_flags(parser)  # run_ranks' side
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -444,15 +416,10 @@ def main():
 
     import torch
     args.params = sum(p.numel() for p in make_gpt(args, device="meta").parameters())
-    command = "python benchmarks/big_model_init.py " + " ".join(sys.argv[1:])
-    cpu = platform.processor() or platform.machine()
-    try:
-        import cpuinfo
-        cpu = cpuinfo.get_cpu_info().get("brand_raw", cpu)
-    except ImportError:
-        pass
+    command = command_line(__file__)
     lines = ["# Big models: init and load without building them whole", "",
-             f"Produced by `{command}` (torch {torch.__version__}, {os.cpu_count()} CPUs: {cpu}; "
+             f"Produced by `{command}` (torch {torch.__version__}, {os.cpu_count()} CPUs: "
+             f"{cpu_model()}; "
              f"{args.rounds} round(s), systems alternated, fresh processes, medians). "
              "MB = 10^6 bytes; growth = VmHWM - VmRSS, VmHWM reset just before the measured "
              "work.", ""]
@@ -467,19 +434,12 @@ def main():
                                 total) + [""]
             args.checkpoint = None
     if "scale" in args.parts:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--part",
-                               "scale", *worker_flags(args)], capture_output=True, text=True,
-                              timeout=args.timeout, cwd=ROOT,
-                              env=dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=ROOT))
-        reports = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode or not reports:
-            raise SystemExit(f"scale part failed:\n{proc.stderr[-3000:]}")
-        lines += scale_table(json.loads(reports[-1]), args)
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+        row = run_one(__file__, ["--worker", "--part", "scale", *worker_flags(args)],
+                      args.timeout, env={"OMP_NUM_THREADS": "2", "PYTHONPATH": ROOT})
+        if "error" in row:
+            raise SystemExit(f"scale part failed:\n{row['error']}")
+        lines += scale_table(row, args)
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

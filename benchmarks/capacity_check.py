@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:  # imported by path (tests/test_capacity.py): ranks.py beside it
+    sys.path.append(HERE)
+from ranks import command_line, cpu_model, run_one, write_report  # noqa: E402
 MODELS = {name: os.path.join(HERE, "capacity_models", f"{name}.json")
           for name in ("dense", "moe", "tied")}
 WORLD_SIZES = (8, 64, 256, 1024)
@@ -393,15 +394,12 @@ def estimate(case: dict) -> dict:
 
 
 def run_case(case: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                           json.dumps(case)], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-12:])
+    row = run_one(__file__, ["--worker", json.dumps(case)], timeout,
+                  env={"OMP_NUM_THREADS": "1"})
+    if "error" in row:
         raise RuntimeError(f"{case['model']} {case['system']} W={case['world_size']} "
-                           f"failed:\n{tail}")
-    return json.loads(lines[-1])
+                           f"failed:\n{row['error']}")
+    return row
 
 
 def compare(measured: dict, est: dict) -> dict:
@@ -434,7 +432,7 @@ def cases(models, world_sizes, quick=False) -> list:
     return out
 
 
-def report(rows, command, cpu) -> str:
+def report(rows, command, cpu) -> list:
     fmt = lambda b: f"{b / MB:,.1f}"  # noqa: E731
     worst = max(abs(r["error"]) for r in rows)
     out = ["# Capacity estimate vs measurement (fake process group, rank 0 of W)", "",
@@ -480,7 +478,7 @@ def report(rows, command, cpu) -> str:
             "and a model this small stays gathered whole (prefetch bucket, reuse distance). "
             "DeepSpeed cannot run on the fake process group.",
             "- Plot: `capacity_check.png` (peak per rank vs W per model, log scale)."]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def plot(rows, path):
@@ -535,9 +533,6 @@ def main():
                 json.dump(model_shapes(**dims), f, indent=1)
                 f.write("\n")
         return
-    command = "python " + " ".join(shlex.quote(a) for a in
-                                    [os.path.relpath(os.path.abspath(__file__), ROOT)]
-                                    + sys.argv[1:])
     rows = []
     for case in cases(args.models, args.world_sizes, args.quick):
         measured = run_case(case, args.timeout)
@@ -547,13 +542,8 @@ def main():
         print(f"{case['model']:5s} {case['label']:26s} W={case['world_size']:5d} "
               f"{case['system']:5s} measured {row['peak'] / MB:9.1f} MB  estimate "
               f"{row['estimate'] / MB:9.1f} MB  {100 * row['error']:+6.1f}%", flush=True)
-    from ranks import cpu_model  # benchmarks/: the script's own directory
-    cpu = cpu_model()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(report(rows, command, cpu))
+    write_report(args.out, report(rows, command_line(__file__), cpu_model()), echo=False)
     plot(rows, os.path.splitext(args.out)[0] + ".png")
-    print(f"written to {args.out}")
     worst = max(abs(r["error"]) for r in rows)
     sys.exit(0 if worst <= TOLERANCE and all(r["traffic_exact"] for r in rows) else 1)
 

@@ -142,10 +142,8 @@ def main():
     lines += ["", "vescale: DCP files (true shapes; loads on any world size), fsynced, CRC32 of "
               "every file and item taken while writing and checked while reading; the tied head is written under both names so that a plain model's "
               "state_dict loads. DeepSpeed: torch.save per rank (same world size only)."]
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    from ranks import write_report  # benchmarks/: the script's own directory
+    write_report(out, lines)
 
 
 if __name__ == "__main__":

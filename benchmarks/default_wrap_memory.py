@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+from ranks import (command_line, cpu_model, git_describe, peak, reset_peak,  # noqa: E402
+                   run_one, write_report)
 MB = 1e6
 MODEL = dict(vocab_size=11008, block_size=256, n_layer=8, n_head=16, n_embd=1024)
 MICRO, SEQ = 1, 64  # few activations: the step's memory is mostly parameters
@@ -52,14 +52,6 @@ def base_config(name: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Worker: one measurement in this process.
-
-from fake_pg_memory import _reset_hwm as reset_hwm, _status_kb  # noqa: E402  (one RSS probe)
-
-
-def _reset_hwm():
-    if not reset_hwm():
-        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
-
 
 class GatheredPeak:
     """Peak of the full-size bytes every DBuffer holds, sampled after each full-size
@@ -114,23 +106,22 @@ def worker(name: str, world_size: int) -> dict:
     idx = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ), generator=gen)
     tgt = torch.roll(idx, -1, dims=1)
 
-    _reset_hwm()
-    before = _status_kb("VmRSS") * 1024
+    before = reset_peak()
     phases = {}
     loss = engine(idx, tgt)
-    phases["fwd"] = _status_kb("VmHWM") * 1024
-    _reset_hwm()
+    phases["fwd"] = peak()
+    reset_peak()
     engine.backward(loss)
-    phases["bwd"] = _status_kb("VmHWM") * 1024
-    _reset_hwm()
+    phases["bwd"] = peak()
+    reset_peak()
     engine.step()
-    phases["step"] = _status_kb("VmHWM") * 1024
+    phases["step"] = peak()
     row = {"config": name, "world_size": world_size, "params": params,
            "units": len(units), "largest_unit": max(u.numel for u in units),
            "gathered_peak_mb": gathered.peak / MB,
            "wrap_log": [line for line in log if line.startswith("wrap policy")]}
-    for phase, peak in phases.items():
-        row[f"{phase}_mb"] = (peak - before) / MB
+    for phase, value in phases.items():
+        row[f"{phase}_mb"] = (value - before) / MB
     row["growth_mb"] = max(row[f"{p}_mb"] for p in phases)
     dist.destroy_process_group()
     return row
@@ -139,19 +130,14 @@ def worker(name: str, world_size: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Driver: fresh subprocess per measurement, configs alternated, medians.
 
-def run_one(name, world_size, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, str(world_size)]
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        return {"config": name, "world_size": world_size, "error": tail}
-    return json.loads(lines[-1])
+def measure(name, world_size, timeout):
+    """One worker run in a fresh process: its row, or the config's keys and its error."""
+    return {"config": name, "world_size": world_size,
+            **run_one(__file__, ["--worker", name, str(world_size)], timeout,
+                      env={"OMP_NUM_THREADS": "2"})}
 
 
-def report(rows, args, command):
+def report(rows, args, command) -> list:
     by = {}
     for r in rows:
         by.setdefault(r["config"], []).append(r)
@@ -210,7 +196,7 @@ def report(rows, args, command):
         out += ["", "Failed runs:", ""]
         for r in errors:
             out += [f"- {r['config']}:", "", "```", r["error"], "```"]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def main():
@@ -226,30 +212,17 @@ def main():
         return
     import torch
     args.torch_version = torch.__version__
-    from ranks import cpu_model
     args.cpu = f"{cpu_model()}, {os.cpu_count()} CPUs"
-    try:
-        args.git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, text=True,
-                                  capture_output=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        args.git = "unknown"
-    command = "python " + " ".join(shlex.quote(a) for a in
-                                    [os.path.relpath(os.path.abspath(__file__), ROOT)]
-                                    + sys.argv[1:])
+    args.git = git_describe()
     rows = []
     for rep in range(args.repeats):
         for name in CONFIGS:
-            r = run_one(name, args.world_size, args.timeout)
+            r = measure(name, args.world_size, args.timeout)
             rows.append(r)
             msg = (f"{r['growth_mb']:,.0f} MB, gathered {r['gathered_peak_mb']:,.0f} MB"
                    if "growth_mb" in r else "FAILED: " + r["error"].splitlines()[-1])
             print(f"[{rep + 1}/{args.repeats}] {name:10s}: {msg}", flush=True)
-    text = report(rows, args, command)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print("\n" + text)
-    print(f"written to {args.out}")
+    write_report(args.out, report(rows, args, command_line(__file__)))
 
 
 if __name__ == "__main__":

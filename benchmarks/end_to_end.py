@@ -32,7 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from ranks import alternate, benchmark_parser, run_ranks  # noqa: E402
+from ranks import (alternate, benchmark_parser, command_line, rss, run_ranks,  # noqa: E402
+                   write_report)
 
 SYSTEMS = ("vescale", "vescale_zero3", "fsdp2", "deepspeed")
 LABELS = {"vescale": "veScale Engine, vescale_default.json", "fsdp2": "PyTorch FSDP2",
@@ -69,14 +70,6 @@ def _config(system, args) -> dict:
     return config
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def _loopback_bytes() -> int | None:
     """Bytes sent so far over the loopback interface (every local process's traffic)."""
     try:
@@ -106,7 +99,7 @@ def worker(args):
     else:
         from torch.distributed.fsdp import fully_shard
         dist.init_process_group("gloo")
-    rss_start = _rss_mb()  # after imports, before the model
+    rss_start = rss() / 2 ** 20  # MiB, after imports, before the model
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.dim, n_head=max(1, args.dim // 64),
                     block_size=args.seq)
@@ -220,9 +213,7 @@ def _report(runs, args, chart_name):
     first = {s: runs[s][0]["losses"] for s in SYSTEMS}
     gaps = {s: max(abs(a - b) / abs(b) for a, b in zip(first[s], first["vescale"]))
             for s in SYSTEMS if s != "vescale"}
-    env = "".join(f"{k}={os.environ[k]} " for k in ("MALLOC_MMAP_THRESHOLD_",)
-                  if k in os.environ)
-    cmd = env + " ".join(["python benchmarks/end_to_end.py", *sys.argv[1:]])
+    cmd = command_line(__file__, env_keys=("MALLOC_MMAP_THRESHOLD_",))
     import torch
     try:
         import deepspeed
@@ -287,7 +278,7 @@ def _report(runs, args, chart_name):
               "Runs, step time in s (run order): " + "; ".join(
                   f"{s}: " + "/".join(f"{x['step_s']:.3f}" for x in runs[s]) for s in SYSTEMS),
               "", f"![step time and peak memory]({chart_name})"]
-    return "\n".join(lines) + "\n", med
+    return lines, med
 
 
 def main():
@@ -309,12 +300,9 @@ def main():
     runs = alternate(SYSTEMS, args.rounds, lambda system: launch(system, args),
                      lambda run: f"step {run['step_s']:.3f} s, peak RSS {run['rss_mb']:.0f} MB")
     chart = os.path.splitext(args.out)[0] + ".png"
-    text, med = _report(runs, args, os.path.basename(chart))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    lines, med = _report(runs, args, os.path.basename(chart))
+    write_report(args.out, lines)
     _chart(med, chart)
-    print(text)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+from ranks import command_line, git_describe, peak, reset_peak, run_one, write_report  # noqa: E402
 MB = 1e6
 E, HID, FF, TOK = 128, 256, 1024, 8
 # FSDP2 peak RSS growth measured earlier on this machine (MB), the baseline for the targets.
@@ -43,23 +42,6 @@ FLAT_TARGET = 1.10
 
 # ---------------------------------------------------------------------------------------------
 # Worker: one measurement in this process.
-
-def _status_kb(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _status_kb("VmHWM") <= _status_kb("VmRSS") + 1024
-
 
 def worker(system: str, world_size: int, device: str) -> dict:
     sys.path.insert(0, ROOT)
@@ -108,25 +90,21 @@ def worker(system: str, world_size: int, device: str) -> dict:
                                  for p in (layer.w1, layer.w2))
     x = torch.randn(E, TOK, HID, device=device)
 
-    if device == "cuda":
+    def reset():  # restart the peak from the memory in use now; return that (the baseline)
+        if device == "cpu":
+            return reset_peak()
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        row["hwm_reset"] = _reset_hwm()
-        if not row["hwm_reset"]:
-            raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
-        before = _status_kb("VmRSS") * 1024
+        return torch.cuda.memory_allocated()
+
     def peak_and_reset():
         if device == "cuda":
             torch.cuda.synchronize()
-            value = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            value = _status_kb("VmHWM") * 1024
-            _reset_hwm()
+        value = peak() if device == "cpu" else torch.cuda.max_memory_allocated()
+        reset()
         return value
 
+    before = reset()
     loss = layer(x).square().mean()
     fwd_peak = peak_and_reset()   # forward: all-gather + activations
     loss.backward()
@@ -142,15 +120,11 @@ def worker(system: str, world_size: int, device: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Driver: fresh subprocess per measurement, systems alternated, medians.
 
-def run_one(system, world_size, device, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, str(world_size),
-           "--device", device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        return {"system": system, "world_size": world_size, "error": tail}
-    return json.loads(lines[-1])
+def measure(system, world_size, device, timeout):
+    """One worker run in a fresh process: its row, or the cell's keys and its error."""
+    return {"system": system, "world_size": world_size,
+            **run_one(__file__, ["--worker", system, str(world_size), "--device", device],
+                      timeout)}
 
 
 def fmt_mb(v):
@@ -161,7 +135,7 @@ def fmt_elems(n):
     return "n/a" if n is None else f"{n:,} ({n * 4 / 2**20:.2f} MiB)"
 
 
-def report(rows, args, command):
+def report(rows, args, command) -> list:
     total = E * HID * 2 * FF + E * FF * HID
     metric = ("peak RSS growth: VmHWM - VmRSS just before forward, VmHWM reset by writing 5 to "
               "/proc/self/clear_refs before forward and again before backward"
@@ -268,7 +242,7 @@ def report(rows, args, command):
             "- FSDP2 ref: FSDP2's peak RSS growth measured earlier on this machine by another "
             "script (method and torch version not recorded here); the FSDP2 column is measured "
             "by this script, in the same way as ours."]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def main():
@@ -285,29 +259,17 @@ def main():
         return
     import torch
     args.torch_version = torch.__version__
-    try:
-        args.git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, text=True,
-                                  capture_output=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        args.git = "unknown"
-    command = "python " + " ".join(shlex.quote(a) for a in
-                                    [os.path.relpath(os.path.abspath(__file__), ROOT)]
-                                    + sys.argv[1:])
+    args.git = git_describe()
     rows = []
     for rep in range(args.repeats):
         for w in args.world_sizes:
             for system in ("ours", "fsdp2"):
-                r = run_one(system, w, args.device, args.timeout)
+                r = measure(system, w, args.device, args.timeout)
                 rows.append(r)
                 msg = (f"{r['growth_mb']:,.0f} MB" if "growth_mb" in r
                        else "FAILED: " + r["error"].splitlines()[-1])
                 print(f"[{rep + 1}/{args.repeats}] {system:5s} W={w:5d}: {msg}", flush=True)
-    text = report(rows, args, command)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print("\n" + text)
-    print(f"written to {args.out}")
+    write_report(args.out, report(rows, args, command_line(__file__)))
 
 
 if __name__ == "__main__":

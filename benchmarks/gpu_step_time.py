@@ -18,12 +18,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+from ranks import run_one, write_report  # noqa: E402
 SYSTEMS = ("veScale", "FSDP2")
 
 
@@ -113,24 +113,21 @@ def main():
     flags = [f"--{k}={getattr(args, k)}" for k in
              ("device", "layers", "dim", "vocab", "seq", "batch", "steps", "warmup")]
     runs = {s: [] for s in SYSTEMS}
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get(
-        "MASTER_PORT", "29517"), PYTHONPATH=ROOT)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29517"),
+           "PYTHONPATH": ROOT}
     for r in range(args.rounds):
         for system in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]):  # alternate who goes first
-            proc = subprocess.run([sys.executable, __file__, "--worker", "--system", system,
-                                   "--out", args.out, *flags], capture_output=True, text=True,
-                                  env=env, timeout=900)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"{system} failed:\n{proc.stderr[-3000:]}")
-            runs[system].append(json.loads(lines[-1]))
+            row = run_one(__file__, ["--worker", "--system", system,
+                                     "--out", os.path.abspath(args.out), *flags], 900, env=env)
+            if "error" in row:
+                raise SystemExit(f"{system} failed:\n{row['error']}")
+            runs[system].append(row)
             print(f"round {r + 1} {system}: {runs[system][-1]}", flush=True)
     rows = {s: {"step_s": statistics.median(x["step_s"] for x in runs[s]),
                 "peak_mb": statistics.median(x["peak_mb"] for x in runs[s]),
                 "loss": runs[s][-1]["loss"], "params": runs[s][-1]["params"]} for s in SYSTEMS}
     ratio = rows["veScale"]["step_s"] / rows["FSDP2"]["step_s"]
     mem = rows["veScale"]["peak_mb"] / rows["FSDP2"]["peak_mb"]
-    os.makedirs(args.out, exist_ok=True)
     table = [f"# Step time and peak memory on one {args.device} device, world size 1",
              "", f"`python benchmarks/gpu_step_time.py {' '.join(sys.argv[1:])}`", "",
              f"GPT with {rows['FSDP2']['params'] / 1e6:,.1f} M parameters ({args.layers} blocks, "
@@ -141,10 +138,7 @@ def main():
     table += [f"| {s} | {rows[s]['step_s']:.4f} | {rows[s]['peak_mb']:.0f} | "
               f"{rows[s]['loss']:.4f} |" for s in SYSTEMS]
     table += ["", f"veScale / FSDP2: step time {ratio:.3f}x, peak memory {mem:.3f}x"]
-    text = "\n".join(table) + "\n"
-    with open(os.path.join(args.out, f"gpu_step_time_{args.device}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_report(os.path.join(args.out, f"gpu_step_time_{args.device}.md"), table)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from fake_pg_memory import _reset_hwm, _status_kb  # noqa: E402  (one RSS probe for benchmarks)
+from ranks import (add_worker_flags, alternate, command_line, cpu_model,  # noqa: E402
+                   peak, reset_peak, run_ranks, worst_rank_median, write_report)
 
 MB = 1e6
 MiB = 2 ** 20
@@ -71,16 +71,6 @@ def write_checkpoint(args, path, tiny=False):
 
 # ---------------------------------------------------------------------------------------------
 # Worker: one rank of one system.
-
-def reset_peak() -> int:
-    if not _reset_hwm():
-        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs)")
-    return _status_kb("VmRSS") * 1024
-
-
-def peak() -> int:
-    return _status_kb("VmHWM") * 1024
-
 
 def load(system, path):
     """from_pretrained + initialize as `system` does them; (engine, seconds, peak after
@@ -155,14 +145,8 @@ def differing_from_file(full, path):
 # ---------------------------------------------------------------------------------------------
 # Driver.
 
-def worst(runs, key):
-    """Median over rounds of the largest value over ranks."""
-    return statistics.median(max(r[key] for r in rows) for rows in runs)
-
-
 def report(runs, args, total, command) -> list:
     import torch
-    from ranks import cpu_model
     params = total // 2
     lines = ["# from_pretrained under a ZeRO-3 config: peak memory per rank", "",
              f"Produced by `{command}` (torch {torch.__version__}, lscpu model name: "
@@ -178,14 +162,15 @@ def report(runs, args, total, command) -> list:
              "baseline (MB) | fp32 shard per rank (MB) | seconds | parameters differing from "
              "the file |", "|---|---:|---:|---:|---:|---:|---:|"]
     for system, rows in runs.items():
-        lines.append(f"| {system} | {worst(rows, 'growth_load') / MB:,.0f} | "
-                     f"{worst(rows, 'growth') / MB:,.0f} | {worst(rows, 'base') / MB:,.0f} | "
+        lines.append(f"| {system} | {worst_rank_median(rows, 'growth_load') / MB:,.0f} | "
+                     f"{worst_rank_median(rows, 'growth') / MB:,.0f} | "
+                     f"{worst_rank_median(rows, 'base') / MB:,.0f} | "
                      f"{max(r['shard'] for r in rows[0]) / MB:,.0f} | "
-                     f"{worst(rows, 'seconds'):.2f} | "
+                     f"{worst_rank_median(rows, 'seconds'):.2f} | "
                      f"{max(r['differing'] for r in rows[0])} of {rows[0][0]['parameters']} |")
     ours = runs["ours"]
     target = max(r["shard"] + r["largest_module"] + SLACK for r in ours[0])
-    got = worst(ours, "growth")
+    got = worst_rank_median(ours, "growth")
     lines += ["", f"Target for ours: growth <= fp32 shard + the largest module's own parameters "
               f"({ours[0][0]['largest_module'] / MB:,.0f} MB, the embedding) + 64 MiB = "
               f"{target / MB:,.0f} MB per rank: **{'met' if got <= target else 'MISSED'}** "
@@ -210,9 +195,7 @@ def main():
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS))
     parser.add_argument("--smoke", action="store_true", help="small sizes, one round")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    add_worker_flags(parser)  # run_ranks' side
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,8 +205,7 @@ def main():
     if args.smoke:
         args.vocab, args.hidden, args.intermediate, args.layers, args.heads = 512, 64, 128, 2, 4
         args.rounds, args.file_mb = 1, 1
-    from ranks import alternate, run_ranks, write_report
-    command = " ".join(["python benchmarks/hf_from_pretrained_memory.py", *sys.argv[1:]])
+    command = command_line(__file__)
     with tempfile.TemporaryDirectory(prefix="hf-from-pretrained-") as tmp:
         checkpoint, tiny = os.path.join(tmp, "model"), os.path.join(tmp, "tiny")
         total = write_checkpoint(args, checkpoint)

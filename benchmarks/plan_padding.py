@@ -146,10 +146,9 @@ def main():
         lines += ["", f"![{name}]({os.path.basename(png)})", ""]
     lines.append(f"Targets missed: {missed}. Plans padding more than one buffer per block size "
                  f"would: {worse_than_per_block}.")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}; targets missed: {missed}; worse than per-block: "
-          f"{worse_than_per_block}")
+    from ranks import write_report  # benchmarks/: the script's own directory
+    write_report(args.out, lines, echo=False)
+    print(f"targets missed: {missed}; worse than per-block: {worse_than_per_block}")
     return 1 if missed else 0
 
 

@@ -1,10 +1,14 @@
-"""Start one benchmark run's ranks as fresh processes and collect what each reports."""
+"""What the benchmarks share: starting one run's ranks (or one worker) as fresh processes and
+collecting what each reports, alternating systems over rounds, the common flags, the RSS probe,
+the header facts (command, code version, CPU) and the report writer."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -20,6 +24,59 @@ def cpu_model() -> str:
     names = [ln.split(":", 1)[1].strip() for ln in out.splitlines()
              if ln.startswith("Model name:")]
     return names[0] if names else "unknown CPU"
+
+
+def command_line(script: str, env_keys=()) -> str:
+    """The command that reproduces this run, for a report's header: `python benchmarks/X.py
+    ARGS` (shell-quoted), preceded by those of `env_keys` that are set (`K=V ...`)."""
+    env = "".join(f"{k}={os.environ[k]} " for k in env_keys if k in os.environ)
+    return env + " ".join(shlex.quote(a) for a in
+                          ["python", os.path.relpath(os.path.abspath(script), ROOT),
+                           *sys.argv[1:]])
+
+
+def git_describe() -> str:
+    """`git describe --always --dirty` of the repository, or "unknown"."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# RSS probe (Linux /proc): a peak of this process's resident memory over a stretch of work is
+# peak() after reset_peak(), minus the baseline reset_peak() returns.
+
+def status_kb(key: str) -> int:
+    """One field of /proc/self/status in kB (VmRSS: resident now, VmHWM: its high-water mark)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def rss() -> int:
+    """This process's resident memory now, in bytes."""
+    return status_kb("VmRSS") * 1024
+
+
+def reset_peak() -> int:
+    """Reset VmHWM to the current RSS (write 5 to /proc/self/clear_refs); return the RSS in
+    bytes, the baseline. Raises where the kernel does not allow it or it did not take."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        raise RuntimeError(f"cannot reset VmHWM (/proc/self/clear_refs): {e}") from None
+    if status_kb("VmHWM") > status_kb("VmRSS") + 1024:
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): VmHWM stayed above VmRSS")
+    return rss()
+
+
+def peak() -> int:
+    """VmHWM in bytes: the largest RSS since the last reset_peak()."""
+    return status_kb("VmHWM") * 1024
 
 
 def free_port() -> int:
@@ -58,6 +115,24 @@ def run_ranks(script: str, system: str, world: int, flags: list, timeout_s: floa
     return results
 
 
+def run_one(script: str, argv: list, timeout: float, env: dict | None = None) -> dict:
+    """Run `python SCRIPT ARGV` from the repository root in one fresh process (the environment
+    plus `env`); return its last JSON line, or {"error": the last lines of its output} when it
+    fails or reports nothing."""
+    proc = subprocess.run([sys.executable, os.path.abspath(script), *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not reports:
+        return {"error": "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])}
+    return json.loads(reports[-1])
+
+
+def worst_rank_median(runs, key):
+    """Median over rounds (runs: one list of rank rows per round) of the largest value over
+    ranks."""
+    return statistics.median(max(r[key] for r in rows) for rows in runs)
+
+
 def alternate(systems, rounds: int, launch, describe, label: str = "") -> dict:
     """Run every system once per round, in turn, so machine noise falls on all of them alike;
     returns {system: [one launch's result per round]} and prints each run as it ends."""
@@ -71,6 +146,13 @@ def alternate(systems, rounds: int, launch, describe, label: str = "") -> dict:
     return runs
 
 
+def add_worker_flags(parser: argparse.ArgumentParser, systems=None) -> None:
+    """The hidden flags run_ranks starts each rank with: --worker --system SYSTEM --rank R."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=systems, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+
+
 def benchmark_parser(description: str, systems, *, layers: int, dim: int, seq: int,
                      steps: int, timed: bool = True, one_world: bool = True
                      ) -> argparse.ArgumentParser:
@@ -78,9 +160,7 @@ def benchmark_parser(description: str, systems, *, layers: int, dim: int, seq: i
     set by run_ranks), the rank count (`one_world`: --world), model size, steps; with `timed`,
     the micro-batch, warm-up steps and alternated rounds of a step-time comparison."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", choices=systems, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    add_worker_flags(parser, systems)
     if one_world:
         parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--layers", type=int, default=layers)
@@ -94,9 +174,12 @@ def benchmark_parser(description: str, systems, *, layers: int, dim: int, seq: i
     return parser
 
 
-def write_report(path: str, lines: list) -> None:
-    """Write a benchmark's Markdown report (making its folder) and echo it."""
+def write_report(path: str, lines: list, echo: bool = True) -> None:
+    """Write a benchmark's Markdown report, one line per item (making its folder); echo it
+    (`echo`) and say where it went."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if echo:
+        print("\n".join(lines))
+    print(f"written to {path}")
