@@ -860,15 +860,19 @@ def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict
                            device=buf.master.device)
         _all_gather_master(full, buf)
         if keep:
-            for p in members:
-                pl = buf.layout.placements[p.index]
-                value = full[pl.offset:pl.offset + pl.numel].view(p.shape)
-                if compute_dtype and buf.param_dtype != value.dtype:
-                    value = value.to(buf.param_dtype)  # a copy: the buffer is not kept for it
-                out[p] = _copy_out(value, mode)
+            for p in members:  # no local keeps a view of `full` past this loop
+                out[p] = _copy_out(_value_in(full, buf, p, compute_dtype), mode)
             _finish_host_copies(full.device, mode)
         del full  # freed here unless "view" kept it as the parameters' storage
     return out
+
+
+def _value_in(full, buf, p, compute_dtype):
+    pl = buf.layout.placements[p.index]
+    value = full[pl.offset:pl.offset + pl.numel].view(p.shape)
+    if compute_dtype and buf.param_dtype != value.dtype:
+        value = value.to(buf.param_dtype)  # a copy: the buffer is not kept for it
+    return value
 
 
 def _all_gather_master(full, buf):
