@@ -256,8 +256,8 @@ def test_model_parameters_with_every_optimizer(pool, kind):
 def consolidated_rank(rank, world, out_dir):
     """bf16 with stage3_gather_16bit_weights_on_model_save: the state dict of the model in bf16
     on rank 0, {} elsewhere; every all-gather starts with no earlier gathered buffer alive."""
-    from vescale_engine import hf_checkpoint
-    from vescale_engine.fsdp import _all_gather_master, _units
+    from vescale_engine import fsdp
+    from vescale_engine.fsdp import all_gather_master, units_under
     config = {**CONFIG, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3,
                                     "stage3_gather_16bit_weights_on_model_save": True}}
@@ -269,14 +269,14 @@ def consolidated_rank(rank, world, out_dir):
     def spy(full, buf):
         alive_at_gather.append(sum(ref() is not None for ref in gathered))
         gathered.append(weakref.ref(full))
-        _all_gather_master(full, buf)
-    hf_checkpoint.fsdp._all_gather_master = spy
+        all_gather_master(full, buf)
+    fsdp.all_gather_master = spy
     try:
         sd = engine._zero3_consolidated_16bit_state_dict()
         unfrozen = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
     finally:
-        hf_checkpoint.fsdp._all_gather_master = _all_gather_master
-    buffers = sum(len(u.buffers) for u in _units(engine.module))
+        fsdp.all_gather_master = all_gather_master
+    buffers = sum(len(u.buffers) for u in units_under(engine.module))
     masters = full_state_dict(engine.module)
     saved = engine.save_16bit_model(out_dir)
     file = os.path.join(out_dir, "pytorch_model.bin")

@@ -487,18 +487,18 @@ def _gather_peak(call):
     every master all-gather counts the earlier full buffers whose storage is still alive."""
     from torch.multiprocessing.reductions import StorageWeakRef
     import vescale_engine.fsdp as fsdp_module
-    original, alive, peak = fsdp_module._all_gather_master, [], [0]
+    original, alive, peak = fsdp_module.all_gather_master, [], [0]
 
     def spy(full, buf):
         alive[:] = [ref for ref in alive if not ref.expired()]
         alive.append(StorageWeakRef(full.untyped_storage()))
         peak[0] = max(peak[0], len(alive))
         original(full, buf)
-    fsdp_module._all_gather_master = spy
+    fsdp_module.all_gather_master = spy
     try:
         return call(), peak[0]
     finally:
-        fsdp_module._all_gather_master = original
+        fsdp_module.all_gather_master = original
 
 
 def _inside(model):

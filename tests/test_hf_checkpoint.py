@@ -87,7 +87,7 @@ def gpt_save(rank, world, path, dtype, max_shard_size):
     from vescale_engine import fsdp, hf_checkpoint, save_hf_checkpoint
     model = shard_gpt(make_gpt(SEED), "element")
     gathered, written = [0], []
-    gather, write = fsdp._all_gather_master, hf_checkpoint.save_file
+    gather, write = fsdp.all_gather_master, hf_checkpoint.save_file
 
     def counting_gather(full, buf):
         gathered[0] += 1
@@ -97,11 +97,11 @@ def gpt_save(rank, world, path, dtype, max_shard_size):
         written.append((gathered[0], len(tensors),
                         sum(t.numel() * t.element_size() for t in tensors.values())))
         return write(tensors, file, metadata)
-    fsdp._all_gather_master, hf_checkpoint.save_file = counting_gather, recording_write
+    fsdp.all_gather_master, hf_checkpoint.save_file = counting_gather, recording_write
     try:
         save_hf_checkpoint(model, path, dtype=dtype, max_shard_size=max_shard_size)
     finally:
-        fsdp._all_gather_master, hf_checkpoint.save_file = gather, write
+        fsdp.all_gather_master, hf_checkpoint.save_file = gather, write
     return gathered[0], written
 
 

@@ -139,7 +139,7 @@ def state(module) -> dict:
 
 
 def record_of(model):
-    from vescale_engine.zero_init import MARK
+    from vescale_engine.deferred_init import MARK
     return next(m.__dict__[MARK] for m in model.modules() if MARK in m.__dict__)
 
 
@@ -191,7 +191,7 @@ def pretrained_rank(rank, world, path, dtype_name):
     import deepspeed
     from transformers import LlamaForCausalLM
     from vescale_engine.fsdp import sharded_parameters
-    from vescale_engine.zero_init import deferred_record
+    from vescale_engine.deferred_init import deferred_record
     patched()
     dtype = getattr(torch, dtype_name)
     reference = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
@@ -428,7 +428,7 @@ def errors_rank(rank, world, directory):
     import deepspeed
     import vescale_engine
     from transformers import LlamaForCausalLM
-    from vescale_engine.zero_init import deferred_record
+    from vescale_engine.deferred_init import deferred_record
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     patched()

@@ -486,13 +486,13 @@ def test_vescale_engine_materialize_is_callable_and_a_module():
 def test_default_device_follows_the_backend_that_serves_cuda(monkeypatch):
     """materialize(device=None) outside the engine: the current CUDA device when NCCL serves
     CUDA tensors in the group, else the CPU (the GPU branch through a seam: no GPU here)."""
-    from vescale_engine import device as dev
+    from vescale_engine import collectives
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     for config, expected in (("cpu:gloo,cuda:nccl", torch.device("cuda", 3)),
                              ("nccl", torch.device("cuda", 3)),
                              ("gloo", torch.device("cpu")), ("cpu:gloo", torch.device("cpu"))):
         monkeypatch.setattr(dist, "get_backend_config", lambda group, c=config: c)
-        assert dev.default_device(object()) == expected, config
+        assert collectives.default_device(object()) == expected, config
 
 
 def test_the_rewind_restores_every_generator_the_init_draws_from(monkeypatch):

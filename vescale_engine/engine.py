@@ -16,17 +16,15 @@ from . import loss_scaler as scaling
 from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
 from .deepspeed_surface import DeepSpeedSurface
-from .device import place_model
 from .distributed import join_process_group
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
                           rebuild_optimizer, resolve_named_parameters)
-from .hf_checkpoint import guard_save_pretrained
 from .launch_env import discover
-from .materialize import prepare_weights
 from .monitor import Monitors, PendingScalars
 from .progress import Progress
 from .timers import WallClockBreakdown
+from .weights import guard_save_pretrained, place_model, prepare_weights
 from .wrap import device_mesh, wrap_model
 from .zero_init import require_not_partitioned
 
@@ -40,6 +38,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     no_sync, train/eval, destroy, counters. What Hugging Face Trainer and Accelerate call
     besides (the accumulation boundary they set, 16-bit state dicts, attribute forwarding to
     the model) comes from DeepSpeedSurface (deepspeed_surface.py)."""
+
+    # What lower modules test to unwrap an engine (`.module`) without importing this one.
+    is_vescale_engine = True
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
                  device: torch.device):

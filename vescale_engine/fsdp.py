@@ -740,13 +740,13 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
     return getattr(module, "_vescale_unit", None)
 
 
-def _units(module):
+def units_under(module):
     return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
 
 
 def sharded_parameters(module: nn.Module):
     """(fqn, ShardedParameter) for every managed parameter under `module`."""
-    for unit in _units(module):
+    for unit in units_under(module):
         for p in unit.params:
             yield p.fqn if unit.module is module else _qualify(module, unit.module, p.fqn), p
 
@@ -763,7 +763,7 @@ def no_sync(module: nn.Module):
     """Backward passes inside accumulate full gradients locally, without communication; the
     first backward after it reduce-scatters everything accumulated."""
     ctxs = set()
-    for unit in _units(module):
+    for unit in units_under(module):
         if unit.ctx is None:
             unit.ctx = _Context()
         ctxs.add(unit.ctx)
@@ -790,7 +790,7 @@ def gathered_parameters(module: nn.Module, writeback: bool = False, *, rank0_onl
         raise ValueError("gathered_parameters: writeback=True needs the full parameters on every "
                          "rank; it cannot be combined with rank0_only=True")
     keep = not rank0_only or dist.get_rank() == 0
-    full = _gather_full(module, keep, "host" if cpu_offload else "view")
+    full = gather_full(module, keep, "host" if cpu_offload else "view")
     faces = {p: nn.Parameter(value, requires_grad=p.requires_grad) for p, value in full.items()}
     for p, face in faces.items():
         p.register(face)
@@ -815,7 +815,7 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
     just one full buffer with `cpu_offload`. With `rank0_only` only global rank 0 gets the
     values; the other ranks take part in the gathers and get {}."""
     keep = not rank0_only or dist.get_rank() == 0
-    full = _gather_full(module, keep, "host" if cpu_offload else "clone")
+    full = gather_full(module, keep, "host" if cpu_offload else "clone")
     if not keep:
         return {}
     registered = {p: nn.Parameter(value, requires_grad=False) for p, value in full.items()}
@@ -837,11 +837,11 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
     return out
 
 
-def _gather_full(module, keep, mode) -> dict:
+def gather_full(module, keep, mode) -> dict:
     """{ShardedParameter: full value} for every managed parameter under `module` (empty when
     not `keep`); `gather_selected` says how."""
     require_materialized(module, "gathering full parameters")
-    return gather_selected([p for unit in _units(module) for p in unit.params], keep, mode)
+    return gather_selected([p for unit in units_under(module) for p in unit.params], keep, mode)
 
 
 def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict:
@@ -851,29 +851,93 @@ def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict
     "clone" copies on the device, "host" to CPU), and drop the buffer before gathering the
     next. `compute_dtype`: the values in the buffer's compute dtype (what forward computes
     with) instead of the master's."""
-    selected = {}
-    for p in params:
-        selected.setdefault(p.buffer, {})[p] = None
     out = {}
-    for buf, members in selected.items():
-        full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
-                           device=buf.master.device)
-        _all_gather_master(full, buf)
+    for gathered in gathered_buffers(params):
         if keep:
-            for p in members:
-                pl = buf.layout.placements[p.index]
-                value = full[pl.offset:pl.offset + pl.numel].view(p.shape)
-                if compute_dtype and buf.param_dtype != value.dtype:
-                    value = value.to(buf.param_dtype)  # a copy: the buffer is not kept for it
+            for p in gathered.members:
+                value = gathered.value(p)
+                if compute_dtype and gathered.buffer.param_dtype != value.dtype:
+                    value = value.to(gathered.buffer.param_dtype)  # a copy: the buffer is not kept
                 out[p] = _copy_out(value, mode)
-            _finish_host_copies(full.device, mode)
-        del full  # freed here unless "view" kept it as the parameters' storage
+            _finish_host_copies(gathered.buffer.master.device, mode)
     return out
 
 
-def _all_gather_master(full, buf):
+class GatheredBuffer:
+    """One DBuffer's master all-gathered into a full tensor, valid while `gathered_buffers`
+    yields it (afterwards only views taken from it keep that tensor alive)."""
+
+    def __init__(self, buffer, members, full):
+        self.buffer, self.members, self.full = buffer, members, full
+
+    def value(self, p):
+        """Parameter `p`'s full-shape value: a view of the gathered tensor."""
+        pl = self.buffer.layout.placements[p.index]
+        return self.full[pl.offset:pl.offset + pl.numel].view(p.shape)
+
+
+def gathered_buffers(params):
+    """Yield a GatheredBuffer per DBuffer of `params`, one at a time, in the order `params`
+    first name them; each full tensor is dropped (unless a view of it was kept) before the
+    next is made. Every rank must run it to the end (one collective per buffer)."""
+    selected = {}
+    for p in params:
+        selected.setdefault(p.buffer, {})[p] = None
+    for buf, members in selected.items():
+        full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
+                           device=buf.master.device)
+        all_gather_master(full, buf)
+        gathered = GatheredBuffer(buf, list(members), full)
+        del full
+        try:
+            yield gathered
+        finally:
+            gathered.full = None  # the caller's reference no longer holds the storage
+
+
+def all_gather_master(full, buf):
     collectives.all_gather(full, buf.master, buf.shard_group, async_op=False,
                            native=buf.native)
+
+
+def named_entries(module) -> list:
+    """[(names, tensor)] for every parameter and persistent buffer of `module`, as
+    `state_dict` names them: a tied parameter once, with all its names. Managed parameters
+    appear as their 1-D sharded piece (`tensor._vescale` is the ShardedParameter)."""
+    groups = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            groups.setdefault(id(value), ([], value))[0].append(name)
+    return list(groups.values())
+
+
+def gather_to_rank0(module, dtype=None):
+    """Yield (names, source, value) for every parameter and persistent buffer of `module` on
+    global rank 0: `names` as `state_dict` gives them (a tied parameter once, with all its
+    names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
+    tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
+    all-gathered at a time and dropped before the next. The other ranks yield nothing, but every
+    rank must run the generator to its end (one collective per DBuffer)."""
+    rank0 = dist.get_rank() == 0
+
+    def copied(value):
+        value = value.detach()
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.to(device="cpu", dtype=cast, copy=True)
+
+    entries = named_entries(module)
+    names_of = {id(t): names for names, t in entries}
+    params = [p for unit in units_under(module) for p in unit.params]
+    for gathered in gathered_buffers(params):
+        if rank0:
+            for p in gathered.members:
+                names = names_of.get(id(p.sharded))
+                if names is not None:
+                    yield names, p.sharded, copied(gathered.value(p))
+    if rank0:
+        for names, tensor in entries:
+            if getattr(tensor, "_vescale", None) is None:
+                yield names, tensor, copied(tensor)
 
 
 def _pinned_staging(device) -> bool:
@@ -951,7 +1015,7 @@ def _guarded_apply(self, fn, recurse=True):
 
 
 def _check_apply(module, fn):
-    call = _apply_caller(fn)
+    call = apply_caller(fn)
     for _, p in sharded_parameters(module):
         before = p.sharded
         try:
@@ -967,7 +1031,7 @@ def _check_apply(module, fn):
         raise RuntimeError(_apply_error(module, call, kind))
 
 
-def _apply_caller(fn) -> str:
+def apply_caller(fn) -> str:
     """The nn.Module method that made `fn` ('to', 'cuda', 'half', ...), from its qualname."""
     parts = getattr(fn, "__qualname__", "").split(".")
     return parts[1] if len(parts) > 2 and parts[0] == "Module" else "_apply"

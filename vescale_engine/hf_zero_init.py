@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import zero_init
+from .deferred_init import deferred_record, replayed_generator
 
 _WRITTEN_FOR = "5.24"
 _NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model"),
@@ -312,7 +312,7 @@ def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
         if owner is not None:
             owner._initialize_weights(mod, custom)
 
-    with zero_init.replayed_generator(record, device), guard_torch_init_functions():
+    with replayed_generator(record, device), guard_torch_init_functions():
         init_unloaded(module, names, init_fn=init_fn, ancestors=True)
 
 
@@ -398,7 +398,7 @@ def install() -> None:
     @functools.wraps(original_load)
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
                                **kwargs):
-        record = zero_init.deferred_record(model)
+        record = deferred_record(model)
         if record is None:
             return original_load(model, state_dict, checkpoint_files, load_config, *args,
                                  **kwargs)
@@ -408,7 +408,7 @@ def install() -> None:
 
     @functools.wraps(original_missing)
     def _initialize_missing_keys(self, *args, **kwargs):
-        if zero_init.deferred_record(self) is None:
+        if deferred_record(self) is None:
             return original_missing(self, *args, **kwargs)
         return None  # initialize initializes them, after loading (init_like_transformers)
 
@@ -416,7 +416,7 @@ def install() -> None:
 
     @functools.wraps(original_zero3)
     def initialize_weights_zero3(model):
-        record = zero_init.deferred_record(model)
+        record = deferred_record(model)
         if record is None:
             return original_zero3(model)
         record.builder, record.root, record.init_like_transformers = "from_config", model, True

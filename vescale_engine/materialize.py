@@ -50,17 +50,17 @@ import torch
 from torch import nn
 
 from . import fsdp
+from .collectives import default_device
 
 LOG = logging.getLogger("vescale_engine")
 
-__all__ = ["materialize", "allocate_shards", "init_unloaded", "prepare_weights"]
+__all__ = ["materialize", "allocate_shards", "init_unloaded"]
 
 
 def _target_device(module: nn.Module, device) -> torch.device:
     if device is not None:
         return torch.device(device)
-    from .device import default_device
-    units = fsdp._units(module)
+    units = fsdp.units_under(module)
     group = units[0].buffers[0].shard_group if units else None
     return default_device(group)
 
@@ -78,7 +78,7 @@ def allocate_shards(module: nn.Module, device=None) -> None:
         if param.is_meta and id(param) not in managed:
             raise ValueError(f"allocate_shards: {name} is on the meta device but no fully_shard "
                              "unit manages it; call fully_shard on its module (or the root) first")
-    for unit in fsdp._units(module):
+    for unit in fsdp.units_under(module):
         if unit.is_meta:
             unit.allocate(device)
     made = {}  # one tensor per buffer object, so a buffer registered twice stays shared
@@ -145,27 +145,6 @@ def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> No
         if owns or any(id(b) in pending_buffers for b in sub._buffers.values()):
             sub.__dict__.pop("_is_hf_initialized", None)
     _Initializer(module, pending, pending_buffers, init_fn, ancestors).run()
-
-
-def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
-    """`initialize`'s one place for the weights, before the optimizer is built, first match:
-    a model transformers built under a vescale ZeRO-3 config (`hf_zero_init`: the checkpoint
-    `from_pretrained` recorded, or `from_config`'s init); the checkpoint `vescale.hf_checkpoint`
-    names (a meta model gets its shards allocated and filled; what the file lacks is
-    initialized by its modules); else, for a model wrapped on meta, random init by
-    `materialize`, drawing from the generator as the caller left it, or, for a model built
-    inside `deepspeed.zero.Init` (zero_init), as it was when the build started."""
-    from .zero_init import deferred_record, replayed_generator
-    record = deferred_record(module)
-    if record is not None and record.builder is not None:
-        from .hf_zero_init import prepare_transformers_weights
-        prepare_transformers_weights(module, record, cfg, device)
-    elif cfg.hf_checkpoint:
-        from .hf_checkpoint import load_into
-        load_into(module, cfg.hf_checkpoint, device=device)
-    elif fsdp.meta_leftovers(module):
-        with replayed_generator(record, device):
-            materialize(module, device)
 
 
 # ---------------------------------------------------------------------------------------------

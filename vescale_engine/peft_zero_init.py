@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from .zero_init import MARK
+from .deferred_init import MARK
 
 _WRITTEN_FOR = "0.21"
 _WRAPPED = (("peft.tuners.tuners_utils", "BaseTunerLayer", "_move_adapter_to_device_of_base_layer",

@@ -31,27 +31,13 @@ import os
 import sys
 import types
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-MARK = "_vescale_deferred"  # attribute of the modules and parameters built inside: the record
-
-
-@dataclass(eq=False)
-class DeferredInit:
-    """One `with deepspeed.zero.Init(...)` under a vescale config, and what it built."""
-    config: dict
-    rng: tuple                       # materialize.rng_state(...) when the build started
-    builder: str | None = None       # "from_pretrained" / "from_config": transformers built it
-    root: nn.Module | None = None    # the model transformers built (set by hf_zero_init)
-    pretrained: object = None        # hf_zero_init.PretrainedWeights, from from_pretrained
-    init_like_transformers: bool = False  # from_config: initialize_weights' walk, deferred
-    loaded: object = None            # hf_checkpoint.LoadResult of initialize's load (this rank)
-
-    def __deepcopy__(self, memo):
-        return self  # a copy of a deferred module (PEFT's modules_to_save) is of this build
+from .deferred_init import MARK, DeferredInit
+from .fsdp import apply_caller
+from .materialize import rng_state
 
 
 # -- the context --------------------------------------------------------------------------------
@@ -76,7 +62,6 @@ class MetaInit:
     def __enter__(self):
         if not self.enabled:  # DeepSpeed's enabled=False: an ordinary build
             return self
-        from .materialize import rng_state
         self.record = DeferredInit(self.config, rng_state(_generator_devices()),
                                    builder=self._builder)
         stack = contextlib.ExitStack()
@@ -201,36 +186,6 @@ def _config_of(arguments: dict) -> dict | None:
 
 # -- the model, later ---------------------------------------------------------------------------
 
-def deferred_record(module: nn.Module) -> DeferredInit | None:
-    """The record of the vescale zero.Init that built `module` (or a part of it) while some of
-    it is still on meta; None otherwise. Parts built by separate contexts are an error."""
-    from .fsdp import meta_leftovers
-    records = {id(r): r for m in module.modules() if (r := m.__dict__.get(MARK)) is not None}
-    if not records or not meta_leftovers(module):
-        return None
-    if len(records) > 1:
-        raise ValueError(f"{type(module).__name__} was built in {len(records)} separate "
-                         "deepspeed.zero.Init contexts: build it in one, or initialize each "
-                         "part on its own")
-    return next(iter(records.values()))
-
-
-@contextlib.contextmanager
-def replayed_generator(record: DeferredInit | None, device):
-    """Inside, the generators draw from where they were when `record`'s build started (no
-    change for None); afterwards they are as the caller left them."""
-    if record is None:
-        yield
-        return
-    from .materialize import rng_state, set_rng_state
-    current = rng_state({torch.device(device), *record.rng[1]})
-    set_rng_state(record.rng)
-    try:
-        yield
-    finally:
-        set_rng_state(current)
-
-
 def require_not_partitioned(model: nn.Module) -> None:
     """A model DeepSpeed's own zero.Init partitioned (its Init got no vescale config) cannot be
     trained by vescale: say so before wrapping fails on empty tensors."""
@@ -252,8 +207,7 @@ def _deferred_apply(self, fn, recurse=True):
     is an error. Tensors that have values already go through `fn` as usual."""
     if getattr(fn, "_vescale_adapted", False):  # adapted by a parent's call
         return type(self)._apply(self, fn, recurse)
-    from .fsdp import _apply_caller
-    call = _apply_caller(fn)
+    call = apply_caller(fn)
     where = f"{type(self).__name__}.{call}(...) on a model built under deepspeed.zero.Init " \
             "with a vescale config"
     if call == "to_empty":
