@@ -13,10 +13,12 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool
 from launcher import gpu_binding
-from vescale_engine import device as dev
-from vescale_engine import launch_env, weights
-from vescale_engine import distributed, monitor
-from vescale_engine.launch_env import discover
+from vescale_engine.launch import device as dev
+from vescale_engine.launch import env as launch_env
+from vescale_engine.engine import weights
+from vescale_engine.launch import process_group as distributed
+from vescale_engine.engine import monitor
+from vescale_engine.launch.env import discover
 
 CUDA = torch.device
 

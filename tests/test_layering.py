@@ -212,3 +212,12 @@ def test_the_checker_sees_deferred_imports_circles_and_upward_imports(tmp_path):
         f"layer top: gone is no module of {PACKAGE}",
         f"{PACKAGE}/low/b.py:2: {PACKAGE}.low.b (layer low) imports {PACKAGE}.upper "
         "(layer high, above it): a layer imports only from itself and below"]
+
+
+def test_the_module_map_names_every_module():
+    """docs/architecture.md's module map (the text before '## Layers') names every module file
+    of the package, so a new module cannot go in without its line there."""
+    text = (ROOT / "docs" / "architecture.md").read_text().split("\n## Layers", 1)[0]
+    missing = [str(path.relative_to(ROOT)) for path in package_modules().values()
+               if path.name != "__init__.py" and path.name not in text]
+    assert not missing, f"docs/architecture.md's module map does not name: {', '.join(missing)}"

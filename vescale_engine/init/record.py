@@ -1,5 +1,5 @@
-"""The record a vescale `deepspeed.zero.Init` leaves on what it built (zero_init.py makes it;
-hf_zero_init.py, peft_zero_init.py, the engine's weights and placement read it).
+"""The record a vescale `deepspeed.zero.Init` leaves on what it built (init/zero.py makes it;
+init/hf_pretrained.py, init/peft_adapters.py, the engine's weights and placement read it).
 
 A module built inside the context carries its `DeferredInit` under `MARK` (parameters too):
 the generator state at the build's start and what transformers recorded about the build.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fsdp import meta_leftovers
-from .materialize import rng_state, set_rng_state
+from ..fsdp.materialize import rng_state, set_rng_state
+from ..fsdp.runtime import meta_leftovers
 
 __all__ = ["MARK", "DeferredInit", "deferred_record", "replayed_generator"]
 
@@ -28,10 +28,10 @@ class DeferredInit:
     config: dict
     rng: tuple                       # materialize.rng_state(...) when the build started
     builder: str | None = None       # "from_pretrained" / "from_config": transformers built it
-    root: nn.Module | None = None    # the model transformers built (set by hf_zero_init)
-    pretrained: object = None        # hf_zero_init.PretrainedWeights, from from_pretrained
+    root: nn.Module | None = None    # the model transformers built (set by init/hf_pretrained.py)
+    pretrained: object = None        # init/hf_pretrained.py.PretrainedWeights, from from_pretrained
     init_like_transformers: bool = False  # from_config: initialize_weights' walk, deferred
-    loaded: object = None            # hf_checkpoint.LoadResult of initialize's load (this rank)
+    loaded: object = None            # checkpoint.hf.LoadResult of initialize's load (this rank)
 
     def __deepcopy__(self, memo):
         return self  # a copy of a deferred module (PEFT's modules_to_save) is of this build

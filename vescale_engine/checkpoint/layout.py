@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from .checkpoint_state import fsync_dir
+from .entries import fsync_dir
 
 __all__ = ["FORMAT", "STATE_FILE", "LATEST_FILE", "publish"]
 

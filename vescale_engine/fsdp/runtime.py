@@ -29,13 +29,17 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import collectives
-from .dbuffer import STATS, DBuffer, release_free_host_memory
-from .granularity import parse_granularity
-from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
+from ..plan.granularity import parse_granularity
+from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
+from ..shard import collectives
+from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
+from ..shard.ragged import RaggedShard
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "no_sync", "gathered_parameters",
-           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of"]
+           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of",
+           # public within the package (fsdp/__init__ exports the names above to users)
+           "units_under", "meta_leftovers", "gather_full", "gathered_buffers", "GatheredBuffer",
+           "all_gather_master", "named_entries", "gather_to_rank0", "apply_caller"]
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class FSDPUnit:
                                  f"meta device but {real[0]} is on {real[1].device}; build the "
                                  "whole unit on meta (then vescale_engine.materialize) or on a "
                                  "real device")
-            # A deferred build (zero_init) plus tensors added after it with their values (PEFT
+            # A deferred build (init/zero.py) plus tensors added after it with their values (PEFT
             # adapters, new heads): planned on meta, the real values kept for allocate.
             devices = {torch.device("meta")}
         if len(devices) > 1:
@@ -741,6 +745,7 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
 
 
 def units_under(module):
+    """Every FSDP unit under `module` (itself included), in module order."""
     return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
 
 
@@ -964,7 +969,6 @@ def _finish_host_copies(device, mode):
 def sharded_state_dict(module: nn.Module) -> dict:
     """{fqn: (local 1-D piece of the fp32 master, its RaggedShard)} for every managed parameter:
     what each rank checkpoints, with no communication."""
-    from .ragged import RaggedShard
     out = {}
     for fqn, p in sharded_parameters(module):
         placement = p.buffer.layout.placements[p.index]
@@ -1053,7 +1057,7 @@ def _apply_error(module, call, kind) -> str:
 # ---------------------------------------------------------------------------------------------
 # Deferred (meta-device) initialization: what must hold before values are used.
 
-_DEFERRED_MARK = "_vescale_deferred"  # zero_init.MARK: set on what a deferred build made
+_DEFERRED_MARK = "_vescale_deferred"  # init/record.py's MARK: set on what a deferred build made
 
 
 def _deferred(param, registrations) -> bool:

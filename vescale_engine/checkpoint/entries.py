@@ -10,8 +10,8 @@ import zlib
 
 import torch
 
-from .checkpoint_dcp import CheckpointError, RaggedPiece
-from .ragged import RaggedShard
+from ..shard.ragged import RaggedShard
+from .dcp import CheckpointError, RaggedPiece
 
 
 def sharded_params(module):

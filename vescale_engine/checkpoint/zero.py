@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import checkpoint_layout as layout
-from .checkpoint_dcp import CheckpointError, CrcWriter
-from .checkpoint_state import fsync_dir, to_json, write_json
+from . import layout
+from .dcp import CheckpointError, CrcWriter
+from .entries import fsync_dir, to_json, write_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
 

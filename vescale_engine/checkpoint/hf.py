@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import fsdp
+from ..fsdp import runtime as fsdp
+from ..fsdp.materialize import allocate_shards, init_unloaded
+from .entries import fsync_dir
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "LoadResult",
@@ -307,7 +309,6 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
         # (`given`: real at wrap time, in a unit planned on meta: allocate writes that value)
         unloaded = sorted(({name for name, b in module.named_buffers(remove_duplicate=False)
                             if b.is_meta and name not in loaded} | set(missing)) - given)
-        from .materialize import allocate_shards
         allocate_shards(module, device=device)
         still = _on_meta(module)
         if still:
@@ -315,9 +316,7 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
                                     "allocate_shards (not managed by fully_shard)")
     _load(module, plan, result)
     if unloaded:
-        if init_missing is None:
-            from .materialize import init_unloaded as init_missing
-        init_missing(module, unloaded)
+        (init_missing or init_unloaded)(module, unloaded)
     return result
 
 
@@ -410,7 +409,6 @@ class _ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self):
-        from .checkpoint_state import fsync_dir
         self.flush()
         count = len(self.written)
         names = [SINGLE_NAME] if count == 1 else \

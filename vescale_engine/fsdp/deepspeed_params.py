@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import runtime as fsdp
+
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
 
@@ -127,7 +129,6 @@ class GatheredShards:
                 "(vescale.wrap_policy)")
 
     def __enter__(self):
-        from . import fsdp
         patch_trl_generation()  # TRL calls remove_hooks right after gathering
         todo = []
         for p, sp in self.requested:
@@ -245,7 +246,6 @@ def _callers(limit: int = 3) -> str:
 def suspend_hooks(module: nn.Module) -> None:
     """The units' forward hooks under `module` do nothing until `resume_hooks` (their places
     among other hooks kept): forwards compute with what the modules hold."""
-    from . import fsdp
     for unit in fsdp.units_under(module):
         if unit.__dict__.get("_suspended"):
             continue
@@ -260,7 +260,6 @@ def suspend_hooks(module: nn.Module) -> None:
 
 
 def resume_hooks(module: nn.Module) -> None:
-    from . import fsdp
     for unit in fsdp.units_under(module):
         for hooks, key, hook in unit.__dict__.pop("_suspended", None) or ():
             hooks[key] = hook

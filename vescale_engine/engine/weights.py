@@ -4,7 +4,7 @@ come from after, and the guard on a Hugging Face model's own `save_pretrained`.
 `place_model` moves a CPU model to the rank's device (a meta model stays on meta);
 `prepare_weights` is initialize's one choice of weight source (a transformers build under a
 vescale zero.Init, the config's `vescale.hf_checkpoint`, or `materialize`'s init). It composes
-the lower layers (fsdp, materialize, hf_checkpoint, the zero.Init record); they must not know
+the lower layers (fsdp, materialize, checkpoint.hf, the zero.Init record); they must not know
 about it.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import functools
 import torch
 from torch import nn
 
-from .deferred_init import deferred_record, replayed_generator
-from .device import DeviceError
-from .fsdp import meta_leftovers
-from .hf_checkpoint import load_into
-from .hf_zero_init import prepare_transformers_weights
-from .materialize import materialize
+from ..checkpoint.hf import load_into
+from ..fsdp.materialize import materialize
+from ..fsdp.runtime import meta_leftovers
+from ..init.hf_pretrained import prepare_transformers_weights
+from ..init.record import deferred_record, replayed_generator
+from ..launch.device import DeviceError
 
 __all__ = ["place_model", "prepare_weights", "guard_save_pretrained"]
 
@@ -33,7 +33,7 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     meta = [name for name, tensor in named if tensor.device.type == "meta"]
     if meta and len(meta) < len(named) and deferred_record(model) is not None:
         # built under a vescale zero.Init, then given real tensors (PEFT adapters, a new head):
-        # those move (the deferred modules' own wait for initialize: zero_init)
+        # those move (the deferred modules' own wait for initialize: init/zero.py)
         return model.to(device) if device.type == "cuda" else model
     if meta and len(meta) < len(named):
         real = next((name, t.device) for name, t in named if t.device.type != "meta")
@@ -51,12 +51,12 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
     """`initialize`'s one place for the weights, before the optimizer is built, first match:
-    a model transformers built under a vescale ZeRO-3 config (`hf_zero_init`: the checkpoint
+    a model transformers built under a vescale ZeRO-3 config (init/hf_pretrained.py: the checkpoint
     `from_pretrained` recorded, or `from_config`'s init); the checkpoint `vescale.hf_checkpoint`
     names (a meta model gets its shards allocated and filled; what the file lacks is
     initialized by its modules); else, for a model wrapped on meta, random init by
     `materialize`, drawing from the generator as the caller left it, or, for a model built
-    inside `deepspeed.zero.Init` (zero_init), as it was when the build started."""
+    inside `deepspeed.zero.Init` (init/zero.py), as it was when the build started."""
     record = deferred_record(module)
     if record is not None and record.builder is not None:
         prepare_transformers_weights(module, record, cfg, device)

@@ -30,9 +30,9 @@ runs after loading (e.g. to convert from other quantization blocks). An optimize
 `checkpoint_info()` (plain data on its state's format, kept in vescale_state.json) gets
 `checkpoint_state(create, saved_info)`: its own info when saving, the checkpoint's on load.
 Every optimizer in vescale_engine.optim implements it; torch's element-wise optimizers (AdamW,
-Adam, SGD, ...) need no such method (checkpoint_state.py adapts them). Modules: checkpoint_dcp.py (pieces as DCP chunks),
-checkpoint_state.py (named entries, plain data), checkpoint_layout.py (the directory
-layout and its atomic publication), checkpoint_zero.py (DeepSpeed import).
+Adam, SGD, ...) need no such method (entries.py adapts them). Modules: dcp.py (pieces as DCP
+chunks), entries.py (named entries, plain data), layout.py (the directory layout and its atomic
+publication), zero.py (DeepSpeed import).
 """
 from __future__ import annotations
 
@@ -47,13 +47,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .checkpoint_dcp import (CheckpointError, CrcWriter, LoadPlanner, RaggedPiece, SafeReader,
-                             SavePlanner)
-from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
-                               optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
-                               sharded_params, to_json, write_json)
-from .checkpoint_layout import FORMAT, LATEST_FILE, STATE_FILE, publish
-from .checkpoint_zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
+from .dcp import CheckpointError, CrcWriter, LoadPlanner, RaggedPiece, SafeReader, SavePlanner
+from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
+                      optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
+                      sharded_params, to_json, write_json)
+from .layout import FORMAT, LATEST_FILE, STATE_FILE, publish
+from .safetensors_format import save_file
+from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
            "STATE_FILE", "LATEST_FILE"]
@@ -434,7 +434,6 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
 def _write_state_dict(full, out):
     tmp = f"{out}.tmp"
     if out.endswith(".safetensors"):
-        from .safetensors_format import save_file
         save_file(full, tmp, metadata={"format": "pt"})  # separate tensors, none shared
     elif out.endswith(".pt") or out.endswith(".pth") or out.endswith(".bin"):
         torch.save(full, tmp)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import fsdp
+from ..fsdp import runtime as fsdp
 
 LOG = logging.getLogger("vescale_engine")
 

@@ -5,15 +5,15 @@ enters it for every model it builds under a ZeRO-3 config (`from_pretrained`, `f
 and plain scripts write `with deepspeed.zero.Init(config_dict_or_path=cfg): model = Net()`.
 After `patch_deepspeed()`, a config with a "vescale" section makes it a context that builds on
 `meta` instead: shapes only, no storage, no random numbers drawn. `initialize` wraps the model,
-then gives it values shard by shard (`materialize.prepare_weights`), so no rank ever holds the
-whole model. Without a vescale section DeepSpeed's own Init runs, unchanged.
+then gives it values shard by shard (engine/weights.py's prepare_weights), so no rank ever
+holds the whole model. Without a vescale section DeepSpeed's own Init runs, unchanged.
 
 Every module that registers a tensor inside the context carries its `DeferredInit` record:
 - the generator state at entry: `initialize` draws the init from it (and gives the caller's
   state back), so the values are those of a build at that point, as with DeepSpeed, which
   initializes inside the context, whatever the script drew in between;
-- what transformers recorded about the build (hf_zero_init: the checkpoint `from_pretrained`
-  resolved, or that `from_config` wants its own init).
+- what transformers recorded about the build (init/hf_pretrained.py: the checkpoint
+  `from_pretrained` resolved, or that `from_config` wants its own init).
 On those modules `.to(device)` / `.cuda()` wait for `initialize` (which places the model),
 dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.GatheredParameters`
 on their parameters once the build is over is an error naming the caller: there is nothing to
@@ -35,9 +35,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .deferred_init import MARK, DeferredInit
-from .fsdp import apply_caller
-from .materialize import rng_state
+from ..fsdp.deepspeed_params import GatheredShards, sharded_of
+from ..fsdp.materialize import rng_state
+from ..fsdp.runtime import apply_caller
+from .record import MARK, DeferredInit
 
 
 # -- the context --------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ class MetaInit:
         self._stack = None
         self._builder = _transformers_builder()
         if "transformers.modeling_utils" in sys.modules:  # the steps after the build
-            from .hf_zero_init import install
+            from .hf_pretrained import install
             install()
 
     def __enter__(self):
@@ -277,7 +278,6 @@ def _patched_gathered_parameters(original):
                             enabled=enabled)
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _refuse_gathering(params)
-        from .deepspeed_params import GatheredShards, sharded_of
         ours = [p for p in params if sharded_of(p) is not None]
         if not ours:
             return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module)
@@ -291,7 +291,7 @@ def _patched_gathered_parameters(original):
 
 def install() -> None:
     """`deepspeed.zero.Init` and `GatheredParameters` as the module docstring says
-    (idempotent). The transformers steps (hf_zero_init) install themselves at the first
+    (idempotent). The transformers steps (init/hf_pretrained.py) install themselves at the first
     vescale Init that finds transformers imported."""
     import deepspeed
     zero = deepspeed.zero

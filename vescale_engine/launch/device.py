@@ -56,7 +56,7 @@ def choose_device(backend: str, local_rank: int, device_count: int, launcher: st
 
 
 def device_of_rank(where, env=None) -> tuple:
-    """(backend, device) for the rank `where` (a launch_env.Placement) on this machine."""
+    """(backend, device) for the rank `where` (a launch.env.Placement) on this machine."""
     env = os.environ if env is None else env
     backend = choose_backend(env, torch.cuda.is_available())
     count = torch.cuda.device_count() if backend == "nccl" else 0
