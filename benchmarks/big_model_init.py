@@ -169,7 +169,7 @@ def _units(module):
 def write_checkpoint(args, path: str) -> int:
     """A Hugging Face style checkpoint of the GPT (bf16, several files); its tensor bytes."""
     import torch
-    from vescale_engine.safetensors_format import save_file
+    from vescale_engine.checkpoint.safetensors_format import save_file
     model = make_gpt(args)
     sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()
           if k != "head.weight"}  # tied to wte.weight: saved once, as transformers does
@@ -213,7 +213,7 @@ def load_worker(system: str, args) -> dict:
                               lambda m: fully_shard(m, mesh=mesh))
         module.to_empty(device="cpu")
     import torch.distributed.checkpoint  # noqa: F401  (imports are not the load's memory)
-    import vescale_engine.hf_checkpoint  # noqa: F401
+    import vescale_engine.checkpoint.hf  # noqa: F401
     dist.barrier()
     base, read0 = reset_peak(), bytes_read()
     start = time.perf_counter()
@@ -222,7 +222,7 @@ def load_worker(system: str, args) -> dict:
         stats = vescale_engine.load_hf_checkpoint(module, path)
         counted = stats.bytes_read
     elif system == "gather":
-        from vescale_engine.safetensors_format import load_file
+        from vescale_engine.checkpoint.safetensors_format import load_file
         with fsdp.gathered_parameters(module, writeback=True):
             state = {}
             for fname in sorted(set(json.load(open(os.path.join(

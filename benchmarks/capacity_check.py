@@ -384,7 +384,7 @@ def _peaks(prof) -> dict:
 
 def estimate(case: dict) -> dict:
     sys.path.insert(0, ROOT)
-    from vescale_engine import capacity, model_plan
+    from vescale_engine.plan import capacity, model_plan
 
     setup = capacity.Setup(case["world_size"], optimizer=case["optimizer"],
                            param_dtype=case["param_dtype"], reduce_dtype=case["reduce_dtype"],

@@ -28,7 +28,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
     sys.path.insert(0, ROOT)
-    from vescale_engine import collectives
+    from vescale_engine.shard import collectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

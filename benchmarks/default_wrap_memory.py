@@ -58,7 +58,8 @@ class GatheredPeak:
     allocation (the only moment the total grows)."""
 
     def __init__(self, module):
-        from vescale_engine import dbuffer, fsdp
+        from vescale_engine import fsdp
+        from vescale_engine.shard import dbuffer
         self.buffers = [b for m in module.modules() if fsdp.unit_of(m)
                         for b in fsdp.unit_of(m).buffers]
         self.peak = 0

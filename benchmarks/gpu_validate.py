@@ -170,7 +170,7 @@ def check_bf16_accumulation(device):
     follows the fp32 run within bf16's resolution, the parameters moved, and each mode did the
     reduce-scatters it should. (A falling loss is no test here: 6 steps on random tokens can
     end on the loss they began with at bf16's 0.4% resolution; the H200 run of 2026-11-30 did.)"""
-    from vescale_engine.dbuffer import STATS
+    from vescale_engine.shard.dbuffer import STATS
     details, runs, reductions, moved = {}, {}, {}, {}
     for local in (False, True, "fp32"):
         precision = {} if local == "fp32" else {"bf16": {"enabled": True}}
@@ -274,8 +274,8 @@ def check_memory(device):
 
 def check_collectives(device):
     import torch.distributed as dist
-    from vescale_engine.ragged import (RaggedShard, ragged_to_ragged, ragged_to_replicate,
-                                       ragged_to_root, root_to_ragged)
+    from vescale_engine.shard.ragged import (RaggedShard, ragged_to_ragged, ragged_to_replicate,
+                                             ragged_to_root, root_to_ragged)
     world, rank = dist.get_world_size(), dist.get_rank()
     full = torch.arange(6 * 10, dtype=torch.float32, device=device).view(6, 10)
     spec = RaggedShard.even((6, 10), 10, world)
@@ -340,8 +340,8 @@ def check_big_models(device):
     import torch.distributed as dist
     from fsdp_models import GPT as TorchInitGPT
     from vescale_engine import fsdp
-    from vescale_engine.distributed import join_process_group
-    from vescale_engine.safetensors_format import load_file, save_file
+    from vescale_engine.launch.process_group import join_process_group
+    from vescale_engine.checkpoint.safetensors_format import load_file, save_file
     if not dist.is_initialized():
         join_process_group(120)
     size = dict(vocab=512, dim=128, heads=4, layers=3, seq=64)

@@ -43,7 +43,7 @@ def _cells(args):
 
 def worker(args) -> None:
     sys.path.insert(0, args.worker)
-    from vescale_engine import model_plan as mp
+    from vescale_engine.plan import model_plan as mp
 
     models = {}
     out = {}

@@ -37,7 +37,7 @@ def _run_consolidate(args) -> int:
 
 
 def _run_convert_zero(args) -> int:
-    from vescale_engine.checkpoint_zero import convert_zero
+    from vescale_engine.checkpoint.zero import convert_zero
     path = convert_zero(args.ds_checkpoint, args.out, tag=args.tag)
     print(f"{path}: converted from {args.ds_checkpoint}")
     return 0

@@ -7,8 +7,8 @@ import os
 import sys
 
 from vescale_engine import __version__
-from vescale_engine.granularity import GRANULARITY_HELP, parse_granularity
-from vescale_engine.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError
+from vescale_engine.plan.granularity import GRANULARITY_HELP, parse_granularity
+from vescale_engine.plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError
 
 
 def _positive_list(text: str) -> list:
@@ -102,7 +102,7 @@ _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp
 
 def _flag_number(text, flag, kind):
     """A positive number from a flag's text (None stays None); else one line naming it."""
-    from vescale_engine.capacity import CapacityError
+    from vescale_engine.plan.capacity import CapacityError
     if text is None:
         return None
     try:
@@ -117,7 +117,7 @@ def _flag_number(text, flag, kind):
 
 def _capacity_setups(args, model) -> dict:
     """{world size: capacity.Setup}, checked: a bad value is one line, before any planning."""
-    from vescale_engine import capacity
+    from vescale_engine.plan import capacity
 
     if not args.memory:
         given = [f for f in _MEMORY_FLAGS if getattr(args, f) is not None]
@@ -145,7 +145,7 @@ def _capacity_setups(args, model) -> dict:
 
 
 def _run_plan(args) -> int:
-    from vescale_engine import model_plan as mp
+    from vescale_engine.plan import model_plan as mp
 
     model = mp.load_shapes(args.shapes)
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -167,7 +167,7 @@ def _run_plan(args) -> int:
             if not args.json and len(args.world_size) * len(args.granularity) > 1:
                 _print_table_row(plan)
     if setups:
-        from vescale_engine import capacity
+        from vescale_engine.plan import capacity
         cache = capacity.PlanCache()
         uses = capacity.tensor_uses(model.path)
         for plan in plans:
@@ -204,7 +204,7 @@ def _print_table_header(model, args):
 
 
 def _print_table_row(plan):
-    from vescale_engine import model_plan as mp
+    from vescale_engine.plan import model_plan as mp
 
     buffers = max(len(p.buffers) for p in plan.plans)
     print(f"{str(plan.granularity):<12} {plan.world_size:>6} {100 * plan.padding_ratio:>7.2f}% "
@@ -217,7 +217,7 @@ def _print_table_row(plan):
 
 
 def _print_detail(plan):
-    from vescale_engine import model_plan as mp
+    from vescale_engine.plan import model_plan as mp
 
     m = plan.world_size
     print(f"{plan.model.name} on {m} ranks, granularity {plan.granularity}, align "

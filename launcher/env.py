@@ -1,3 +1,3 @@
-"""Rank discovery lives in the library (`vescale_engine.launch_env`); this name stays for
+"""Rank discovery lives in the library (`vescale_engine.launch.env`); this name stays for
 scripts that imported it from here."""
-from vescale_engine.launch_env import LaunchError, Placement, discover  # noqa: F401
+from vescale_engine.launch.env import LaunchError, Placement, discover  # noqa: F401

@@ -241,7 +241,7 @@ def _local_plan(nproc, threads_per_rank, bind_cores, out):
 def gpu_ranks(env) -> bool:
     """Will the ranks use NCCL on GPUs? The engine's own choice (VESCALE_BACKEND, else CUDA)."""
     import torch
-    from vescale_engine.device import choose_backend
+    from vescale_engine.launch.device import choose_backend
     return choose_backend(env, torch.cuda.is_available()) == "nccl"
 
 

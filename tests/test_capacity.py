@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vescale_engine import capacity, model_plan
+from vescale_engine.plan import capacity, model_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("capacity_check",
@@ -195,7 +195,7 @@ def test_bad_uses_in_a_shapes_file(tmp_path):
 def test_optimizer_facts_match_the_optimizers():
     """capacity.py reads the optimizers' defaults from optim_spec without importing torch;
     the optimizers use the same values."""
-    from vescale_engine import optim_spec
+    from vescale_engine.plan import optim_spec
     from vescale_engine.optim import adamw8bit, muon, quantize
     assert adamw8bit.DEFAULT_BLOCK == optim_spec.ADAMW8BIT_BLOCK
     assert quantize.CHUNK_ELEMENTS == optim_spec.QUANT_CHUNK_ELEMENTS

@@ -69,7 +69,7 @@ def train(engine, rank, world, steps):
 
 
 def full_weights(engine):
-    from vescale_engine.fsdp import full_state_dict
+    from vescale_engine.fsdp.runtime import full_state_dict
     return full_state_dict(engine.module)
 
 
@@ -163,7 +163,7 @@ def test_plain_model_loads_engine_checkpoint_via_dcp(saved, root, pools):
 
 
 def test_consolidate_python_and_cli(saved, root, tmp_path):
-    from vescale_engine.checkpoint import consolidate
+    from vescale_engine.checkpoint.sharded import consolidate
     weights = saved["torch"][0][3]
     full = consolidate(os.path.join(root, "torch"))
     assert all(torch.equal(full[k], weights[k]) for k in weights) and full.keys() == weights.keys()
@@ -179,8 +179,8 @@ def test_consolidate_python_and_cli(saved, root, tmp_path):
     assert torch.equal(model.wte.weight, weights["wte.weight"].bfloat16().float())
     # .safetensors, written by our own writer: read back by the format's spec (and by the
     # safetensors package when it is installed), then loaded into a plain model, strict.
-    from vescale_engine.checkpoint import consolidate as again
-    from vescale_engine.safetensors_format import load_file
+    from vescale_engine.checkpoint.sharded import consolidate as again
+    from vescale_engine.checkpoint.safetensors_format import load_file
     st = tmp_path / "model.safetensors"
     again(os.path.join(root, "torch"), str(st))
     blob = st.read_bytes()
@@ -223,8 +223,8 @@ def test_fsdp2_model_loads_engine_checkpoint_via_dcp(saved):
 def io_once(rank, world, root):
     """Save and load with a spy on the whole-file CRC (a full read of a file), then load again
     with every box forced through the host-staging path that CUDA targets take."""
-    import vescale_engine.checkpoint as ck
-    import vescale_engine.checkpoint_dcp as cd
+    import vescale_engine.checkpoint.sharded as ck
+    import vescale_engine.checkpoint.dcp as cd
     real_crc, real_stage, real_wait, real_slice = (ck.crc32, cd._stage_through_host,
                                                   cd._wait_for_host_copies, cd.SafeReader._slice_file)
     reads, waits, boxes = [], [], []
@@ -270,7 +270,7 @@ def test_checkpoint_io_reads_each_byte_once_and_stages_device_loads(pools, tmp_p
 # -- bad input -------------------------------------------------------------------------------------
 
 def bad_loads(rank, world, root, scratch):
-    from vescale_engine.checkpoint import CheckpointError
+    from vescale_engine.checkpoint.sharded import CheckpointError
     good = os.path.join(root, "ours", "global_step2")
     out = {}
 
@@ -419,7 +419,7 @@ def frozen_excluded(rank, world, root):
     `latest`), and continues as the uninterrupted run; a model where it is trainable refuses."""
     import inspect
     from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-    from vescale_engine.checkpoint import CheckpointError, read_metadata, read_state
+    from vescale_engine.checkpoint.sharded import CheckpointError, read_metadata, read_state
     engine = make_engine(world, "ours", model=_with_wpe_frozen(fm.make("gpt")))
     train(engine, rank, world, SAVE_AT)
     path = engine.save_checkpoint(root, exclude_frozen_parameters=True)
@@ -482,8 +482,8 @@ def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=(), exclude_froz
 
 
 def resume_from_deepspeed(rank, world, ds_dir):
-    from vescale_engine.fsdp import sharded_state_dict
-    from vescale_engine.ragged import ragged_to_replicate
+    from vescale_engine.fsdp.runtime import sharded_state_dict
+    from vescale_engine.shard.ragged import ragged_to_replicate
     engine = make_engine(world, "torch", scheduler=False)
     path, client = engine.load_checkpoint(ds_dir)  # a ZeRO directory, imported on the fly
     weights = full_weights(engine)
@@ -517,7 +517,7 @@ def test_deepspeed_zero3_checkpoint_converts_and_resumes(pools, tmp_path):
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__))))
     assert cli.returncode == 0, cli.stderr
-    from vescale_engine.checkpoint import consolidate
+    from vescale_engine.checkpoint.sharded import consolidate
     full = consolidate(str(out))
     assert all(torch.equal(full[k], weights[k]) for k in weights)
     # rank 0 converting for longer than a collective may wait, and rank 0 failing
@@ -547,9 +547,9 @@ def slow_and_failing_imports(rank, world, ds_dir, scratch):
 
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    import vescale_engine.checkpoint_zero as zero
+    import vescale_engine.checkpoint.zero as zero
     from dist_harness import DEFAULT_TIMEOUT_S
-    from vescale_engine.checkpoint import CheckpointError
+    from vescale_engine.checkpoint.sharded import CheckpointError
 
     def fresh(name, damage=None):
         copy = os.path.join(scratch, name)
@@ -594,8 +594,8 @@ def slow_and_failing_imports(rank, world, ds_dir, scratch):
 
 
 def test_convert_zero_bad_input_names_the_file(tmp_path):
-    from vescale_engine.checkpoint import CheckpointError
-    from vescale_engine.checkpoint_zero import convert_zero
+    from vescale_engine.checkpoint.sharded import CheckpointError
+    from vescale_engine.checkpoint.zero import convert_zero
     tag = tmp_path / "ds" / "global_step1"
     tag.mkdir(parents=True)
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"not a torch file")
@@ -612,8 +612,8 @@ def test_convert_zero_bad_input_names_the_file(tmp_path):
 def test_deepspeed_zero_checkpoints_convert(pools, tmp_path, stage, freeze, exclude):
     """ZeRO-1 and 2, and frozen parameters (kept outside the optimizer files) at 2 and 3, or
     left out by save_checkpoint(exclude_frozen_parameters=True): then the import says so."""
-    from vescale_engine.checkpoint import consolidate, read_state
-    from vescale_engine.checkpoint_zero import convert_zero
+    from vescale_engine.checkpoint.sharded import consolidate, read_state
+    from vescale_engine.checkpoint.zero import convert_zero
     ds_dir = str(tmp_path / "ds")
     weights, moments, _ = pools(2).run(deepspeed_train_and_save, ds_dir, stage, freeze,
                                        exclude)[0]
@@ -711,7 +711,7 @@ def test_doctored_metadata_is_refused_without_running_it(saved, root, tmp_path):
     import json
     import pickle
     import zlib
-    from vescale_engine.checkpoint import CheckpointError, consolidate
+    from vescale_engine.checkpoint.sharded import CheckpointError, consolidate
     copy = tmp_path / "global_step2"
     shutil.copytree(os.path.join(root, "ours", "global_step2"), copy)
     marker = tmp_path / "pwned"
@@ -739,7 +739,7 @@ def resave_and_continue(rank, world, root, out, quantization):
 
 def optim_entries(path):
     """Every optim.state entry of a checkpoint, whole, read in this process with plain DCP."""
-    from vescale_engine.checkpoint_dcp import LoadPlanner, SafeReader
+    from vescale_engine.checkpoint.dcp import LoadPlanner, SafeReader
     md = SafeReader(path).read_metadata().state_dict_metadata
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items()
           if k.startswith("optim.state.")}
@@ -751,7 +751,7 @@ def restored_moments(path):
     """{entry: (fp32 moment, per-element scale, block)}: a checkpoint's 8-bit moments restored
     here, from its codes, its scales and the block and tables its vescale_state.json records."""
     import json
-    from vescale_engine.granularity import parse_granularity
+    from vescale_engine.plan.granularity import parse_granularity
     from vescale_engine.optim.quantize import code_table
     with open(os.path.join(path, "vescale_state.json")) as f:
         record = json.load(f)["optimizer"]["checkpoint_info"]["quantized_moments"]
@@ -790,7 +790,7 @@ def test_adamw8bit_codes_and_scales_reload_bit_exact_on_any_world_size(saved, ro
 def test_adamw8bit_checkpoint_stores_codes_a_quarter_of_fp32(saved, root):
     """The moments are saved as 1-byte codes in the parameter's shape plus one fp32 scale per
     64-element block: the bytes DCP wrote for them are ~1/4 of fp32 AdamW's for the same model."""
-    from vescale_engine.checkpoint_dcp import SafeReader
+    from vescale_engine.checkpoint.dcp import SafeReader
     path = os.path.join(root, "adamw8bit", "global_step2")
     md = SafeReader(path).read_metadata()
     sdm = md.state_dict_metadata
@@ -867,7 +867,7 @@ def test_adamw8bit_bad_quantization_record_is_one_line(saved, root, pools, tmp_p
 
 
 def load_error(rank, world, path):
-    from vescale_engine.checkpoint import CheckpointError
+    from vescale_engine.checkpoint.sharded import CheckpointError
     engine = make_engine(world, "adamw8bit")
     try:
         engine.load_checkpoint(path)
@@ -897,7 +897,7 @@ def test_adamw8bit_loads_an_fp32_adamw_checkpoint(saved, root, pools):
 def test_safetensors_format_round_trip(tmp_path):
     """Our writer and reader agree for every dtype a state dict holds (the layout follows the
     safetensors spec: u64 header length, JSON header padded to 8 bytes, raw little-endian)."""
-    from vescale_engine.safetensors_format import load_file, save_file
+    from vescale_engine.checkpoint.safetensors_format import load_file, save_file
     tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(),
                "f16": torch.randn(2, 2).half(), "i64": torch.arange(6).reshape(2, 3),
                "u8": torch.arange(4, dtype=torch.uint8), "empty": torch.empty(0, 4),

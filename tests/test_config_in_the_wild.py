@@ -21,7 +21,7 @@ import pytest
 
 from config_schemas.validate import ConfigError, aliases, hf_auto, load_schema
 from launcher import cli
-from vescale_engine.config import build_config
+from vescale_engine.engine.config import build_config
 
 WILD = Path(__file__).resolve().parent / "configs_in_the_wild"
 

@@ -23,7 +23,7 @@ import torch
 import fsdp_models as fm
 from dist_harness import RankPool
 from vescale_engine import initialize
-from vescale_engine.fsdp import full_state_dict
+from vescale_engine.fsdp.runtime import full_state_dict
 
 MICRO, ACCUM, STEPS = 3, 2, 3
 CLIP = 0.5
@@ -256,8 +256,8 @@ def test_model_parameters_with_every_optimizer(pool, kind):
 def consolidated_rank(rank, world, out_dir):
     """bf16 with stage3_gather_16bit_weights_on_model_save: the state dict of the model in bf16
     on rank 0, {} elsewhere; every all-gather starts with no earlier gathered buffer alive."""
-    from vescale_engine import hf_checkpoint
-    from vescale_engine.fsdp import _all_gather_master, _units
+    from vescale_engine.fsdp import runtime as fsdp
+    from vescale_engine.fsdp.runtime import all_gather_master, units_under
     config = {**CONFIG, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3,
                                     "stage3_gather_16bit_weights_on_model_save": True}}
@@ -269,14 +269,14 @@ def consolidated_rank(rank, world, out_dir):
     def spy(full, buf):
         alive_at_gather.append(sum(ref() is not None for ref in gathered))
         gathered.append(weakref.ref(full))
-        _all_gather_master(full, buf)
-    hf_checkpoint.fsdp._all_gather_master = spy
+        all_gather_master(full, buf)
+    fsdp.all_gather_master = spy
     try:
         sd = engine._zero3_consolidated_16bit_state_dict()
         unfrozen = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
     finally:
-        hf_checkpoint.fsdp._all_gather_master = _all_gather_master
-    buffers = sum(len(u.buffers) for u in _units(engine.module))
+        fsdp.all_gather_master = all_gather_master
+    buffers = sum(len(u.buffers) for u in units_under(engine.module))
     masters = full_state_dict(engine.module)
     saved = engine.save_16bit_model(out_dir)
     file = os.path.join(out_dir, "pytorch_model.bin")
@@ -383,7 +383,7 @@ def test_attributes_forward_to_the_model_and_accelerate_unwraps_the_engine(pool)
 def test_unwrap_patch_names_the_version_when_accelerate_moved_its_function(monkeypatch):
     import accelerate
     import accelerate.utils.other as other
-    from vescale_engine.deepspeed_compat import patch_accelerate_unwrap
+    from vescale_engine.engine.deepspeed_compat import patch_accelerate_unwrap
     monkeypatch.delattr(other, "extract_model_from_parallel")
     with pytest.raises(ImportError, match=f"accelerate {accelerate.__version__} has no "
                        "accelerate.utils.other.extract_model_from_parallel"):
@@ -392,8 +392,8 @@ def test_unwrap_patch_names_the_version_when_accelerate_moved_its_function(monke
 
 def test_gather_16bit_flag_under_every_name_deepspeed_accepts():
     from types import SimpleNamespace
-    from vescale_engine.config import build_config
-    from vescale_engine.deepspeed_surface import DeepSpeedSurface
+    from vescale_engine.engine.config import build_config
+    from vescale_engine.engine.surface import DeepSpeedSurface
 
     def answer(zero):
         cfg = build_config({"train_batch_size": 2, "zero_optimization": zero}, 2)

@@ -311,7 +311,7 @@ class _Accelerator:
 
 def generation_rank(rank, world):
     from trl.models.utils import _unwrap_model_for_generation
-    from vescale_engine.dbuffer import STATS
+    from vescale_engine.shard.dbuffer import STATS
     engine, reference, opt = pair()
     out = {"before": [train_both(engine, reference, opt, 0)]}
     prompt = tokens(9)[:, :4]

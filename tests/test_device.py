@@ -13,9 +13,12 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool
 from launcher import gpu_binding
-from vescale_engine import device as dev
-from vescale_engine import distributed, monitor
-from vescale_engine.launch_env import discover
+from vescale_engine.launch import device as dev
+from vescale_engine.launch import env as launch_env
+from vescale_engine.engine import weights
+from vescale_engine.launch import process_group as distributed
+from vescale_engine.engine import monitor
+from vescale_engine.launch.env import discover
 
 CUDA = torch.device
 
@@ -160,10 +163,10 @@ def test_mpi_rank_sets_its_gpu_before_mpi_starts(fake_gpus):
     calls, _ = fake_gpus
     env = {"OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_SIZE": "8",
            "OMPI_COMM_WORLD_LOCAL_RANK": "3"}
-    dev.set_device_before_mpi(env)
+    launch_env.set_device_before_mpi(env)
     assert calls == [("set_device", CUDA("cuda", 3))]
-    dev.set_device_before_mpi({**env, "VESCALE_BACKEND": "gloo"})  # CPU ranks: no GPU touched
-    dev.set_device_before_mpi({"PMIX_RANK": "1"})  # PMIx alone: local rank known after MPI
+    launch_env.set_device_before_mpi({**env, "VESCALE_BACKEND": "gloo"})  # CPU ranks: no GPU touched
+    launch_env.set_device_before_mpi({"PMIX_RANK": "1"})  # PMIx alone: local rank known after MPI
     assert calls == [("set_device", CUDA("cuda", 3))]
 
 
@@ -192,11 +195,11 @@ def test_a_group_the_user_created_gets_the_rank_device(fake_gpus, monkeypatch):
 
 def test_model_placement_errors_and_the_move():
     meta = nn.Sequential(nn.Linear(2, 2, device="meta"))
-    assert dev.place_model(meta, CUDA("cuda", 3)) is meta  # materialized after wrapping
+    assert weights.place_model(meta, CUDA("cuda", 3)) is meta  # materialized after wrapping
     assert meta[0].weight.is_meta
     with pytest.raises(dev.DeviceError, match=r"^1.weight is on the meta device but 0.weight is "
                                               r"on cpu: build the whole model on meta"):
-        dev.place_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")),
+        weights.place_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")),
                         torch.device("cpu"))
 
     class Elsewhere(nn.Module):  # a parameter on another GPU, without a GPU
@@ -205,9 +208,9 @@ def test_model_placement_errors_and_the_move():
 
     with pytest.raises(dev.DeviceError, match=r"^w is on cuda:0 but this rank's device is "
                                               r"cuda:3: build the model on CPU"):
-        dev.place_model(Elsewhere(), CUDA("cuda", 3))
+        weights.place_model(Elsewhere(), CUDA("cuda", 3))
     with pytest.raises(dev.DeviceError, match="w is on cuda:0 but this rank's device is cpu"):
-        dev.place_model(Elsewhere(), CUDA("cpu"))
+        weights.place_model(Elsewhere(), CUDA("cpu"))
     moved = []
 
     class OnCpu(nn.Linear):
@@ -215,8 +218,8 @@ def test_model_placement_errors_and_the_move():
             moved.append(device)
             return self
     model = OnCpu(2, 2)
-    assert dev.place_model(model, CUDA("cuda", 3)) is model and moved == [CUDA("cuda", 3)]
-    assert dev.place_model(model, CUDA("cpu")) is model and moved == [CUDA("cuda", 3)]
+    assert weights.place_model(model, CUDA("cuda", 3)) is model and moved == [CUDA("cuda", 3)]
+    assert weights.place_model(model, CUDA("cpu")) is model and moved == [CUDA("cuda", 3)]
 
 
 # -- initialize with a process group the user created (2 gloo ranks) -----------------------------

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 import fsdp_models as fm
 from dist_harness import RankPool, scratch_dir
 from vescale_engine import initialize
-from vescale_engine.checkpoint import torch_state_target
+from vescale_engine.checkpoint.sharded import torch_state_target
 
 MICRO, ACCUM, STEPS, SAVE_AFTER = 2, 2, 3, 2
 OPTIMIZERS = {

@@ -110,7 +110,7 @@ def test_migration_python_names_exist():
 
 
 def test_migration_engine_calls_exist():
-    from vescale_engine.engine import VeScaleEngine
+    from vescale_engine.engine.engine import VeScaleEngine
     text = MIGRATION.read_text()
     called = set(re.findall(r"`engine\.(\w+)\(", text))
     attributes = set(re.findall(r"`engine\.(\w+)`", text))
@@ -173,7 +173,7 @@ def test_migration_loop_runs_under_the_deepspeed_launcher(tmp_path):
                "GPT = fsdp_models.GPT\n"
                "micro = " + str(config["train_micro_batch_size_per_gpu"]) + "\n"
                "batches = [fsdp_models.batch('gpt', k, micro) for k in range(4)]\n")
-    epilogue = ("from vescale_engine.engine import VeScaleEngine\n"
+    epilogue = ("from vescale_engine.engine.engine import VeScaleEngine\n"
                 "assert isinstance(engine, VeScaleEngine), type(engine)\n"
                 "open(f'done{engine.global_rank}', 'w').write("
                 "f'{engine.world_size} {engine.global_steps} {engine.micro_steps}')\n")

@@ -7,7 +7,7 @@ import torch
 import fsdp_models as fm
 from dist_harness import RankPool, engine_log_messages, value_errors
 from vescale_engine import initialize
-from vescale_engine.fsdp import full_state_dict, unit_of
+from vescale_engine.fsdp.runtime import full_state_dict, unit_of
 
 MICRO, ACCUM, STEPS = 3, 2, 3
 OPT = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
@@ -30,7 +30,7 @@ def pool(request):
 
 def engine_rank(rank, world, local_accumulation):
     from deepspeed.runtime.lr_schedules import WarmupLR
-    from vescale_engine.dbuffer import STATS
+    from vescale_engine.shard.dbuffer import STATS
     reference = fm.make("gpt")
     ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
     ref_sched = WarmupLR(ref_opt, **CONFIG["scheduler"]["params"])
@@ -117,7 +117,7 @@ def test_engine_bad_input(pool):
 def patched_rank(rank, world):
     import deepspeed
     import vescale_engine
-    from vescale_engine.engine import VeScaleEngine
+    from vescale_engine.engine.engine import VeScaleEngine
     original = deepspeed.initialize
     vescale_engine.patch_deepspeed()
     vescale_engine.patch_deepspeed()  # idempotent
@@ -308,8 +308,8 @@ def test_communication_time_comes_from_device_events_on_accelerators(monkeypatch
     """On an accelerator wait() only enqueues a stream wait: the breakdown's communication is
     the stall timed by events recorded around it on the compute stream (an injected event
     factory here), not host time; on CPU it is host time inside wait(), labelled as such."""
-    from vescale_engine import timers
-    from vescale_engine.dbuffer import STATS, _TimedWork
+    from vescale_engine.engine import timers
+    from vescale_engine.shard.dbuffer import STATS, _TimedWork
     log = []
 
     class Event:  # what torch.Event(device, enable_timing=True) offers
@@ -598,7 +598,7 @@ def test_tensorboard_monitor_hands_every_scalar_to_the_summary_writer(tmp_path, 
     """The TensorBoard monitor without TensorBoard installed (as in CI): a recording writer
     in place of torch.utils.tensorboard.SummaryWriter sees each event, a flush per batch of
     events and the close; ranks other than 0 make no writer."""
-    from vescale_engine import monitor
+    from vescale_engine.engine import monitor
     calls = []
 
     class RecordingWriter:
@@ -670,7 +670,7 @@ def test_train_eval_destroy(pool):
 # -- loss scaler alone ---------------------------------------------------------------------------
 
 def test_loss_scaler_follows_deepspeed_dynamic_scaling():
-    from vescale_engine.loss_scaler import LossScaler, from_config
+    from vescale_engine.engine.loss_scaler import LossScaler, from_config
     scaler = from_config({"enabled": True, "initial_scale_power": 4, "loss_scale_window": 3,
                           "hysteresis": 2, "min_loss_scale": 4})
     assert scaler.loss_scale == 16

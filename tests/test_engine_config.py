@@ -2,7 +2,7 @@
 import pytest
 
 from config_schemas.validate import ConfigError
-from vescale_engine.config import BatchSizes, build_config, resolve_batch_sizes
+from vescale_engine.engine.config import BatchSizes, build_config, resolve_batch_sizes
 
 
 @pytest.mark.parametrize("keys,world,want", [
@@ -97,7 +97,7 @@ def test_add_config_arguments_accepts_deepspeed_launcher_flags():
 
 
 def test_optimizer_section_keeps_deepspeeds_adam_meaning():
-    from vescale_engine.from_config import optimizer_spec
+    from vescale_engine.engine.from_config import optimizer_spec
     # "Adam" is AdamW unless adam_w_mode is false; weight decay defaults to FusedAdam's 0.
     assert optimizer_spec({"type": "Adam", "params": {"lr": 1e-3}}) == \
         ("AdamW", {"lr": 1e-3, "weight_decay": 0.0})
@@ -118,7 +118,7 @@ def test_optimizer_section_keeps_deepspeeds_adam_meaning():
      r"optimizer.params.betas: not a parameter of SGD \(accepted: lr, momentum"),
 ])
 def test_optimizer_keys_the_class_does_not_take_are_one_line_errors(spec, message):
-    from vescale_engine.from_config import optimizer_spec
+    from vescale_engine.engine.from_config import optimizer_spec
     with pytest.raises(ValueError, match=message):
         optimizer_spec(spec)
 
@@ -126,7 +126,7 @@ def test_optimizer_keys_the_class_does_not_take_are_one_line_errors(spec, messag
 def test_steps_per_print_infinity_never_prints():
     """Accelerate writes steps_per_print = float("inf") into every config it manages."""
     import math
-    from vescale_engine.progress import Progress
+    from vescale_engine.engine.progress import Progress
     cfg = build_config({"train_batch_size": 2, "steps_per_print": math.inf}, world_size=2)
     assert cfg.steps_per_print == math.inf
     progress = Progress(cfg.steps_per_print, rank=0)

@@ -13,12 +13,12 @@ import fsdp_models as fm
 from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.optim import adamw as adamw_module
-from vescale_engine.clip import clip_grad_norm_
-from vescale_engine.dbuffer import STATS
-from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard,
-                                 gathered_parameters, no_sync, sharded_parameters,
-                                 sharded_state_dict, unit_of)
-from vescale_engine.ragged import ragged_to_replicate
+from vescale_engine.optim.clip import clip_grad_norm_
+from vescale_engine.shard.dbuffer import STATS
+from vescale_engine.fsdp.runtime import (MixedPrecisionPolicy, full_state_dict, fully_shard,
+                                         gathered_parameters, no_sync, sharded_parameters,
+                                         sharded_state_dict, unit_of)
+from vescale_engine.shard.ragged import ragged_to_replicate
 
 GLOBAL_BATCH = 24
 STEPS = 3
@@ -247,7 +247,7 @@ def exchange_rank(rank, world):
     """gloo's collectives replaced by point-to-point exchanges: the same results as gloo's own
     all-gather and reduce-scatter, with several of both in flight and waited in any order, in
     the whole group and in subgroups (of one rank, too)."""
-    from vescale_engine import collectives
+    from vescale_engine.shard import collectives
     S = 1000 + 7 * world
     halves = [list(range(0, world, 2)), list(range(1, world, 2))]
     subgroups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
@@ -486,19 +486,19 @@ def _gather_peak(call):
     """(result of call(), the most full buffers alive at once while it gathered): a spy on
     every master all-gather counts the earlier full buffers whose storage is still alive."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    import vescale_engine.fsdp as fsdp_module
-    original, alive, peak = fsdp_module._all_gather_master, [], [0]
+    import vescale_engine.fsdp.runtime as fsdp_module
+    original, alive, peak = fsdp_module.all_gather_master, [], [0]
 
     def spy(full, buf):
         alive[:] = [ref for ref in alive if not ref.expired()]
         alive.append(StorageWeakRef(full.untyped_storage()))
         peak[0] = max(peak[0], len(alive))
         original(full, buf)
-    fsdp_module._all_gather_master = spy
+    fsdp_module.all_gather_master = spy
     try:
         return call(), peak[0]
     finally:
-        fsdp_module._all_gather_master = original
+        fsdp_module.all_gather_master = original
 
 
 def _inside(model):
@@ -580,7 +580,7 @@ def hsdp_rank(rank, world, native, avg=False):
     """`avg`: reduce as on NCCL, with AVG inside both collectives (gloo has it in torch 2.13)
     and no divide after."""
     from torch.distributed.device_mesh import init_device_mesh
-    from vescale_engine import collectives
+    from vescale_engine.shard import collectives
     replicas = 2 if world % 2 == 0 else world  # odd worlds: every rank a replica (DDP-like)
     mesh = init_device_mesh("cpu", (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
@@ -706,7 +706,7 @@ def test_granularity_overrides_by_parameter_name(pool):
 def test_heap_trim_waits_for_growth_past_the_warm_up_size(monkeypatch):
     """After the warm-up backwards, malloc_trim runs only once resident memory has grown past
     the largest warm-up size by GROWTH: not every step (page faults), not never (growth)."""
-    from vescale_engine import dbuffer
+    from vescale_engine.shard import dbuffer
     trims = []
     monkeypatch.setattr(dbuffer, "_MALLOC_TRIM", lambda pad: trims.append(pad))
     sizes = iter([800, 1000, 980, 1000,     # warm-up: the limit becomes 1.1 x 1000
@@ -765,7 +765,7 @@ def test_optimizers_follow_the_closure_convention(pool):
 def test_the_tensors_device_picks_the_backend_and_the_path(monkeypatch):
     """Under NCCL the process group is "cpu:gloo,cuda:nccl": CPU tensors take gloo's exchange,
     CUDA tensors the native collectives; `native` forces gloo's own."""
-    from vescale_engine import collectives
+    from vescale_engine.shard import collectives
     assert collectives.backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
     assert collectives.backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl"
     assert collectives.backend_for("gloo", "cuda") == "gloo"
@@ -782,7 +782,7 @@ def test_the_tensors_device_picks_the_backend_and_the_path(monkeypatch):
 def test_gradient_reduction_factors():
     """fp32/bf16: AVG in the collective where the backend has it (NCCL), else SUM and one
     divide; fp16: divide by the power of two nearest below sqrt(W) before, the rest after."""
-    from vescale_engine.collectives import gradient_reduction
+    from vescale_engine.shard.collectives import gradient_reduction
     AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
     nccl = gradient_reduction(torch.bfloat16, 8, 4, "nccl", "nccl")
     assert (nccl.pre_divide, nccl.reduce_scatter_op, nccl.all_reduce_op, nccl.post_divide) == \
@@ -804,7 +804,7 @@ def test_fp16_reduction_at_large_world_does_not_overflow_where_sum_then_divide_w
     """1024 ranks, each with a loss-scaled fp16 gradient of 128 (and a tiny one, 2^-10):
     summing in fp16 then dividing overflows to inf; the pre/post factors keep the sum finite
     and give the average (exactly, for these powers of two) without losing the tiny one."""
-    from vescale_engine.collectives import gradient_reduction
+    from vescale_engine.shard.collectives import gradient_reduction
     world = 1024
     grads = torch.tensor([128.0, 2.0 ** -10], dtype=torch.float16).expand(world, 2)
 

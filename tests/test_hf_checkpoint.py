@@ -50,7 +50,7 @@ def shard_gpt(model, granularity="rows:1"):
 
 
 def own_elements(model) -> int:
-    from vescale_engine.fsdp import sharded_parameters
+    from vescale_engine.fsdp.runtime import sharded_parameters
     return sum(p.sharded.numel() for _, p in sharded_parameters(model))
 
 
@@ -67,7 +67,8 @@ def load_pretrained(rank, world, path, reference, granularity, tied, staging_byt
     """Load a save_pretrained directory into a differently seeded sharded Llama (through a
     staging buffer of `staging_bytes`, so that a piece takes several reads): the full state
     equals the reference exactly. Returns this rank's byte counters."""
-    from vescale_engine import full_state_dict, hf_checkpoint, load_hf_checkpoint
+    from vescale_engine import full_state_dict, load_hf_checkpoint
+    from vescale_engine.checkpoint import hf as hf_checkpoint
     model = shard_llama(make_llama(SEED + 1, tied), granularity)
     default, hf_checkpoint.STAGING_BYTES = hf_checkpoint.STAGING_BYTES, staging_bytes
     try:
@@ -84,10 +85,12 @@ def load_pretrained(rank, world, path, reference, granularity, tied, staging_byt
 def gpt_save(rank, world, path, dtype, max_shard_size):
     """Save, recording on rank 0 how many buffers were gathered when each file was written and
     how many bytes it held: files go out as they fill, not after the whole model is in memory."""
-    from vescale_engine import fsdp, hf_checkpoint, save_hf_checkpoint
+    from vescale_engine import save_hf_checkpoint
+    from vescale_engine.fsdp import runtime as fsdp
+    from vescale_engine.checkpoint import hf as hf_checkpoint
     model = shard_gpt(make_gpt(SEED), "element")
     gathered, written = [0], []
-    gather, write = fsdp._all_gather_master, hf_checkpoint.save_file
+    gather, write = fsdp.all_gather_master, hf_checkpoint.save_file
 
     def counting_gather(full, buf):
         gathered[0] += 1
@@ -97,11 +100,11 @@ def gpt_save(rank, world, path, dtype, max_shard_size):
         written.append((gathered[0], len(tensors),
                         sum(t.numel() * t.element_size() for t in tensors.values())))
         return write(tensors, file, metadata)
-    fsdp._all_gather_master, hf_checkpoint.save_file = counting_gather, recording_write
+    fsdp.all_gather_master, hf_checkpoint.save_file = counting_gather, recording_write
     try:
         save_hf_checkpoint(model, path, dtype=dtype, max_shard_size=max_shard_size)
     finally:
-        fsdp._all_gather_master, hf_checkpoint.save_file = gather, write
+        fsdp.all_gather_master, hf_checkpoint.save_file = gather, write
     return gathered[0], written
 
 
@@ -318,7 +321,7 @@ def test_save_hf_checkpoint_loads_in_from_pretrained_with_same_logits(pools, roo
 
 
 def test_bad_checkpoints_name_the_problem_on_every_rank(pools, root):
-    from vescale_engine.safetensors_format import save_file
+    from vescale_engine.checkpoint.safetensors_format import save_file
     ref = {k: v for k, v in make_llama(SEED).state_dict().items() if k != "lm_head.weight"}
     reference = os.path.join(root, "errors.pt")
     torch.save(make_llama(SEED).state_dict(), reference)
@@ -359,8 +362,8 @@ def test_engine_loads_hf_checkpoint_from_config_and_load_checkpoint_points_to_it
 def test_save_arguments_and_damaged_files_are_named(tmp_path):
     """max_shard_size and dtype as HF writes them, checked before any collective; a file whose
     header lies about its data is named with the tensor."""
-    from vescale_engine.hf_checkpoint import HFCheckpointError, _save_dtype, parse_size, read_stored
-    from vescale_engine.safetensors_format import save_file
+    from vescale_engine.checkpoint.hf import HFCheckpointError, _save_dtype, parse_size, read_stored
+    from vescale_engine.checkpoint.safetensors_format import save_file
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8
     assert parse_size("2GiB") == 2**31 and parse_size("20KB") == 20000
     assert parse_size(1234) == 1234

@@ -139,7 +139,7 @@ def state(module) -> dict:
 
 
 def record_of(model):
-    from vescale_engine.zero_init import MARK
+    from vescale_engine.init.record import MARK
     return next(m.__dict__[MARK] for m in model.modules() if MARK in m.__dict__)
 
 
@@ -190,8 +190,8 @@ def pretrained_rank(rank, world, path, dtype_name):
     buffers), the same first loss bit for bit, and (fp32) the same training."""
     import deepspeed
     from transformers import LlamaForCausalLM
-    from vescale_engine.fsdp import sharded_parameters
-    from vescale_engine.zero_init import deferred_record
+    from vescale_engine.fsdp.runtime import sharded_parameters
+    from vescale_engine.init.record import deferred_record
     patched()
     dtype = getattr(torch, dtype_name)
     reference = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
@@ -428,7 +428,7 @@ def errors_rank(rank, world, directory):
     import deepspeed
     import vescale_engine
     from transformers import LlamaForCausalLM
-    from vescale_engine.zero_init import deferred_record
+    from vescale_engine.init.record import deferred_record
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     patched()
@@ -497,7 +497,7 @@ def errors_rank(rank, world, directory):
     model = pretrained()  # initialize wraps it before it finds out
     out["part"] = _error(lambda: vescale_engine.initialize(model=model.model, config=CONFIG))
 
-    from vescale_engine.hf_zero_init import check_transformers
+    from vescale_engine.init.hf_pretrained import check_transformers
     check_transformers()  # this transformers has every name the steps rely on
     out["transformers"] = _error(lambda: check_transformers(
         [("transformers.modeling_utils", "PreTrainedModel.renamed_away")]), ImportError)
@@ -554,7 +554,7 @@ def test_misuse_is_an_error_that_names_it(pool, checkpoints):
 # -- without ranks ---------------------------------------------------------------------------
 
 def test_the_build_records_the_cuda_generator_only_when_cuda_is_in_use(monkeypatch):
-    from vescale_engine import zero_init
+    from vescale_engine.init import zero as zero_init
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert zero_init._generator_devices() == {torch.device("cpu")}
@@ -564,7 +564,7 @@ def test_the_build_records_the_cuda_generator_only_when_cuda_is_in_use(monkeypat
 
 
 def test_the_config_precision_decides_which_dtype_zero_init_accepts():
-    from vescale_engine.zero_init import config_dtype, refuse_changed_meaning
+    from vescale_engine.init.zero import config_dtype, refuse_changed_meaning
     assert config_dtype({}) == torch.float32
     assert config_dtype({"bf16": {"enabled": True}}) == torch.bfloat16
     assert config_dtype({"fp16": {"enabled": True}}) == torch.float16

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vescale_engine.launch_env import LaunchError, discover
+from vescale_engine.launch.env import LaunchError, discover
 
 
 @pytest.mark.parametrize("env,launcher,rank,world,local", [
@@ -51,7 +51,7 @@ def test_mpi_launch_without_master_address_is_left_to_mpi_when_mpi_is_not_used()
 
 
 PRINT_PLACEMENT = ("import sys; sys.path.insert(0, {root!r})\n"
-                   "from vescale_engine.launch_env import discover\n"
+                   "from vescale_engine.launch.env import discover\n"
                    "p = discover()\n"
                    "assert discover() == p  # again (the engine asks twice): no new collective\n"
                    "print(repr((p.launcher, p.rank, p.world_size, p.local_rank, p.master_addr, "
@@ -87,9 +87,10 @@ def test_mpi_is_not_started_when_the_master_address_is_set(tmp_path):
 def test_the_library_does_not_import_the_launcher_and_the_old_name_still_works():
     """Layering: vescale_engine never imports launcher/ (rank discovery is the library's);
     `launcher.env` stays importable for scripts that used it."""
-    code = ("import sys, vescale_engine, vescale_engine.engine, vescale_engine.distributed\n"
+    code = ("import sys, vescale_engine, vescale_engine.engine.engine\n"
+            "import vescale_engine.launch.process_group\n"
             "assert not [m for m in sys.modules if m.split('.')[0] == 'launcher'], 'launcher'\n"
-            "import launcher.env, vescale_engine.launch_env as lib\n"
+            "import launcher.env, vescale_engine.launch.env as lib\n"
             "assert launcher.env.discover is lib.discover\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})

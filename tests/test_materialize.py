@@ -15,8 +15,8 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool, engine_log_messages
 import vescale_engine
-from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
-                                 sharded_parameters)
+from vescale_engine.fsdp.runtime import (full_state_dict, fully_shard, gathered_parameters, no_sync,
+                                         sharded_parameters)
 from vescale_engine.materialize import allocate_shards, init_unloaded, materialize
 
 WORLD = 3
@@ -264,7 +264,7 @@ def memory_rank(rank, world):
 
 
 def _units_of(model):
-    from vescale_engine.fsdp import unit_of
+    from vescale_engine.fsdp.runtime import unit_of
     return [u for u in (unit_of(m) for m in model.modules()) if u is not None]
 
 
@@ -486,13 +486,13 @@ def test_vescale_engine_materialize_is_callable_and_a_module():
 def test_default_device_follows_the_backend_that_serves_cuda(monkeypatch):
     """materialize(device=None) outside the engine: the current CUDA device when NCCL serves
     CUDA tensors in the group, else the CPU (the GPU branch through a seam: no GPU here)."""
-    from vescale_engine import device as dev
+    from vescale_engine.shard import collectives
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     for config, expected in (("cpu:gloo,cuda:nccl", torch.device("cuda", 3)),
                              ("nccl", torch.device("cuda", 3)),
                              ("gloo", torch.device("cpu")), ("cpu:gloo", torch.device("cpu"))):
         monkeypatch.setattr(dist, "get_backend_config", lambda group, c=config: c)
-        assert dev.default_device(object()) == expected, config
+        assert collectives.default_device(object()) == expected, config
 
 
 def test_the_rewind_restores_every_generator_the_init_draws_from(monkeypatch):

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from vescale_engine import model_plan, planner
-from vescale_engine.planner import (BufferLayout, PlanError, Placement, TensorSpec, UnitPlan,
-                                    _earliest_offset, _place, _runs, check_plan, plan_unit)
-from vescale_engine.granularity import parse_granularity
+from vescale_engine.plan import model_plan, planner
+from vescale_engine.plan.planner import (BufferLayout, PlanError, Placement, TensorSpec, UnitPlan,
+                                         _earliest_offset, _place, _runs, check_plan, plan_unit)
+from vescale_engine.plan.granularity import parse_granularity
 
 MODELS = "examples/models"
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import RankPool
-from vescale_engine.ragged import (
+from vescale_engine.shard.ragged import (
     RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate, ragged_to_root,
     root_to_ragged, shard_tensor,
 )

@@ -8,16 +8,17 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Granularity": "granularity", "parse_granularity": "granularity",
-    "TensorSpec": "planner", "plan_unit": "planner", "check_plan": "planner",
-    "PlanError": "planner",
-    "RaggedShard": "ragged",
+    "Granularity": "plan.granularity", "parse_granularity": "plan.granularity",
+    "TensorSpec": "plan.planner", "plan_unit": "plan.planner", "check_plan": "plan.planner",
+    "PlanError": "plan.planner",
+    "RaggedShard": "shard.ragged",
     "fully_shard": "fsdp", "MixedPrecisionPolicy": "fsdp", "no_sync": "fsdp",
     "gathered_parameters": "fsdp", "full_state_dict": "fsdp", "sharded_state_dict": "fsdp",
-    "load_hf_checkpoint": "hf_checkpoint", "save_hf_checkpoint": "hf_checkpoint",
+    "load_hf_checkpoint": "checkpoint.hf", "save_hf_checkpoint": "checkpoint.hf",
     "allocate_shards": "materialize",
-    "clip_grad_norm_": "clip", "global_grad_norm": "clip",
-    "add_config_arguments": "config", "initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat",
+    "clip_grad_norm_": "optim.clip", "global_grad_norm": "optim.clip",
+    "add_config_arguments": "engine.config", "initialize": "engine.engine",
+    "VeScaleEngine": "engine.engine", "patch_deepspeed": "engine.deepspeed_compat",
 }
 # `materialize` is a callable submodule: vescale_engine.materialize(model) initializes,
 # vescale_engine.materialize.allocate_shards(model) only allocates.

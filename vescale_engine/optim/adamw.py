@@ -60,6 +60,25 @@ class AdamW(torch.optim.Optimizer):
                        weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
         return loss
 
+    def checkpoint_state(self, create: bool) -> dict:
+        """The checkpoint interface (checkpoint.py): state is flat per buffer; each parameter's
+        is its slice of it (1-D views of its local numel) and the buffer's 0-d `step`."""
+        out = {}
+        for buf, _group, _decay, _members in self._buffers:
+            state = self.state.setdefault(buf.master, {})
+            if not state and create:
+                state.update(new_adamw_state(buf.master))
+            if not state:
+                continue
+            for group in self.param_groups:
+                for p in group["params"]:
+                    sp = p._vescale
+                    if sp.buffer is buf:
+                        start, end = buf.local_ranges[sp.index]
+                        out[p] = {"step": state["step"], "exp_avg": state["exp_avg"][start:end],
+                                  "exp_avg_sq": state["exp_avg_sq"][start:end]}
+        return out
+
 
 def new_adamw_state(p: torch.Tensor) -> dict:
     """Fresh AdamW state for flat tensor `p`, every tensor on p's device (torch's fused CUDA

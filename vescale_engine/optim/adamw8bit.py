@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint_dcp import CheckpointError, RaggedPiece
-from ..granularity import parse_granularity
-from ..optim_spec import ADAMW8BIT_BLOCK
+from ..checkpoint.dcp import CheckpointError, RaggedPiece
+from ..plan.granularity import parse_granularity
+from ..plan.optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
 from .flat import evaluate_closure, flat_buffers, stepped_members
 from .quantize import MAPS, BlockQuantizer, code_table

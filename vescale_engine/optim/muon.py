@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
-from ..ragged import RaggedShard
+from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
+from ..shard.ragged import RaggedShard
 from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..optim_spec import QUANT_CHUNK_ELEMENTS
+from ..plan.optim_spec import QUANT_CHUNK_ELEMENTS
 
 MAPS = ("dynamic", "linear")
 CHUNK_ELEMENTS = QUANT_CHUNK_ELEMENTS  # elements per chunk: ~80 MB of temporaries at most

@@ -2,8 +2,8 @@
 that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate). After it,
 `deepspeed.initialize` returns our engine when the config has a "vescale" section, and
 DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's;
-`deepspeed.zero.Init` builds on the meta device for such a config (zero_init; transformers'
-from_pretrained / from_config under it: hf_zero_init); and the per-parameter ZeRO-3 surface
+`deepspeed.zero.Init` builds on the meta device for such a config (init/zero.py; transformers'
+from_pretrained / from_config under it: init/hf_pretrained.py); and the per-parameter ZeRO-3 surface
 libraries read (`ds_status`, `ds_shape`, `GatheredParameters`, TRL's generation hooks) works on
 our sharded parameters (deepspeed_params)."""
 from __future__ import annotations
@@ -29,8 +29,8 @@ def patch_deepspeed() -> None:
     Accelerate unwrap our engine, make `deepspeed.zero.Init` build on meta for vescale
     configs, and give our parameters DeepSpeed's per-parameter surface (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are
     untouched."""
-    from . import deepspeed_params
-    from .zero_init import install as install_zero_init
+    from ..fsdp import deepspeed_params
+    from ..init.zero import install as install_zero_init
     _route_initialize()
     patch_accelerate_unwrap()
     patch_accelerate_state_dict()

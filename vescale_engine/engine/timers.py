@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .dbuffer import STATS
+from ..shard.dbuffer import STATS
 
 PHASES = ("forward", "backward", "communication", "optimizer")
 HOST_WAIT_LABEL = "communication (host wait)"

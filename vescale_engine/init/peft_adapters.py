@@ -1,4 +1,4 @@
-"""PEFT adapters added to a model that a vescale ZeRO-3 config built on meta (zero_init).
+"""PEFT adapters added to a model that a vescale ZeRO-3 config built on meta (init/zero.py).
 
 `get_peft_model` (and `add_adapter`) create each adapter on a real device with PEFT's own init
 (LoRA: kaiming A, zero B), then move it to the device of the layer it adapts. For a deferred
@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from .zero_init import MARK
+from .record import MARK
 
 _WRITTEN_FOR = "0.21"
 _WRAPPED = (("peft.tuners.tuners_utils", "BaseTunerLayer", "_move_adapter_to_device_of_base_layer",

@@ -29,13 +29,17 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import collectives
-from .dbuffer import STATS, DBuffer, release_free_host_memory
-from .granularity import parse_granularity
-from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
+from ..plan.granularity import parse_granularity
+from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
+from ..shard import collectives
+from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
+from ..shard.ragged import RaggedShard
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "no_sync", "gathered_parameters",
-           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of"]
+           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of",
+           # public within the package (fsdp/__init__ exports the names above to users)
+           "units_under", "meta_leftovers", "gather_full", "gathered_buffers", "GatheredBuffer",
+           "all_gather_master", "named_entries", "gather_to_rank0", "apply_caller"]
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class FSDPUnit:
                                  f"meta device but {real[0]} is on {real[1].device}; build the "
                                  "whole unit on meta (then vescale_engine.materialize) or on a "
                                  "real device")
-            # A deferred build (zero_init) plus tensors added after it with their values (PEFT
+            # A deferred build (init/zero.py) plus tensors added after it with their values (PEFT
             # adapters, new heads): planned on meta, the real values kept for allocate.
             devices = {torch.device("meta")}
         if len(devices) > 1:
@@ -740,13 +744,14 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
     return getattr(module, "_vescale_unit", None)
 
 
-def _units(module):
+def units_under(module):
+    """Every FSDP unit under `module` (itself included), in module order."""
     return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
 
 
 def sharded_parameters(module: nn.Module):
     """(fqn, ShardedParameter) for every managed parameter under `module`."""
-    for unit in _units(module):
+    for unit in units_under(module):
         for p in unit.params:
             yield p.fqn if unit.module is module else _qualify(module, unit.module, p.fqn), p
 
@@ -763,7 +768,7 @@ def no_sync(module: nn.Module):
     """Backward passes inside accumulate full gradients locally, without communication; the
     first backward after it reduce-scatters everything accumulated."""
     ctxs = set()
-    for unit in _units(module):
+    for unit in units_under(module):
         if unit.ctx is None:
             unit.ctx = _Context()
         ctxs.add(unit.ctx)
@@ -790,7 +795,7 @@ def gathered_parameters(module: nn.Module, writeback: bool = False, *, rank0_onl
         raise ValueError("gathered_parameters: writeback=True needs the full parameters on every "
                          "rank; it cannot be combined with rank0_only=True")
     keep = not rank0_only or dist.get_rank() == 0
-    full = _gather_full(module, keep, "host" if cpu_offload else "view")
+    full = gather_full(module, keep, "host" if cpu_offload else "view")
     faces = {p: nn.Parameter(value, requires_grad=p.requires_grad) for p, value in full.items()}
     for p, face in faces.items():
         p.register(face)
@@ -815,7 +820,7 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
     just one full buffer with `cpu_offload`. With `rank0_only` only global rank 0 gets the
     values; the other ranks take part in the gathers and get {}."""
     keep = not rank0_only or dist.get_rank() == 0
-    full = _gather_full(module, keep, "host" if cpu_offload else "clone")
+    full = gather_full(module, keep, "host" if cpu_offload else "clone")
     if not keep:
         return {}
     registered = {p: nn.Parameter(value, requires_grad=False) for p, value in full.items()}
@@ -837,11 +842,11 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
     return out
 
 
-def _gather_full(module, keep, mode) -> dict:
+def gather_full(module, keep, mode) -> dict:
     """{ShardedParameter: full value} for every managed parameter under `module` (empty when
     not `keep`); `gather_selected` says how."""
     require_materialized(module, "gathering full parameters")
-    return gather_selected([p for unit in _units(module) for p in unit.params], keep, mode)
+    return gather_selected([p for unit in units_under(module) for p in unit.params], keep, mode)
 
 
 def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict:
@@ -851,33 +856,94 @@ def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict
     "clone" copies on the device, "host" to CPU), and drop the buffer before gathering the
     next. `compute_dtype`: the values in the buffer's compute dtype (what forward computes
     with) instead of the master's."""
-    selected = {}
-    for p in params:
-        selected.setdefault(p.buffer, {})[p] = None
     out = {}
-    for buf, members in selected.items():
-        full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
-                           device=buf.master.device)
-        _all_gather_master(full, buf)
+    for gathered in gathered_buffers(params):
         if keep:
-            for p in members:  # no local keeps a view of `full` past this loop
-                out[p] = _copy_out(_value_in(full, buf, p, compute_dtype), mode)
-            _finish_host_copies(full.device, mode)
-        del full  # freed here unless "view" kept it as the parameters' storage
+            for p in gathered.members:  # no local keeps a view past the buffer's turn
+                out[p] = _copy_out(gathered.value(p, compute_dtype), mode)
+            _finish_host_copies(gathered.buffer.master.device, mode)
     return out
 
 
-def _value_in(full, buf, p, compute_dtype):
-    pl = buf.layout.placements[p.index]
-    value = full[pl.offset:pl.offset + pl.numel].view(p.shape)
-    if compute_dtype and buf.param_dtype != value.dtype:
-        value = value.to(buf.param_dtype)  # a copy: the buffer is not kept for it
-    return value
+class GatheredBuffer:
+    """One DBuffer's master all-gathered into a full tensor, valid while `gathered_buffers`
+    yields it (afterwards only views taken from it keep that tensor alive)."""
+
+    def __init__(self, buffer, members, full):
+        self.buffer, self.members, self.full = buffer, members, full
+
+    def value(self, p, compute_dtype=False):
+        """Parameter `p`'s full-shape value: a view of the gathered tensor (a copy in the
+        buffer's compute dtype with `compute_dtype`, when that differs)."""
+        pl = self.buffer.layout.placements[p.index]
+        value = self.full[pl.offset:pl.offset + pl.numel].view(p.shape)
+        if compute_dtype and self.buffer.param_dtype != value.dtype:
+            value = value.to(self.buffer.param_dtype)
+        return value
 
 
-def _all_gather_master(full, buf):
+def gathered_buffers(params):
+    """Yield a GatheredBuffer per DBuffer of `params`, one at a time, in the order `params`
+    first name them; each full tensor is dropped (unless a view of it was kept) before the
+    next is made. Every rank must run it to the end (one collective per buffer)."""
+    selected = {}
+    for p in params:
+        selected.setdefault(p.buffer, {})[p] = None
+    for buf, members in selected.items():
+        full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
+                           device=buf.master.device)
+        all_gather_master(full, buf)
+        gathered = GatheredBuffer(buf, list(members), full)
+        del full
+        try:
+            yield gathered
+        finally:
+            gathered.full = None  # the caller's reference no longer holds the storage
+
+
+def all_gather_master(full, buf):
     collectives.all_gather(full, buf.master, buf.shard_group, async_op=False,
                            native=buf.native)
+
+
+def named_entries(module) -> list:
+    """[(names, tensor)] for every parameter and persistent buffer of `module`, as
+    `state_dict` names them: a tied parameter once, with all its names. Managed parameters
+    appear as their 1-D sharded piece (`tensor._vescale` is the ShardedParameter)."""
+    groups = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            groups.setdefault(id(value), ([], value))[0].append(name)
+    return list(groups.values())
+
+
+def gather_to_rank0(module, dtype=None):
+    """Yield (names, source, value) for every parameter and persistent buffer of `module` on
+    global rank 0: `names` as `state_dict` gives them (a tied parameter once, with all its
+    names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
+    tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
+    all-gathered at a time and dropped before the next. The other ranks yield nothing, but every
+    rank must run the generator to its end (one collective per DBuffer)."""
+    rank0 = dist.get_rank() == 0
+
+    def copied(value):
+        value = value.detach()
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.to(device="cpu", dtype=cast, copy=True)
+
+    entries = named_entries(module)
+    names_of = {id(t): names for names, t in entries}
+    params = [p for unit in units_under(module) for p in unit.params]
+    for gathered in gathered_buffers(params):
+        if rank0:
+            for p in gathered.members:
+                names = names_of.get(id(p.sharded))
+                if names is not None:
+                    yield names, p.sharded, copied(gathered.value(p))
+    if rank0:
+        for names, tensor in entries:
+            if getattr(tensor, "_vescale", None) is None:
+                yield names, tensor, copied(tensor)
 
 
 def _pinned_staging(device) -> bool:
@@ -904,7 +970,6 @@ def _finish_host_copies(device, mode):
 def sharded_state_dict(module: nn.Module) -> dict:
     """{fqn: (local 1-D piece of the fp32 master, its RaggedShard)} for every managed parameter:
     what each rank checkpoints, with no communication."""
-    from .ragged import RaggedShard
     out = {}
     for fqn, p in sharded_parameters(module):
         placement = p.buffer.layout.placements[p.index]
@@ -955,7 +1020,7 @@ def _guarded_apply(self, fn, recurse=True):
 
 
 def _check_apply(module, fn):
-    call = _apply_caller(fn)
+    call = apply_caller(fn)
     for _, p in sharded_parameters(module):
         before = p.sharded
         try:
@@ -971,7 +1036,7 @@ def _check_apply(module, fn):
         raise RuntimeError(_apply_error(module, call, kind))
 
 
-def _apply_caller(fn) -> str:
+def apply_caller(fn) -> str:
     """The nn.Module method that made `fn` ('to', 'cuda', 'half', ...), from its qualname."""
     parts = getattr(fn, "__qualname__", "").split(".")
     return parts[1] if len(parts) > 2 and parts[0] == "Module" else "_apply"
@@ -993,7 +1058,7 @@ def _apply_error(module, call, kind) -> str:
 # ---------------------------------------------------------------------------------------------
 # Deferred (meta-device) initialization: what must hold before values are used.
 
-_DEFERRED_MARK = "_vescale_deferred"  # zero_init.MARK: set on what a deferred build made
+_DEFERRED_MARK = "_vescale_deferred"  # init/record.py's MARK: set on what a deferred build made
 
 
 def _deferred(param, registrations) -> bool:

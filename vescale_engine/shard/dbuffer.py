@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..plan.planner import BufferLayout
 from . import collectives
-from .planner import BufferLayout
 
 
 @dataclass

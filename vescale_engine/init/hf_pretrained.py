@@ -2,7 +2,7 @@
 
 With a stage-3 config in play (TrainingArguments(deepspeed=...), HfDeepSpeedConfig,
 Accelerate's DeepSpeed plugin) transformers builds every model inside `deepspeed.zero.Init`,
-which a vescale section turns into a build on the meta device (zero_init). Where DeepSpeed
+which a vescale section turns into a build on the meta device (init/zero.py). Where DeepSpeed
 would then gather each partition to write rank 0's values into it, these steps only record,
 and `initialize` does the work after wrapping, each rank holding its shard plus one module:
 
@@ -10,7 +10,7 @@ and `initialize` does the work after wrapping, each rank holding its shard plus 
   checkpoint's keys to the model's from the safetensors headers alone (transformers' key
   renames and base-model prefix applied; a shape mismatch fails in its loading report, as
   always) and records the resolved files and the key map (`PretrainedWeights`). `initialize`
-  loads each rank's own bytes (`hf_checkpoint.load_into`).
+  loads each rank's own bytes (`checkpoint.hf.load_into`).
 - What the checkpoint lacks (PreTrainedModel._initialize_missing_keys), and everything for
   `from_config` (integrations.deepspeed.initialize_weights_zero3), is initialized by
   `initialize` with the walk transformers' `initialize_weights` makes (each module's
@@ -20,7 +20,7 @@ and `initialize` does the work after wrapping, each rank holding its shard plus 
   `no_init_weights`).
 
 Those three are transformers' private names: `install` checks them (and the loading helpers
-used here) once and names the installed version if one is missing. zero_init installs this
+used here) once and names the installed version if one is missing. init/zero.py installs this
 at the first vescale Init that finds transformers imported: nothing here imports it first.
 """
 from __future__ import annotations
@@ -35,7 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import zero_init
+from ..checkpoint.hf import checkpoint_files, load_into, read_stored
+from ..fsdp.materialize import allocate_shards, init_unloaded
+from .peft_adapters import install as install_peft
+from .record import deferred_record, replayed_generator
 
 _WRITTEN_FOR = "5.24"
 _NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model"),
@@ -83,7 +86,6 @@ def record_checkpoint(model, record, state_dict, checkpoint_files, load_config):
     report transformers finishes with (missing keys are initialized at `initialize`)."""
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    from .hf_checkpoint import read_stored
     where = f"from_pretrained({load_config.pretrained_model_name_or_path!r}) under a vescale " \
             "config"
     unsupported = [name for name, value in (
@@ -192,7 +194,7 @@ def _dtype_of(model) -> torch.dtype:
 # -- initialize ---------------------------------------------------------------------------------
 
 def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None:
-    """`materialize.prepare_weights` for a model transformers built under a vescale config:
+    """`engine/weights.py`'s prepare_weights for a model transformers built under a vescale config:
     load the checkpoint from_pretrained recorded (what it lacks initialized as transformers
     would), or run from_config's init."""
     root = record.root
@@ -211,7 +213,6 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
             raise ValueError(f"vescale.hf_checkpoint {cfg.hf_checkpoint!r} and from_pretrained("
                              f"{pretrained.source!r}) name different weights for the model: "
                              "keep one")
-        from .hf_checkpoint import load_into
         names, to_init = _sources(module)
 
         def init_recorded(mod, unloaded):  # the others are given (real at wrap) or loaded
@@ -221,11 +222,9 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
                                   key_map=lambda key: names.get(key, f"{key} (not loaded)"),
                                   device=device, init_missing=init_recorded)
     elif cfg.hf_checkpoint:
-        from .hf_checkpoint import load_into
         record.loaded = load_into(module, cfg.hf_checkpoint, device=device,
                                   init_missing=init_missing)
     else:  # from_config: everything, as DeepSpeed's initialize_weights_zero3 would
-        from .materialize import allocate_shards
         names = [name for name, p in module.named_parameters(remove_duplicate=False)
                  if getattr(p, "_vescale", None) is None or p._vescale.initial is None] + \
             [name for name, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
@@ -285,11 +284,10 @@ def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
     (dispatched as its `smart_apply` does: the nearest PreTrainedModel's), children first,
     on the modules owning those tensors and their ancestors, with the loaded tensors marked
     `_is_hf_initialized` so that transformers' guarded init functions skip them (drawing
-    nothing), from the generator state the build started from (zero_init)."""
+    nothing), from the generator state the build started from (init/zero.py)."""
     from transformers.initialization import guard_torch_init_functions
     from transformers.modeling_utils import PreTrainedModel
 
-    from .materialize import init_unloaded
     pending = _registrations(module, names)
     owner_of, outer = {}, None
 
@@ -312,7 +310,7 @@ def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
         if owner is not None:
             owner._initialize_weights(mod, custom)
 
-    with zero_init.replayed_generator(record, device), guard_torch_init_functions():
+    with replayed_generator(record, device), guard_torch_init_functions():
         init_unloaded(module, names, init_fn=init_fn, ancestors=True)
 
 
@@ -344,7 +342,6 @@ def _prefix_of(root, module) -> str:
 
 
 def _same_checkpoint(path, files) -> bool:
-    from .hf_checkpoint import checkpoint_files
     try:
         named = checkpoint_files(path)[0]
     except (OSError, ValueError):
@@ -388,7 +385,6 @@ def install() -> None:
     integration = importlib.import_module("transformers.integrations.deepspeed")
     pretrained = modeling.PreTrainedModel
     if "peft" in sys.modules:  # adapters added to a deferred model keep their values
-        from .peft_zero_init import install as install_peft
         install_peft()
     if hasattr(pretrained._initialize_missing_keys, "__vescale_original__"):
         return
@@ -398,7 +394,7 @@ def install() -> None:
     @functools.wraps(original_load)
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
                                **kwargs):
-        record = zero_init.deferred_record(model)
+        record = deferred_record(model)
         if record is None:
             return original_load(model, state_dict, checkpoint_files, load_config, *args,
                                  **kwargs)
@@ -408,7 +404,7 @@ def install() -> None:
 
     @functools.wraps(original_missing)
     def _initialize_missing_keys(self, *args, **kwargs):
-        if zero_init.deferred_record(self) is None:
+        if deferred_record(self) is None:
             return original_missing(self, *args, **kwargs)
         return None  # initialize initializes them, after loading (init_like_transformers)
 
@@ -416,7 +412,7 @@ def install() -> None:
 
     @functools.wraps(original_zero3)
     def initialize_weights_zero3(model):
-        record = zero_init.deferred_record(model)
+        record = deferred_record(model)
         if record is None:
             return original_zero3(model)
         record.builder, record.root, record.init_like_transformers = "from_config", model, True

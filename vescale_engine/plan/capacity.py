@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from .granularity import parse_granularity
 from .model_plan import DTYPE_BYTES, ModelShapes, ShapesError
-from .optim_spec import (ADAMW8BIT_BLOCK, MUON_ROUNDS_IN_FLIGHT, OPTIMIZERS,
-                         QUANT_CHUNK_ELEMENTS, is_muon_matrix)
+from .optim_spec import (ADAMW8BIT_BLOCK, MUON_ROUNDS_IN_FLIGHT, OPTIMIZERS, QUANT_CHUNK_ELEMENTS,
+                         is_muon_matrix)
 from .planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, TensorSpec, plan_unit
 
 MASTER_BYTES = 4             # master weights, gradient shards and optimizer moments are fp32

@@ -10,8 +10,8 @@ import zlib
 
 import torch
 
-from .checkpoint_dcp import CheckpointError, RaggedPiece
-from .ragged import RaggedShard
+from ..shard.ragged import RaggedShard
+from .dcp import CheckpointError, RaggedPiece
 
 
 def sharded_params(module):
@@ -76,34 +76,11 @@ def optimizer_state(optimizer, create: bool, saved_info=_OWN) -> dict:
             create, optimizer.checkpoint_info() if saved_info is _OWN else saved_info)
     if hasattr(optimizer, "checkpoint_state"):
         return optimizer.checkpoint_state(create)
-    from .optim.adamw import AdamW
-    if isinstance(optimizer, AdamW):
-        return _vescale_adamw_state(optimizer, create)
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             out[p] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return out
-
-
-def _vescale_adamw_state(opt, create):
-    """Our AdamW keeps flat state per buffer; each parameter's state is its slice of it."""
-    from .optim.adamw import new_adamw_state
-    out = {}
-    for buf, _group, _decay, _probe in opt._buffers:
-        state = opt.state.setdefault(buf.master, {})
-        if not state and create:
-            state.update(new_adamw_state(buf.master))
-        if not state:
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                sp = p._vescale
-                if sp.buffer is buf:
-                    start, end = buf.local_ranges[sp.index]
-                    out[p] = {"step": state["step"], "exp_avg": state["exp_avg"][start:end],
-                              "exp_avg_sq": state["exp_avg_sq"][start:end]}
     return out
 
 

@@ -180,3 +180,16 @@ def _peers(rank: int, world: int) -> list[int]:
     """Every other rank, starting after this one: each rank talks to a different peer first,
     which spreads the traffic instead of everybody sending to rank 0 at once."""
     return [(rank + k) % world for k in range(1, world)]
+
+
+def default_device(group=None) -> torch.device:
+    """The device a process group's tensors live on when nobody said: the current CUDA device
+    when NCCL serves CUDA tensors in `group`, else the CPU (what `materialize(device=None)`
+    uses outside the engine; inside it, `engine.device`)."""
+    config = dist.get_backend_config(group if group is not None else dist.group.WORLD)
+    try:
+        if backend_for(config, "cuda") == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    except ValueError:  # no backend for CUDA tensors in this group
+        pass
+    return torch.device("cpu")

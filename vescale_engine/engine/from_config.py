@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from . import optim
+from .. import optim
 
 LOG = logging.getLogger("vescale_engine")
 

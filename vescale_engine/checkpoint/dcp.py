@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    StorageMeta, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .ragged import box_decomposition
+from ..shard.ragged import box_decomposition
 
 __all__ = ["CheckpointError", "RaggedPiece", "SavePlanner", "LoadPlanner", "SafeReader",
            "CrcWriter"]

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import checkpoint as ckpt
-from .checkpoint_dcp import CrcWriter
-from .checkpoint_state import fsync_dir, to_json, write_json
+from . import layout
+from .dcp import CheckpointError, CrcWriter
+from .entries import fsync_dir, to_json, write_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
 
@@ -60,7 +60,7 @@ def _load(path):
         with torch.serialization.safe_globals([(_Inert, name) for name in _DEEPSPEED_CLASSES]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: name it, one line
-        raise ckpt.CheckpointError(f"{path}: cannot read DeepSpeed checkpoint file "
+        raise CheckpointError(f"{path}: cannot read DeepSpeed checkpoint file "
                                    f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
 
 
@@ -79,7 +79,7 @@ def _rank_files(path):
     rank = lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1))
     files = sorted(files, key=rank)
     if not files or [rank(f) for f in files] != list(range(len(files))):
-        raise ckpt.CheckpointError(f"{path}: expected zero_pp_rank_0.._N-1 optim_states files, "
+        raise CheckpointError(f"{path}: expected zero_pp_rank_0.._N-1 optim_states files, "
                                    f"found {[os.path.basename(f) for f in files]}")
     return files
 
@@ -92,7 +92,7 @@ def read_zero(path):
     model = _load(model_file)
     for key in ("param_shapes", "module"):
         if key not in model:
-            raise ckpt.CheckpointError(f"{model_file}: no {key!r} entry; not a ZeRO checkpoint")
+            raise CheckpointError(f"{model_file}: no {key!r} entry; not a ZeRO checkpoint")
     optim = [_load(f)["optimizer_state_dict"] for f in _rank_files(path)]
     world = len(optim)
     stage = _stage(optim[0]["zero_stage"])
@@ -107,7 +107,7 @@ def read_zero(path):
             states = [o["base_optimizer_state"]["state"].get(g, {}) for o in optim]
             inner = optim[0]["base_optimizer_state"]
         else:
-            raise ckpt.CheckpointError(f"{path}: ZeRO stage {stage} has no sharded optimizer "
+            raise CheckpointError(f"{path}: ZeRO stage {stage} has no sharded optimizer "
                                        "state to import")
         groups.append({k: v for k, v in inner["param_groups"][g].items()
                        if k in ("lr", "betas", "eps", "weight_decay", "momentum")})
@@ -152,19 +152,19 @@ def _split(stage, world, shapes, parts, paddings, where):
             numel = math.prod(shape)
             each = -(-numel // world)
             if offset + each > parts[0].numel():
-                raise ckpt.CheckpointError(f"{where}: partitions end before {name}")
+                raise CheckpointError(f"{where}: partitions end before {name}")
             full = torch.cat([p[offset:offset + each] for p in parts])[:numel]
             yield name, full.view(tuple(shape)).clone()
             offset += each
         if any(p.numel() - offset > world * 2 for p in parts):  # more than alignment left over
-            raise ckpt.CheckpointError(f"{where}: {parts[0].numel() - offset} elements unused")
+            raise CheckpointError(f"{where}: {parts[0].numel() - offset} elements unused")
         return
     merged = torch.cat(list(parts))
     offset = 0
     for i, (name, shape) in enumerate(shapes.items()):
         numel = math.prod(shape)
         if offset + numel > merged.numel():
-            raise ckpt.CheckpointError(f"{where}: partitions end before {name}")
+            raise CheckpointError(f"{where}: partitions end before {name}")
         yield name, merged[offset:offset + numel].view(tuple(shape)).clone()
         offset += numel + (paddings[i] if paddings else 0)
 
@@ -180,14 +180,14 @@ def convert_zero(ds_dir, out_dir, tag=None) -> str:
     else:
         latest = os.path.join(ds_dir, "latest")
         if tag is None and not os.path.isfile(latest):
-            raise ckpt.CheckpointError(f"{ds_dir}: no 'latest' file and no model states file; "
+            raise CheckpointError(f"{ds_dir}: no 'latest' file and no model states file; "
                                        "not a DeepSpeed checkpoint")
         if tag is None:
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(ds_dir, tag)
         if not is_zero_checkpoint(path):
-            raise ckpt.CheckpointError(f"{path}: no {_MODEL_FILES[0]} or {_MODEL_FILES[1]}; not "
+            raise CheckpointError(f"{path}: no {_MODEL_FILES[0]} or {_MODEL_FILES[1]}; not "
                                        "a DeepSpeed ZeRO checkpoint")
     weights, moments, model, groups, stage = read_zero(path)
     write_converted(weights, moments, model, groups, stage, os.fspath(out_dir), tag)
@@ -207,7 +207,7 @@ def write_converted(weights, moments, model, groups, stage, out_dir, tag):
             sd[f"optim.state.{name}.{kind}"] = t
     steps = int(model.get("global_steps") or 0)
     accumulation = (model.get("ds_config") or {}).get("gradient_accumulation_steps")
-    state = {"format": ckpt.FORMAT, "tag": tag, "world_size": 1,
+    state = {"format": layout.FORMAT, "tag": tag, "world_size": 1,
              "global_steps": steps,
              "global_samples": int(model.get("global_samples") or 0),
              "micro_steps": steps * (accumulation if isinstance(accumulation, int) else 1),
@@ -230,9 +230,9 @@ def write_converted(weights, moments, model, groups, stage, out_dir, tag):
     writer = CrcWriter(partial, sync_files=True)
     dcp.save(sd, storage_writer=writer, no_dist=True)
     state["files"] = writer.records()
-    write_json(os.path.join(partial, ckpt.STATE_FILE), state)
+    write_json(os.path.join(partial, layout.STATE_FILE), state)
     fsync_dir(partial)
-    ckpt.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
+    layout.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
 
 
 # What DeepSpeed's model states file holds of its own; the rest is the client_state a script
@@ -253,7 +253,7 @@ def _client_state(model) -> dict:
             continue
         try:
             kept[key] = to_json(value, f"client_state[{key!r}]")
-        except ckpt.CheckpointError:
+        except CheckpointError:
             dropped.append(str(key))
     if dropped:
         LOG.warning("importing a DeepSpeed checkpoint: client_state entries %s are not plain "
@@ -273,7 +273,7 @@ def ensure_vescale_checkpoint(path, timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S)
     collective: converting a large checkpoint takes longer than a collective may wait (NCCL's
     watchdog would abort the job). They wait up to `timeout_s` (the config's
     vescale.checkpoint_import_timeout_s); rank 0's error, if any, is raised on every rank."""
-    if os.path.exists(os.path.join(path, ckpt.STATE_FILE)) or not is_zero_checkpoint(path):
+    if os.path.exists(os.path.join(path, layout.STATE_FILE)) or not is_zero_checkpoint(path):
         return path
     parent, tag = os.path.split(os.path.normpath(path))
     out = os.path.join(parent, f".{tag}.vescale")
@@ -289,19 +289,19 @@ def ensure_vescale_checkpoint(path, timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S)
             try:
                 store.wait([key], timedelta(seconds=timeout_s))
             except RuntimeError:  # DistStoreError: rank 0 died or is still converting
-                raise ckpt.CheckpointError(
+                raise CheckpointError(
                     f"{path}: rank 0 did not finish importing this DeepSpeed checkpoint within "
                     f"{timeout_s:g} s (vescale.checkpoint_import_timeout_s); raise it, or "
                     "convert once offline with `vescale convert-zero` and load the result") from None
             problem = store.get(key).decode()
     if problem:
-        raise ckpt.CheckpointError(problem)
+        raise CheckpointError(problem)
     return os.path.join(out, tag)
 
 
 def _import_once(path, out, tag) -> str | None:
     """Convert unless an earlier import did; the problem as one line, or None."""
-    if os.path.exists(os.path.join(out, tag, ckpt.STATE_FILE)):
+    if os.path.exists(os.path.join(out, tag, layout.STATE_FILE)):
         return None
     try:
         convert_zero(path, out, tag)

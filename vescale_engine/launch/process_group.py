@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .device import NCCL_WITH_CPU, adopt_group_device, device_of_rank
-from .launch_env import LaunchError, discover
+from .env import LaunchError, discover
 
 
 def join_process_group(timeout_s: float, create: bool = True) -> torch.device:

@@ -104,7 +104,6 @@ def _master_from_rank_zero(known_addr, known_port) -> tuple:
 
 def _mpi():
     # CUDA-aware MPI opens a context on the current GPU when it starts: pick this rank's first.
-    from .device import set_device_before_mpi
     set_device_before_mpi(os.environ)
     try:
         from mpi4py import MPI
@@ -138,3 +137,17 @@ def _int(env, name) -> int:
         return int(env[name])
     except ValueError:
         raise LaunchError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def set_device_before_mpi(env) -> None:
+    """Under an MPI launcher, make this rank's GPU current before MPI starts (CUDA-aware MPI
+    would otherwise open a context on GPU 0 in every rank)."""
+    from .device import device_of_rank  # torch: only under an MPI launch
+    try:
+        where = discover(env, use_mpi=False)  # the launcher's local rank, without MPI
+    except LaunchError:
+        return  # PMIx alone names no local rank before MPI: set after the group forms
+    backend, device = device_of_rank(where, env)
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(device)

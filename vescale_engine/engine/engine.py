@@ -11,24 +11,24 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from . import fsdp
+from ..checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+from ..checkpoint.sharded import load_checkpoint, save_checkpoint
+from ..fsdp import runtime as fsdp
+from ..init.zero import require_not_partitioned
+from ..launch.env import discover
+from ..launch.process_group import join_process_group
+from ..optim.clip import clip_grad_norm_, global_grad_norm
 from . import loss_scaler as scaling
-from .clip import clip_grad_norm_, global_grad_norm
 from .config import EngineConfig, build_config
-from .deepspeed_surface import DeepSpeedSurface
-from .device import place_model
-from .distributed import join_process_group
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
                           rebuild_optimizer, resolve_named_parameters)
-from .hf_checkpoint import guard_save_pretrained
-from .launch_env import discover
-from .materialize import prepare_weights
 from .monitor import Monitors, PendingScalars
 from .progress import Progress
+from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
+from .weights import guard_save_pretrained, place_model, prepare_weights
 from .wrap import device_mesh, wrap_model
-from .zero_init import require_not_partitioned
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -39,7 +39,10 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     """What DeepSpeed scripts call: engine(...), backward (or plain loss.backward()), step,
     no_sync, train/eval, destroy, counters. What Hugging Face Trainer and Accelerate call
     besides (the accumulation boundary they set, 16-bit state dicts, attribute forwarding to
-    the model) comes from DeepSpeedSurface (deepspeed_surface.py)."""
+    the model) comes from DeepSpeedSurface (surface.py)."""
+
+    # What lower modules test to unwrap an engine (`.module`) without importing this one.
+    is_vescale_engine = True
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
                  device: torch.device):
@@ -282,25 +285,21 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                         exclude_frozen_parameters=False):
         """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
-        from .checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
-        from .checkpoint import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
-        """Hugging Face safetensors weights into the shards (hf_checkpoint.load_hf_checkpoint)."""
-        from .hf_checkpoint import load_hf_checkpoint
+        """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
     def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
-        """The model as a Hugging Face checkpoint (hf_checkpoint.save_hf_checkpoint)."""
-        from .hf_checkpoint import save_hf_checkpoint
+        """The model as a Hugging Face checkpoint (checkpoint.hf.save_hf_checkpoint)."""
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def fp16_enabled(self) -> bool:
@@ -378,7 +377,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     guard_save_pretrained(module)  # its own state_dict() now holds flat pieces
     if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
         # random init draws from the generator as the caller left it (or, for a model built
-        # inside a vescale zero.Init, as it was at the build: zero_init)
+        # inside a vescale zero.Init, as it was at the build: init/zero.py)
         prepare_weights(module, cfg, device)
     fsdp.require_materialized(module, "initialize")
     if cfg.seed is not None:  # after init (wrapping draws nothing): same stream either way

@@ -19,7 +19,6 @@ shard plus one gathered buffer.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -29,10 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import fsdp
+from ..fsdp import runtime as fsdp
+from ..fsdp.materialize import allocate_shards, init_unloaded
+from .entries import fsync_dir
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
-__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "gather_to_rank0", "LoadResult",
+__all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "LoadResult",
            "HFCheckpointError", "INDEX_NAME", "SINGLE_NAME", "STAGING_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -144,20 +145,8 @@ def read_stored(path) -> tuple[dict, int, int]:
 
 def _module_of(module_or_engine) -> nn.Module:
     """The model: an engine's `.module`, or the module itself."""
-    from .engine import VeScaleEngine
-    return module_or_engine.module if isinstance(module_or_engine, VeScaleEngine) \
-        else module_or_engine
-
-
-def _named_entries(module) -> list:
-    """[(names, tensor)] for every parameter and persistent buffer of `module`, as
-    `state_dict` names them: a tied parameter once, with all its names. Managed parameters
-    appear as their 1-D sharded piece (`tensor._vescale` is the ShardedParameter)."""
-    groups = {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.Tensor):
-            groups.setdefault(id(value), ([], value))[0].append(name)
-    return list(groups.values())
+    engine = getattr(type(module_or_engine), "is_vescale_engine", False)
+    return module_or_engine.module if engine else module_or_engine
 
 
 def _global_shape(tensor) -> tuple:
@@ -190,7 +179,7 @@ def _match(module, stored: dict, strict: bool, path) -> tuple[list, list, list]:
     """([(model name, _Stored)] to load, missing, unexpected); every problem that stops the
     load is raised here, in one message, before any byte is read."""
     plan, missing, used, mismatched = [], [], set(), []
-    for names, tensor in _named_entries(module):
+    for names, tensor in fsdp.named_entries(module):
         found = [n for n in names if n in stored]
         if not found:
             missing.append(names[0])
@@ -271,7 +260,7 @@ class _RangeReader:
 
 def _load(module, plan, result):
     """Read every planned tensor: sharded parameters their own range, the rest whole."""
-    targets = {names[0]: tensor for names, tensor in _named_entries(module)}
+    targets = {names[0]: tensor for names, tensor in fsdp.named_entries(module)}
     reader = _RangeReader()
     try:
         with torch.no_grad():
@@ -296,7 +285,7 @@ def _load(module, plan, result):
 
 
 def _on_meta(module) -> list:
-    return [names[0] for names, tensor in _named_entries(module) if tensor.is_meta]
+    return [names[0] for names, tensor in fsdp.named_entries(module) if tensor.is_meta]
 
 
 def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
@@ -315,12 +304,11 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
         # What the file cannot hold (non-persistent buffers such as rotary inv_freq) and, with
         # strict=False, its missing keys are initialized by their modules after the load.
         loaded = {name for name, _ in plan}
-        given = {name for names, t in _named_entries(module) for name in names
+        given = {name for names, t in fsdp.named_entries(module) for name in names
                  if getattr(getattr(t, "_vescale", None), "initial", None) is not None}
         # (`given`: real at wrap time, in a unit planned on meta: allocate writes that value)
         unloaded = sorted(({name for name, b in module.named_buffers(remove_duplicate=False)
                             if b.is_meta and name not in loaded} | set(missing)) - given)
-        from .materialize import allocate_shards
         allocate_shards(module, device=device)
         still = _on_meta(module)
         if still:
@@ -328,9 +316,7 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
                                     "allocate_shards (not managed by fully_shard)")
     _load(module, plan, result)
     if unloaded:
-        if init_missing is None:
-            from .materialize import init_unloaded as init_missing
-        init_missing(module, unloaded)
+        (init_missing or init_unloaded)(module, unloaded)
     return result
 
 
@@ -423,7 +409,6 @@ class _ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self):
-        from .checkpoint_state import fsync_dir
         self.flush()
         count = len(self.written)
         names = [SINGLE_NAME] if count == 1 else \
@@ -479,41 +464,6 @@ def _write_configs(module, path, dtype):
         generation.save_pretrained(path)
 
 
-def gather_to_rank0(module, dtype=None):
-    """Yield (names, source, value) for every parameter and persistent buffer of `module` on
-    global rank 0: `names` as `state_dict` gives them (a tied parameter once, with all its
-    names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
-    tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
-    all-gathered at a time and dropped before the next. The other ranks yield nothing, but every
-    rank must run the generator to its end (one collective per DBuffer)."""
-    rank0 = dist.get_rank() == 0
-
-    def copied(value):
-        value = value.detach()
-        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        return value.to(device="cpu", dtype=cast, copy=True)
-
-    entries = _named_entries(module)
-    names_of = {id(t): names for names, t in entries}
-    for unit in fsdp._units(module):
-        for buf in unit.buffers:
-            full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
-                               device=buf.master.device)
-            fsdp._all_gather_master(full, buf)
-            if rank0:
-                for p in unit.params:
-                    names = names_of.get(id(p.sharded))
-                    if p.buffer is buf and names is not None:
-                        pl = buf.layout.placements[p.index]
-                        yield names, p.sharded, copied(
-                            full[pl.offset:pl.offset + pl.numel].view(p.shape))
-            del full
-    if rank0:
-        for names, tensor in entries:
-            if getattr(tensor, "_vescale", None) is None:
-                yield names, tensor, copied(tensor)
-
-
 def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB") -> None:
     """Write the sharded module as a Hugging Face checkpoint `from_pretrained` loads:
     `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json` (or one
@@ -531,7 +481,7 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
         raise OSError(problem[0])
 
     writer = _ShardWriter(path, limit) if rank0 else None
-    for names, _source, value in gather_to_rank0(module, out_dtype):
+    for names, _source, value in fsdp.gather_to_rank0(module, out_dtype):
         name = _saved_names(module, names)
         if name is not None:
             writer.add(name, value)
@@ -539,26 +489,3 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
         writer.finish()
         _write_configs(module, path, out_dtype)
     dist.barrier()
-
-
-def guard_save_pretrained(model) -> None:
-    """A Hugging Face model's own `save_pretrained(dir)` reads `state_dict()`, which for a
-    sharded model holds each rank's flat pieces: the file would not load. Without a state_dict
-    it is therefore an error saying what to pass; with one (Trainer's save_model, Accelerate's
-    get_state_dict pattern) it runs as written."""
-    save = getattr(model, "save_pretrained", None)
-    if save is None or getattr(save, "__vescale_guarded__", False):
-        return
-
-    @functools.wraps(save)
-    def save_pretrained(*args, state_dict=None, **kwargs):
-        if state_dict is None:
-            raise ValueError(
-                f"{type(model).__name__}.save_pretrained without state_dict= would write each "
-                "rank's flat shard pieces: pass state_dict=accelerator.get_state_dict(engine) "
-                "(or engine._zero3_consolidated_16bit_state_dict(), on every rank; rank 0 "
-                "saves), or call vescale_engine.save_hf_checkpoint(engine, dir) on every rank")
-        return save(*args, state_dict=state_dict, **kwargs)
-
-    save_pretrained.__vescale_guarded__ = True
-    model.save_pretrained = save_pretrained

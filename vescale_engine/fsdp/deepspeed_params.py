@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import runtime as fsdp
+
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
 
@@ -127,7 +129,6 @@ class GatheredShards:
                 "(vescale.wrap_policy)")
 
     def __enter__(self):
-        from . import fsdp
         patch_trl_generation()  # TRL calls remove_hooks right after gathering
         todo = []
         for p, sp in self.requested:
@@ -245,8 +246,7 @@ def _callers(limit: int = 3) -> str:
 def suspend_hooks(module: nn.Module) -> None:
     """The units' forward hooks under `module` do nothing until `resume_hooks` (their places
     among other hooks kept): forwards compute with what the modules hold."""
-    from . import fsdp
-    for unit in fsdp._units(module):
+    for unit in fsdp.units_under(module):
         if unit.__dict__.get("_suspended"):
             continue
         saved = []
@@ -260,8 +260,7 @@ def suspend_hooks(module: nn.Module) -> None:
 
 
 def resume_hooks(module: nn.Module) -> None:
-    from . import fsdp
-    for unit in fsdp._units(module):
+    for unit in fsdp.units_under(module):
         for hooks, key, hook in unit.__dict__.pop("_suspended", None) or ():
             hooks[key] = hook
 
@@ -291,8 +290,7 @@ def _for_our_engine(original, ours):
 
     @functools.wraps(original)
     def patched(model, *args, **kwargs):
-        from .engine import VeScaleEngine
-        if isinstance(model, VeScaleEngine):
+        if getattr(type(model), "is_vescale_engine", False):  # our engine: hooks of its units
             return ours(model.module)
         return original(model, *args, **kwargs)
     patched.__vescale_original__ = original

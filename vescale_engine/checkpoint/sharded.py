@@ -29,9 +29,10 @@ loading can write into the returned views; an optional `optimizer.checkpoint_sta
 runs after loading (e.g. to convert from other quantization blocks). An optimizer with
 `checkpoint_info()` (plain data on its state's format, kept in vescale_state.json) gets
 `checkpoint_state(create, saved_info)`: its own info when saving, the checkpoint's on load.
-Our AdamW and torch's element-wise optimizers (AdamW, Adam, SGD, ...) need no such method
-(checkpoint_state.py adapts them). Modules: checkpoint_dcp.py (pieces as DCP chunks),
-checkpoint_state.py (named entries, plain data), checkpoint_zero.py (DeepSpeed import).
+Every optimizer in vescale_engine.optim implements it; torch's element-wise optimizers (AdamW,
+Adam, SGD, ...) need no such method (entries.py adapts them). Modules: dcp.py (pieces as DCP
+chunks), entries.py (named entries, plain data), layout.py (the directory layout and its atomic
+publication), zero.py (DeepSpeed import).
 """
 from __future__ import annotations
 
@@ -46,19 +47,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .checkpoint_dcp import (CheckpointError, CrcWriter, LoadPlanner, RaggedPiece, SafeReader,
-                             SavePlanner)
-from .checkpoint_state import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
-                               optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
-                               sharded_params, to_json, write_json)
+from .dcp import CheckpointError, CrcWriter, LoadPlanner, RaggedPiece, SafeReader, SavePlanner
+from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
+                      optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
+                      sharded_params, to_json, write_json)
+from .layout import FORMAT, LATEST_FILE, STATE_FILE, publish
+from .safetensors_format import save_file
+from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
            "STATE_FILE", "LATEST_FILE"]
 
 LOG = logging.getLogger("vescale_engine")
-FORMAT = "vescale-dcp/1"
-STATE_FILE = "vescale_state.json"
-LATEST_FILE = "latest"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,27 +142,6 @@ def _frozen_keys(params) -> list:
     return [f"model.{name}" for p, names in params if not p.requires_grad for name in names]
 
 
-def publish(save_dir, partial, final, tag, save_latest):
-    """Make the finished checkpoint visible, then point `latest` at it: renames only."""
-    if os.path.exists(final):  # saving a tag again replaces it
-        old = os.path.join(save_dir, f".{tag}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, final)
-    fsync_dir(save_dir)
-    if save_latest:
-        tmp = os.path.join(save_dir, f".{LATEST_FILE}.tmp")
-        with open(tmp, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(save_dir, LATEST_FILE))
-        fsync_dir(save_dir)
-
-
 # ---------------------------------------------------------------------------------------------
 # Load.
 
@@ -196,7 +175,6 @@ def _holds_safetensors(load_dir) -> bool:
 def read_state(path) -> dict:
     file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(file):
-        from .checkpoint_zero import is_zero_checkpoint
         hint = (" (a DeepSpeed ZeRO checkpoint: convert it with `vescale convert-zero`)"
                 if is_zero_checkpoint(path) else "")
         raise CheckpointError(f"{file} is missing: not a vescale checkpoint{hint}")
@@ -322,8 +300,7 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, sav
     """Entries to load the optimizer state into: our interface's views where the optimizer
     defines its state, else state made for the names the checkpoint holds (torch optimizers)."""
     saved = {k for k in metadata.state_dict_metadata if k.startswith("optim.state.")}
-    from .optim.adamw import AdamW
-    own = hasattr(optimizer, "checkpoint_state") or isinstance(optimizer, AdamW)
+    own = hasattr(optimizer, "checkpoint_state")
     if not own:  # torch optimizers: make the state the checkpoint has, then fill it
         by_param = {}
         for p, names in params:
@@ -366,7 +343,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST_FILE)} not found, "
                       "nothing to load", stacklevel=3)
         return None, None
-    from .checkpoint_zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint
     wait_s = getattr(getattr(engine, "engine_config", None), "checkpoint_import_timeout_s",
                      DEFAULT_IMPORT_TIMEOUT_S)
     path = ensure_vescale_checkpoint(path, wait_s)
@@ -458,7 +434,6 @@ def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
 def _write_state_dict(full, out):
     tmp = f"{out}.tmp"
     if out.endswith(".safetensors"):
-        from .safetensors_format import save_file
         save_file(full, tmp, metadata={"format": "pt"})  # separate tensors, none shared
     elif out.endswith(".pt") or out.endswith(".pth") or out.endswith(".bin"):
         torch.save(full, tmp)

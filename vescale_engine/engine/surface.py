@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..fsdp import runtime as fsdp
+
 LOG = logging.getLogger("vescale_engine")
 
 class DeepSpeedSurface:
@@ -46,9 +48,8 @@ class DeepSpeedSurface:
         the compute dtype (bf16/fp16 when enabled, else fp32), as DeepSpeed's. Collective: every
         rank calls it. One DBuffer is gathered at a time, so no rank ever holds the whole model
         on its device; rank 0 holds it on the host, as DeepSpeed's does."""
-        from .hf_checkpoint import gather_to_rank0
         out = OrderedDict()
-        for names, source, value in gather_to_rank0(self.module, self._compute_dtype()):
+        for names, source, value in fsdp.gather_to_rank0(self.module, self._compute_dtype()):
             if exclude_frozen_parameters and isinstance(source, nn.Parameter) and \
                     not source.requires_grad:
                 continue

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import fsdp, optim
+from .. import optim
+from ..fsdp import runtime as fsdp
 
 LOG = logging.getLogger("vescale_engine")
 

@@ -5,15 +5,15 @@ enters it for every model it builds under a ZeRO-3 config (`from_pretrained`, `f
 and plain scripts write `with deepspeed.zero.Init(config_dict_or_path=cfg): model = Net()`.
 After `patch_deepspeed()`, a config with a "vescale" section makes it a context that builds on
 `meta` instead: shapes only, no storage, no random numbers drawn. `initialize` wraps the model,
-then gives it values shard by shard (`materialize.prepare_weights`), so no rank ever holds the
-whole model. Without a vescale section DeepSpeed's own Init runs, unchanged.
+then gives it values shard by shard (engine/weights.py's prepare_weights), so no rank ever
+holds the whole model. Without a vescale section DeepSpeed's own Init runs, unchanged.
 
 Every module that registers a tensor inside the context carries its `DeferredInit` record:
 - the generator state at entry: `initialize` draws the init from it (and gives the caller's
   state back), so the values are those of a build at that point, as with DeepSpeed, which
   initializes inside the context, whatever the script drew in between;
-- what transformers recorded about the build (hf_zero_init: the checkpoint `from_pretrained`
-  resolved, or that `from_config` wants its own init).
+- what transformers recorded about the build (init/hf_pretrained.py: the checkpoint
+  `from_pretrained` resolved, or that `from_config` wants its own init).
 On those modules `.to(device)` / `.cuda()` wait for `initialize` (which places the model),
 dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.GatheredParameters`
 on their parameters once the build is over is an error naming the caller: there is nothing to
@@ -31,27 +31,14 @@ import os
 import sys
 import types
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-MARK = "_vescale_deferred"  # attribute of the modules and parameters built inside: the record
-
-
-@dataclass(eq=False)
-class DeferredInit:
-    """One `with deepspeed.zero.Init(...)` under a vescale config, and what it built."""
-    config: dict
-    rng: tuple                       # materialize.rng_state(...) when the build started
-    builder: str | None = None       # "from_pretrained" / "from_config": transformers built it
-    root: nn.Module | None = None    # the model transformers built (set by hf_zero_init)
-    pretrained: object = None        # hf_zero_init.PretrainedWeights, from from_pretrained
-    init_like_transformers: bool = False  # from_config: initialize_weights' walk, deferred
-    loaded: object = None            # hf_checkpoint.LoadResult of initialize's load (this rank)
-
-    def __deepcopy__(self, memo):
-        return self  # a copy of a deferred module (PEFT's modules_to_save) is of this build
+from ..fsdp.deepspeed_params import GatheredShards, sharded_of
+from ..fsdp.materialize import rng_state
+from ..fsdp.runtime import apply_caller
+from .record import MARK, DeferredInit
 
 
 # -- the context --------------------------------------------------------------------------------
@@ -70,13 +57,12 @@ class MetaInit:
         self._stack = None
         self._builder = _transformers_builder()
         if "transformers.modeling_utils" in sys.modules:  # the steps after the build
-            from .hf_zero_init import install
+            from .hf_pretrained import install
             install()
 
     def __enter__(self):
         if not self.enabled:  # DeepSpeed's enabled=False: an ordinary build
             return self
-        from .materialize import rng_state
         self.record = DeferredInit(self.config, rng_state(_generator_devices()),
                                    builder=self._builder)
         stack = contextlib.ExitStack()
@@ -201,36 +187,6 @@ def _config_of(arguments: dict) -> dict | None:
 
 # -- the model, later ---------------------------------------------------------------------------
 
-def deferred_record(module: nn.Module) -> DeferredInit | None:
-    """The record of the vescale zero.Init that built `module` (or a part of it) while some of
-    it is still on meta; None otherwise. Parts built by separate contexts are an error."""
-    from .fsdp import meta_leftovers
-    records = {id(r): r for m in module.modules() if (r := m.__dict__.get(MARK)) is not None}
-    if not records or not meta_leftovers(module):
-        return None
-    if len(records) > 1:
-        raise ValueError(f"{type(module).__name__} was built in {len(records)} separate "
-                         "deepspeed.zero.Init contexts: build it in one, or initialize each "
-                         "part on its own")
-    return next(iter(records.values()))
-
-
-@contextlib.contextmanager
-def replayed_generator(record: DeferredInit | None, device):
-    """Inside, the generators draw from where they were when `record`'s build started (no
-    change for None); afterwards they are as the caller left them."""
-    if record is None:
-        yield
-        return
-    from .materialize import rng_state, set_rng_state
-    current = rng_state({torch.device(device), *record.rng[1]})
-    set_rng_state(record.rng)
-    try:
-        yield
-    finally:
-        set_rng_state(current)
-
-
 def require_not_partitioned(model: nn.Module) -> None:
     """A model DeepSpeed's own zero.Init partitioned (its Init got no vescale config) cannot be
     trained by vescale: say so before wrapping fails on empty tensors."""
@@ -252,8 +208,7 @@ def _deferred_apply(self, fn, recurse=True):
     is an error. Tensors that have values already go through `fn` as usual."""
     if getattr(fn, "_vescale_adapted", False):  # adapted by a parent's call
         return type(self)._apply(self, fn, recurse)
-    from .fsdp import _apply_caller
-    call = _apply_caller(fn)
+    call = apply_caller(fn)
     where = f"{type(self).__name__}.{call}(...) on a model built under deepspeed.zero.Init " \
             "with a vescale config"
     if call == "to_empty":
@@ -323,7 +278,6 @@ def _patched_gathered_parameters(original):
                             enabled=enabled)
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _refuse_gathering(params)
-        from .deepspeed_params import GatheredShards, sharded_of
         ours = [p for p in params if sharded_of(p) is not None]
         if not ours:
             return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module)
@@ -337,7 +291,7 @@ def _patched_gathered_parameters(original):
 
 def install() -> None:
     """`deepspeed.zero.Init` and `GatheredParameters` as the module docstring says
-    (idempotent). The transformers steps (hf_zero_init) install themselves at the first
+    (idempotent). The transformers steps (init/hf_pretrained.py) install themselves at the first
     vescale Init that finds transformers imported."""
     import deepspeed
     zero = deepspeed.zero

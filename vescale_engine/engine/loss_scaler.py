@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
-from .clip import clip_coefficient, global_grad_norm, scale_gradients_
+from ..optim.clip import clip_coefficient, global_grad_norm, scale_gradients_
 
 LOG = logging.getLogger("vescale_engine")
 

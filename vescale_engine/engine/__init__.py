@@ -1,0 +1,19 @@
+"""The DeepSpeed-compatible engine, the one composition root: initialize and VeScaleEngine
+(engine.py: backward/step semantics, accumulation, fp16 skip-on-overflow), the typed config
+(config.py), optimizer/scheduler from the config (from_config.py), the wrap policy (wrap.py),
+what Trainer/Accelerate call besides the loop (surface.py), where the model's weights go and
+come from (weights.py), fp16 loss scaling, timers, monitors, progress, and patch_deepspeed
+(deepspeed_compat.py). It may import every layer below; nothing below imports it. Names load
+lazily, so `engine.config` stays free of torch.
+"""
+import importlib
+
+_LAZY = {"initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,92 @@
+"""The model's weights in `initialize`: where the model goes before wrapping, where its values
+come from after, and the guard on a Hugging Face model's own `save_pretrained`.
+
+`place_model` moves a CPU model to the rank's device (a meta model stays on meta);
+`prepare_weights` is initialize's one choice of weight source (a transformers build under a
+vescale zero.Init, the config's `vescale.hf_checkpoint`, or `materialize`'s init). It composes
+the lower layers (fsdp, materialize, checkpoint.hf, the zero.Init record); they must not know
+about it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..checkpoint.hf import load_into
+from ..fsdp.materialize import materialize
+from ..fsdp.runtime import meta_leftovers
+from ..init.hf_pretrained import prepare_transformers_weights
+from ..init.record import deferred_record, replayed_generator
+from ..launch.device import DeviceError
+
+__all__ = ["place_model", "prepare_weights", "guard_save_pretrained"]
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move a CPU model to this rank's GPU before wrapping (as DeepSpeed's engine does). A
+    model on meta stays there (initialize materializes it after wrapping); a model that mixes
+    meta with real tensors (unless a vescale zero.Init built it: then the real ones, added
+    after the build, move), or sits on another device than this rank's, is an error."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    meta = [name for name, tensor in named if tensor.device.type == "meta"]
+    if meta and len(meta) < len(named) and deferred_record(model) is not None:
+        # built under a vescale zero.Init, then given real tensors (PEFT adapters, a new head):
+        # those move (the deferred modules' own wait for initialize: init/zero.py)
+        return model.to(device) if device.type == "cuda" else model
+    if meta and len(meta) < len(named):
+        real = next((name, t.device) for name, t in named if t.device.type != "meta")
+        raise DeviceError(f"{meta[0]} is on the meta device but {real[0]} is on {real[1]}: "
+                          "build the whole model on meta (initialize materializes it) or on CPU")
+    if meta:
+        return model
+    for name, tensor in named:
+        where = tensor.device
+        if where != device and not (where.type == "cpu" and device.type == "cuda"):
+            raise DeviceError(f"{name} is on {where} but this rank's device is {device}: build "
+                              f"the model on CPU, or on {device} (engine.device)")
+    return model.to(device) if device.type == "cuda" else model
+
+
+def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
+    """`initialize`'s one place for the weights, before the optimizer is built, first match:
+    a model transformers built under a vescale ZeRO-3 config (init/hf_pretrained.py: the checkpoint
+    `from_pretrained` recorded, or `from_config`'s init); the checkpoint `vescale.hf_checkpoint`
+    names (a meta model gets its shards allocated and filled; what the file lacks is
+    initialized by its modules); else, for a model wrapped on meta, random init by
+    `materialize`, drawing from the generator as the caller left it, or, for a model built
+    inside `deepspeed.zero.Init` (init/zero.py), as it was when the build started."""
+    record = deferred_record(module)
+    if record is not None and record.builder is not None:
+        prepare_transformers_weights(module, record, cfg, device)
+    elif cfg.hf_checkpoint:
+        load_into(module, cfg.hf_checkpoint, device=device)
+    elif meta_leftovers(module):
+        with replayed_generator(record, device):
+            materialize(module, device)
+
+
+
+
+def guard_save_pretrained(model) -> None:
+    """A Hugging Face model's own `save_pretrained(dir)` reads `state_dict()`, which for a
+    sharded model holds each rank's flat pieces: the file would not load. Without a state_dict
+    it is therefore an error saying what to pass; with one (Trainer's save_model, Accelerate's
+    get_state_dict pattern) it runs as written."""
+    save = getattr(model, "save_pretrained", None)
+    if save is None or getattr(save, "__vescale_guarded__", False):
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(*args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ValueError(
+                f"{type(model).__name__}.save_pretrained without state_dict= would write each "
+                "rank's flat shard pieces: pass state_dict=accelerator.get_state_dict(engine) "
+                "(or engine._zero3_consolidated_16bit_state_dict(), on every rank; rank 0 "
+                "saves), or call vescale_engine.save_hf_checkpoint(engine, dir) on every rank")
+        return save(*args, state_dict=state_dict, **kwargs)
+
+    save_pretrained.__vescale_guarded__ = True
+    model.save_pretrained = save_pretrained

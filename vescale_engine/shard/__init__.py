@@ -1,0 +1,10 @@
+"""Sharding and its storage: RaggedShard (block ranges of one tensor over the ranks,
+redistribution, gather-on-root, DCP boxes), the two collectives (all-gather and reduce-scatter:
+native, or gloo point-to-point; how gradients are averaged; a group's default device) and
+DBuffer (one flat buffer per BufferLayout: master, gradient and full storage, only while
+needed). Must not know about modules, hooks, optimizers or the config.
+"""
+from .dbuffer import DBuffer
+from .ragged import RaggedShard
+
+__all__ = ["RaggedShard", "DBuffer"]
