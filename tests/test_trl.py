@@ -28,8 +28,8 @@ import os
 import pytest
 import torch
 
-from dist_harness import RankPool
-from test_hf_trainer import _recorder, _reset_global_state, _start_script, config
+from test_hf_trainer import (_recorder, _reset_global_state, _start_script, config,
+                             pool)  # noqa: F401  (pool: its fixture, the ranks started once)
 
 WORLD = 2
 VOCAB = 128
@@ -149,13 +149,6 @@ def trl_rank(rank, world, model_dir, out_dir, cfg, case):
 
 
 # ----------------------------------------------------------------------------- the runs
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
