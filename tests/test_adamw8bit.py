@@ -12,7 +12,7 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool, value_errors
 from vescale_engine import initialize
-from vescale_engine.fsdp.runtime import full_state_dict, fully_shard, sharded_parameters
+from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.optim import AdamW8bit, sharding_granularity
 from vescale_engine.optim.adamw8bit import fp32_adamw_state_bytes
 from vescale_engine.optim.quantize import BlockQuantizer, code_table

@@ -69,7 +69,7 @@ def train(engine, rank, world, steps):
 
 
 def full_weights(engine):
-    from vescale_engine.fsdp.runtime import full_state_dict
+    from vescale_engine.fsdp import full_state_dict
     return full_state_dict(engine.module)
 
 
@@ -482,7 +482,7 @@ def deepspeed_train_and_save(rank, world, ds_dir, stage, freeze=(), exclude_froz
 
 
 def resume_from_deepspeed(rank, world, ds_dir):
-    from vescale_engine.fsdp.runtime import sharded_state_dict
+    from vescale_engine.fsdp import sharded_state_dict
     from vescale_engine.shard.ragged import ragged_to_replicate
     engine = make_engine(world, "torch", scheduler=False)
     path, client = engine.load_checkpoint(ds_dir)  # a ZeRO directory, imported on the fly

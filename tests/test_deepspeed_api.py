@@ -23,7 +23,7 @@ import torch
 import fsdp_models as fm
 from dist_harness import RankPool
 from vescale_engine import initialize
-from vescale_engine.fsdp.runtime import full_state_dict
+from vescale_engine.fsdp import full_state_dict
 
 MICRO, ACCUM, STEPS = 3, 2, 3
 CLIP = 0.5
@@ -256,8 +256,9 @@ def test_model_parameters_with_every_optimizer(pool, kind):
 def consolidated_rank(rank, world, out_dir):
     """bf16 with stage3_gather_16bit_weights_on_model_save: the state dict of the model in bf16
     on rank 0, {} elsewhere; every all-gather starts with no earlier gathered buffer alive."""
-    from vescale_engine.fsdp import runtime as fsdp
-    from vescale_engine.fsdp.runtime import all_gather_master, units_under
+    from vescale_engine.fsdp import state_dict as fsdp
+    from vescale_engine.fsdp.lookup import units_under
+    from vescale_engine.fsdp.state_dict import all_gather_master
     config = {**CONFIG, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3,
                                     "stage3_gather_16bit_weights_on_model_save": True}}

@@ -107,7 +107,7 @@ def deepspeed_vs_vescale_rank(rank, world):
     import deepspeed
     import vescale_engine
     from vescale_engine.engine.engine import VeScaleEngine
-    from vescale_engine.fsdp.runtime import full_state_dict
+    from vescale_engine.fsdp import full_state_dict
     ref_losses, ref_state = _single_process(world)
 
     ds_steps, ds_micro, ds_engine = _train(rank, world, DEEPSPEED_CONFIG)

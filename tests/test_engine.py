@@ -7,7 +7,7 @@ import torch
 import fsdp_models as fm
 from dist_harness import RankPool, engine_log_messages, value_errors
 from vescale_engine import initialize
-from vescale_engine.fsdp.runtime import full_state_dict, unit_of
+from vescale_engine.fsdp import full_state_dict, unit_of
 
 MICRO, ACCUM, STEPS = 3, 2, 3
 OPT = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}

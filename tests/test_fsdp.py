@@ -15,9 +15,9 @@ from vescale_engine import optim as vopt
 from vescale_engine.optim import adamw as adamw_module
 from vescale_engine.optim.clip import clip_grad_norm_
 from vescale_engine.shard.dbuffer import STATS
-from vescale_engine.fsdp.runtime import (MixedPrecisionPolicy, full_state_dict, fully_shard,
-                                         gathered_parameters, no_sync, sharded_parameters,
-                                         sharded_state_dict, unit_of)
+from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard,
+                                 gathered_parameters, no_sync, sharded_parameters,
+                                 sharded_state_dict, unit_of)
 from vescale_engine.shard.ragged import ragged_to_replicate
 
 GLOBAL_BATCH = 24
@@ -486,7 +486,7 @@ def _gather_peak(call):
     """(result of call(), the most full buffers alive at once while it gathered): a spy on
     every master all-gather counts the earlier full buffers whose storage is still alive."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    import vescale_engine.fsdp.runtime as fsdp_module
+    import vescale_engine.fsdp.state_dict as fsdp_module
     original, alive, peak = fsdp_module.all_gather_master, [], [0]
 
     def spy(full, buf):

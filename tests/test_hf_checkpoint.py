@@ -50,7 +50,7 @@ def shard_gpt(model, granularity="rows:1"):
 
 
 def own_elements(model) -> int:
-    from vescale_engine.fsdp.runtime import sharded_parameters
+    from vescale_engine.fsdp import sharded_parameters
     return sum(p.sharded.numel() for _, p in sharded_parameters(model))
 
 
@@ -86,7 +86,7 @@ def gpt_save(rank, world, path, dtype, max_shard_size):
     """Save, recording on rank 0 how many buffers were gathered when each file was written and
     how many bytes it held: files go out as they fill, not after the whole model is in memory."""
     from vescale_engine import save_hf_checkpoint
-    from vescale_engine.fsdp import runtime as fsdp
+    from vescale_engine.fsdp import state_dict as fsdp
     from vescale_engine.checkpoint import hf as hf_checkpoint
     model = shard_gpt(make_gpt(SEED), "element")
     gathered, written = [0], []

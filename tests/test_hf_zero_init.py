@@ -190,7 +190,7 @@ def pretrained_rank(rank, world, path, dtype_name):
     buffers), the same first loss bit for bit, and (fp32) the same training."""
     import deepspeed
     from transformers import LlamaForCausalLM
-    from vescale_engine.fsdp.runtime import sharded_parameters
+    from vescale_engine.fsdp import sharded_parameters
     from vescale_engine.init.record import deferred_record
     patched()
     dtype = getattr(torch, dtype_name)

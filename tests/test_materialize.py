@@ -15,8 +15,8 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool, engine_log_messages
 import vescale_engine
-from vescale_engine.fsdp.runtime import (full_state_dict, fully_shard, gathered_parameters, no_sync,
-                                         sharded_parameters)
+from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
+                                 sharded_parameters)
 from vescale_engine.materialize import allocate_shards, init_unloaded, materialize
 
 WORLD = 3
@@ -264,7 +264,7 @@ def memory_rank(rank, world):
 
 
 def _units_of(model):
-    from vescale_engine.fsdp.runtime import unit_of
+    from vescale_engine.fsdp import unit_of
     return [u for u in (unit_of(m) for m in model.modules()) if u is not None]
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import fsdp_models as fm
 from dist_harness import RankPool, value_errors
 from vescale_engine import initialize
-from vescale_engine.fsdp.runtime import full_state_dict, fully_shard, sharded_parameters
+from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.shard.ragged import RaggedShard, ragged_to_replicate
 from vescale_engine.optim import Muon, sharding_granularity
 from vescale_engine.optim.muon import (DEFAULT_ADAMW_PATTERNS, ROUNDS_IN_FLIGHT, is_muon_matrix,

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.optim.clip import global_grad_norm
-from vescale_engine.fsdp.runtime import (full_state_dict, fully_shard, no_sync, sharded_parameters,
-                                         unit_of)
+from vescale_engine.fsdp import (full_state_dict, fully_shard, no_sync, sharded_parameters,
+                                 unit_of)
 
 GLOBAL_BATCH = 4
 SEQ = 12

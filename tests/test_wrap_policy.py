@@ -13,7 +13,7 @@ from dist_harness import engine_log_messages
 from test_engine import tiny_llama
 from vescale_engine import initialize
 from vescale_engine.shard.dbuffer import DBuffer
-from vescale_engine.fsdp.runtime import unit_of
+from vescale_engine.fsdp import unit_of
 from vescale_engine.engine.wrap import DEFAULT_UNITS, choose_units, size_threshold
 
 FAKE_WORLD = 64

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fsdp import runtime as fsdp
+from ..fsdp.state_dict import gather_to_rank0, named_entries
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from .entries import fsync_dir
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
@@ -179,7 +179,7 @@ def _match(module, stored: dict, strict: bool, path) -> tuple[list, list, list]:
     """([(model name, _Stored)] to load, missing, unexpected); every problem that stops the
     load is raised here, in one message, before any byte is read."""
     plan, missing, used, mismatched = [], [], set(), []
-    for names, tensor in fsdp.named_entries(module):
+    for names, tensor in named_entries(module):
         found = [n for n in names if n in stored]
         if not found:
             missing.append(names[0])
@@ -260,7 +260,7 @@ class _RangeReader:
 
 def _load(module, plan, result):
     """Read every planned tensor: sharded parameters their own range, the rest whole."""
-    targets = {names[0]: tensor for names, tensor in fsdp.named_entries(module)}
+    targets = {names[0]: tensor for names, tensor in named_entries(module)}
     reader = _RangeReader()
     try:
         with torch.no_grad():
@@ -285,7 +285,7 @@ def _load(module, plan, result):
 
 
 def _on_meta(module) -> list:
-    return [names[0] for names, tensor in fsdp.named_entries(module) if tensor.is_meta]
+    return [names[0] for names, tensor in named_entries(module) if tensor.is_meta]
 
 
 def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
@@ -304,7 +304,7 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
         # What the file cannot hold (non-persistent buffers such as rotary inv_freq) and, with
         # strict=False, its missing keys are initialized by their modules after the load.
         loaded = {name for name, _ in plan}
-        given = {name for names, t in fsdp.named_entries(module) for name in names
+        given = {name for names, t in named_entries(module) for name in names
                  if getattr(getattr(t, "_vescale", None), "initial", None) is not None}
         # (`given`: real at wrap time, in a unit planned on meta: allocate writes that value)
         unloaded = sorted(({name for name, b in module.named_buffers(remove_duplicate=False)
@@ -481,7 +481,7 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
         raise OSError(problem[0])
 
     writer = _ShardWriter(path, limit) if rank0 else None
-    for names, _source, value in fsdp.gather_to_rank0(module, out_dtype):
+    for names, _source, value in gather_to_rank0(module, out_dtype):
         name = _saved_names(module, names)
         if name is not None:
             writer.add(name, value)

@@ -13,7 +13,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from ..checkpoint.sharded import load_checkpoint, save_checkpoint
-from ..fsdp import runtime as fsdp
+from ..fsdp.api import no_sync, release
+from ..fsdp.guards import require_materialized
 from ..init.zero import require_not_partitioned
 from ..launch.env import discover
 from ..launch.process_group import join_process_group
@@ -129,7 +130,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         local = self._user_no_sync or (self.engine_config.local_grad_accumulation and
                                        not self.is_gradient_accumulation_boundary())
         if local and self._sync_context is None:
-            self._sync_context = fsdp.no_sync(self.module)
+            self._sync_context = no_sync(self.module)
             self._sync_context.__enter__()
         elif not local and self._sync_context is not None:
             self._sync_context.__exit__(None, None, None)
@@ -325,7 +326,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         error. The module keeps its (sharded) parameters."""
         if self._destroyed:
             return
-        fsdp.release(self.module)
+        release(self.module)
         if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
             self.optimizer.state.clear()
         self._monitor_events.write_ready(wait=True)
@@ -379,7 +380,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # random init draws from the generator as the caller left it (or, for a model built
         # inside a vescale zero.Init, as it was at the build: init/zero.py)
         prepare_weights(module, cfg, device)
-    fsdp.require_materialized(module, "initialize")
+    require_materialized(module, "initialize")
     if cfg.seed is not None:  # after init (wrapping draws nothing): same stream either way
         _seed_everything(cfg.seed)
     if chosen is None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fsdp import runtime as fsdp
+from ..fsdp.state_dict import gather_to_rank0
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -49,7 +49,7 @@ class DeepSpeedSurface:
         rank calls it. One DBuffer is gathered at a time, so no rank ever holds the whole model
         on its device; rank 0 holds it on the host, as DeepSpeed's does."""
         out = OrderedDict()
-        for names, source, value in fsdp.gather_to_rank0(self.module, self._compute_dtype()):
+        for names, source, value in gather_to_rank0(self.module, self._compute_dtype()):
             if exclude_frozen_parameters and isinstance(source, nn.Parameter) and \
                     not source.requires_grad:
                 continue

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..checkpoint.hf import load_into
 from ..fsdp.materialize import materialize
-from ..fsdp.runtime import meta_leftovers
+from ..fsdp.guards import meta_leftovers
 from ..init.hf_pretrained import prepare_transformers_weights
 from ..init.record import deferred_record, replayed_generator
 from ..launch.device import DeviceError

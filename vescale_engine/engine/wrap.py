@@ -11,7 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import optim
-from ..fsdp import runtime as fsdp
+from ..fsdp.api import fully_shard
+from ..fsdp.lookup import unit_of
+from ..fsdp.policy import MixedPrecisionPolicy
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -56,13 +58,13 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
                   native_collectives=cfg.native_collectives,
                   granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
-                  mp_policy=fsdp.MixedPrecisionPolicy(
+                  mp_policy=MixedPrecisionPolicy(
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
                       reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None))
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
     for module in choice.modules:
-        fsdp.fully_shard(module, **kwargs)
-    fsdp.fully_shard(model, **kwargs)
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
     return model
@@ -70,7 +72,7 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
 
 def describe(choice: WrapChoice, model: nn.Module) -> str:
     """One line: the rule, how many units, the largest (by parameters it gathers)."""
-    units = [fsdp.unit_of(m) for m in (*choice.modules, model)]
+    units = [unit_of(m) for m in (*choice.modules, model)]
     largest = max(units, key=lambda u: u.numel)
     return (f"wrap policy: {choice.rule} ({choice.detail}) -> {len(units)} FSDP "
             f"unit{'s' if len(units) > 1 else ''} "

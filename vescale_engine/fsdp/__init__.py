@@ -1,13 +1,17 @@
-"""The FSDP runtime: fully_shard and what it makes (ShardedParameter, the unit and its hooks,
-prefetch, accumulation, no_sync, mixed precision, HSDP), the state-dict utilities
-(gathered_parameters, full/sharded state dicts, gather_to_rank0: the one per-DBuffer gather),
-the guards on moves and casts (runtime.py), meta-device materialization (materialize.py;
-users call `vescale_engine.materialize`) and what DeepSpeed-aware libraries read on our
-parameters (deepspeed_params.py). Must not know about checkpoint files, optimizer classes, the
-config or the engine.
+"""The FSDP runtime: fully_shard and what it makes, in the order its modules import each other:
+policy.py (MixedPrecisionPolicy, granularity per parameter) < param.py (ShardedParameter) <
+lookup.py (the units and parameters under a module) < guards.py (moves, casts, reset_parameters,
+meta leftovers) < unit.py (FSDPUnit: wrap-time build, hooks, prefetch, accumulation, no_sync
+and HSDP gradients) < api.py (fully_shard, no_sync, release) < state_dict.py
+(gathered_parameters, full/sharded state dicts, the one per-DBuffer gather) < materialize.py
+(meta-device materialization; users call `vescale_engine.materialize`) < deepspeed_params.py
+(what DeepSpeed-aware libraries read on our parameters). Must not know about checkpoint files,
+optimizer classes, the config or the engine.
 """
-from .runtime import (MixedPrecisionPolicy, full_state_dict, fully_shard, gathered_parameters,
-                      no_sync, sharded_parameters, sharded_state_dict, unit_of)
+from .api import fully_shard, no_sync
+from .lookup import sharded_parameters, unit_of
+from .policy import MixedPrecisionPolicy
+from .state_dict import full_state_dict, gathered_parameters, sharded_state_dict
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "no_sync", "gathered_parameters",
            "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of"]

@@ -36,12 +36,19 @@ AttributeError (hasattr is False) for every other parameter, as before.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import runtime as fsdp
+from .guards import require_materialized
+from .lookup import units_under
+from .state_dict import gather_selected
+from .unit import forward_in_progress, running_backward
+
+__all__ = ["sharded_of", "holds_full", "install", "GatheredShards", "suspend_hooks",
+           "resume_hooks", "patch_trl_generation"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
@@ -58,7 +65,7 @@ def holds_full(p, sp) -> bool:
     """Does the object hold the full tensor now? (rank-consistent: it decides collectives)"""
     if id(p) in _GATHERED:
         return True
-    if p is sp._unsharded:
+    if p is sp.full_face:
         module, name = sp.registrations[0]
         return module._parameters.get(name) is p
     return False
@@ -145,13 +152,13 @@ class GatheredShards:
                     f"deepspeed.zero.GatheredParameters on the full-shape parameter of "
                     f"{_name(sp)} kept from an earlier forward (its unit is sharded now): pass the "
                     "parameter the module holds now")
-            if self.modifier_rank is not None and sp.unit._unsharded:
+            if self.modifier_rank is not None and sp.unit.is_unsharded:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters(modifier_rank={self.modifier_rank}) on "
                     f"{_name(sp)} inside its unit's forward: the unit computes with its own "
                     "gathered copy, so the change would not be seen; write outside the forward")
             todo.append((p, sp))
-        in_step = fsdp._ACTIVE.ctx is not None or fsdp._in_backward()
+        in_step = forward_in_progress() or running_backward()
         if torch.is_grad_enabled() and in_step:
             trainable = [_name(sp) for p, sp in todo if p.requires_grad]
             if trainable:
@@ -162,8 +169,8 @@ class GatheredShards:
                     "that uses it (e.g. lm_head in the root unit, the default wrap policy)")
         full = {}
         if todo:
-            fsdp.require_materialized(todo[0][1].unit.module, "GatheredParameters")
-            full = fsdp.gather_selected([sp for _, sp in todo], mode="view",
+            require_materialized(todo[0][1].unit.module, "GatheredParameters")
+            full = gather_selected([sp for _, sp in todo], mode="view",
                                         compute_dtype=self.modifier_rank is None)
         if self.others is not None:
             self.others.__enter__()
@@ -246,8 +253,8 @@ def _callers(limit: int = 3) -> str:
 def suspend_hooks(module: nn.Module) -> None:
     """The units' forward hooks under `module` do nothing until `resume_hooks` (their places
     among other hooks kept): forwards compute with what the modules hold."""
-    for unit in fsdp.units_under(module):
-        if unit.__dict__.get("_suspended"):
+    for unit in units_under(module):
+        if unit in _SUSPENDED:
             continue
         saved = []
         for hooks, fn in ((unit.module._forward_pre_hooks, unit.pre_forward),
@@ -256,13 +263,16 @@ def suspend_hooks(module: nn.Module) -> None:
                 if hook == fn:
                     hooks[key] = _inert
                     saved.append((hooks, key, hook))
-        unit._suspended = saved
+        _SUSPENDED[unit] = saved
 
 
 def resume_hooks(module: nn.Module) -> None:
-    for unit in fsdp.units_under(module):
-        for hooks, key, hook in unit.__dict__.pop("_suspended", None) or ():
+    for unit in units_under(module):
+        for hooks, key, hook in _SUSPENDED.pop(unit, ()):
             hooks[key] = hook
+
+
+_SUSPENDED = weakref.WeakKeyDictionary()  # unit -> the hooks suspend_hooks replaced
 
 
 def _inert(*args):

@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from ..shard.collectives import default_device
-from . import runtime as fsdp
+from .guards import require_materialized
+from .lookup import sharded_parameters, units_under
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -58,7 +59,7 @@ __all__ = ["materialize", "allocate_shards", "init_unloaded"]
 def _target_device(module: nn.Module, device) -> torch.device:
     if device is not None:
         return torch.device(device)
-    units = fsdp.units_under(module)
+    units = units_under(module)
     group = units[0].buffers[0].shard_group if units else None
     return default_device(group)
 
@@ -71,12 +72,12 @@ def allocate_shards(module: nn.Module, device=None) -> None:
     `ShardedParameter.flat_range`; or `materialize`). `device=None`: the default group's device
     (`shard.collectives.default_device`). A meta parameter that no unit manages is an error."""
     device = _target_device(module, device)
-    managed = {id(p.sharded) for _, p in fsdp.sharded_parameters(module)}
+    managed = {id(p.sharded) for _, p in sharded_parameters(module)}
     for name, param in module.named_parameters(remove_duplicate=False):
         if param.is_meta and id(param) not in managed:
             raise ValueError(f"allocate_shards: {name} is on the meta device but no fully_shard "
                              "unit manages it; call fully_shard on its module (or the root) first")
-    for unit in fsdp.units_under(module):
+    for unit in units_under(module):
         if unit.is_meta:
             unit.allocate(device)
     made = {}  # one tensor per buffer object, so a buffer registered twice stays shared
@@ -93,7 +94,7 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
     that is on the meta device, one module's own tensors at a time; see the module docstring
     for the order, the tied-weight rule and what is bitwise. Returns `module`. Errors name the
     parameter or buffer (and its module class) that no init wrote, or that is still on meta."""
-    pending_params = {id(p): p for _, p in fsdp.sharded_parameters(module)
+    pending_params = {id(p): p for _, p in sharded_parameters(module)
                       if p.buffer.is_meta and p.initial is None}  # initial: allocate writes it
     meta_buffers = [(sub, name) for sub in module.modules()
                     for name, b in sub._buffers.items() if b is not None and b.is_meta]
@@ -102,7 +103,7 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
         return module  # nothing was on meta (loaded already): no init runs, no draws
     pending_buffers = {id(sub._buffers[name]) for sub, name in meta_buffers}
     _Initializer(module, pending_params, pending_buffers, init_fn).run()
-    fsdp.require_materialized(module, "the end of materialize")
+    require_materialized(module, "the end of materialize")
     return module
 
 

@@ -40,6 +40,10 @@ from ..fsdp.materialize import allocate_shards, init_unloaded
 from .peft_adapters import install as install_peft
 from .record import deferred_record, replayed_generator
 
+__all__ = ["SOURCE", "CheckpointRecord", "PretrainedWeights", "record_checkpoint",
+           "prepare_transformers_weights", "init_like_transformers", "check_transformers",
+           "install"]
+
 _WRITTEN_FOR = "5.24"
 _NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model"),
            ("transformers.modeling_utils", "PreTrainedModel._initialize_missing_keys"),

@@ -25,6 +25,8 @@ import torch
 
 from .record import MARK
 
+__all__ = ["check_peft", "install"]
+
 _WRITTEN_FOR = "0.21"
 _WRAPPED = (("peft.tuners.tuners_utils", "BaseTunerLayer", "_move_adapter_to_device_of_base_layer",
              ["self", "adapter_name", "device"]),

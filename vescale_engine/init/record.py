@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..fsdp.materialize import rng_state, set_rng_state
-from ..fsdp.runtime import meta_leftovers
+from ..fsdp.guards import meta_leftovers
 
 __all__ = ["MARK", "DeferredInit", "deferred_record", "replayed_generator"]
 

@@ -36,9 +36,12 @@ import torch
 from torch import nn
 
 from ..fsdp.deepspeed_params import GatheredShards, sharded_of
+from ..fsdp.guards import apply_caller
 from ..fsdp.materialize import rng_state
-from ..fsdp.runtime import apply_caller
 from .record import MARK, DeferredInit
+
+__all__ = ["MetaInit", "config_dtype", "refuse_changed_meaning", "require_not_partitioned",
+           "install"]
 
 
 # -- the context --------------------------------------------------------------------------------

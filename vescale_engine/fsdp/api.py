@@ -1,0 +1,124 @@
+"""`fully_shard`, the call that makes FSDP units, and what undoes or suspends them (`release`,
+`no_sync`)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+from torch import nn
+
+from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
+from .guards import guard_apply, guard_reset_parameters
+from .lookup import unit_of, units_under
+from .policy import MixedPrecisionPolicy
+from .unit import FSDPUnit, UnitContext
+
+__all__ = ["fully_shard", "no_sync", "release"]
+
+
+def _resolve_mesh(mesh):
+    """(shard group, replicate group or None) from a DeviceMesh, a process group, or None."""
+    if mesh is None:
+        return dist.group.WORLD, None
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, None
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"mesh has {mesh.size()} ranks but the process group has "
+                         f"{dist.get_world_size()}")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:  # (replicate, shard): HSDP
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
+                max_buffers: int = DEFAULT_MAX_BUFFERS,
+                align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
+                max_reuse_distance: int = 0, native_collectives: bool = False) -> nn.Module:
+    """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
+
+    `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
+    policy, "overrides": {parameter-name glob: policy}}; names are relative to `module`.
+    `grads_in_place` lets backward write each gradient over its own full parameter once that
+    parameter's gradient is complete (one full-size buffer per unit in backward instead of
+    two); turn it off for a model whose backward still reads a parameter's value after the
+    parameter's gradient is done (a detached use, say: autograd then raises "modified by an
+    inplace operation" rather than computing with a wrong value).
+    `max_reuse_distance` (DeepSpeed's stage3_max_reuse_distance, in elements): a unit stays
+    gathered from its forward to its backward when fewer elements than this are gathered in
+    between (every later unit's parameters, in forward and again in backward); 0 keeps only
+    the last unit, which backward starts with. More speed (no re-gather), more memory.
+    `native_collectives`: use the backend's own all-gather and reduce-scatter on gloo too
+    (NCCL always gets them; on gloo the default is faster point-to-point exchanges), so that
+    the path GPUs take runs on CPU.
+    Errors (no parameters, mixed devices, a mesh that does not match the process group, a
+    second call on the same module) are raised here, before any collective.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialized process group "
+                           "(torch.distributed.init_process_group)")
+    if getattr(module, "_vescale_unit", None) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    group, replicate_group = _resolve_mesh(mesh)
+    if max_reuse_distance < 0:
+        raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
+    unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
+                    granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
+                    native_collectives)
+    module._vescale_unit = unit
+    guard_apply(module)
+    guard_reset_parameters(unit)
+    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module):
+    """Backward passes inside accumulate full gradients locally, without communication; the
+    first backward after it reduce-scatters everything accumulated."""
+    ctxs = set()
+    for unit in units_under(module):
+        if unit.ctx is None:
+            unit.ctx = UnitContext()
+        ctxs.add(unit.ctx)
+    for ctx in ctxs:
+        ctx.require_sync = False
+    try:
+        yield
+    finally:
+        for ctx in ctxs:
+            ctx.require_sync = True
+
+
+def release(module: nn.Module) -> None:
+    """Undo fully_shard's runtime on every unit under `module`: reshard, free gradient and full
+    buffers, and remove the forward hooks, so nothing of the engine runs or stays allocated."""
+    for sub in module.modules():
+        unit = unit_of(sub)
+        if unit is None:
+            continue
+        unit.reshard()
+        for buf in unit.buffers:
+            buf.release_grad()
+            buf.drop_full_grad()
+        for p in unit.params:
+            p.sharded.grad = None
+        for hooks, fn in ((sub._forward_pre_hooks, unit.pre_forward),
+                          (sub._forward_hooks, unit.post_forward)):
+            for handle_id, hook in list(hooks.items()):
+                if hook == fn:
+                    del hooks[handle_id]
+                    sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+        sub.__dict__.pop("_apply", None)  # fully_shard's guards
+        for mod, _ in {id(m): (m, n) for p in unit.params for m, n in p.registrations}.values():
+            mod.__dict__.pop("reset_parameters", None)
+        del sub._vescale_unit

@@ -1,0 +1,123 @@
+"""Guards on a sharded module: moves and casts that would cut parameters off from their
+DBuffers, `reset_parameters` on flat pieces, and what must hold before values are used on a
+model built on the meta device (nothing left there)."""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from .lookup import sharded_parameters
+
+__all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
+           "require_materialized", "guard_reset_parameters"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Moves and casts of a sharded module.
+
+def guard_apply(module: nn.Module) -> None:
+    """Route `module._apply` (behind .to/.cuda/.half/.float/.to_empty/...) through a check:
+    torch would replace each parameter's data with a new tensor, silently cutting it off from
+    its DBuffer. A call that leaves every managed parameter as it is (`.to` its own device and
+    dtype, `.float()` on fp32) still runs; anything else raises before touching the module."""
+    module._apply = types.MethodType(_guarded_apply, module)  # parents' recursion calls it too
+
+
+def _guarded_apply(self, fn, recurse=True):
+    _check_apply(self, fn)
+    return type(self)._apply(self, fn, recurse)
+
+
+def _check_apply(module, fn):
+    call = apply_caller(fn)
+    for _, p in sharded_parameters(module):
+        before = p.sharded
+        try:
+            with torch.no_grad():
+                after = fn(before)
+        except Exception as err:  # e.g. .cuda() on a CPU-only build: still not a no-op
+            kind = "to_empty" if before.is_meta else "move"
+            raise RuntimeError(_apply_error(module, call, kind)) from err
+        if after is before:
+            continue
+        kind = "to_empty" if call == "to_empty" or before.is_meta else \
+            "cast" if after.dtype != before.dtype else "move"
+        raise RuntimeError(_apply_error(module, call, kind))
+
+
+def apply_caller(fn) -> str:
+    """The nn.Module method that made `fn` ('to', 'cuda', 'half', ...), from its qualname."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "Module" else "_apply"
+
+
+def _apply_error(module, call, kind) -> str:
+    what = {"move": "build or move the model before fully_shard/initialize (initialize puts it "
+                    "on the rank's device)",
+            "cast": "the fp32 master stays fp32; set the compute dtype with MixedPrecisionPolicy "
+                    "(param_dtype) or the bf16/fp16 config",
+            "to_empty": "for a model built on the meta device call "
+                        "vescale_engine.materialize(model) (storage and init, shard by shard) or "
+                        "vescale_engine.materialize.allocate_shards(model) (storage only, e.g. "
+                        "before load_hf_checkpoint)"}[kind]
+    return (f"{type(module).__name__}.{call}(...) on a module sharded by fully_shard would detach "
+            f"its parameters from their sharded buffers: {what}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferred (meta-device) initialization: what must hold before values are used.
+
+_DEFERRED_MARK = "_vescale_deferred"  # init/record.py's MARK: set on what a deferred build made
+
+
+def is_deferred(param, registrations) -> bool:
+    """A meta parameter that a vescale `deepspeed.zero.Init` build made (or a copy of one of
+    its modules made, as PEFT's modules_to_save): its values come at initialize."""
+    return getattr(param, _DEFERRED_MARK, None) is not None or \
+        any(module.__dict__.get(_DEFERRED_MARK) is not None for module, _ in registrations)
+
+
+def meta_leftovers(module: nn.Module) -> list:
+    """Names (as `module.state_dict` would say them) of the managed parameters and the module
+    buffers under `module` that are still on the meta device."""
+    left = [fqn for fqn, p in sharded_parameters(module) if p.buffer.is_meta]
+    managed = {id(p.sharded) for _, p in sharded_parameters(module)}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.is_meta and id(param) not in managed:
+            left.append(name)
+    left += [name for name, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
+    return left
+
+
+def require_materialized(module: nn.Module, when: str) -> None:
+    left = meta_leftovers(module)
+    if left:
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise RuntimeError(f"{left[0]}{more} is still on the meta device at {when}: call "
+                           "vescale_engine.materialize(model) (or load_hf_checkpoint) first")
+
+
+def guard_reset_parameters(unit) -> None:
+    """Between steps a managed parameter is a flat 1-D piece of the shard, so a module's
+    `reset_parameters()` would fail deep inside torch.nn.init (or init the pieces wrongly).
+    Route it through a check that names what to call instead; it runs as usual while the module
+    holds full-shape parameters (inside `gathered_parameters`, or materialize's own calls)."""
+    for module in {id(m): m for p in unit.params for m, _ in p.registrations}.values():
+        if callable(getattr(type(module), "reset_parameters", None)) and \
+                "reset_parameters" not in module.__dict__:
+            module.reset_parameters = types.MethodType(_guarded_reset_parameters, module)
+
+
+def _guarded_reset_parameters(self, *args, **kwargs):
+    flat = [name for name, param in self._parameters.items()
+            if getattr(param, "_vescale", None) is not None and param is param._vescale.sharded
+            and tuple(param.shape) != tuple(param._vescale.shape)]
+    if flat:
+        raise RuntimeError(
+            f"{type(self).__name__}.reset_parameters(): {flat[0]} is a flat piece of the sharded "
+            "master between steps, not a full tensor; initialize through "
+            "vescale_engine.materialize(model) on a model built on the meta device, or inside "
+            "`with gathered_parameters(model, writeback=True):`")
+    return type(self).reset_parameters(self, *args, **kwargs)

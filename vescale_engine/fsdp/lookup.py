@@ -1,0 +1,35 @@
+"""Finding the FSDP units under a module and the parameters they manage (every other part of
+the runtime and the packages above look them up through here)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .unit import FSDPUnit
+
+__all__ = ["unit_of", "units_under", "sharded_parameters"]
+
+
+def unit_of(module: nn.Module) -> FSDPUnit | None:
+    return getattr(module, "_vescale_unit", None)
+
+
+def units_under(module):
+    """Every FSDP unit under `module` (itself included), in module order."""
+    return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
+
+
+def sharded_parameters(module: nn.Module):
+    """(fqn, ShardedParameter) for every managed parameter under `module`."""
+    for unit in units_under(module):
+        for p in unit.params:
+            yield p.fqn if unit.module is module else _qualify(module, unit.module, p.fqn), p
+
+
+def _qualify(root, sub, fqn):
+    for name, mod in root.named_modules():
+        if mod is sub:
+            return f"{name}.{fqn}" if name else fqn
+    return fqn

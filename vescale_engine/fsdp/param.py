@@ -1,0 +1,107 @@
+"""ShardedParameter: one managed parameter, its sharded and full-shape faces, and the one
+`requires_grad` flag both carry."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ShardedParameter"]
+
+
+class ShardedParameter:
+    """One managed parameter: where the module holds it, and its two faces.
+
+    Users and libraries set `requires_grad` on whichever face the module holds at that moment
+    (PEFT's disable_adapter, `module.requires_grad_()`) or on one they kept a reference to.
+    `requires_grad` reads the flag as last set on either face and puts it on both, so every
+    swap (`register`) and every decision about gradients sees one flag."""
+
+    def __init__(self, unit, fqn, registrations, buffer, index, requires_grad):
+        self.unit = unit
+        self.fqn = fqn
+        self.registrations = registrations          # [(module, attribute name)], >1 when tied
+        self.buffer = buffer
+        self.index = index
+        spec = buffer.layout.placements[index].spec
+        self.shape = spec.shape
+        self.block = spec.block
+        self.sharded = nn.Parameter(buffer.master_view(index), requires_grad=requires_grad)
+        self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
+        self._unsharded = None
+        # The value a real parameter had when its unit was planned on meta (a tensor added to
+        # a deferred build): kept until `FSDPUnit.allocate` writes it; loaders and inits skip it.
+        self.initial = None
+        self._requires_grad = requires_grad  # what both faces carried when last in agreement
+        self._hooked = False
+        self.graphed = False      # a forward with gradients used it with requires_grad set
+        self.unreduced = False    # its gradient sits in a no_sync full buffer, not yet reduced
+        self.backward_flag = None  # requires_grad when its unit's backward began
+
+    @property
+    def unsharded(self) -> nn.Parameter:
+        """The full-shape parameter the module holds while unsharded (made at first unshard)."""
+        if self._unsharded is None:
+            with torch.inference_mode(False):  # made once, for training too
+                self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
+                                               requires_grad=self.requires_grad)
+            self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
+            self._hook_when_trainable()
+        return self._unsharded
+
+    @property
+    def full_face(self) -> nn.Parameter | None:
+        """The full-shape parameter if one was made (None before the first unshard)."""
+        return self._unsharded
+
+    @property
+    def requires_grad(self) -> bool:
+        """The flag as last set on either face; both faces carry it afterwards. (Both set
+        since the last call: they were set the same way, a flag has only two values.)"""
+        faces = [f for f in (self.sharded, self._unsharded) if f is not None]
+        for face in faces:
+            if face.requires_grad != self._requires_grad:
+                self._requires_grad = face.requires_grad
+                break
+        for face in faces:
+            if face.requires_grad != self._requires_grad:
+                face.requires_grad_(self._requires_grad)
+        self._hook_when_trainable()
+        return self._requires_grad
+
+    def _hook_when_trainable(self):
+        """The gradient hook goes on the full-shape face once it requires grad (torch refuses a
+        hook on a tensor that does not), whenever that happens first; it stays for life."""
+        if not self._hooked and self._requires_grad and self._unsharded is not None:
+            self._unsharded.register_hook(self._grad_arrived)
+            self._hooked = True
+
+    def _grad_arrived(self, grad):
+        """Runs once all of this parameter's gradient is summed, just before autograd adds it
+        into the preset `.grad` view."""
+        self.buffer.grad_arrived(self.index, self._unsharded)
+        return grad
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """[begin, end) of this rank's piece in the full tensor flattened row-major: `sharded`
+        holds exactly `full.reshape(-1)[begin:end]` (empty when begin == end)."""
+        start, end = self.buffer.local_ranges[self.index]
+        begin = self.buffer.rank * self.buffer.shard_size + start - \
+            self.buffer.layout.placements[self.index].offset
+        return (begin, begin + end - start) if end > start else (0, 0)
+
+    def register(self, which: nn.Parameter):
+        self.requires_grad  # the outgoing face's flag goes to the incoming one
+        for module, name in self.registrations:
+            module._parameters[name] = which
+
+    def bind_storage(self) -> None:
+        """After the buffer got real storage (`DBuffer.allocate`): `sharded` becomes the view of
+        the new master shard. The same Parameter object (its contents are swapped), so every
+        reference taken while it was on meta (`model.parameters()`, registrations) stays valid,
+        with the attributes set on it."""
+        attributes = dict(self.sharded.__dict__)
+        fresh = nn.Parameter(self.buffer.master_view(self.index),
+                             requires_grad=self.requires_grad)
+        torch.utils.swap_tensors(self.sharded, fresh)  # swaps the __dict__s too
+        self.sharded.__dict__.update(attributes)

@@ -1,0 +1,216 @@
+"""State-dict utilities over sharded modules: full parameters for a while
+(`gathered_parameters`), full and sharded state dicts, and the one per-DBuffer gather every
+saver uses (`gathered_buffers`; `gather_to_rank0` for the HF saver)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..shard import collectives
+from ..shard.ragged import RaggedShard
+from .guards import require_materialized
+from .lookup import sharded_parameters, units_under
+
+__all__ = ["gathered_parameters", "full_state_dict", "sharded_state_dict", "gather_full",
+           "gather_selected", "GatheredBuffer", "gathered_buffers", "all_gather_master",
+           "named_entries", "gather_to_rank0"]
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: nn.Module, writeback: bool = False, *, rank0_only: bool = False,
+                        cpu_offload: bool = False):
+    """Full fp32 parameters in `module` for the duration (like DeepSpeed's GatheredParameters
+    and FSDP1's summon_full_params). DBuffers are gathered one at a time: with `cpu_offload`
+    each is copied to CPU (pinned memory when it is on CUDA) and freed before the next is
+    gathered, so the device never holds more than one full buffer; without it the full
+    parameters are views of the gathered buffers, on the device. `rank0_only`: only global
+    rank 0 holds full parameters, the others keep their shards. With `writeback`, changes made
+    inside are kept (every rank must make the same change)."""
+    if writeback and rank0_only:
+        raise ValueError("gathered_parameters: writeback=True needs the full parameters on every "
+                         "rank; it cannot be combined with rank0_only=True")
+    keep = not rank0_only or dist.get_rank() == 0
+    full = gather_full(module, keep, "host" if cpu_offload else "view")
+    faces = {p: nn.Parameter(value, requires_grad=p.requires_grad) for p, value in full.items()}
+    for p, face in faces.items():
+        p.register(face)
+    try:
+        yield module
+    finally:
+        for p, face in faces.items():
+            if writeback:
+                with torch.no_grad():
+                    p.buffer.load_full_tensor(p.index, face)  # this rank's range of it
+            if face.requires_grad != p.requires_grad:  # set inside: it stays set
+                p.sharded.requires_grad_(face.requires_grad)
+            p.register(p.sharded)
+
+
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
+                    cpu_offload: bool = False) -> dict:
+    """Every parameter's full value (fp32 master) plus the buffers, keyed as
+    `module.state_dict()` (tied names share one tensor). DBuffers are gathered one at a time and
+    their parameters copied out (to CPU with `cpu_offload`, pinned when the source is CUDA)
+    before the next is gathered: the device holds the result plus at most one full buffer, or
+    just one full buffer with `cpu_offload`. With `rank0_only` only global rank 0 gets the
+    values; the other ranks take part in the gathers and get {}."""
+    keep = not rank0_only or dist.get_rank() == 0
+    full = gather_full(module, keep, "host" if cpu_offload else "clone")
+    if not keep:
+        return {}
+    registered = {p: nn.Parameter(value, requires_grad=False) for p, value in full.items()}
+    for p, value in registered.items():  # only so that state_dict names them as the module does
+        p.register(value)
+    ours = {id(value) for value in registered.values()}
+    try:
+        sd = module.state_dict(keep_vars=True)
+    finally:
+        for p in full:
+            p.register(p.sharded)
+    out = {}
+    for key, value in sd.items():
+        if id(value) in ours:
+            out[key] = value.detach()
+        else:  # a module buffer: a copy, as for the parameters
+            out[key] = _copy_out(value.detach(), "host" if cpu_offload else "clone")
+            _finish_host_copies(value.device, "host" if cpu_offload else "clone")
+    return out
+
+
+def gather_full(module, keep, mode) -> dict:
+    """{ShardedParameter: full value} for every managed parameter under `module` (empty when
+    not `keep`); `gather_selected` says how."""
+    require_materialized(module, "gathering full parameters")
+    return gather_selected([p for unit in units_under(module) for p in unit.params], keep, mode)
+
+
+def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict:
+    """{ShardedParameter: full value} for `params` (empty when not `keep`). One DBuffer at a
+    time, in the order `params` first name them: all-gather its master into a full buffer,
+    copy the selected parameters out (`mode`: "view" keeps the buffer alive as their storage,
+    "clone" copies on the device, "host" to CPU), and drop the buffer before gathering the
+    next. `compute_dtype`: the values in the buffer's compute dtype (what forward computes
+    with) instead of the master's."""
+    out = {}
+    for gathered in gathered_buffers(params):
+        if keep:
+            for p in gathered.members:  # no local keeps a view past the buffer's turn
+                out[p] = _copy_out(gathered.value(p, compute_dtype), mode)
+            _finish_host_copies(gathered.buffer.master.device, mode)
+    return out
+
+
+class GatheredBuffer:
+    """One DBuffer's master all-gathered into a full tensor, valid while `gathered_buffers`
+    yields it (afterwards only views taken from it keep that tensor alive)."""
+
+    def __init__(self, buffer, members, full):
+        self.buffer, self.members, self.full = buffer, members, full
+
+    def value(self, p, compute_dtype=False):
+        """Parameter `p`'s full-shape value: a view of the gathered tensor (a copy in the
+        buffer's compute dtype with `compute_dtype`, when that differs)."""
+        pl = self.buffer.layout.placements[p.index]
+        value = self.full[pl.offset:pl.offset + pl.numel].view(p.shape)
+        if compute_dtype and self.buffer.param_dtype != value.dtype:
+            value = value.to(self.buffer.param_dtype)
+        return value
+
+
+def gathered_buffers(params):
+    """Yield a GatheredBuffer per DBuffer of `params`, one at a time, in the order `params`
+    first name them; each full tensor is dropped (unless a view of it was kept) before the
+    next is made. Every rank must run it to the end (one collective per buffer)."""
+    selected = {}
+    for p in params:
+        selected.setdefault(p.buffer, {})[p] = None
+    for buf, members in selected.items():
+        full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
+                           device=buf.master.device)
+        all_gather_master(full, buf)
+        gathered = GatheredBuffer(buf, list(members), full)
+        del full
+        try:
+            yield gathered
+        finally:
+            gathered.full = None  # the caller's reference no longer holds the storage
+
+
+def all_gather_master(full, buf):
+    collectives.all_gather(full, buf.master, buf.shard_group, async_op=False,
+                           native=buf.native)
+
+
+def named_entries(module) -> list:
+    """[(names, tensor)] for every parameter and persistent buffer of `module`, as
+    `state_dict` names them: a tied parameter once, with all its names. Managed parameters
+    appear as their 1-D sharded piece (`tensor._vescale` is the ShardedParameter)."""
+    groups = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            groups.setdefault(id(value), ([], value))[0].append(name)
+    return list(groups.values())
+
+
+def gather_to_rank0(module, dtype=None):
+    """Yield (names, source, value) for every parameter and persistent buffer of `module` on
+    global rank 0: `names` as `state_dict` gives them (a tied parameter once, with all its
+    names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
+    tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
+    all-gathered at a time and dropped before the next. The other ranks yield nothing, but every
+    rank must run the generator to its end (one collective per DBuffer)."""
+    rank0 = dist.get_rank() == 0
+
+    def copied(value):
+        value = value.detach()
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.to(device="cpu", dtype=cast, copy=True)
+
+    entries = named_entries(module)
+    names_of = {id(t): names for names, t in entries}
+    params = [p for unit in units_under(module) for p in unit.params]
+    for gathered in gathered_buffers(params):
+        if rank0:
+            for p in gathered.members:
+                names = names_of.get(id(p.sharded))
+                if names is not None:
+                    yield names, p.sharded, copied(gathered.value(p))
+    if rank0:
+        for names, tensor in entries:
+            if getattr(tensor, "_vescale", None) is None:
+                yield names, tensor, copied(tensor)
+
+
+def _pinned_staging(device) -> bool:
+    """Host copies from CUDA go through pinned memory, asynchronously (one wait per buffer)."""
+    return torch.device(device).type == "cuda"
+
+
+def _copy_out(value, mode):
+    if mode == "view":
+        return value
+    if mode == "clone":
+        return value.clone()
+    pinned = _pinned_staging(value.device)
+    out = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
+    out.copy_(value, non_blocking=pinned)
+    return out
+
+
+def _finish_host_copies(device, mode):
+    if mode == "host" and _pinned_staging(device):
+        torch.cuda.current_stream(device).synchronize()
+
+
+def sharded_state_dict(module: nn.Module) -> dict:
+    """{fqn: (local 1-D piece of the fp32 master, its RaggedShard)} for every managed parameter:
+    what each rank checkpoints, with no communication."""
+    out = {}
+    for fqn, p in sharded_parameters(module):
+        placement = p.buffer.layout.placements[p.index]
+        spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))
+        out[fqn] = (p.sharded.detach(), spec)
+    return out

@@ -1,0 +1,559 @@
+"""`fully_shard`: the zero-copy FSDP runtime over DBuffers.
+
+Call it on the units (each decoder block, say), then on the root, as with PyTorch FSDP2. Between
+steps `model.parameters()` yields plain 1-D parameters over each rank's flat piece of the fp32
+master shard (FSDP1's use_orig_params style; docs/architecture.md says why), so element-wise
+torch optimizers work unchanged. During forward and backward the module holds full-shape
+parameters that are views of the unit's all-gathered buffer.
+
+Hooks, per unit: pre-forward unshards (and prefetches the next unit's all-gather), post-forward
+reshards and hooks the outputs, the first output gradient unshards again for backward (and
+prefetches the unit backward runs next), and once the unit's inputs have their gradients, all of
+its parameter gradients are in the full gradient buffer and are reduce-scattered. A callback at
+the end of backward finishes units that no input gradient reached (the root, units fed only by
+tensors without gradients), in the same order on every rank, so no rank can hang on another.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..plan.planner import TensorSpec, plan_unit
+from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
+from .guards import is_deferred, require_materialized
+from .param import ShardedParameter
+from .policy import MixedPrecisionPolicy, granularity_of
+
+__all__ = ["FSDPUnit", "UnitContext", "forward_in_progress", "running_backward"]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(specs, world_size, align, max_buffers):
+    """Identical units (the repeated decoder layers) are planned once."""
+    return plan_unit(list(specs), world_size, align, max_buffers)
+
+
+_UNIT_IDS = itertools.count()
+
+
+class UnitContext:
+    """State shared by the units of one root for one forward/backward."""
+
+    def __init__(self):
+        self.order = []        # units in first pre-forward order this iteration
+        self.last_order = []   # last iteration's order: what forward prefetches from
+        self.reuse_distance = {}  # unit -> elements gathered between its forward and backward
+        self.callback_queued = False
+        self.require_sync = True
+        self.reducing = []     # units whose reduce-scatter is in flight
+        self.all_reducing = []  # units whose replicas' all-reduce (HSDP) is in flight
+        # One token per forward with gradients since the last backward finished, alive while
+        # that forward's graph is (the graph's hooks and nodes hold it): a backward can still
+        # come for it, so another forward must leave the units' state for that backward.
+        self.live_forwards = weakref.WeakSet()
+        self.token = None
+
+    @property
+    def backward_pending(self) -> bool:
+        return len(self.live_forwards) > 0
+
+
+class _ForwardToken:
+    """Held by one forward's autograd graph (see UnitContext.live_forwards)."""
+
+
+class FSDPUnit:
+    def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
+                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
+                 native_collectives=False):
+        self.module = module
+        self.native_collectives = native_collectives
+        self.grads_in_place = grads_in_place
+        self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
+        self.reshard_after_forward = reshard_after_forward
+        self.max_reuse_distance = max_reuse_distance
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.params = []
+        self.buffers = []
+        self.ctx = None
+        self.is_root = False
+        self._pending_gather = []
+        self._finishers = []
+        self._unsharded = False
+        self._storage_checked = False  # nothing left on meta: checked at the first forward
+        self._reset_iteration()
+        self._build(group, replicate_group, granularity_of(granularity), max_buffers,
+                    align_bytes)
+
+    # -- wrap time -----------------------------------------------------------------------------
+
+    def _build(self, group, replicate_group, granularity, max_buffers, align_bytes):
+        managed = _managed_ids(self.module)
+        found, order = {}, []
+        for mod_name, mod in self.module.named_modules(remove_duplicate=False):
+            for pname, param in list(mod._parameters.items()):
+                if param is None or id(param) in managed:
+                    continue
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                if id(param) not in found:
+                    found[id(param)] = (fqn, param, [])
+                    order.append(id(param))
+                if (mod, pname) not in found[id(param)][2]:
+                    found[id(param)][2].append((mod, pname))
+        if not order:
+            raise ValueError(f"fully_shard({self.name}): the module has no parameters that "
+                             "another unit does not already manage")
+        devices = {found[i][1].device for i in order}
+        on_meta = [i for i in order if found[i][1].is_meta]
+        if on_meta and len(on_meta) < len(order):
+            undeferred = [i for i in on_meta if not is_deferred(*found[i][1:])]
+            if undeferred:
+                real = next(found[i] for i in order if not found[i][1].is_meta)
+                raise ValueError(f"fully_shard({self.name}): {found[undeferred[0]][0]} is on the "
+                                 f"meta device but {real[0]} is on {real[1].device}; build the "
+                                 "whole unit on meta (then vescale_engine.materialize) or on a "
+                                 "real device")
+            # A deferred build (init/zero.py) plus tensors added after it with their values (PEFT
+            # adapters, new heads): planned on meta, the real values kept for allocate.
+            devices = {torch.device("meta")}
+        if len(devices) > 1:
+            raise ValueError(f"fully_shard({self.name}): parameters are on mixed devices "
+                             f"{sorted(map(str, devices))}")
+        self.device = devices.pop()
+        world_size = dist.get_world_size(group)
+        by_dtype = {}
+        for i in order:
+            by_dtype.setdefault(found[i][1].dtype, []).append(i)
+        for dtype, ids in by_dtype.items():
+            param_dtype = self.mp_policy.param_dtype or dtype
+            itemsize = min(torch.empty(0, dtype=dtype).element_size(),
+                           torch.empty(0, dtype=param_dtype).element_size())
+            specs = tuple(TensorSpec(found[i][0], tuple(found[i][1].shape),
+                                     granularity(found[i][0]).block_size(found[i][1].shape))
+                          for i in ids)
+            plan = _cached_plan(specs, world_size, max(1, align_bytes // itemsize), max_buffers)
+            position = {found[i][0]: i for i in ids}
+            for b, layout in enumerate(plan.buffers):
+                buf = DBuffer(layout, dtype=dtype, device=self.device, shard_group=group,
+                              replicate_group=replicate_group, param_dtype=param_dtype,
+                              reduce_dtype=self.mp_policy.reduce_dtype,
+                              name=f"{self.name}[{len(self.buffers)}]",
+                              native_collectives=self.native_collectives)
+                self.buffers.append(buf)
+                for k, placement in enumerate(layout.placements):
+                    fqn, param, registrations = found[position[placement.name]]
+                    sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad)
+                    if not param.is_meta:  # a meta model gets its values at materialize
+                        if buf.is_meta:
+                            sp.initial = param.detach()  # written at allocate
+                        else:
+                            buf.load_full_tensor(k, param)
+                    sp.register(sp.sharded)
+                    self.params.append(sp)
+
+    # -- per-iteration state -------------------------------------------------------------------
+
+    def _reset_iteration(self):
+        self.forward_calls = 0
+        self.calls_without_hook = 0
+        self.pending_post_backward = 0
+        self.in_backward = False
+        self.reduced = False
+        for p in self.params:
+            p.graphed = False
+            p.backward_flag = None
+
+    @property
+    def is_unsharded(self) -> bool:
+        """The module holds full-shape parameters (between unshard and reshard)."""
+        return self._unsharded
+
+    @property
+    def is_meta(self) -> bool:
+        """Planned on the meta device and not yet given storage (vescale_engine.materialize)."""
+        return any(buf.is_meta for buf in self.buffers)
+
+    def allocate(self, device) -> None:
+        """Real, uninitialized master storage on `device` for every buffer, and the managed
+        parameters re-pointed at it (the reset_parameters guards stay); the parameters that had
+        values at wrap time (`initial`) get them back."""
+        for buf in self.buffers:
+            buf.allocate(device)
+        for p in self.params:
+            p.bind_storage()
+            if p.initial is not None:  # the value it had at wrap time (not on meta)
+                with torch.no_grad():
+                    p.buffer.load_full_tensor(p.index, p.initial.to(device))
+                p.initial = None
+        self.device = torch.device(device)
+
+    @property
+    def trainable(self):
+        return [p for p in self.params if p.requires_grad]
+
+    def _note_graphed(self):
+        """A forward with gradients is about to run: the parameters requiring grad now are the
+        ones autograd records (and will compute gradients for)."""
+        if torch.is_grad_enabled():
+            for p in self.params:
+                if p.requires_grad:
+                    p.graphed = True
+
+    def _gradient_members(self):
+        """The parameters whose gradient this backward delivers, as autograd does on an
+        unsharded model: recorded by a forward with requires_grad set and still set now (or
+        holding an unreduced no_sync gradient). A flag changed while the unit's backward ran
+        cannot be honoured either way: an error naming it."""
+        for p in self.params:
+            if p.backward_flag is not None and p.requires_grad != p.backward_flag:
+                raise RuntimeError(
+                    f"{p.fqn}: requires_grad changed from {p.backward_flag} to "
+                    f"{p.requires_grad} while the backward of its unit ({self.name}) ran; set "
+                    "it before that backward starts or after it ends")
+            if p.backward_flag is False and p.full_face is not None and \
+                    p.full_face.grad is not None:
+                raise RuntimeError(
+                    f"{p.fqn}: got a gradient with requires_grad=False at the start of its "
+                    f"unit's backward ({self.name}); set requires_grad before backward starts")
+        return [p for p in self.params if (p.graphed and p.requires_grad) or p.unreduced]
+
+    @property
+    def numel(self) -> int:
+        """Elements of this unit's full parameters (what its all-gathers bring in)."""
+        return sum(p.buffer.layout.placements[p.index].numel for p in self.params)
+
+    # -- unshard / reshard ---------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = True):
+        """Issue this unit's all-gathers unless they are done or in flight."""
+        if self._unsharded or self._pending_gather:
+            return
+        STATS.log("unshard_issue", self.name)
+        self._pending_gather = [buf.all_gather(async_op=True) for buf in self.buffers]
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self):
+        if self._unsharded:
+            return
+        if not self._pending_gather:
+            self.unshard(async_op=True)
+        for work in self._pending_gather:
+            work.wait()
+        STATS.log("unshard_wait", self.name)
+        self._pending_gather = []
+        for p in self.params:
+            p.register(p.unsharded)
+        self._unsharded = True
+
+    def reshard(self):
+        if self._pending_gather:  # a prefetch nobody used: finish it before freeing its target
+            for work in self._pending_gather:
+                work.wait()
+            self._pending_gather = []
+        if not self._unsharded and not any(b.is_unsharded for b in self.buffers):
+            return
+        for p in self.params:
+            p.register(p.sharded)
+            if p.full_face is not None:
+                p.full_face.grad = None
+        for buf in self.buffers:
+            buf.free_full()
+        self._unsharded = False
+        STATS.log("reshard", self.name)
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def pre_forward(self, module, args, kwargs):
+        if running_backward():  # activation-checkpoint recompute: parameters only
+            self.wait_unshard()
+            self._note_graphed()
+            return args, kwargs
+        if _ACTIVE.ctx is None:
+            self._begin_root_forward()
+        ctx = self.ctx = _ACTIVE.ctx
+        if self not in ctx.order:
+            ctx.order.append(self)
+        # The next unit's all-gather goes out before we wait for ours (which nothing
+        # prefetched if we run first): it moves while ours finishes instead of after.
+        self.unshard(async_op=True)
+        self._prefetch_forward()
+        self.wait_unshard()
+        self._note_graphed()
+        STATS.log("forward", self.name)
+        if torch.is_grad_enabled():
+            args, kwargs, hooked = _register_post_backward(self, args, kwargs, ctx.token)
+            if hooked:
+                self.forward_calls += 1
+                self.pending_post_backward += 1
+            else:
+                self.calls_without_hook += 1
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        if running_backward():
+            return output
+        if torch.is_grad_enabled():
+            hook = _OutputGradHook(self, self.ctx.token)
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+        if self.is_root:
+            _ACTIVE.ctx = None
+            self.ctx.token = None  # from now on only the graph holds it
+            if not torch.is_grad_enabled() and not self.ctx.backward_pending:
+                # inference: nothing will come back for them
+                for unit in self.ctx.order:
+                    unit.reshard()
+                    unit._reset_iteration()
+        elif self.reshard_after_forward and not self._reused_soon():
+            self.reshard()
+        return output
+
+    def _reused_soon(self) -> bool:
+        """Will backward need these parameters again soon enough to keep them gathered? The
+        unit backward starts with (the last of the previous forward) always: resharding it would
+        only re-gather it moments later. Any other unit when fewer than `max_reuse_distance`
+        elements are gathered in between, as DeepSpeed's stage3_max_reuse_distance counts."""
+        if self.ctx is None or not (torch.is_grad_enabled() or self.ctx.backward_pending):
+            return False  # (a forward without gradients keeps what a pending backward needs)
+        distance = self.ctx.reuse_distance.get(self)
+        return distance is not None and (distance == 0 or distance < self.max_reuse_distance)
+
+    def _begin_root_forward(self):
+        self.is_root = True
+        if not self._storage_checked:  # the first forward: everything must have storage
+            require_materialized(self.module, "forward")
+            self._storage_checked = True
+        if self.ctx is None:
+            self.ctx = UnitContext()
+        ctx = self.ctx
+        ctx.token = None  # (left behind by a forward that raised)
+        if not ctx.backward_pending:
+            # Only a forward whose graph is gone left state behind: no backward comes for it.
+            for unit in ctx.order:
+                unit.reshard()
+                unit._reset_iteration()
+                unit.release_dropped_gradients()
+            ctx.last_order, ctx.order = ctx.order, []
+            ctx.reuse_distance = _reuse_distances(ctx.last_order)
+            ctx.callback_queued = False
+            ctx.reducing = []
+            ctx.all_reducing = []
+        # else: an extra forward (a reference pass under no_grad, an evaluation, a second
+        # forward whose loss joins the first's) while the first one's backward is to come
+        ctx.token = _ForwardToken() if torch.is_grad_enabled() else None
+        if ctx.token is not None:
+            ctx.live_forwards.add(ctx.token)
+        _ACTIVE.ctx = ctx
+
+    def _prefetch_forward(self):
+        order = self.ctx.last_order
+        if self in order:
+            i = order.index(self)
+            if i + 1 < len(order):
+                nxt = order[i + 1]
+                if nxt is not self and not nxt.is_root:
+                    nxt.unshard(async_op=True)
+
+    def _pre_backward(self, grad):
+        if self.in_backward:
+            return grad
+        self.in_backward = True
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
+        self.wait_unshard()
+        STATS.log("backward", self.name)
+        for p in self.params:
+            p.backward_flag = p.requires_grad
+        trainable = [p for p in self.params if p.backward_flag]
+        for buf in {id(p.buffer): p.buffer for p in trainable}.values():
+            buf.begin_backward(grads_in_place=self.grads_in_place and ctx.require_sync)
+        for p in trainable:
+            p.unsharded.grad = p.buffer.backward_grad_view(p.index)
+        order = ctx.order
+        if self.is_root:  # backward reaches the last unit of the forward first
+            if order and order[-1] is not self:
+                order[-1].unshard(async_op=True)
+        elif self in order:  # the unit backward reaches next is the one before us in forward
+            i = order.index(self)
+            if i > 0:  # a no-op when it stayed gathered since its forward
+                order[i - 1].unshard(async_op=True)
+        return grad
+
+    def post_backward(self):
+        """All of this unit's parameter gradients are in: reduce-scatter, then reshard."""
+        if self.reduced:
+            return
+        self.reduced = True
+        STATS.log("post_backward", self.name)
+        ctx = self.ctx
+        for unit in ctx.all_reducing:  # issued one unit ago: overlapped with that unit
+            unit.finish_gradients()
+        # One reduce-scatter in flight at a time frees each full gradient buffer as early as
+        # FSDP2 does; the replicas' all-reduce it leads to runs during the next unit.
+        ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
+        ctx.reducing = [self]
+        self._finishers = []
+        gradients = self._gradient_members() if self.in_backward else []
+        if gradients:
+            if not self.ctx.require_sync:
+                for buf in self.buffers:
+                    buf.keep_grads_unreduced()
+                for p in gradients:
+                    p.unreduced = True
+            else:
+                for buf in self.buffers:
+                    members = [p for p in gradients if p.buffer is buf]
+                    if members:
+                        self._finishers.append((buf, members, buf.reduce_scatter(
+                            accumulate=_prepare_accumulation(
+                                buf, [p for p in self.params if p.buffer is buf]))))
+                for p in gradients:
+                    p.unreduced = False
+        self.reshard()
+
+    def release_dropped_gradients(self):
+        """Free a buffer's gradient shard once the user dropped every gradient in it
+        (zero_grad's set_to_none), so it does not sit through forward and backward."""
+        for buf in self.buffers:
+            if buf.has_grad and all(p.sharded.grad is None for p in self.params
+                                    if p.buffer is buf):
+                buf.release_grad()
+
+    def advance_gradients(self) -> bool:
+        """Wait for this unit's reduce-scatters and start the replicas' all-reduces; finish at
+        once where there is none. Whether all-reduces are now in flight."""
+        for _, _, pending in self._finishers:
+            pending.wait_reduce_scatter()
+        if any(pending.all_reducing for _, _, pending in self._finishers):
+            return True
+        self.finish_gradients()
+        return False
+
+    def finish_gradients(self):
+        for buf, members, pending in self._finishers:
+            pending.finish()
+            for p in members:
+                p.sharded.grad = buf.grad_view(p.index)
+        self._finishers = []
+
+
+def _reuse_distances(order) -> dict:
+    """For each non-root unit of a forward order: the elements gathered between its forward and
+    its backward, i.e. every later unit's parameters twice (once in forward, once in backward).
+    The root is left out: it stays gathered through forward and backward."""
+    distances, later = {}, 0
+    for unit in reversed([u for u in order if not u.is_root]):
+        distances[unit] = 2 * later
+        later += unit.numel
+    return distances
+
+
+def _prepare_accumulation(buf, params) -> bool:
+    """Does the shard hold gradients to add to? Not if the user dropped all of the buffer's
+    (zero_grad's set_to_none): then the reduce-scatter writes straight into the shard. Ranges
+    of dropped ones are zeroed first: a tensor without `.grad` has zeros in the shard, which
+    the norm and the optimizer rely on (this backward may bring it none, being frozen)."""
+    dropped = [p for p in params if p.sharded.grad is None]
+    if len(dropped) == len(params):
+        return False
+    for p in dropped:  # rare: some dropped, some kept
+        buf.grad_view(p.index).zero_()
+    return True
+
+
+def _final_callback(ctx):
+    for unit in reversed(ctx.order):
+        if unit.in_backward or unit.forward_calls or unit.calls_without_hook:
+            unit.post_backward()
+    for unit in reversed(ctx.order):  # every all-reduce in flight before waiting for any
+        unit.advance_gradients()
+    for unit in reversed(ctx.order):
+        unit.finish_gradients()
+        unit.reshard()
+        unit._reset_iteration()
+    ctx.reducing = []
+    ctx.all_reducing = []
+    ctx.live_forwards = weakref.WeakSet()  # this backward took what they had pending
+    if any(unit.device.type == "cpu" for unit in ctx.order):
+        release_free_host_memory()  # the step's full buffers are all free now
+
+
+class _Active:
+    ctx = None  # the context of the root forward now running (between its pre and post hooks)
+
+
+_ACTIVE = _Active()
+
+
+def forward_in_progress() -> bool:
+    """A sharded root's forward is running (its units gather and reshard as it goes)."""
+    return _ACTIVE.ctx is not None
+
+
+def running_backward() -> bool:
+    """Autograd is running a backward pass (in this thread)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward runs once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit, token, *inputs):
+        ctx.unit = unit
+        ctx.token = token  # the graph holds its forward's token (see UnitContext.live_forwards)
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        ctx.token = None
+        unit.pending_post_backward -= 1
+        if unit.pending_post_backward == 0 and unit.calls_without_hook == 0:
+            unit.post_backward()
+        return (None, None, *grads)
+
+
+class _OutputGradHook:
+    """The hook on a unit's outputs: the unit's backward begins. It holds its forward's token
+    for as long as the graph holds the hook."""
+
+    def __init__(self, unit, token):
+        self.unit = unit
+        self.token = token
+
+    def __call__(self, grad):
+        return self.unit._pre_backward(grad)
+
+
+def _register_post_backward(unit, args, kwargs, token):
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return args, kwargs, False
+    out = _PostBackward.apply(unit, token, *[flat[i] for i in positions])
+    out = out if isinstance(out, tuple) else (out,)
+    for i, t in zip(positions, out):
+        flat[i] = t
+    args, kwargs = tree_unflatten(flat, spec)
+    return args, kwargs, True
+
+
+def _managed_ids(module):
+    ids = set()
+    for sub in module.modules():
+        unit = getattr(sub, "_vescale_unit", None)
+        if unit is not None:
+            for p in unit.params:
+                ids.add(id(p.sharded))
+    return ids
