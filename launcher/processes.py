@@ -32,6 +32,27 @@ _TRAMPOLINE = (
     "if os.getppid() != int(sys.argv[2]):\n"  # the launcher died before prctl: follow it
     "    os._exit(128 + int(sys.argv[1]))\n"
     "os.execvp(sys.argv[3], sys.argv[3:])\n")
+# The watcher reads session ids, one a line, until "done"; if its input ends without it (the
+# launcher died), it waits for the parent-death signals to act (mpirun stops its ranks), then
+# SIGKILLs whatever is left in those sessions.
+_WATCHER = (
+    "import os, signal, sys, time\n"
+    "sids = set()\n"
+    "for line in sys.stdin:\n"
+    "    if line.strip() == 'done':\n"
+    "        sys.exit(0)\n"
+    "    sids.add(int(line))\n"
+    "time.sleep(float(sys.argv[1]))\n"
+    "for _ in range(3):\n"
+    "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "        try:\n"
+    "            with open(f'/proc/{pid}/stat', 'rb') as f:\n"
+    "                fields = f.read().decode(errors='replace').rsplit(')', 1)[1].split()\n"
+    "            if int(fields[3]) in sids and fields[0] != 'Z':\n"
+    "                os.kill(int(pid), signal.SIGKILL)\n"
+    "        except (OSError, IndexError, ValueError):\n"
+    "            pass\n"
+    "    time.sleep(0.05)\n")
 
 
 def shell_status(returncode: int) -> int:
@@ -117,8 +138,43 @@ class Child:
             os.killpg(self.pid, signal.SIGKILL)
 
     def reap(self) -> int:
+        """Once its waiter has seen it exit (a reap before that would leave the waiter's
+        waitid without a child)."""
+        self._exited.wait()
         self.proc.wait()
         return self.status
+
+
+class SessionWatcher:
+    """A small process that kills the sessions it is told about if `vescale run` dies
+    without saying "done" (even SIGKILLed): the parent-death signal reaches only the
+    launcher's own children, and DeepSpeed's runner, for one, lets its launch.py and ranks
+    run on when it dies. Linux only (/proc); elsewhere it does nothing."""
+
+    def __init__(self, delay_s: float = 2.0):
+        self.proc = None
+        if sys.platform.startswith("linux"):
+            self.proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, str(delay_s)],
+                                         stdin=subprocess.PIPE, text=True,
+                                         start_new_session=True)
+
+    def watch(self, session_id: int):
+        if self.proc:
+            self.proc.stdin.write(f"{session_id}\n")
+            self.proc.stdin.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        """Done, when the launcher has cleaned up; after an exception, the watcher cleans."""
+        if self.proc:
+            with contextlib.suppress(BrokenPipeError):
+                if exc_type is None:
+                    self.proc.stdin.write("done\n")
+                self.proc.stdin.close()
+            if exc_type is None:
+                self.proc.wait()
 
 
 class _Proc:

@@ -27,7 +27,8 @@ import time
 from launcher import binding as cpu
 from launcher import gpu_binding as gpu
 from launcher.hostfile import Host, is_local, read_hostfile, write_hostfile
-from launcher.processes import Child, describe_status, received_signals, signal_name
+from launcher.processes import (Child, SessionWatcher, describe_status, received_signals,
+                                signal_name)
 
 LAUNCHERS = ("local", "mpi", "deepspeed")
 DEFAULT_PORT = 29500
@@ -210,9 +211,10 @@ def _run_job(cmd, out, extra_env=None, stop_grace_s=DEFAULT_STOP_GRACE_S,
     extra_env = extra_env or {}
     shown = " ".join(f"{k}={v}" for k, v in extra_env.items())
     print(f"vescale run: {shown + ' ' if shown else ''}{shlex.join(cmd)}", file=out, flush=True)
-    with received_signals() as received:
+    with received_signals() as received, SessionWatcher() as watcher:
         # Parent death: SIGTERM, which mpirun passes on to its ranks before it exits.
         child = Child(cmd, {**os.environ, **extra_env}, death_signal=signal.SIGTERM)
+        watcher.watch(child.pid)
         while not child.wait_exit(0.05):
             if received:
                 return _stop_job(child, received, stop_grace_s, forward_to_children, out)
@@ -323,7 +325,7 @@ def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
     port = _free_port()
     lock = threading.Lock()
     ranks = []
-    with received_signals() as received:
+    with received_signals() as received, SessionWatcher() as watcher:
         try:
             for rank in range(nproc):
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
@@ -335,6 +337,7 @@ def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
                 else:
                     with cpu.bound_to(cores[rank]):
                         ranks.append(_Rank(rank, argv, env, out, lock))
+                watcher.watch(ranks[-1].child.pid)
         except BaseException:
             _finish(ranks)  # none outlives a launcher that could not start them all
             raise
@@ -402,7 +405,7 @@ def _stop_on_failure(ranks, failed, received, grace_s, say) -> int:
                 received)
     _finish(ranks)
     first = _first_failure(ranks, stopped_at) or seen
-    failed_itself = first.child.exited_at <= stopped_at and first.child.status != 0
+    failed_itself = _failed_before(first, stopped_at)
     if not failed_itself:
         how = "stopped by vescale run after its traceback"
     elif first.child.killed:
@@ -414,19 +417,26 @@ def _stop_on_failure(ranks, failed, received, grace_s, say) -> int:
     return first.child.status if failed_itself else seen.child.status
 
 
+def _failed_before(rank, stopped_at) -> bool:
+    """Did the rank exit nonzero by itself, before the launcher stopped the others?"""
+    return (rank.child.exited_at is not None and rank.child.exited_at <= stopped_at
+            and rank.child.status != 0)
+
+
 def _first_failure(ranks, stopped_at):
     """The rank that failed first, by the launcher's clock: the earlier of its own failing
-    exit (before the launcher stopped the others) and the start of its last traceback. A
-    rank that raised may exit after one that it made fail (teardown takes time), so exit
-    order alone would blame the wrong one."""
+    exit (before the launcher stopped the others) and the start of its last traceback, among
+    the ranks that did not exit 0. A rank that raised may exit after one that it made fail
+    (teardown takes time), so exit order alone would blame the wrong one."""
     def failed_at(r):
         times = [r.output.traceback_at]
-        if r.child.exited_at <= stopped_at and r.child.status != 0:
+        if _failed_before(r, stopped_at):
             times.append(r.child.exited_at)
         times = [t for t in times if t is not None]
         return min(times) if times else None
 
-    found = [(failed_at(r), r.rank, r) for r in ranks if failed_at(r) is not None]
+    found = [(failed_at(r), r.rank, r) for r in ranks
+             if r.child.status != 0 and failed_at(r) is not None]
     return min(found)[2] if found else None
 
 

@@ -20,7 +20,7 @@ from launcher.run import _RankOutput
 HEADER = """\
 import os, pathlib, signal, subprocess, sys, time
 rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
-here = pathlib.Path(sys.argv[1])
+here = pathlib.Path(sys.argv[-1])  # deepspeed inserts --local_rank=N before it
 def note(name, text):
     (here / f".{name}").write_text(str(text))
     (here / f".{name}").rename(here / name)
@@ -246,16 +246,36 @@ def test_sigterm_under_mpirun_reaches_the_ranks_with_the_grace(start):
     print(f"SIGTERM, --launcher mpi: all gone in {took:.2f} s (bound 5 s)")
 
 
-@pytest.mark.parametrize("launcher", ["local", "mpi"])
-def test_ranks_die_with_a_sigkilled_launcher(start, launcher):
-    body = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if launcher == "local" else ""
-    job = start(body, "--launcher", launcher)
+def test_sigterm_under_deepspeed_reaches_the_ranks_with_the_grace(start):
+    """DeepSpeed's runner does not pass signals on for a one-machine job: its launch.py must
+    get it (and gives it to the ranks)."""
+    job = start("saving_on_sigterm(1.0)\n", "--launcher", "deepspeed", "--stop-grace-s", "4")
     pids = job.rank_pids()
-    job.proc.send_signal(signal.SIGKILL)
+    job.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     took = gone_within(pids, 5, t0)
+    status = job.wait(timeout=10)
+    out = job.output()
+    assert status == 143, out
+    assert (job.dir / "saved0").exists() and (job.dir / "saved1").exists(), out
+    print(f"SIGTERM, --launcher deepspeed: ranks gone in {took:.2f} s (bound 5 s)")
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpi", "deepspeed"])
+def test_ranks_die_with_a_sigkilled_launcher(start, launcher):
+    """Local ranks by their parent-death signal (their helpers by the session watcher);
+    mpirun gets SIGTERM and stops its ranks; DeepSpeed's runner dies of it, leaving
+    launch.py and the ranks to the watcher."""
+    body = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nhelper()\n" if launcher == "local" else ""
+    job = start(body, "--launcher", launcher)
+    pids = job.rank_pids(helpers=launcher == "local")
+    job.proc.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    ranks_took = gone_within(pids[:2], 5, t0)
+    took = gone_within(pids, 5, t0)
     assert job.wait(timeout=10) == -signal.SIGKILL
-    print(f"launcher SIGKILLed ({launcher}): ranks gone in {took:.2f} s")
+    print(f"launcher SIGKILLed ({launcher}): ranks gone in {ranks_took:.2f} s, all in "
+          f"{took:.2f} s (bound 5 s)")
 
 
 # --- the pieces -------------------------------------------------------------------------------
