@@ -189,8 +189,9 @@ else:
     print(f"failing rank, the other deaf to SIGTERM: all gone {took:.2f} s after the raise")
 
 
-def test_a_rank_killed_by_sigkill_gives_status_137(start):
-    job = start("")
+@pytest.mark.parametrize("launcher", ["local", "mpi"])
+def test_a_rank_killed_by_sigkill_gives_status_137(start, launcher):
+    job = start("", "--launcher", launcher)
     pids = job.rank_pids()
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -198,10 +199,11 @@ def test_a_rank_killed_by_sigkill_gives_status_137(start):
     gone_within(pids, 15, t0)
     out = job.output()
     assert status == 137, out
-    assert "vescale run: rank 1 was killed by SIGKILL (status 137); stopping the other " \
-           "ranks" in out, out
-    assert "vescale run: rank 1 failed first: no Python traceback (killed by SIGKILL, " \
-           "status 137)" in out, out
+    if launcher == "local":
+        assert "vescale run: rank 1 was killed by SIGKILL (status 137); stopping the other " \
+               "ranks" in out, out
+        assert "vescale run: rank 1 failed first: no Python traceback (killed by SIGKILL, " \
+               "status 137)" in out, out
 
 
 # --- the launcher is stopped ------------------------------------------------------------------
