@@ -3,7 +3,7 @@
 Each child (a local rank, or the mpirun / deepspeed launcher) runs in its own session, so that
 everything it starts can be found (its session id) and killed, whatever process groups it makes
 (Open MPI puts each rank in its own group). On Linux it also gets a parent-death signal, so it
-dies with `vescale run` even when that is SIGKILLed: a two-line Python trampoline sets
+dies with `vescale run` even when that is SIGKILLed: a few lines of Python (`-S`) set
 `prctl(PR_SET_PDEATHSIG)` and execs the real command (no Python code runs between fork and exec
 in the launcher, whose output threads may hold locks). A child is waited for without being
 reaped (`waitid(WNOWAIT)`): until the launcher reaps it, its PID, and so its session id, cannot
@@ -24,11 +24,12 @@ import time
 # Handled while a job runs: forwarded to the ranks (or their launcher), then the job stops.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-_PR_SET_PDEATHSIG = 1
+# argv: death signal, the launcher's PID, the command. prctl option 1 is PR_SET_PDEATHSIG.
 _TRAMPOLINE = (
     "import ctypes, os, sys\n"
     "if ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0):\n"
-    "    sys.exit('vescale run: prctl(PR_SET_PDEATHSIG) failed: ' + os.strerror(ctypes.get_errno()))\n"
+    "    sys.exit('vescale run: prctl(PR_SET_PDEATHSIG) failed: '\n"
+    "             + os.strerror(ctypes.get_errno()))\n"
     "if os.getppid() != int(sys.argv[2]):\n"  # the launcher died before prctl: follow it
     "    os._exit(128 + int(sys.argv[1]))\n"
     "os.execvp(sys.argv[3], sys.argv[3:])\n")
@@ -55,11 +56,6 @@ _WATCHER = (
     "    time.sleep(0.05)\n")
 
 
-def shell_status(returncode: int) -> int:
-    """Popen's returncode (-N when killed by signal N) in the shell's convention (128 + N)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def describe_status(status: int, killed: bool) -> str:
     """'exited with status 7' or 'was killed by SIGKILL (status 137)'."""
     if killed:
@@ -75,7 +71,9 @@ def signal_name(signum: int) -> str:
 
 
 def with_parent_death(cmd: list, death_signal: int) -> list:
-    """`cmd`, started so that it gets `death_signal` when this process dies (Linux only)."""
+    """`cmd`, started so that it gets `death_signal` when this process dies (Linux only).
+    Strictly: when the thread that started it ends; `vescale run` starts its children from
+    its main thread."""
     if not sys.platform.startswith("linux"):
         return list(cmd)
     return [sys.executable, "-S", "-c", _TRAMPOLINE, str(int(death_signal)), str(os.getpid()),

@@ -1,11 +1,16 @@
 """`vescale run`: start the ranks of a training script.
 
 - local (default): N ranks on this machine with the environment torchrun would give them,
-  each output line prefixed with its rank, every rank stopped as soon as one fails (the exit
-  status is then that rank's); on CPU each rank is bound to its own cores, a CUDA rank to
-  its GPU's NUMA node (at most one rank per GPU).
+  each output line prefixed with its rank, every rank stopped as soon as one fails (the rank
+  that failed first is named with its exception line; the exit status is its own); on CPU
+  each rank is bound to its own cores, a CUDA rank to its GPU's NUMA node (at most one rank
+  per GPU).
 - mpi: one `mpirun` command line (Open MPI), over a hostfile for several machines.
 - deepspeed: one `deepspeed` launcher command line, over a hostfile for several machines.
+
+SIGTERM/SIGINT/SIGHUP are passed on to the ranks (or to the processes mpirun / deepspeed
+started here), which get `--stop-grace-s` to exit before what is left is killed; the exit
+status is then 128 + the signal. What is started dies with `vescale run` (launcher/processes.py).
 
 `--nproc N` is always ranks per machine (torchrun's --nproc_per_node, DeepSpeed's --num_gpus);
 with a hostfile and no --nproc, each host runs its `slots` ranks.

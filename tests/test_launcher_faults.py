@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from launcher.processes import shell_status
 from launcher.run import _RankOutput
 
 HEADER = """\
@@ -268,7 +267,8 @@ def test_ranks_die_with_a_sigkilled_launcher(start, launcher):
     """Local ranks by their parent-death signal (their helpers by the session watcher);
     mpirun gets SIGTERM and stops its ranks; DeepSpeed's runner dies of it, leaving
     launch.py and the ranks to the watcher."""
-    body = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nhelper()\n" if launcher == "local" else ""
+    deaf = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nhelper()\n"
+    body = deaf if launcher == "local" else ""
     job = start(body, "--launcher", launcher)
     pids = job.rank_pids(helpers=launcher == "local")
     job.proc.send_signal(signal.SIGKILL)
@@ -282,10 +282,6 @@ def test_ranks_die_with_a_sigkilled_launcher(start, launcher):
 
 
 # --- the pieces -------------------------------------------------------------------------------
-
-def test_exit_statuses_follow_the_shell_convention():
-    assert [shell_status(c) for c in (0, 1, 7, -9, -15, -2)] == [0, 1, 7, 137, 143, 130]
-
 
 def test_the_exception_line_is_the_last_tracebacks():
     output = _RankOutput("[rank1] ")
