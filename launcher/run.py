@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -255,6 +256,10 @@ def _wait_until(done, timeout_s, received):
         time.sleep(0.05)
 
 
+# torch.distributed's excepthook prefixes every line of an uncaught exception's traceback.
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+
+
 class _RankOutput:
     """One rank's output lines, and its last Python traceback: when it began (the launcher's
     clock) and its exception line (the first line after the frames, "ValueError: ...")."""
@@ -266,7 +271,7 @@ class _RankOutput:
         self._in_frames = False
 
     def note(self, line):
-        text = line.rstrip("\n")
+        text = _TORCH_RANK_PREFIX.sub("", line.rstrip("\n"), count=1)
         if text.endswith("Traceback (most recent call last):"):
             self.traceback_at = time.monotonic()
             self._in_frames = True

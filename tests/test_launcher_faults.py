@@ -295,3 +295,12 @@ def test_the_exception_line_is_the_last_tracebacks():
         output.note(line)
     assert output.exception == "ValueError: bad batch"
     assert output.traceback_at is not None
+
+    # Once the process group exists, torch.distributed's excepthook prefixes every line.
+    torch_prefixed = _RankOutput("[rank1] ")
+    for line in ["[rank1]: Traceback (most recent call last):\n",
+                 '[rank1]:   File "job.py", line 8, in <module>\n',
+                 '[rank1]:     raise ValueError("bad batch at step 2")\n',
+                 "[rank1]: ValueError: bad batch at step 2\n"]:
+        torch_prefixed.note(line)
+    assert torch_prefixed.exception == "ValueError: bad batch at step 2"
