@@ -304,3 +304,12 @@ def test_the_exception_line_is_the_last_tracebacks():
                  "[rank1]: ValueError: bad batch at step 2\n"]:
         torch_prefixed.note(line)
     assert torch_prefixed.exception == "ValueError: bad batch at step 2"
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_a_bad_stop_grace_is_one_line(capsys, value):
+    from launcher.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--stop-grace-s", value, "job.py"])
+    assert f"--stop-grace-s: expected a number of seconds >= 0, got '{value}'" in \
+        capsys.readouterr().err
