@@ -38,6 +38,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _add_plan_parser(sub):
     p = sub.add_parser("plan", help="plan the sharded layout of a model's parameters",
                        description="Plan RaggedShard buffer layouts for every unit of a model "
@@ -357,6 +367,11 @@ def _add_run_parser(sub):
     p.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
                    help="local launcher: do not bind each rank to its own cores (CPU ranks) or to "
                         "its GPU's NUMA node (CUDA ranks)")
+    p.add_argument("--stop-grace-s", type=_seconds, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT/SIGHUP: seconds the ranks get to exit after the signal "
+                        "is passed on to them (or to mpirun's ranks / deepspeed's launcher) "
+                        "before what is left is killed (default 30; an opt-in preemption save "
+                        "needs this time)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=_run_run)
@@ -365,7 +380,7 @@ def _add_run_parser(sub):
 def _run_run(args) -> int:
     from launcher.run import launch
     return launch(args.launcher, args.nproc, args.hostfile, [args.script, *args.script_args],
-                  args.threads_per_rank, args.bind_cores)
+                  args.threads_per_rank, args.bind_cores, stop_grace_s=args.stop_grace_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,11 +1,16 @@
 """`vescale run`: start the ranks of a training script.
 
 - local (default): N ranks on this machine with the environment torchrun would give them,
-  each output line prefixed with its rank, every rank stopped as soon as one fails (the exit
-  status is then that rank's); on CPU each rank is bound to its own cores, a CUDA rank to
-  its GPU's NUMA node (at most one rank per GPU).
+  each output line prefixed with its rank, every rank stopped as soon as one fails (the rank
+  that failed first is named with its exception line; the exit status is its own); on CPU
+  each rank is bound to its own cores, a CUDA rank to its GPU's NUMA node (at most one rank
+  per GPU).
 - mpi: one `mpirun` command line (Open MPI), over a hostfile for several machines.
 - deepspeed: one `deepspeed` launcher command line, over a hostfile for several machines.
+
+SIGTERM/SIGINT/SIGHUP are passed on to the ranks (or to the processes mpirun / deepspeed
+started here), which get `--stop-grace-s` to exit before what is left is killed; the exit
+status is then 128 + the signal. What is started dies with `vescale run` (launcher/processes.py).
 
 `--nproc N` is always ranks per machine (torchrun's --nproc_per_node, DeepSpeed's --num_gpus);
 with a hostfile and no --nproc, each host runs its `slots` ranks.
@@ -14,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,9 +33,17 @@ import time
 from launcher import binding as cpu
 from launcher import gpu_binding as gpu
 from launcher.hostfile import Host, is_local, read_hostfile, write_hostfile
+from launcher.processes import (Child, SessionWatcher, describe_status, received_signals,
+                                signal_name)
 
 LAUNCHERS = ("local", "mpi", "deepspeed")
 DEFAULT_PORT = 29500
+# How long ranks get to exit after the stop signal is passed on (--stop-grace-s): long enough
+# for an opt-in preemption save to finish the step and write a checkpoint.
+DEFAULT_STOP_GRACE_S = 30.0
+# After a rank fails, the others get at most this long: without it no step or checkpoint
+# can complete.
+FAILURE_GRACE_S = 5.0
 # Variables every MPI rank needs even on a machine mpirun reaches over ssh (Open MPI only
 # passes on what -x names); NCCL_*/VESCALE_* tuning travels too.
 _FORWARDED = ("PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
@@ -48,18 +63,20 @@ def _check_script(argv):
 
 def launch(launcher: str, nproc: int | None, hostfile: str | None, argv: list,
            threads_per_rank: int | None = None, bind_cores: bool = True,
-           out=sys.stdout) -> int:
+           out=sys.stdout, stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
     """`vescale run`: check everything, then start the job; returns its exit status."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be positive, got {nproc}")
+    if not stop_grace_s >= 0:
+        raise ValueError(f"--stop-grace-s must be a number of seconds >= 0, got {stop_grace_s}")
     _check_script(argv)
     if launcher == "local":
         if hostfile:
             raise ValueError("--hostfile needs --launcher mpi or --launcher deepspeed (the local "
                              "launcher starts ranks on this machine only)")
-        return run_local(nproc or 1, argv, threads_per_rank, out, bind_cores)
+        return run_local(nproc or 1, argv, threads_per_rank, out, bind_cores, stop_grace_s)
     hosts = _hosts(hostfile, nproc)
     with _hostfile_for(hosts, hostfile) as path:
         if launcher == "mpi":
@@ -67,12 +84,13 @@ def launch(launcher: str, nproc: int | None, hostfile: str | None, argv: list,
                               os.environ, as_root=os.geteuid() == 0,
                               usable_cores=len(cpu.usable_cores()),
                               gpu_ranks=gpu_ranks(os.environ), numa_nodes=gpu.numa_node_count())
-            return _run_job(cmd, out)
+            return _run_job(cmd, out, stop_grace_s=stop_grace_s,
+                            forward_to_children=_single_machine(hosts))
         # The deepspeed launcher passes its environment on to the ranks (on CPU it leaves the
         # thread count to them, and every rank would use every core).
         threads = str(threads_per_rank or _threads_guess(hosts))
         return _run_job(deepspeed_command(argv, hosts, path, os.environ), out,
-                        {"OMP_NUM_THREADS": threads})
+                        {"OMP_NUM_THREADS": threads}, stop_grace_s, _single_machine(hosts))
 
 
 def _hosts(hostfile, nproc) -> list:
@@ -190,22 +208,83 @@ def _hostfile_for(hosts, user_hostfile):
         yield path
 
 
-def _run_job(cmd, out, extra_env=None) -> int:
+def _run_job(cmd, out, extra_env=None, stop_grace_s=DEFAULT_STOP_GRACE_S,
+             forward_to_children=True) -> int:
+    """Run one launcher (mpirun, deepspeed) in its own session; it supervises its ranks and
+    its status is the job's. A stop signal goes to its children on this machine (mpirun's
+    ranks, deepspeed's launch.py; `forward_to_children`), else to the launcher itself; after
+    `stop_grace_s` everything left in its session is killed."""
     extra_env = extra_env or {}
     shown = " ".join(f"{k}={v}" for k, v in extra_env.items())
     print(f"vescale run: {shown + ' ' if shown else ''}{shlex.join(cmd)}", file=out, flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, **extra_env})
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # the launcher got the same Ctrl-C: let it stop its ranks
-        proc.wait()
-        return 130
+    with received_signals() as received, SessionWatcher() as watcher:
+        # Parent death: SIGTERM, which mpirun passes on to its ranks before it exits.
+        child = Child(cmd, {**os.environ, **extra_env}, death_signal=signal.SIGTERM)
+        watcher.watch(child.pid)
+        while not child.wait_exit(0.05):
+            if received:
+                return _stop_job(child, received, stop_grace_s, forward_to_children, out)
+        child.kill_session()
+        return child.reap()
 
 
-def _pump(stream, prefix, out, lock):
+def _stop_job(child, received, grace_s, forward_to_children, out) -> int:
+    signum = received[0]
+    # mpirun's own SIGTERM kills its ranks within a second, and DeepSpeed's runner does not
+    # pass signals on for a one-machine job: the processes it started get the signal instead.
+    targets = (child.children() if forward_to_children else []) or [child.pid]
+    print(f"vescale run: got {signal_name(signum)}; passing it to pid(s) "
+          f"{', '.join(map(str, targets))} and waiting up to {grace_s:g} s (--stop-grace-s)",
+          file=out, flush=True)
+    for pid in targets:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    _wait_until(lambda: child.exited(), grace_s, received)
+    if not child.exited():
+        print(f"vescale run: the job is still running after {grace_s:g} s: SIGKILL",
+              file=out, flush=True)
+    child.kill_session()
+    child.reap()
+    return 128 + signum
+
+
+def _wait_until(done, timeout_s, received):
+    """Until done(), timeout_s, or a further stop signal (a second Ctrl-C: stop waiting)."""
+    seen = len(received)
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline and len(received) == seen:
+        time.sleep(0.05)
+
+
+# torch.distributed's excepthook prefixes every line of an uncaught exception's traceback.
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+
+
+class _RankOutput:
+    """One rank's output lines, and its last Python traceback: when it began (the launcher's
+    clock) and its exception line (the first line after the frames, "ValueError: ...")."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.traceback_at = None
+        self.exception = None
+        self._in_frames = False
+
+    def note(self, line):
+        text = _TORCH_RANK_PREFIX.sub("", line.rstrip("\n"), count=1)
+        if text.endswith("Traceback (most recent call last):"):
+            self.traceback_at = time.monotonic()
+            self._in_frames = True
+        elif self._in_frames and text and not text[0].isspace():
+            self.exception = text
+            self._in_frames = False
+
+
+def _pump(stream, output, out, lock):
     for line in iter(stream.readline, ""):
+        output.note(line)
         with lock:
-            out.write(f"{prefix}{line}")
+            out.write(f"{output.prefix}{line}")
             out.flush()
     stream.close()
 
@@ -246,7 +325,8 @@ def gpu_ranks(env) -> bool:
 
 
 def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
-              out=sys.stdout, bind_cores: bool = True) -> int:
+              out=sys.stdout, bind_cores: bool = True,
+              stop_grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
     """Run `python argv...` as ranks 0..nproc-1; returns the job's exit status."""
     if nproc < 1:
         raise ValueError(f"--nproc must be positive, got {nproc}")
@@ -254,54 +334,127 @@ def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
     cores, threads = _local_plan(nproc, threads_per_rank, bind_cores, out)
     port = _free_port()
     lock = threading.Lock()
-    procs, pumps = [], []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        if cores[rank] is None:
-            proc = _start(argv, env)
-        else:
-            with cpu.bound_to(cores[rank]):
-                proc = _start(argv, env)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank{rank}] ", out, lock),
-                                daemon=True)
-        pump.start()
-        procs.append(proc)
-        pumps.append(pump)
-    status = 0
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed:
-                status = failed[0].returncode
-                with lock:
-                    out.write(f"vescale run: rank {procs.index(failed[0])} exited with "
-                              f"status {status}; stopping the other ranks\n")
-                _stop(procs)
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        _stop(procs)
-        status = 130
-    for pump in pumps:
-        pump.join(timeout=5)
-    codes = [p.wait() for p in procs]
-    return status or next((c for c in codes if c), 0)
-
-
-def _start(argv, env):
-    return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _stop(procs, grace_s: float = 5.0):
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.time() + grace_s
-    for p in procs:
+    ranks = []
+    with received_signals() as received, SessionWatcher() as watcher:
         try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+            for rank in range(nproc):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
+                           WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+                if cores[rank] is None:
+                    ranks.append(_Rank(rank, argv, env, out, lock))
+                else:
+                    with cpu.bound_to(cores[rank]):
+                        ranks.append(_Rank(rank, argv, env, out, lock))
+                watcher.watch(ranks[-1].child.pid)
+        except BaseException:
+            _finish(ranks)  # none outlives a launcher that could not start them all
+            raise
+        return _supervise(ranks, received, stop_grace_s, lock, out)
+
+
+class _Rank:
+    """A local rank: its process (own session, killed if the launcher dies) and output."""
+
+    def __init__(self, rank, argv, env, out, lock):
+        self.rank = rank
+        self.child = Child([sys.executable, *argv], env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        self.output = _RankOutput(f"[rank{rank}] ")
+        self.pump = threading.Thread(target=_pump, daemon=True,
+                                     args=(self.child.proc.stdout, self.output, out, lock))
+        self.pump.start()
+
+    def describe(self) -> str:
+        return f"rank {self.rank} {describe_status(self.child.status, self.child.killed)}"
+
+
+def _supervise(ranks, received, grace_s, lock, out) -> int:
+    def say(line):
+        with lock:
+            out.write(f"vescale run: {line}\n")
+            out.flush()
+
+    while True:
+        if received:
+            return _stop_on_signal(ranks, received, grace_s, say)
+        failed = [r for r in ranks if r.child.exited() and r.child.status != 0]
+        if failed:
+            return _stop_on_failure(ranks, failed, received, grace_s, say)
+        if all(r.child.exited() for r in ranks):
+            _finish(ranks)
+            return 0
+        time.sleep(0.05)
+
+
+def _stop_on_signal(ranks, received, grace_s, say) -> int:
+    signum = received[0]
+    live = [r for r in ranks if not r.child.exited()]
+    say(f"got {signal_name(signum)}; passing it to rank(s) "
+        f"{', '.join(str(r.rank) for r in live) or '(none left)'} and waiting up to "
+        f"{grace_s:g} s (--stop-grace-s)")
+    for r in live:
+        r.child.send(signum)
+    _wait_until(lambda: all(r.child.exited() for r in ranks), grace_s, received)
+    left = [r for r in ranks if not r.child.exited()]
+    if left:
+        say(f"rank(s) {', '.join(str(r.rank) for r in left)} still running: SIGKILL")
+    _finish(ranks)
+    return 128 + signum
+
+
+def _stop_on_failure(ranks, failed, received, grace_s, say) -> int:
+    seen = min(failed, key=lambda r: r.child.exited_at)
+    say(f"{seen.describe()}; stopping the other ranks")
+    stopped_at = time.monotonic()
+    for r in ranks:
+        r.child.send(signal.SIGTERM)
+    # The others cannot finish a step or a checkpoint without the failed rank: a short grace.
+    _wait_until(lambda: all(r.child.exited() for r in ranks), min(grace_s, FAILURE_GRACE_S),
+                received)
+    _finish(ranks)
+    first = _first_failure(ranks, stopped_at) or seen
+    failed_itself = _failed_before(first, stopped_at)
+    if not failed_itself:
+        how = "stopped by vescale run after its traceback"
+    elif first.child.killed:
+        how = f"killed by {signal_name(first.child.status - 128)}, status {first.child.status}"
+    else:
+        how = f"exit status {first.child.status}"
+    say(f"rank {first.rank} failed first: {first.output.exception or 'no Python traceback'} "
+        f"({how})")
+    return first.child.status if failed_itself else seen.child.status
+
+
+def _failed_before(rank, stopped_at) -> bool:
+    """Did the rank exit nonzero by itself, before the launcher stopped the others?"""
+    return (rank.child.exited_at is not None and rank.child.exited_at <= stopped_at
+            and rank.child.status != 0)
+
+
+def _first_failure(ranks, stopped_at):
+    """The rank that failed first, by the launcher's clock: the earlier of its own failing
+    exit (before the launcher stopped the others) and the start of its last traceback, among
+    the ranks that did not exit 0. A rank that raised may exit after one that it made fail
+    (teardown takes time), so exit order alone would blame the wrong one."""
+    def failed_at(r):
+        times = [r.output.traceback_at]
+        if _failed_before(r, stopped_at):
+            times.append(r.child.exited_at)
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
+
+    found = [(failed_at(r), r.rank, r) for r in ranks
+             if r.child.status != 0 and failed_at(r) is not None]
+    return min(found)[2] if found else None
+
+
+def _finish(ranks):
+    """Kill whatever is left in the ranks' sessions, reap them, and drain their output."""
+    for r in ranks:
+        r.child.kill_session()
+    for r in ranks:
+        r.child.reap()
+    for r in ranks:
+        r.pump.join(timeout=5)
