@@ -1,6 +1,6 @@
-"""`vescale plan`: RaggedShard layouts of a model's units from a shapes file, their padding against
-FSDP2's and ZeRO-3's, and with --memory each rank's bytes and traffic for one training step
-(vescale_engine.plan.capacity). Torch-free: the command starts at once."""
+"""`vescale plan`: RaggedShard layouts of a model's units from a shapes file, their padding
+against FSDP2's and ZeRO-3's, and with --memory each rank's bytes and traffic for one training
+step (vescale_engine.plan.capacity). Torch-free: the command starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +28,6 @@ def _granularity_list(text: str) -> list:
         return [parse_granularity(v) for v in text.split(",") if v.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err))
-
 
 
 def add_parser(sub):
