@@ -15,15 +15,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+from ranks import add_worker_flags, command_line, run_ranks, write_report  # noqa: E402
 CONFIG = os.path.join(ROOT, "examples", "configs", "vescale_default.json")
 SYSTEMS = ("vescale", "deepspeed")
 
@@ -86,32 +86,21 @@ def worker(args):
     fresh = make()
     loads = [timed(lambda: fresh.load_checkpoint(args.dir, tag=f"bench{args.repeats - 1}"))
              for _ in range(args.repeats)]
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"system": args.system, "params": params,
-                                      "save_s": statistics.median(saves),
-                                      "load_s": statistics.median(loads),
-                                      "bytes": statistics.median(sizes)}), flush=True)
+    # every rank reports (run_ranks wants a line from each); the times are the slowest rank's
+    print(json.dumps({"system": args.system, "params": params,
+                      "save_s": statistics.median(saves), "load_s": statistics.median(loads),
+                      "bytes": statistics.median(sizes)}), flush=True)
 
 
 def run_system(system, args):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    """One system's 2 ranks (fresh processes) over a scratch directory; rank 0's report."""
     scratch = tempfile.mkdtemp(prefix=f"ckpt-bench-{system}-")
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, __file__, "--worker", "--system", system, "--dir", scratch,
-               "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate()[0] for p in procs]
-    shutil.rmtree(scratch, ignore_errors=True)
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{system} failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    line = next(l for l in outputs[0].splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    try:
+        flags = ["--dir", scratch, "--repeats", str(args.repeats)] + \
+            (["--smoke"] if args.smoke else [])
+        return run_ranks(__file__, system, 2, flags)[0]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main():
@@ -119,8 +108,7 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny model, quick check")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="markdown output path")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    add_worker_flags(parser, SYSTEMS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -128,8 +116,7 @@ def main():
     results = [run_system(s, args) for s in SYSTEMS]
     out = args.out or os.path.join(HERE, "results", "checkpoint_io_smoke.md" if args.smoke
                                    else "checkpoint_io.md")
-    command = "python benchmarks/checkpoint_io.py" + (" --smoke" if args.smoke else "") + \
-        (f" --repeats {args.repeats}" if args.repeats != 3 else "")
+    command = command_line(__file__)
     lines = [f"# Checkpoint save/load, 2 ranks (gloo, CPU){' — smoke run' if args.smoke else ''}",
              "", f"Command: `{command}`", "",
              f"Model: examples/gpt_model.py ({results[0]['params']:,} parameters), config "
@@ -142,7 +129,6 @@ def main():
     lines += ["", "vescale: DCP files (true shapes; loads on any world size), fsynced, CRC32 of "
               "every file and item taken while writing and checked while reading; the tied head is written under both names so that a plain model's "
               "state_dict loads. DeepSpeed: torch.save per rank (same world size only)."]
-    from ranks import write_report  # benchmarks/: the script's own directory
     write_report(out, lines)
 
 

@@ -9,19 +9,17 @@ backward and an AdamW step over the whole model) with no communication.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import alternate, benchmark_parser, free_port, write_report  # noqa: E402
+from ranks import alternate, benchmark_parser, command_line, run_ranks, write_report  # noqa: E402
 
 SYSTEMS = ("vescale", "fsdp2", "floor")
 
@@ -35,9 +33,8 @@ def worker(args):
 
     torch.set_num_threads(1)
     world = 1 if args.system == "floor" else args.world
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                rank=args.rank, world_size=world)
+    if world > 1:  # run_ranks set torchrun's environment
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.dim, n_head=args.dim // 64,
                     block_size=args.seq)
@@ -79,22 +76,10 @@ def worker(args):
 
 
 def launch(system, args):
-    ranks = 1 if system == "floor" else args.world
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", "--system", system, "--rank", str(r),
-         "--world", str(args.world), "--port", str(port), "--layers", str(args.layers),
-         "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch),
-         "--steps", str(args.steps), "--warmup", str(args.warmup)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for r in range(ranks)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=1800)
-        if p.returncode:
-            raise SystemExit(f"{system} rank failed:\n{err[-3000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    flags = [f"--{k}={getattr(args, k)}" for k in
+             ("world", "layers", "dim", "seq", "batch", "steps", "warmup")]
+    results = run_ranks(__file__, system, 1 if system == "floor" else args.world, flags,
+                        timeout_s=1800)
     return {"step_s": max(r["step_s"] for r in results),
             "rss_mb": max(r["rss_mb"] for r in results),
             "losses": results[0]["losses"], "params": results[0]["params"]}
@@ -103,7 +88,6 @@ def launch(system, args):
 def main():
     parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=8, dim=512, seq=256,
                               steps=8)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_step_time.md"))
     args = parser.parse_args()
     if args.worker:
@@ -117,8 +101,7 @@ def main():
     mem_ok = med["vescale"]["rss_mb"] <= med["fsdp2"]["rss_mb"]
     same_loss = max(abs(a - b) for a, b in zip(runs["vescale"][0]["losses"],
                                                runs["fsdp2"][0]["losses"]))
-    env = "".join(f"{k}={os.environ[k]} " for k in ("MALLOC_MMAP_THRESHOLD_",) if k in os.environ)
-    cmd = env + " ".join(["python benchmarks/fsdp_step_time.py", *sys.argv[1:]])
+    cmd = command_line(__file__, env_keys=("MALLOC_MMAP_THRESHOLD_",))
     lines = [
         "# fully_shard step time and memory: vescale_engine vs PyTorch FSDP2", "",
         f"Produced by `{cmd}` on a 2-core CPU machine, {args.world} ranks on gloo, "

@@ -24,7 +24,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch  # noqa: E402
 
 import vescale_engine  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from ranks import free_port, write_report  # noqa: E402  (benchmarks/: the script's directory)
 
 OPTIMIZERS = {
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
@@ -402,11 +402,8 @@ def main():
     parser.add_argument("--only", nargs="*", help="run only these checks (names without check_)")
     args = parser.parse_args()
     if "RANK" not in os.environ:  # started without torchrun: a one-rank job of our own
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+                          MASTER_PORT=str(free_port()))
     if args.device == "cpu":
         os.environ["VESCALE_BACKEND"] = "gloo"
     elif not torch.cuda.is_available():
@@ -434,12 +431,12 @@ def main():
               "checks": results}
     with open(os.path.join(args.out, "gpu_validate.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
-    with open(os.path.join(args.out, "gpu_validate.md"), "w") as f:
-        f.write(f"# gpu_validate on {report['gpu'] or device} (torch {torch.__version__})\n\n"
-                "| check | status | s | details |\n|---|---|---:|---|\n")
-        for row in results:
-            text = json.dumps(row["details"], default=str).replace("|", "/")[:400]
-            f.write(f"| {row['check']} | {row['status']} | {row['seconds']} | {text} |\n")
+    lines = [f"# gpu_validate on {report['gpu'] or device} (torch {torch.__version__})", "",
+             "| check | status | s | details |", "|---|---|---:|---|"]
+    for row in results:
+        text = json.dumps(row["details"], default=str).replace("|", "/")[:400]
+        lines.append(f"| {row['check']} | {row['status']} | {row['seconds']} | {text} |")
+    write_report(os.path.join(args.out, "gpu_validate.md"), lines, echo=False)
     failed = [r["check"] for r in results if r["status"] == "FAIL"]
     print(f"gpu_validate: {len(results) - len(failed)} of {len(results)} checks passed or n/a"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)

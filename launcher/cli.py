@@ -2,308 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
+from launcher.arg_types import positive_int, seconds
 from vescale_engine import __version__
-from vescale_engine.plan.granularity import GRANULARITY_HELP, parse_granularity
-from vescale_engine.plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError
-
-
-def _positive_list(text: str) -> list:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"world sizes must be positive integers, got {text!r}")
-    return values
-
-
-def _granularity_list(text: str) -> list:
-    try:
-        return [parse_granularity(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
-
-
-def _add_plan_parser(sub):
-    p = sub.add_parser("plan", help="plan the sharded layout of a model's parameters",
-                       description="Plan RaggedShard buffer layouts for every unit of a model "
-                                   "given as a shapes file, and compare the padding with PyTorch "
-                                   "FSDP2 and DeepSpeed ZeRO-3.")
-    p.add_argument("--shapes", required=True, metavar="MODEL.json",
-                   help="shapes file: groups (units) with 'repeat' and tensors with 'shape'")
-    p.add_argument("--world-size", required=True, type=_positive_list, metavar="N[,N...]",
-                   help="number of ranks; a comma list prints a sweep table")
-    p.add_argument("--granularity", default=[parse_granularity("rows:1")], type=_granularity_list,
-                   metavar="G[,G...]", help=f"atomic block policy: {GRANULARITY_HELP} "
-                                            "(default rows:1); a comma list sweeps them")
-    p.add_argument("--align-bytes", type=_positive_int, default=DEFAULT_ALIGN_BYTES, metavar="B",
-                   help=f"shard sizes and tensor offsets are multiples of B bytes "
-                        f"(default {DEFAULT_ALIGN_BYTES})")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                   help="element type the alignment is counted in (default bf16)")
-    p.add_argument("--max-buffers", type=_positive_int, default=DEFAULT_MAX_BUFFERS, metavar="B",
-                   help=f"most buffers one unit may be split into (default {DEFAULT_MAX_BUFFERS})")
-    p.add_argument("--json", action="store_true",
-                   help="print the plan as one JSON object (a list of them for a sweep)")
-    p.add_argument("--verify", action="store_true",
-                   help="check every plan against the layout invariants")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw padding against world size per granularity (needs matplotlib)")
-    m = p.add_argument_group("memory and traffic (--memory)",
-                             "Per-rank bytes of one training step for ours, PyTorch FSDP2 and "
-                             "DeepSpeed ZeRO-3, and the bytes each rank all-gathers and "
-                             "reduce-scatters per optimizer step; activations excluded. "
-                             "docs/capacity_planning.md explains every term.")
-    m.add_argument("--memory", action="store_true",
-                   help="estimate per-rank memory and traffic (with --json: the `memory` and "
-                        "`traffic` keys of each result)")
-    m.add_argument("--optimizer", metavar="NAME",
-                   help="AdamW (default), AdamW8bit (shards in its block:256 quantization "
-                        "blocks) or Muon")
-    m.add_argument("--param-dtype", metavar="DTYPE",
-                   help="compute and all-gather dtype: bf16 (default), fp16 or fp32; master "
-                        "weights, gradient shards and optimizer moments are fp32")
-    m.add_argument("--reduce-dtype", metavar="DTYPE",
-                   help="gradient reduce-scatter dtype (default: the param dtype)")
-    m.add_argument("--grad-accum", metavar="N",
-                   help="micro-steps per optimizer step, each reduce-scattering (default 1)")
-    m.add_argument("--hsdp", metavar="R",
-                   help="HSDP replicate size: shard over world-size / R ranks, all-reduce the "
-                        "gradient shards over R replicas (default 1)")
-    m.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
-                   action="store_false", default=None,
-                   help="keep every unit gathered from its forward to its backward")
-    m.add_argument("--root", metavar="GROUP[,GROUP]",
-                   help="shapes-file groups the root unit owns (default: the non-repeated "
-                        "groups before and after the repeated ones, e.g. embeddings and head)")
-    m.add_argument("--device-memory", metavar="GB",
-                   help="memory of one device in GB (10^9 bytes): also print what each system "
-                        "leaves for activations")
-    p.set_defaults(run=_run_plan)
-
-
-_MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp",
-                 "reshard_after_forward", "root", "device_memory")
-
-
-def _flag_number(text, flag, kind):
-    """A positive number from a flag's text (None stays None); else one line naming it."""
-    from vescale_engine.plan.capacity import CapacityError
-    if text is None:
-        return None
-    try:
-        value = kind(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise CapacityError(f"{flag} must be a positive {'integer' if kind is int else 'number'}"
-                            f", got {text!r}")
-    return value
-
-
-def _capacity_setups(args, model) -> dict:
-    """{world size: capacity.Setup}, checked: a bad value is one line, before any planning."""
-    from vescale_engine.plan import capacity
-
-    if not args.memory:
-        given = [f for f in _MEMORY_FLAGS if getattr(args, f) is not None]
-        if given:
-            raise capacity.CapacityError(f"--{given[0].replace('_', '-')} needs --memory")
-        return {}
-    args.grad_accum = _flag_number(args.grad_accum, "--grad-accum", int)
-    args.hsdp = _flag_number(args.hsdp, "--hsdp", int)
-    args.device_memory = _flag_number(args.device_memory, "--device-memory", float)
-    root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
-                                                 if r.strip())
-    setups = {}
-    for granularity in args.granularity:
-        for world_size in args.world_size:
-            setup = capacity.Setup(
-                world_size, optimizer=args.optimizer or "AdamW",
-                param_dtype=args.param_dtype or "bf16", reduce_dtype=args.reduce_dtype,
-                grad_accum=args.grad_accum or 1, hsdp=args.hsdp or 1,
-                reshard_after_forward=args.reshard_after_forward is not False,
-                granularity=str(granularity), align_bytes=args.align_bytes,
-                max_buffers=args.max_buffers, root=root)
-            capacity.check_setup(setup, model)
-            setups[(str(granularity), world_size)] = setup
-    return setups
-
-
-def _run_plan(args) -> int:
-    from vescale_engine.plan import model_plan as mp
-
-    model = mp.load_shapes(args.shapes)
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
-    if args.plot:
-        _require_matplotlib()
-    setups = _capacity_setups(args, model)
-    estimates = {}
-    plans = []
-    for granularity in args.granularity:
-        for world_size in args.world_size:
-            plan = mp.plan_model(model, world_size, granularity, align_bytes=args.align_bytes,
-                                 dtype=args.dtype, max_buffers=args.max_buffers)
-            if args.verify:
-                plan.verify()
-            plans.append(plan)
-            if not args.json and len(plans) == 1 and len(args.world_size) * len(args.granularity) > 1:
-                _print_table_header(model, args)
-            if not args.json and len(args.world_size) * len(args.granularity) > 1:
-                _print_table_row(plan)
-    if setups:
-        from vescale_engine.plan import capacity
-        cache = capacity.PlanCache()
-        uses = capacity.tensor_uses(model.path)
-        for plan in plans:
-            key = (str(plan.granularity), plan.world_size)
-            estimates[key] = capacity.estimate(model, setups[key], uses, cache,
-                                               args.device_memory)
-    if args.json:
-        out = [p.to_json() for p in plans]
-        for obj, plan in zip(out, plans):
-            found = estimates.get((str(plan.granularity), plan.world_size))
-            if found:
-                obj.update(memory=found["memory"], traffic=found["traffic"],
-                           memory_setup=found["setup"])
-        json.dump(out[0] if len(out) == 1 else out, sys.stdout)
-        print()
-    elif len(plans) == 1:
-        _print_detail(plans[0])
-    if estimates and not args.json:
-        _print_memory(model, plans, estimates, args.device_memory)
-    if args.verify and not args.json:
-        print(f"verified: {len(plans)} model plan(s), every invariant holds")
-    if args.plot:
-        _plot(plans, model, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
-    return 0
-
-
-def _print_table_header(model, args):
-    print(f"{model.name}: {model.numel / 1e9:.2f}B parameters, align {args.align_bytes} B "
-          f"({args.dtype}), at most {args.max_buffers} buffers per unit; padding in % of "
-          f"parameters")
-    print(f"{'granularity':<12} {'world':>6} {'vescale':>8} {'buffers':>7} {'1-buffer':>9} "
-          f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8} {'ZeRO-3':>8} {'plan s':>7}")
-
-
-def _print_table_row(plan):
-    from vescale_engine.plan import model_plan as mp
-
-    buffers = max(len(p.buffers) for p in plan.plans)
-    print(f"{str(plan.granularity):<12} {plan.world_size:>6} {100 * plan.padding_ratio:>7.2f}% "
-          f"{buffers:>7} {100 * mp.single_buffer_ratio(plan):>8.2f}% "
-          f"{100 * mp.single_buffer_lower_bound_ratio(plan):>8.2f}% "
-          f"{100 * mp.per_block_size_ratio(plan):>8.2f}% "
-          f"{100 * mp.fsdp2_padding_ratio(plan.model, plan.world_size):>7.2f}% "
-          f"{100 * mp.zero3_padding_ratio(plan.model, plan.world_size):>7.2f}% "
-          f"{plan.plan_seconds:>7.3f}", flush=True)
-
-
-def _print_detail(plan):
-    from vescale_engine.plan import model_plan as mp
-
-    m = plan.world_size
-    print(f"{plan.model.name} on {m} ranks, granularity {plan.granularity}, align "
-          f"{plan.align_bytes} B ({plan.dtype}), at most {plan.max_buffers} buffers per unit")
-    for group, unit in zip(plan.model.groups, plan.plans):
-        print(f"  unit {group.name} x{group.repeat}: {len(unit.buffers)} buffer(s), "
-              f"padding {100 * unit.padding_ratio:.3f}%")
-        for i, buf in enumerate(unit.buffers):
-            print(f"    buffer {i}: shard {buf.shard_size:,} elements/rank, "
-                  f"{len(buf.placements)} tensors, padding {buf.padding:,}")
-    print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} parameters "
-          f"(FSDP2 {100 * mp.fsdp2_padding_ratio(plan.model, m):.3f}%, "
-          f"ZeRO-3 {100 * mp.zero3_padding_ratio(plan.model, m):.3f}%), "
-          f"planned in {plan.plan_seconds:.3f} s")
-
-
-def _print_memory(model, plans, estimates, device_memory):
-    """One block per plan: per-rank GB of each system's parts and peak, and the traffic."""
-    gb = 1e9
-    for plan in plans:
-        est = estimates[(str(plan.granularity), plan.world_size)]
-        s = est["setup"]
-        shard = (f"{s['shard_group_size']} x {s['hsdp']} replicas" if s["hsdp"] > 1
-                 else f"{s['world_size']} ranks")
-        print(f"\nmemory per rank: {model.name} on {shard}, {s['optimizer']}, params "
-              f"{s['param_dtype']}, reduce {s['reduce_dtype']}, {s['grad_accum']} micro-step(s), "
-              f"{'reshard' if s['reshard_after_forward'] else 'no reshard'} after forward, "
-              f"granularity {s['granularity']}, root {'+'.join(s['root']) or '(none)'}")
-        print(f"GB (10^9 bytes) per rank, {est['activations']}; traffic: GB each rank "
-              f"receives (all-gather) / sends (reduce-scatter) per optimizer step")
-        left = f" {'left':>7}" if device_memory else ""
-        print(f"{'system':<7} {'master':>8} {'grad':>8} {'optim':>8} {'gathered':>9} "
-              f"{'peak':>8}{left} {'padding':>8} {'gather':>8} {'scatter':>8}")
-        for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
-            m = est["memory"][name]
-            t = est["traffic"] if name == "ours" else est["traffic"][name]
-            room = f" {m['headroom'] / gb:>7.2f}" if device_memory else ""
-            print(f"{label:<7} {m['master'] / gb:>8.2f} {m['grad'] / gb:>8.2f} "
-                  f"{m['optimizer'] / gb:>8.2f} {m['gathered_peak'] / gb:>9.2f} "
-                  f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
-                  f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}")
-        if device_memory:
-            fits = [label for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"),
-                                               ("zero3", "ZeRO-3"))
-                    if est["memory"][name]["headroom"] > 0]
-            print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
-                  f"(left: what remains for activations and the collectives' own buffers)")
-
-
-def _require_matplotlib():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise PlanError("--plot needs matplotlib: pip install matplotlib") from None
-
-
-def _plot(plans, model, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for granularity in dict.fromkeys(str(p.granularity) for p in plans):
-        points = [(p.world_size, 100 * p.padding_ratio) for p in plans
-                  if str(p.granularity) == granularity]
-        ax.plot(*zip(*points), marker="o", label=granularity)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("world size (ranks)")
-    ax.set_ylabel("padding (% of parameters)")
-    ax.set_title(f"{model.name}: vescale plan padding")
-    ax.grid(True, alpha=0.3)
-    ax.legend(title="granularity")
-    fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)  # never leave a half-written plot behind
 
 
 def _add_validate_parser(sub):
@@ -354,7 +56,7 @@ def _add_run_parser(sub):
                                    "environment, rank-prefixed output, all stopped when one "
                                    "fails, each rank bound to its own cores on CPU), or "
                                    "through mpirun or the deepspeed launcher over a hostfile.")
-    p.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                    help="ranks per machine (default 1, or each host's slots in the hostfile)")
     p.add_argument("--hostfile", metavar="F",
                    help="machines for --launcher mpi/deepspeed: lines 'HOST slots=N', "
@@ -362,12 +64,12 @@ def _add_run_parser(sub):
     p.add_argument("--launcher", choices=["local", "mpi", "deepspeed"], default="local",
                    help="local (default): ranks on this machine; mpi: mpirun (Open MPI); "
                         "deepspeed: the deepspeed launcher")
-    p.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="T",
+    p.add_argument("--threads-per-rank", type=positive_int, default=None, metavar="T",
                    help="OMP_NUM_THREADS per rank (default: the rank's share of the cores)")
     p.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
                    help="local launcher: do not bind each rank to its own cores (CPU ranks) or to "
                         "its GPU's NUMA node (CUDA ranks)")
-    p.add_argument("--stop-grace-s", type=_seconds, default=30.0, metavar="S",
+    p.add_argument("--stop-grace-s", type=seconds, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT/SIGHUP: seconds the ranks get to exit after the signal "
                         "is passed on to them (or to mpirun's ranks / deepspeed's launcher) "
                         "before what is left is killed (default 30; an opt-in preemption save "
@@ -387,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vescale", description="veScale Engine tools")
     parser.add_argument("--version", action="version", version=f"vescale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from launcher.plan_cli import add_parser as _add_plan_parser
     _add_plan_parser(sub)
     _add_validate_parser(sub)
     _add_run_parser(sub)

@@ -193,7 +193,7 @@ def test_bad_uses_in_a_shapes_file(tmp_path):
 
 
 def test_optimizer_facts_match_the_optimizers():
-    """capacity.py reads the optimizers' defaults from optim_spec without importing torch;
+    """capacity/ reads the optimizers' defaults from optim_spec without importing torch;
     the optimizers use the same values."""
     from vescale_engine.plan import optim_spec
     from vescale_engine.optim import adamw8bit, muon, quantize

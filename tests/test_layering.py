@@ -221,3 +221,52 @@ def test_the_module_map_names_every_module():
     missing = [str(path.relative_to(ROOT)) for path in package_modules().values()
                if path.name != "__init__.py" and path.name not in text]
     assert not missing, f"docs/architecture.md's module map does not name: {', '.join(missing)}"
+
+
+EXPORTING = ("plan", "shard", "optim")  # subpackages whose modules each declare `__all__`
+
+
+def _declared_all(path: pathlib.Path):
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def test_every_plan_shard_optim_module_declares_what_others_import_from_it():
+    """Each module of plan/, shard/ and optim/ has an `__all__`; every name in it is bound in
+    the module; every public name another file of the repository imports from it
+    (`from module import name`) is in it."""
+    modules = {name: path for name, path in package_modules().items()
+               if name.split(".")[1:2] and name.split(".")[1] in EXPORTING}
+    problems, exported = [], {}
+    for name, path in modules.items():
+        exported[name] = _declared_all(path)
+        if exported[name] is None:
+            problems.append(f"{path.relative_to(ROOT)}: no __all__")
+            continue
+        tree = ast.parse(path.read_text())
+        bound = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 for t in ast.walk(target) if isinstance(t, ast.Name)}
+        bound |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        bound |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                  for a in n.names}
+        problems += [f"{path.relative_to(ROOT)}: __all__ names {n!r}, which it does not bind"
+                     for n in exported[name] if n not in bound]
+    for folder in (PACKAGE, "launcher", "benchmarks", "tests", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            here = parts[:-1]  # the package a relative import starts from
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                source = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]) \
+                    .strip(".") if node.level else node.module
+                for alias in node.names if exported.get(source) is not None else ():
+                    if not alias.name.startswith("_") and f"{source}.{alias.name}" not in \
+                            modules and alias.name not in exported[source]:
+                        problems.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
+                                        f"{alias.name} from {source}, whose __all__ lacks it")
+    assert not problems, "\n".join(problems)

@@ -11,7 +11,8 @@ from .adamw import AdamW
 from .adamw8bit import DEFAULT_BLOCK, AdamW8bit, quantization_granularity
 from .muon import DEFAULT_ADAMW_PATTERNS, Muon, is_muon_matrix
 
-__all__ = ["AdamW", "AdamW8bit", "Muon", "build_optimizer", "sharding_granularity"]
+__all__ = ["AdamW", "AdamW8bit", "Muon", "build_optimizer", "sharding_granularity", "OURS",
+           "DEFAULT_BLOCK"]
 
 OURS = {"AdamW": AdamW, "AdamW8bit": AdamW8bit, "Muon": Muon}
 _TUPLES = ("betas", "ns_coefficients", "adamw_betas", "adamw_patterns")  # JSON gives lists

@@ -16,6 +16,8 @@ import torch
 
 from .flat import evaluate_closure, flat_buffers, stepped_members
 
+__all__ = ["AdamW", "new_adamw_state", "adamw_update", "adamw_math"]
+
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):

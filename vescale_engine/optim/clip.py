@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+__all__ = ["clip_grad_norm_", "global_grad_norm", "clip_coefficient", "scale_gradients_"]
+
 
 def _buffers_and_plain(parameters):
     buffers, plain, seen = [], [], set()

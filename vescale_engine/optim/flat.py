@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["flat_buffers", "stepped_members", "evaluate_closure"]
+
 
 def flat_buffers(param_groups, optimizer_name: str, check=None):
     """One (buffer, group, weight_decay, members) per DBuffer holding trainable parameters.

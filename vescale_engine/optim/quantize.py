@@ -30,6 +30,8 @@ import torch
 
 from ..plan.optim_spec import QUANT_CHUNK_ELEMENTS
 
+__all__ = ["BlockQuantizer", "code_table", "nearest_codes", "MAPS", "CHUNK_ELEMENTS"]
+
 MAPS = ("dynamic", "linear")
 CHUNK_ELEMENTS = QUANT_CHUNK_ELEMENTS  # elements per chunk: ~80 MB of temporaries at most
 _HOST = torch.device("cpu")

@@ -9,6 +9,8 @@ import math
 import re
 from dataclasses import dataclass
 
+__all__ = ["Granularity", "parse_granularity", "GRANULARITY_HELP"]
+
 GRANULARITY_HELP = "element, block:N, rows:K, tile:RxC, matrix or tensor"
 
 

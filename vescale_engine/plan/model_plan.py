@@ -17,6 +17,11 @@ from .granularity import Granularity, parse_granularity
 from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, TensorSpec, check_plan,
                       plan_buffer, plan_unit, shard_lower_bound)
 
+__all__ = ["ShapesError", "Group", "ModelShapes", "load_shapes", "model_specs", "ModelPlan",
+           "plan_model", "fsdp2_padding_ratio", "zero3_padding_ratio", "single_buffer_ratio",
+           "single_buffer_lower_bound_ratio", "per_block_size_ratio", "DTYPE_BYTES",
+           "DEFAULT_MAX_BUFFERS"]
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import fnmatch
 
+__all__ = ["OPTIMIZERS", "ADAMW8BIT_BLOCK", "QUANT_CHUNK_ELEMENTS", "MUON_ADAMW_PATTERNS",
+           "MUON_ROUNDS_IN_FLIGHT", "is_muon_matrix"]
+
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon")
 
 # AdamW8bit: the default quantization block (also its sharding granularity), and the elements

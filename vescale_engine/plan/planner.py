@@ -28,6 +28,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+__all__ = ["TensorSpec", "Placement", "BufferLayout", "UnitPlan", "plan_unit", "plan_buffer",
+           "shard_lower_bound", "check_plan", "PlanError", "DEFAULT_ALIGN_BYTES",
+           "DEFAULT_MAX_BUFFERS"]
+
 DEFAULT_ALIGN_BYTES = 16
 DEFAULT_MAX_BUFFERS = 4
 DEFAULT_SPLIT_GAIN = 0.0  # fraction of a unit's elements a split must save (0: any saving)

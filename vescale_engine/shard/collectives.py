@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+__all__ = ["all_gather", "reduce_scatter", "GradientReduction", "gradient_reduction",
+           "backend_for", "tensor_backend", "uses_exchange", "default_device"]
+
 # torch 2.13 prefers the *_single names; older releases only have the *_tensor ones.
 _native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

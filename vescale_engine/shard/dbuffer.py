@@ -25,6 +25,8 @@ import torch.distributed as dist
 from ..plan.planner import BufferLayout
 from . import collectives
 
+__all__ = ["DBuffer", "PendingReduction", "CollectiveStats", "STATS", "release_free_host_memory"]
+
 
 @dataclass
 class CollectiveStats:

@@ -1,0 +1,88 @@
+"""What a capacity estimate is asked for, everything but the model (`Setup`), checked before
+any planning (`check_setup`, `CapacityError`), and the bytes per step each rank's collectives
+move for a given number of gathered and reduced elements under it (`Setup.traffic`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..granularity import parse_granularity
+from ..model_plan import DTYPE_BYTES, ModelShapes
+from ..optim_spec import OPTIMIZERS
+from ..planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
+
+__all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup"]
+
+MASTER_BYTES = 4             # master weights, gradient shards and optimizer moments are fp32
+
+
+class CapacityError(ValueError):
+    """A capacity request that cannot be estimated; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is being estimated: everything but the model."""
+    world_size: int
+    optimizer: str = "AdamW"
+    param_dtype: str = "bf16"          # compute and all-gather dtype
+    reduce_dtype: str | None = None    # gradient reduction dtype (None: the param dtype)
+    grad_accum: int = 1                # micro-steps per optimizer step
+    hsdp: int = 1                      # replicate size: shard over world_size / hsdp ranks
+    reshard_after_forward: bool = True
+    granularity: str = "rows:1"
+    align_bytes: int = DEFAULT_ALIGN_BYTES
+    max_buffers: int = DEFAULT_MAX_BUFFERS
+    root: tuple | None = None          # groups the root unit owns (None: see default_root)
+
+    @property
+    def shard_size(self) -> int:
+        return self.world_size // self.hsdp
+
+    @property
+    def reduce(self) -> str:
+        return self.reduce_dtype or self.param_dtype
+
+    def traffic(self, gathered: int, reduced: int) -> dict:
+        """Bytes per rank per optimizer step when each micro-step all-gathers `gathered` and
+        reduce-scatters `reduced` elements of a rank's shards: `all_gather` is what each rank
+        receives ((M-1) of M shards, in the param dtype), `reduce_scatter` what it sends ((M-1)
+        shards, in the reduce dtype), `all_reduce` (HSDP) what a ring all-reduce of the reduced
+        shards over the replicas sends."""
+        M, R, n = self.shard_size, self.hsdp, self.grad_accum
+        pb, rb = DTYPE_BYTES[self.param_dtype], DTYPE_BYTES[self.reduce]
+        return {"all_gather": n * (M - 1) * gathered * pb,
+                "reduce_scatter": n * (M - 1) * reduced * rb,
+                "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+
+
+def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
+    """Raise CapacityError (one line) for anything that cannot be estimated."""
+    if setup.optimizer not in OPTIMIZERS:
+        raise CapacityError(f"unknown optimizer {setup.optimizer!r} (expected one of "
+                            f"{', '.join(OPTIMIZERS)})")
+    for what, dtype in (("param", setup.param_dtype), ("reduce", setup.reduce)):
+        if dtype not in DTYPE_BYTES:
+            raise CapacityError(f"unknown {what} dtype {dtype!r} (expected one of "
+                                f"{', '.join(DTYPE_BYTES)})")
+    for what, value in (("world size", setup.world_size), ("gradient accumulation",
+                                                          setup.grad_accum),
+                        ("HSDP replicate size", setup.hsdp)):
+        if not isinstance(value, int) or value < 1:
+            raise CapacityError(f"{what} must be a positive integer, got {value!r}")
+    if setup.world_size % setup.hsdp:
+        raise CapacityError(f"HSDP replicate size {setup.hsdp} does not divide the world size "
+                            f"{setup.world_size}")
+    try:
+        parse_granularity(setup.granularity)
+    except ValueError as err:
+        raise CapacityError(str(err)) from None
+    if model is not None and setup.root is not None:
+        names = [g.name for g in model.groups]
+        unknown = [r for r in setup.root if r not in names]
+        if unknown:
+            raise CapacityError(f"root group {unknown[0]!r} is not a group of {model.path} "
+                                f"(groups: {', '.join(names)})")
+        repeated = [g.name for g in model.groups if g.name in setup.root and g.repeat > 1]
+        if repeated:
+            raise CapacityError(f"root group {repeated[0]!r} repeats: a repeated group is one "
+                                "unit per repeat, not part of the root")
