@@ -14,13 +14,44 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import traceback
 from datetime import timedelta
 
 DEFAULT_TIMEOUT_S = 180
+
+
+def run_job(cmd, *, timeout, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=...)` for a command that
+    starts more processes (a launcher and its ranks): it runs in its own session, and when it
+    times out (or the test is interrupted) everything left in that session is killed, so no
+    rank outlives the test holding ports, files or a JIT build lock."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_session(proc.pid)
+        proc.communicate()
+        raise
+    kill_session(proc.pid)  # a rank its launcher left behind (status already taken)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process whose session id is `sid` (read from /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            pass
 
 
 def _free_port() -> int:

@@ -12,6 +12,7 @@ import pytest
 
 from config_schemas import make_reference
 from config_schemas.validate import load_schema, validate_config
+from dist_harness import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATION = ROOT / "examples" / "migrate_from_deepspeed.md"
@@ -162,7 +163,6 @@ def test_migration_loop_runs_under_the_deepspeed_launcher(tmp_path):
     """The guide's ZeRO-3 loop and config, as written, under `deepspeed --num_gpus 2` on CPU:
     DeepSpeed's launcher and init_distributed, our engine through patch_deepspeed."""
     import os
-    import subprocess
     import sys
     text = MIGRATION.read_text()
     loop = next(s for s in _blocks(text, "python") if "deepspeed.initialize(" in s)
@@ -182,10 +182,10 @@ def test_migration_loop_runs_under_the_deepspeed_launcher(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     launcher = Path(sys.executable).parent / "deepspeed"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    out = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port",
-                          str(_free_port()), str(script), "--deepspeed_config",
-                          str(tmp_path / "config.json")], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = run_job([str(launcher), "--num_gpus", "2", "--master_port",
+                  str(_free_port()), str(script), "--deepspeed_config",
+                  str(tmp_path / "config.json")], cwd=tmp_path, env=env,
+                  timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     accum = config["gradient_accumulation_steps"]
     for rank in range(2):  # ranks write files: their printed lines interleave

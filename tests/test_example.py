@@ -3,10 +3,10 @@ its loss falls; the bf16 config (the one for GPUs) trains too."""
 import os
 import re
 import socket
-import subprocess
 import sys
 
 import pytest
+from dist_harness import run_job
 
 ARGS = ["examples/train_gpt.py", "--steps", "12", "--layers", "2", "--dim", "64", "--seq", "64"]
 
@@ -29,8 +29,8 @@ def test_example_trains_and_loss_falls(launcher):
             port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(port), *ARGS]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_job(cmd, timeout=300,
+                  env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     first, last = losses(out.stdout)
     assert last < first - 0.5
@@ -40,9 +40,9 @@ def test_example_trains_with_the_bf16_config():
     """A few steps of bf16 (bf16 parameters and gradient reduction, fp32 master) on CPU ranks."""
     args = ["examples/train_gpt.py", "--config", "examples/configs/vescale_bf16.json",
             "--steps", "4", "--layers", "1", "--dim", "32", "--seq", "32"]
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "2",
-                          "--threads-per-rank", "1", *args], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_job([sys.executable, "-m", "launcher.cli", "run", "--nproc", "2",
+                   "--threads-per-rank", "1", *args],
+                  timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     first, last = losses(out.stdout, steps=4)
     assert last < first

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from vescale_engine.launch.env import LaunchError, discover
+from dist_harness import run_job
 
 
 @pytest.mark.parametrize("env,launcher,rank,world,local", [
@@ -65,9 +66,9 @@ def placements(tmp_path, launcher, env=()):
     script = tmp_path / "where.py"
     script.write_text(PRINT_PLACEMENT.format(root=os.getcwd()))
     tool = os.path.join(os.path.dirname(sys.executable), launcher)
-    out = subprocess.run([tool, "-n", "2", *env, sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **MPI_AS_ROOT, "OMP_NUM_THREADS": "1"})
+    out = run_job([tool, "-n", "2", *env, sys.executable, str(script)],
+                  timeout=120,
+                  env={**os.environ, **MPI_AS_ROOT, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     return sorted(ast.literal_eval(line) for line in out.stdout.splitlines())
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from dist_harness import run_job
 
 STEPS = 12
 ARGS = ["examples/train_gpt.py", "--config", "examples/configs/vescale_default.json",
@@ -27,8 +28,8 @@ def free_port():
 
 
 def train(cmd, env=None):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    out = run_job(cmd, timeout=600,
+                  env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     match = re.search(rf"trained {STEPS} steps on 2 rank\(s\) in [\d.]+ s: loss ([\d.]+) -> "
                       r"([\d.]+)", out.stdout)

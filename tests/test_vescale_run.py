@@ -3,7 +3,6 @@ the job with its status; on CPU each rank is bound to its own cores; the mpirun 
 command lines; hostfiles."""
 import ast
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,13 +10,14 @@ import pytest
 from launcher import binding
 from launcher.hostfile import Host, HostfileError, read_hostfile
 from launcher.run import deepspeed_command, mpi_command
+from dist_harness import run_job
 
 
 def run(tmp_path, body, *args):
     script = tmp_path / "job.py"
     script.write_text(body)
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "run", *args, str(script)],
-                          capture_output=True, text=True, timeout=120)
+    return run_job([sys.executable, "-m", "launcher.cli", "run", *args, str(script)],
+                   timeout=120)
 
 
 def rank_lines(out):
@@ -108,8 +108,8 @@ def test_more_ranks_than_cores_share_them_round_robin(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(AFFINITY)
     with binding.bound_to([core]):
-        out = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "3",
-                              str(script)], capture_output=True, text=True, timeout=120)
+        out = run_job([sys.executable, "-m", "launcher.cli", "run", "--nproc", "3",
+                       str(script)], timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert affinities(out) == {r: ([core], 1) for r in range(3)}
     assert "3 ranks on 1 cores: cores shared round-robin, one thread each" in out.stdout
@@ -251,3 +251,20 @@ def test_bad_launch_is_one_line_before_anything_starts(tmp_path, args, message):
     assert "started" not in out.stdout
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("vescale run: error: ") and message in lines[0]
+
+
+def test_a_job_that_times_out_leaves_no_process_behind(tmp_path):
+    """The harness's run_job kills the whole session of a timed-out job (a launcher that died
+    of the timeout would otherwise leave its ranks running, holding ports and build locks)."""
+    import subprocess as sp
+    marker = tmp_path / "left"
+    script = f"sleep 300 & echo $! > {marker}; sleep 300"
+    with pytest.raises(sp.TimeoutExpired):
+        run_job(["bash", "-c", script], timeout=2)
+    left = int(marker.read_text())
+    try:
+        with open(f"/proc/{left}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the job's background process {left} is still {state}"
