@@ -173,6 +173,9 @@ def convert_zero(ds_dir, out_dir, tag=None) -> str:
     """Write DeepSpeed checkpoint `ds_dir` (a save dir with `latest`, or a tag dir) as a vescale
     checkpoint under `out_dir` (same tag, `latest` updated). One process; returns its path."""
     ds_dir = os.fspath(ds_dir)
+    if os.path.exists(ds_dir) and not os.path.isdir(ds_dir):
+        raise CheckpointError(f"DeepSpeed checkpoint directory {ds_dir} is a file, not a "
+                              "directory")
     if not os.path.isdir(ds_dir):
         raise FileNotFoundError(f"DeepSpeed checkpoint directory {ds_dir} does not exist")
     if is_zero_checkpoint(ds_dir):
