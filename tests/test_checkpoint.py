@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def saved(root, pools):
 
 def test_save_layout_and_latest(saved, root):
     path, latest, losses, weights, _ = saved["ours"][0]
-    assert path == os.path.join(root, "ours", "global_step2") and latest == "global_step2"
+    assert path == os.path.join(root, "ours", "global_step2")
+    assert latest == f"global_step2\ncrc32:{zlib.crc32(b'global_step2'):08x}\n"  # tag, checksum
     names = sorted(os.listdir(path))
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "vescale_state.json"], names
     assert not [n for n in os.listdir(os.path.join(root, "ours")) if n.startswith(".")]
@@ -379,7 +381,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, pools):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
-    assert (root / "latest").read_text() == "global_step1"
+    assert (root / "latest").read_text().splitlines()[0] == "global_step1"
     assert not (root / "global_step2").exists()
     path, _ = pools(1).run(load_only, str(root))[0]
     assert path == str(root / "global_step1")
@@ -399,7 +401,7 @@ def save_again(rank, world, root):
     train(engine, rank, world, 1)
     engine.save_checkpoint(root)
     with open(os.path.join(root, "latest")) as f:
-        return f.read()
+        return f.read().splitlines()[0]
 
 
 # -- frozen parameters left out (DeepSpeed's exclude_frozen_parameters) ---------------------------
@@ -711,6 +713,7 @@ def test_doctored_metadata_is_refused_without_running_it(saved, root, tmp_path):
     import json
     import pickle
     import zlib
+    from vescale_engine.checkpoint.entries import write_checked_json
     from vescale_engine.checkpoint.sharded import CheckpointError, consolidate
     copy = tmp_path / "global_step2"
     shutil.copytree(os.path.join(root, "ours", "global_step2"), copy)
@@ -719,7 +722,7 @@ def test_doctored_metadata_is_refused_without_running_it(saved, root, tmp_path):
     (copy / ".metadata").write_bytes(data)
     state = json.loads((copy / "vescale_state.json").read_text())
     state["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-    (copy / "vescale_state.json").write_text(json.dumps(state))
+    write_checked_json(str(copy / "vescale_state.json"), state)  # its own checksum rewritten too
     with pytest.raises(CheckpointError, match=r"\.metadata: not DCP metadata \(posix\.mkdir is "
                                               r"not allowed"):
         consolidate(str(copy))
@@ -856,11 +859,13 @@ def test_adamw8bit_loads_into_other_blocks_lossy(saved, root, pools, world, quan
 
 def test_adamw8bit_bad_quantization_record_is_one_line(saved, root, pools, tmp_path):
     import json
+
+    from vescale_engine.checkpoint.entries import write_checked_json
     copy = tmp_path / "global_step2"
     shutil.copytree(os.path.join(root, "adamw8bit", "global_step2"), copy)
     state = json.loads((copy / "vescale_state.json").read_text())
     state["optimizer"]["checkpoint_info"]["quantized_moments"]["quant_map"] = "log"
-    (copy / "vescale_state.json").write_text(json.dumps(state))
+    write_checked_json(str(copy / "vescale_state.json"), state)  # with a checksum that matches
     error = pools(1).run(load_error, str(copy))[0]
     assert error.startswith("AdamW8bit checkpoint: quant_map 'log' is not one of"), error
     assert "\n" not in error

@@ -5,12 +5,12 @@ DCP chunks (dcp.py), named entries and plain-data IO (entries.py) and directory 
 docstring): this package must not know any optimizer class, the engine's config or how models
 are built.
 """
-from .dcp import CheckpointError, RaggedPiece
+from .dcp import CheckpointError, CheckpointWriteError, RaggedPiece
 from .hf import load_hf_checkpoint, save_hf_checkpoint
 from .layout import LATEST_FILE, STATE_FILE
 from .sharded import consolidate, load_checkpoint, save_checkpoint
 from .zero import convert_zero
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "convert_zero",
-           "load_hf_checkpoint", "save_hf_checkpoint", "CheckpointError", "RaggedPiece",
-           "STATE_FILE", "LATEST_FILE"]
+           "load_hf_checkpoint", "save_hf_checkpoint", "CheckpointError", "CheckpointWriteError",
+           "RaggedPiece", "STATE_FILE", "LATEST_FILE"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import io
 import math
 import os
@@ -24,12 +25,48 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ..shard.ragged import box_decomposition
 
-__all__ = ["CheckpointError", "RaggedPiece", "SavePlanner", "LoadPlanner", "SafeReader",
-           "CrcWriter"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "RaggedPiece", "SavePlanner",
+           "LoadPlanner", "SafeReader", "CrcWriter", "write_error"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded (or state that cannot be saved); names file or key."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint file that could not be written (disk full, no permission, read-only): one
+    line naming the path (and, for a full disk, the bytes needed); `errno` is the system's."""
+
+    def __init__(self, code, message):
+        super().__init__(code, message)
+
+    def __str__(self):
+        return self.strerror
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_error(path, err: OSError, needed=None, what="it", rank=None) -> CheckpointWriteError:
+    """`err` (raised writing `path`, on `rank`) as one line: the path, the system's reason and,
+    for a full disk, the bytes needed (`needed`; `what` says what needs them) and free."""
+    path = os.fspath(path)
+    reason = err.strerror or str(err)
+    if err.errno in _DISK_FULL and needed is not None:
+        reason += f": {what} needs {needed} bytes, {_free_bytes(path)} bytes are free there"
+    where = "" if rank is None else f" (rank {rank})"
+    return CheckpointWriteError(err.errno, f"cannot write {path}{where}: {reason}")
+
+
+def _free_bytes(path) -> str:
+    """The bytes an unprivileged writer may still use on `path`'s file system ("?" unknown)."""
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return "?"
+    return str(st.f_bavail * st.f_frsize)
 
 
 class RaggedPiece:
@@ -80,6 +117,15 @@ class SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index):
         obj = self.state_dict[index.fqn]
         return obj.box(index.offset) if isinstance(obj, RaggedPiece) else super().lookup_object(index)
+
+    def planned_bytes(self) -> int | None:
+        """The tensor bytes every rank writes (the coordinator knows, once it has planned)."""
+        plans = getattr(self, "global_plan", None)
+        if plans is None:
+            return None
+        data = [item.tensor_data for plan in plans for item in plan.items]
+        return sum(math.prod(d.chunk.sizes) * d.properties.dtype.itemsize
+                   for d in data if d is not None)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -260,13 +306,19 @@ class _CrcFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as raw:
                 yield raw
-                return
-            stream = _CrcStream(raw)
-            yield stream
-            self.written[os.path.basename(path)] = stream
+            return
+        try:
+            with super().create_stream(path, mode) as raw:
+                stream = _CrcStream(raw)
+                yield stream
+        except OSError as err:  # a write error carries no path: give it the file's
+            if err.filename is None:
+                raise OSError(err.errno, err.strerror or str(err), os.fspath(path)) from err
+            raise
+        self.written[os.path.basename(path)] = stream
 
     def rename(self, path, new_path):  # DCP writes .metadata.tmp, then renames it
         super().rename(path, new_path)

@@ -3,15 +3,17 @@ state through the `checkpoint_state` interface, each rank's generators, and plai
 (the only thing besides DCP's tensors that a checkpoint stores; safe to read back)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import warnings
 import zlib
 
 import torch
 
 from ..shard.ragged import RaggedShard
-from .dcp import CheckpointError, RaggedPiece
+from .dcp import CheckpointError, RaggedPiece, write_error
 
 
 def sharded_params(module):
@@ -169,13 +171,64 @@ def from_json(value):
     return value
 
 
-def write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+STATE_CRC = "state_crc32"  # the key of a state file's own checksum
+
+
+def _canonical_crc(data: dict) -> int:
+    """CRC32 of the values, not of their layout: the canonical JSON of everything but the
+    checksum itself (a changed digit changes it; re-indenting the file does not)."""
+    body = {k: v for k, v in data.items() if k != STATE_CRC}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_checked_json(path, data: dict) -> None:
+    """`data` as JSON at `path` (atomically), with its CRC32 under STATE_CRC."""
+    data = json.loads(json.dumps(data))  # the checksum is of what a reader will see
+    text = json.dumps({**data, STATE_CRC: _canonical_crc(data)}, indent=1)
+    write_atomically(path, text.encode())
+
+
+def read_checked_json(path) -> dict:
+    """The JSON object at `path`, its STATE_CRC checked: any change of a value is one line
+    naming the file. A file without STATE_CRC (written before checksums) is read with a
+    warning; a wrong one is never accepted."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path} is corrupted: not JSON ({_first_line(err)})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is corrupted: not a JSON object")
+    if STATE_CRC not in data:
+        warnings.warn(f"{path} has no {STATE_CRC} (written by an older version): its values "
+                      "cannot be checked", stacklevel=3)
+        return data
+    if data[STATE_CRC] != _canonical_crc(data):
+        raise CheckpointError(f"{path} is corrupted: its values do not match its {STATE_CRC} "
+                              "(edited or damaged after it was saved)")
+    del data[STATE_CRC]
+    return data
+
+
+def _first_line(err) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
+def write_atomically(path, data: bytes) -> None:
+    """`data` at `path` through a temporary file, fsynced, then renamed: a failure leaves the
+    old file (if any) untouched and no temporary behind, and is one line naming `path` and
+    the bytes it needed (CheckpointWriteError)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_error(path, err, len(data)) from None
 
 
 def fsync_dir(path):

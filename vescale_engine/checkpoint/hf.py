@@ -19,6 +19,8 @@ shard plus one gathered buffer.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -28,9 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fsdp.state_dict import gather_to_rank0, named_entries
 from ..fsdp.materialize import allocate_shards, init_unloaded
-from .entries import fsync_dir
+from ..fsdp.state_dict import gather_to_rank0, named_entries
+from .dcp import CheckpointWriteError, write_error
+from .entries import fsync_dir, write_atomically
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "LoadResult",
@@ -40,6 +43,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 STAGING_BYTES = 64 << 20   # the most host memory a dtype-converting read holds at once
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_PARTIAL_FILE = re.compile(r"\.model-\d{5}\.partial")
+_PREVIOUS_INDEX = f".{INDEX_NAME}.previous"  # an earlier save's index while a save runs
 _LISTED = 8                # names an error lists before it says "and N more"
 
 
@@ -178,7 +183,7 @@ def _rename(stored: dict, key_map) -> dict:
 def _match(module, stored: dict, strict: bool, path) -> tuple[list, list, list]:
     """([(model name, _Stored)] to load, missing, unexpected); every problem that stops the
     load is raised here, in one message, before any byte is read."""
-    plan, missing, used, mismatched = [], [], set(), []
+    plan, missing, used, mismatched, wrong_dtype = [], [], set(), [], []
     for names, tensor in named_entries(module):
         found = [n for n in names if n in stored]
         if not found:
@@ -190,19 +195,44 @@ def _match(module, stored: dict, strict: bool, path) -> tuple[list, list, list]:
         if entry.shape != shape:
             mismatched.append(f"{found[0]} (file {list(entry.shape)}, model {list(shape)})")
             continue
+        target = _target_dtype(tensor)
+        if not _loads_as(entry.dtype, target):
+            wrong_dtype.append(f"{found[0]} ({DTYPES[entry.dtype]} in {entry.file}, model "
+                               f"{str(target).removeprefix('torch.')})")
+            continue
         plan.append((names[0], entry))
     unexpected = [n if stored[n].key == n else f"{stored[n].key} (as {n})"
                   for n in stored if n not in used]
     problems = [f"shape mismatch: {_listed(mismatched)}"] if mismatched else []
+    if wrong_dtype:
+        problems.append(f"dtype mismatch: {_listed(wrong_dtype)}")
     if strict and missing:
         problems.append(f"missing keys: {_listed(missing)}")
     if strict and unexpected:
         problems.append(f"unexpected keys: {_listed(unexpected)}")
     if problems:
-        hint = " (key_map= renames file keys; strict=False skips missing and unexpected)"
+        keys = mismatched or (strict and (missing or unexpected))
+        hint = " (key_map= renames file keys; strict=False skips missing and unexpected)" \
+            if keys else ""
         raise HFCheckpointError(f"load_hf_checkpoint {os.fspath(path)}: " + "; ".join(problems)
                                 + hint)
     return plan, missing, unexpected
+
+
+def _target_dtype(tensor) -> torch.dtype:
+    """The dtype a file's tensor is read into: a managed parameter's master shard, or the
+    buffer or unmanaged parameter itself."""
+    sp = getattr(tensor, "_vescale", None)
+    return sp.sharded.dtype if sp is not None else tensor.dtype
+
+
+def _loads_as(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Floating data loads into any floating tensor (a bf16 file into the fp32 master is
+    cast); anything else only into its own dtype. Integer bytes cast to float (F32 data
+    labelled I32) would load as garbage without a word."""
+    if stored.is_floating_point and target.is_floating_point:
+        return True
+    return stored == target
 
 
 def _listed(names) -> str:
@@ -404,9 +434,21 @@ class _ShardWriter:
         if not self.pending:
             return
         partial = os.path.join(self.path, f".model-{len(self.written) + 1:05d}.partial")
-        save_file(self.pending, partial, metadata={"format": "pt"})
+        try:
+            save_file(self.pending, partial, metadata={"format": "pt"})
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise write_error(partial, err, self.pending_bytes, "its tensor data") from None
         self.written.append((partial, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
+
+    def discard(self):
+        """After a failure: the files written so far removed, nothing more kept."""
+        for partial, _ in self.written:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+        self.written, self.pending, self.pending_bytes = [], {}, 0
 
     def finish(self):
         self.flush()
@@ -424,25 +466,31 @@ class _ShardWriter:
             index = {"metadata": {"total_size": self.total_bytes,
                                   "total_parameters": self.total_numel},
                      "weight_map": dict(sorted(weight_map.items()))}
-            tmp = os.path.join(self.path, f".{INDEX_NAME}.partial")
-            with open(tmp, "w") as f:
-                f.write(json.dumps(index, indent=2) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.path, INDEX_NAME))
+            write_atomically(os.path.join(self.path, INDEX_NAME),
+                             (json.dumps(index, indent=2) + "\n").encode())
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.path, _PREVIOUS_INDEX))
         fsync_dir(self.path)
 
 
-def _prepare_directory(path) -> str | None:
-    """Rank 0: the directory exists, holds no index of an earlier save (so that a crash from
-    here on cannot leave an index naming files this save replaced); the problem, or None."""
+def _prepare_directory(path) -> tuple | None:
+    """Rank 0: the directory exists, holds no index of an earlier save (set aside as
+    _PREVIOUS_INDEX, so that a crash from here on cannot leave an index naming files this save
+    replaced) and no files of an interrupted save; the problem as (errno, line), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return errno.ENOTDIR, f"save_hf_checkpoint: {path} is a file, not a directory"
     try:
         os.makedirs(path, exist_ok=True)
-        index = os.path.join(path, INDEX_NAME)
+        index, previous = os.path.join(path, INDEX_NAME), os.path.join(path, _PREVIOUS_INDEX)
         if os.path.exists(index):
-            os.remove(index)
+            os.replace(index, previous)
+        elif os.path.exists(previous):  # an interrupted save's: it may name replaced files
+            os.remove(previous)
+        for name in os.listdir(path):  # an interrupted save's files: never loaded
+            if _PARTIAL_FILE.fullmatch(name):
+                os.remove(os.path.join(path, name))
     except OSError as err:
-        return f"save_hf_checkpoint: cannot write to {path}: {err}"
+        return err.errno, f"save_hf_checkpoint: cannot write to {path}: {err}"
     return None
 
 
@@ -469,23 +517,46 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json` (or one
     `model.safetensors`), `config.json` and `generation_config.json` when the model has them.
     Every rank takes part (one all-gather per DBuffer); global rank 0 writes, holding at most
-    one shard file's tensors plus one gathered buffer. Floating tensors are saved in `dtype`."""
+    one shard file's tensors plus one gathered buffer. Floating tensors are saved in `dtype`.
+    A file rank 0 cannot write (a full disk) is one CheckpointWriteError on every rank, naming
+    it and the bytes it needed; before the renames at the end, the earlier save in `path` is
+    left whole."""
     module = _module_of(module_or_engine)
     out_dtype = _save_dtype(dtype)
     limit = parse_size(max_shard_size)
     path = os.fspath(path)
     rank0 = dist.get_rank() == 0
-    problem = [_prepare_directory(path) if rank0 else None]
-    dist.broadcast_object_list(problem, src=0)  # every rank stops if rank 0 cannot write
-    if problem[0]:
-        raise OSError(problem[0])
+    _raise_rank0_problem(_prepare_directory(path) if rank0 else None)
 
     writer = _ShardWriter(path, limit) if rank0 else None
+    problem = None
     for names, _source, value in gather_to_rank0(module, out_dtype):
         name = _saved_names(module, names)
-        if name is not None:
-            writer.add(name, value)
-    if rank0:
-        writer.finish()
-        _write_configs(module, path, out_dtype)
-    dist.barrier()
+        if name is not None and problem is None:
+            try:
+                writer.add(name, value)
+            except OSError as err:  # keep taking part in the gathers, then stop every rank
+                problem = err.errno, f"save_hf_checkpoint: {err} (nothing was replaced)"
+                writer.discard()  # the earlier save's files were not touched: its index back
+                _restore_previous_index(path)
+    if rank0 and problem is None:
+        try:
+            writer.finish()
+            _write_configs(module, path, out_dtype)
+        except OSError as err:
+            problem = err.errno, f"save_hf_checkpoint: {err}"
+    _raise_rank0_problem(problem)  # nobody returns before the files are complete
+
+
+def _restore_previous_index(path):
+    previous = os.path.join(path, _PREVIOUS_INDEX)
+    if os.path.exists(previous):
+        os.replace(previous, os.path.join(path, INDEX_NAME))
+
+
+def _raise_rank0_problem(problem):
+    """Every rank raises rank 0's problem (errno, line), or none does."""
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointWriteError(*box[0])

@@ -1,37 +1,112 @@
 """A vescale checkpoint directory's layout on disk and its atomic publication (checkpoint.py
-describes the layout): the names every checkpoint module agrees on, and the renames that make a
-finished checkpoint visible. Must not know what the files hold.
+describes the layout): the names every checkpoint module agrees on, the renames that make a
+finished checkpoint visible, and `latest`. Must not know what the files hold.
+
+`latest` holds the newest tag on its first line and `crc32:XXXXXXXX` (the tag's CRC32) on its
+second, so a damaged or half-edited `latest` is an error naming it, never another checkpoint.
+A `latest` of one line (older versions, DeepSpeed's own, or `echo TAG > latest`) is still read
+(load_checkpoint warns unless it names a DeepSpeed checkpoint); a wrong checksum is never
+accepted. `head -n1 latest` prints the tag.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import zlib
 
-from .entries import fsync_dir
+from .dcp import CheckpointError
+from .entries import fsync_dir, write_atomically
 
-__all__ = ["FORMAT", "STATE_FILE", "LATEST_FILE", "publish"]
+__all__ = ["FORMAT", "STATE_FILE", "LATEST_FILE", "publish", "write_latest", "read_latest",
+           "partial_dir", "remove_partials", "bad_tag"]
 
 FORMAT = "vescale-dcp/1"
 STATE_FILE = "vescale_state.json"
 LATEST_FILE = "latest"
+_PARTIAL = re.compile(r"\..+\.partial")
+_CRC_LINE = re.compile(r"crc32:([0-9a-f]{8})")
+
+
+def bad_tag(tag: str) -> str | None:
+    """Why `tag` cannot name a checkpoint directory, or None."""
+    if not tag:
+        return "it is empty"
+    if "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST_FILE:
+        return f"{tag!r} is not a directory name of this save directory"
+    if not tag.isprintable() or tag != tag.strip():
+        return f"{tag!r} holds control or surrounding space characters"
+    return None
+
+
+def partial_dir(save_dir, tag) -> str:
+    """Where a save writes before it is published."""
+    return os.path.join(save_dir, f".{tag}.partial")
+
+
+def remove_partials(save_dir) -> list:
+    """Remove what interrupted saves left (`.TAG.partial` directories, any tag): they are
+    never loaded and may hold the space the next save needs. The names removed."""
+    removed = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if _PARTIAL.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+            removed.append(name)
+    return removed
 
 
 def publish(save_dir, partial, final, tag, save_latest):
-    """Make the finished checkpoint visible, then point `latest` at it: renames only."""
+    """Make the finished checkpoint visible, then point `latest` at it: renames only. A
+    failure leaves the previous checkpoint of the tag (if any) and `latest` as they were."""
     if os.path.exists(final):  # saving a tag again replaces it
         old = os.path.join(save_dir, f".{tag}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
-        os.rename(partial, final)
+        try:
+            os.rename(partial, final)
+        except OSError:
+            os.rename(old, final)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(partial, final)
     fsync_dir(save_dir)
     if save_latest:
-        tmp = os.path.join(save_dir, f".{LATEST_FILE}.tmp")
-        with open(tmp, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(save_dir, LATEST_FILE))
-        fsync_dir(save_dir)
+        write_latest(save_dir, tag)
+
+
+def write_latest(save_dir, tag) -> None:
+    """Point `latest` at `tag` (by rename: a failure leaves the old one)."""
+    write_atomically(os.path.join(save_dir, LATEST_FILE),
+                     f"{tag}\ncrc32:{zlib.crc32(tag.encode()):08x}\n".encode())
+    fsync_dir(save_dir)
+
+
+def read_latest(latest) -> tuple[str, bool]:
+    """(the tag `latest` names, whether a checksum vouched for it): one line naming the file
+    if it is damaged. A `latest` without a checksum (DeepSpeed's, an older version's, one
+    written by hand) gives (tag, False); a wrong checksum is an error."""
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{latest} is corrupted: not text") from None
+    lines = text.strip().splitlines()
+    if not lines:
+        raise CheckpointError(f"{latest} is empty")
+    if len(raw) == 4096 or len(lines) > 2:
+        raise CheckpointError(f"{latest} is corrupted: not a tag and its checksum "
+                              f"({len(lines)} lines)")
+    tag = lines[0]
+    problem = bad_tag(tag)
+    if problem:
+        raise CheckpointError(f"{latest} is corrupted: the tag {problem}")
+    if len(lines) == 1:
+        return tag, False
+    match = _CRC_LINE.fullmatch(lines[1])
+    if not match or int(match.group(1), 16) != zlib.crc32(tag.encode()):
+        raise CheckpointError(f"{latest} is corrupted: tag {tag!r} does not match its checksum "
+                              "line (edited by hand? then leave only the tag)")
+    return tag, True

@@ -3,12 +3,16 @@
 A file is: 8 bytes (little-endian u64) giving the header's length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}` (padded with
 spaces so the data starts 8-byte aligned), then the tensors' raw little-endian bytes, each at
-its offsets relative to the end of the header. Tensors may not overlap or alias.
+its offsets relative to the end of the header. As the format requires (and the `safetensors`
+package checks), the tensors' byte ranges tile the data section exactly: sorted by offset, the
+first begins at 0, each begins where the one before ended, the last ends at the end of the file,
+and each range holds exactly its shape's elements of its dtype. No overlap, no alias, no gap.
 """
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
 import sys
@@ -65,26 +69,49 @@ def read_header(file, path: str = "") -> tuple[dict, int]:
         raise ValueError(f"{name}: the safetensors header is not JSON ({err})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{name}: the safetensors header is not a JSON object")
-    data_bytes = size - 8 - length
+    check_offsets(header, size - 8 - length, name)
+    return header, 8 + length
+
+
+def check_offsets(header: dict, data_bytes: int, name: str) -> None:
+    """Each entry well formed, its byte count its shape's, and the ranges tiling the
+    `data_bytes` of data exactly (the format's rule): one line naming the file otherwise."""
+    ranges = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         try:
             begin, end = entry["data_offsets"]
-            shape = [int(n) for n in entry["shape"]]
+            shape = list(entry["shape"])
             dtype = entry["dtype"]
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{name}: tensor {key} has a malformed header entry {entry}") \
                 from None
+        if not all(_is_count(n) for n in (begin, end, *shape)) or not isinstance(dtype, str):
+            raise ValueError(f"{name}: tensor {key} has a malformed header entry {entry}")
         itemsize = _itemsize(dtype)
-        numel = 1
-        for n in shape:
-            numel *= n
-        if itemsize is not None and (end - begin != numel * itemsize or begin < 0 or
-                                     end > data_bytes):
-            raise ValueError(f"{name}: tensor {key} has bytes [{begin}, {end}) for shape {shape} "
-                             f"{dtype} in {data_bytes} bytes of data")
-    return header, 8 + length
+        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+            raise ValueError(f"{name}: tensor {key} has {end - begin} bytes [{begin}, {end}), "
+                             f"its shape {shape} of {dtype} takes {math.prod(shape) * itemsize}")
+        ranges.append((begin, end, key))
+    at, before = 0, None
+    for begin, end, key in sorted(ranges):
+        if end > data_bytes:
+            raise ValueError(f"{name}: tensor {key} has bytes [{begin}, {end}), past the end of "
+                             f"the file's {data_bytes} bytes of data")
+        if begin != at:
+            what = f"overlaps tensor {before}" if begin < at else \
+                f"leaves bytes [{at}, {begin}) unused"
+            raise ValueError(f"{name}: tensor {key} at bytes [{begin}, {end}) {what}; a "
+                             "safetensors file's tensors must tile its data in order")
+        at, before = end, key
+    if at != data_bytes:
+        raise ValueError(f"{name}: its tensors end at data byte {at}, the file has {data_bytes} "
+                         "bytes of data")
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _itemsize(name: str) -> int | None:
@@ -135,28 +162,17 @@ def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
 def load_file(path: str) -> dict:
     """Read a safetensors file into name -> tensor (CPU), checking its structure."""
     with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise ValueError(f"{path}: too short for a safetensors file")
-    (length,) = struct.unpack("<Q", blob[:8])
-    if 8 + length > len(blob):
-        raise ValueError(f"{path}: header length {length} runs past the end of the file")
-    header = json.loads(blob[8:8 + length])
-    data = memoryview(blob)[8 + length:]
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        dtype = _BY_NAME[entry["dtype"]]
-        shape = entry["shape"]
-        numel = 1
-        for size in shape:
-            numel *= size
-        if end - begin != numel * torch.empty((), dtype=dtype).element_size() or end > len(data):
-            raise ValueError(f"{path}: tensor {name} has {end - begin} bytes for shape {shape} "
-                             f"{entry['dtype']}")
-        flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype) if numel else \
-            torch.empty(0, dtype=dtype)
-        out[name] = flat.reshape(shape)
+        header, data_start = read_header(f, path)
+        out = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _BY_NAME.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which this "
+                                 f"reader does not know ({sorted(DTYPES.values())})")
+            flat = torch.empty(math.prod(entry["shape"]), dtype=dtype)
+            begin = entry["data_offsets"][0]
+            read_exactly(f, data_start + begin, memory_of(flat))
+            out[name] = flat.reshape(entry["shape"])
     return out

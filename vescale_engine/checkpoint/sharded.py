@@ -36,7 +36,7 @@ publication), zero.py (DeepSpeed import).
 """
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import shutil
@@ -45,18 +45,21 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .dcp import CheckpointError, CrcWriter, LoadPlanner, RaggedPiece, SafeReader, SavePlanner
+from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, RaggedPiece,
+                  SafeReader, SavePlanner, write_error)
 from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
-                      optimizer_state, persistent_buffers, piece, restore_rng, rng_entries,
-                      sharded_params, to_json, write_json)
-from .layout import FORMAT, LATEST_FILE, STATE_FILE, publish
+                      optimizer_state, persistent_buffers, piece, read_checked_json, restore_rng,
+                      rng_entries, sharded_params, to_json, write_checked_json)
+from .layout import (FORMAT, LATEST_FILE, STATE_FILE, bad_tag, partial_dir, publish, read_latest,
+                     remove_partials, write_latest)
 from .safetensors_format import save_file
 from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
-           "STATE_FILE", "LATEST_FILE"]
+           "CheckpointWriteError", "STATE_FILE", "LATEST_FILE"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -83,8 +86,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
                     exclude_frozen_parameters=False):
     rank = dist.get_rank()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST_FILE:
-        raise CheckpointError(f"save_checkpoint: invalid tag {tag!r}")
+    if bad_tag(tag):
+        raise CheckpointError(f"save_checkpoint: invalid tag {tag!r}: {bad_tag(tag)}")
     state = {"format": FORMAT, "tag": tag, "world_size": dist.get_world_size(),
              "global_steps": engine.global_steps, "global_samples": engine.global_samples,
              "micro_steps": engine.micro_steps,
@@ -113,28 +116,99 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     sd.update(rng_entries(rank))
     state["model_keys"] = sorted(k[6:] for k in sd if k.startswith("model."))
 
-    partial = os.path.join(save_dir, f".{tag}.partial")
-    final = os.path.join(save_dir, tag)
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a save that was killed before
-        os.makedirs(partial)
-    dist.barrier()
+    save_dir = os.fspath(save_dir)
+    partial, final = partial_dir(save_dir, tag), os.path.join(save_dir, tag)
+    _raise_rank0_problem(_prepare(save_dir, partial) if rank == 0 else None)
     writer = CrcWriter(partial, sync_files=True)  # CRCs taken while writing, no read-back
-    dcp.save(sd, storage_writer=writer, planner=SavePlanner())
+    planner = SavePlanner()
+    try:
+        dcp.save(sd, storage_writer=writer, planner=planner)
+    except CheckpointException as err:  # every rank gets it, with every rank's failure
+        problem = _broadcast_from_rank0(
+            _failed_write(err, planner, save_dir, partial) if rank == 0 else None)
+        if problem is None:
+            raise
+        raise CheckpointWriteError(*problem) from None
     written = writer.records()
     mine = {f: info for f, info in written.items() if f.startswith(f"__{rank}_")}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
+    problem = None
     if rank == 0:
         files = {name: info for part in gathered for name, info in part.items()}
         files[".metadata"] = {k: v for k, v in written[".metadata"].items() if k != "items"}
         state["files"] = files
-        write_json(os.path.join(partial, STATE_FILE), state)
-        fsync_dir(partial)
-        publish(save_dir, partial, final, tag, save_latest)
-    dist.barrier()  # nobody returns before the checkpoint is visible
+        problem = _write_and_publish(state, save_dir, partial, final, tag, save_latest)
+    _raise_rank0_problem(problem)  # nobody returns before the checkpoint is visible
     return final
+
+
+def _broadcast_from_rank0(problem):
+    """Rank 0's (errno, message) or None, on every rank (a collective)."""
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _raise_rank0_problem(problem):
+    """Every rank raises rank 0's problem (errno, message), or none does: no rank is left
+    waiting in a collective for a rank 0 that failed alone."""
+    problem = _broadcast_from_rank0(problem)
+    if problem is not None:
+        raise CheckpointWriteError(*problem)
+
+
+def _prepare(save_dir, partial):
+    """Rank 0, before anyone writes: the save directory exists, what interrupted saves left
+    there is gone, the empty `.TAG.partial` is made; the problem as (errno, line), or None."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        return errno.ENOTDIR, f"save_checkpoint: {save_dir} is a file, not a directory"
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        for name in remove_partials(save_dir):
+            LOG.info("save_checkpoint: removed %s, left by an interrupted save", name)
+        os.makedirs(partial)
+    except OSError as err:
+        return err.errno, f"save_checkpoint: {write_error(err.filename or save_dir, err)}"
+    return None
+
+
+def _failed_write(err, planner, save_dir, partial):
+    """Rank 0, after DCP failed on some rank: the partial checkpoint removed (it may hold the
+    space a retry needs) and the first rank's write error as (errno, one line); None when the
+    failure was not a write error (then DCP's own report is raised)."""
+    shutil.rmtree(partial, ignore_errors=True)
+    for rank, (exc, _) in sorted(err.failures.items()):
+        if isinstance(exc, OSError):
+            line = write_error(exc.filename or partial, exc, planner.planned_bytes(),
+                               what="the checkpoint's tensor data", rank=rank)
+            return exc.errno, f"save_checkpoint: {line} (nothing was published)"
+    return None
+
+
+def _write_and_publish(state, save_dir, partial, final, tag, save_latest):
+    """Rank 0: write vescale_state.json and publish; the problem as (errno, line), or None.
+    Until the rename nothing is visible, and a failure removes the partial checkpoint."""
+    try:
+        write_checked_json(os.path.join(partial, STATE_FILE), state)
+        fsync_dir(partial)
+        publish(save_dir, partial, final, tag, save_latest=False)
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        return err.errno, f"save_checkpoint: {_as_line(err)} (nothing was published)"
+    if save_latest:
+        try:
+            write_latest(save_dir, tag)
+        except OSError as err:
+            return err.errno, (f"save_checkpoint: {final} is complete, but "
+                               f"{os.path.join(save_dir, LATEST_FILE)} still names the previous "
+                               f"checkpoint: {_as_line(err)}")
+    return None
+
+
+def _as_line(err: OSError) -> str:
+    return str(err) if isinstance(err, CheckpointWriteError) else \
+        str(write_error(err.filename or "?", err))
 
 
 def _frozen_keys(params) -> list:
@@ -147,23 +221,33 @@ def _frozen_keys(params) -> list:
 
 def resolve(load_dir, tag=None):
     """The checkpoint directory to load, or None when `load_dir` has no `latest` (DeepSpeed's
-    "nothing to load"). Missing directories and tags are errors naming the path."""
+    "nothing to load"). Missing directories and tags, files where directories belong and a
+    damaged `latest` are errors naming the path."""
     load_dir = os.fspath(load_dir)
+    if os.path.exists(load_dir) and not os.path.isdir(load_dir):
+        raise CheckpointError(f"checkpoint directory {load_dir} is a file, not a directory")
     if not os.path.isdir(load_dir):
         raise FileNotFoundError(f"checkpoint directory {load_dir} does not exist")
     if os.path.exists(os.path.join(load_dir, STATE_FILE)) and tag is None:
         return load_dir  # given the tag directory itself
+    latest, checked = None, True
     if tag is None:
         latest = os.path.join(load_dir, LATEST_FILE)
-        if not os.path.isfile(latest):
+        if not os.path.exists(latest):
             return None
-        with open(latest) as f:
-            tag = f.read().strip()
-        if not tag:
-            raise CheckpointError(f"{latest} is empty")
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"{latest} is not a file")
+        tag, checked = read_latest(latest)
     path = os.path.join(load_dir, str(tag))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint tag {tag!r}: {path} is a file, not a directory")
     if not os.path.isdir(path):
+        if latest:
+            raise FileNotFoundError(f"{latest} names tag {tag!r}, but {path} does not exist")
         raise FileNotFoundError(f"checkpoint tag {tag!r} not found: {path} does not exist")
+    if not checked and not is_zero_checkpoint(path):  # DeepSpeed's `latest` has no checksum
+        warnings.warn(f"{latest} has no checksum (written by an older version or by hand): "
+                      f"loading tag {tag!r} unchecked", stacklevel=3)
     return path
 
 
@@ -178,11 +262,7 @@ def read_state(path) -> dict:
         hint = (" (a DeepSpeed ZeRO checkpoint: convert it with `vescale convert-zero`)"
                 if is_zero_checkpoint(path) else "")
         raise CheckpointError(f"{file} is missing: not a vescale checkpoint{hint}")
-    try:
-        with open(file) as f:
-            state = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file} is corrupted ({err})") from None
+    state = read_checked_json(file)
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{file}: format {state.get('format')!r}, expected {FORMAT!r}")
     return state

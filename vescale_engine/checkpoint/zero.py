@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 from . import layout
 from .dcp import CheckpointError, CrcWriter
-from .entries import fsync_dir, to_json, write_json
+from .entries import fsync_dir, to_json, write_checked_json
 
 __all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
 
@@ -173,6 +173,9 @@ def convert_zero(ds_dir, out_dir, tag=None) -> str:
     """Write DeepSpeed checkpoint `ds_dir` (a save dir with `latest`, or a tag dir) as a vescale
     checkpoint under `out_dir` (same tag, `latest` updated). One process; returns its path."""
     ds_dir = os.fspath(ds_dir)
+    if os.path.exists(ds_dir) and not os.path.isdir(ds_dir):
+        raise CheckpointError(f"DeepSpeed checkpoint directory {ds_dir} is a file, not a "
+                              "directory")
     if not os.path.isdir(ds_dir):
         raise FileNotFoundError(f"DeepSpeed checkpoint directory {ds_dir} does not exist")
     if is_zero_checkpoint(ds_dir):
@@ -183,8 +186,7 @@ def convert_zero(ds_dir, out_dir, tag=None) -> str:
             raise CheckpointError(f"{ds_dir}: no 'latest' file and no model states file; "
                                        "not a DeepSpeed checkpoint")
         if tag is None:
-            with open(latest) as f:
-                tag = f.read().strip()
+            tag, _ = layout.read_latest(latest)  # DeepSpeed's has no checksum
         path = os.path.join(ds_dir, tag)
         if not is_zero_checkpoint(path):
             raise CheckpointError(f"{path}: no {_MODEL_FILES[0]} or {_MODEL_FILES[1]}; not "
@@ -230,7 +232,7 @@ def write_converted(weights, moments, model, groups, stage, out_dir, tag):
     writer = CrcWriter(partial, sync_files=True)
     dcp.save(sd, storage_writer=writer, no_dist=True)
     state["files"] = writer.records()
-    write_json(os.path.join(partial, layout.STATE_FILE), state)
+    write_checked_json(os.path.join(partial, layout.STATE_FILE), state)
     fsync_dir(partial)
     layout.publish(out_dir, partial, os.path.join(out_dir, tag), tag, save_latest=True)
 
