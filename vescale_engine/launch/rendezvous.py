@@ -1,0 +1,132 @@
+"""How the ranks meet before the process group forms: the job's key-value store (a TCPStore at
+MASTER_ADDR:MASTER_PORT, hosted by rank 0, or by torchrun's agent) and a join check on it. Both
+are bounded by one deadline and fail with one line naming the address: a port that accepts and
+never answers, two jobs on one port, two ranks with one RANK, and ranks that disagree on
+WORLD_SIZE are errors within the rendezvous timeout, not hangs."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .env import LaunchError
+
+_JOINS = [0]  # groups this process joined: each join has keys of its own on a lasting store
+
+
+class RendezvousError(LaunchError):
+    """The ranks could not meet; the message names the address and what went wrong."""
+
+
+def uses_agent_store(env=None) -> bool:
+    """torchrun's agent hosts the store at MASTER_PORT for its workers (as torch's tcp://
+    rendezvous reads it): then every rank is a client, rank 0 included."""
+    env = os.environ if env is None else env
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def job_prefix(env=None) -> str:
+    """The keys of this join. The agent's store outlives a restarted worker group, and a
+    process may join more than once: both get fresh keys."""
+    env = os.environ if env is None else env
+    return f"vescale/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_JOINS[0]}/"
+
+
+def next_join():
+    _JOINS[0] += 1
+
+
+def connect_store(addr: str, port: int, world_size: int, host: bool, timeout_s: float):
+    """A TCPStore at addr:port (`host`: serve it here), connected within `timeout_s`.
+
+    TCPStore's client bounds its connect attempts but not the handshake after them: a listener
+    that accepts and never answers holds it in TCPStore::ping() for ever. So the connection is
+    made on a helper thread and abandoned at the deadline (the thread stays blocked; the
+    process is about to exit with this error)."""
+    where = f"{addr}:{port}"
+    made, failed = [], []
+
+    def connect():
+        try:
+            made.append(dist.TCPStore(addr, port, world_size, host,
+                                      timeout=timedelta(seconds=timeout_s),
+                                      wait_for_workers=False, multi_tenant=host))
+        except (RuntimeError, dist.DistError) as err:  # DistNetworkError, DistStoreError
+            failed.append(err)
+
+    helper = threading.Thread(target=connect, name="vescale-store-connect", daemon=True)
+    helper.start()
+    helper.join(timeout_s + 1.0)  # the client's own connect timeout comes first when it can
+    if made:
+        return made[0]
+    if failed:
+        why = _first_line(failed[0])
+        if "EADDRINUSE" in why or "address already in use" in why:
+            raise RendezvousError(f"cannot serve the job's store at {where}: the port is in "
+                                  f"use (another job on MASTER_PORT={port}?)") from None
+        raise RendezvousError(f"cannot reach the job's store at {where} within {timeout_s:g} s "
+                              f"({type(failed[0]).__name__}: {why}); check that rank 0 started "
+                              "and MASTER_ADDR/MASTER_PORT are the same on every rank") from None
+    raise RendezvousError(f"the job's store at {where} accepted the connection but did not "
+                          f"answer within {timeout_s:g} s: MASTER_PORT={port} belongs to "
+                          "something else (another service or job)")
+
+
+def meet(store, where, address: str, timeout_s: float, prefix: str) -> None:
+    """Every rank of `where` (a launch.env.Placement) checks in on `store` and waits for the
+    others. Ranks that disagree on WORLD_SIZE, a RANK taken by another process (two ranks with
+    one RANK, or another job on this port) and ranks that never come are one-line errors; a
+    refusing rank leaves its reason in the store, so the waiting ones stop at once too."""
+    rank, size = where.rank, where.world_size
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    ticket = f"{me} {uuid.uuid4().hex}"  # one per join: tells this join from any other
+    deadline = time.monotonic() + timeout_s
+    first = _text(store.compare_set(prefix + "world_size", "", f"{size} {rank} {me}"))
+    first_size, first_rank, first_who = first.split(" ", 2)
+    if int(first_size) != size:
+        _refuse(store, prefix, f"rank {rank} has WORLD_SIZE={size} but rank {first_rank} "
+                               f"({first_who}) joined {address} with WORLD_SIZE={first_size}")
+    holder = _text(store.compare_set(prefix + f"rank/{rank}", "", ticket))
+    if holder != ticket:
+        _refuse(store, prefix, f"RANK={rank} at {address} was already taken by "
+                               f"{holder.split(' ')[0]}: two "
+                               f"ranks with RANK={rank}, or two jobs on MASTER_PORT")
+    store.add(prefix + "joined", 1)
+    poll_s = min(1.0, 0.05 * size)  # light on the store with many ranks
+    while store.add(prefix + "joined", 0) < size:
+        if store.check([prefix + "refused"]):
+            raise RendezvousError(f"rank {rank} of {size}: the process group at {address} "
+                                  "cannot form: "
+                                  + _text(store.get(prefix + "refused")))
+        if time.monotonic() > deadline:
+            missing = [r for r in range(size) if not store.check([prefix + f"rank/{r}"])]
+            raise RendezvousError(
+                f"rank {rank} of {size} ({where.launcher}): the process group at {address} did "
+                f"not form within {timeout_s:g} s ({_ranks(missing)} did not join); check that "
+                "every rank started and can reach MASTER_ADDR")
+        time.sleep(poll_s)
+
+
+def _refuse(store, prefix, why):
+    store.compare_set(prefix + "refused", "", why)  # the first reason stays
+    raise RendezvousError(why)
+
+
+def _ranks(ranks, shown=8) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return "ranks " + ", ".join(map(str, ranks[:shown])) + more
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _first_line(err) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
