@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from vescale_engine.launch import collective_timeout, rendezvous
-from vescale_engine.launch.env import Placement
+from vescale_engine.launch.env import LaunchError, Placement
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)
@@ -39,10 +39,25 @@ config = {"train_batch_size": 4, "steps_per_print": 1000,
           "vescale": {"process_group_timeout_s": 600}}
 if os.environ.get("MEET_S"):
     config["vescale"]["rendezvous_timeout_s"] = float(os.environ["MEET_S"])
+if os.environ.get("STAMP_ERRORS"):  # when an error reached the top, before its traceback
+    def stamped(kind, value, tb, previous=sys.excepthook):
+        print(f"raised at {time.time():.3f}", flush=True)
+        previous(kind, value, tb)
+    sys.excepthook = stamped
 if os.environ.get("LATE_ATEXIT"):  # registered first, so it runs after the engine's exit
     import atexit
     atexit.register(lambda: print(f"left at {time.time():.3f}", flush=True))
 print(f"joining at {time.time():.3f}", flush=True)
+from vescale_engine.launch import process_group  # noqa: E402
+meet = process_group.meet_the_others
+
+
+def stamped_meet(*args, **kwargs):  # when the rendezvous (its timeout) starts
+    print(f"meeting at {time.time():.3f}", flush=True)
+    return meet(*args, **kwargs)
+
+
+process_group.meet_the_others = stamped_meet
 engine, _, _, _ = vescale_engine.initialize(model=fm.make("gpt"), config=config)
 rank = engine.global_rank
 failing = str(rank) == who
@@ -61,6 +76,8 @@ def full_disk(*args, **kwargs):  # the other rank is in the save's collectives b
 
 if failing and point == "save":
     sharded.CrcWriter = full_disk
+if rank == int(os.environ.get("BUSY_RANK", "-1")):
+    time.sleep(60)  # a long phase with no collective (local compute, I/O): only the watchdog
 for step in range(int(os.environ.get("STEPS", "2"))):
     x = fm.batch("gpt", step, 2)
     fail("forward")
@@ -184,6 +201,33 @@ def test_a_rank_that_raises_stops_the_job_within_seconds(tmp_path, launch, point
     assert "monitoredBarrier" not in out and "terminate called" not in out, out[-4000:]
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_away_from_any_collective_stops_too(tmp_path, failing):
+    """No launcher to stop the others, and the other rank in a long phase without a collective
+    (so no closed connection tells it): its watchdog ends it, naming the failed rank."""
+    port, busy = free_port(), 1 - failing
+    ranks = [start_rank(tmp_path, r, 2, port, 60,
+                        {"FAIL_AT": "forward", "FAIL_RANK": str(failing),
+                         "BUSY_RANK": str(busy), "STEPS": "2"}) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p, _ in ranks]
+        while any(tagged(tag) for _, tag in ranks):
+            time.sleep(0.02)
+        gone = time.time()
+    finally:
+        for _, tag in ranks:
+            kill_all(tag)
+    failed_at = stamp(outs[failing], "failing")
+    assert failed_at and all(p.returncode == 1 for p, _ in ranks), outs
+    print(f"rank {failing} failing, rank {busy} busy: all gone {gone - failed_at[0]:.1f} s "
+          "after the raise")
+    assert gone - failed_at[0] < GONE_WITHIN_S, outs
+    assert last_line(outs[busy]) == (f"vescale: rank {busy} of 2 stopped: rank {failing} "
+                                     f"failed first: ValueError: injected at forward on rank "
+                                     f"{failing}"), outs[busy]
+    assert f"vescale: rank {failing} of 2 failed: ValueError: " in outs[failing]
+
+
 def test_a_clean_finish_waits_for_every_rank_at_the_exit_barrier(tmp_path):
     status, out, _ = run_job(vescale_run(script(tmp_path)), tmp_path,
                              {"STEPS": "1", "SLOW_RANK": "0", "LATE_ATEXIT": "1",
@@ -202,7 +246,7 @@ def test_a_clean_finish_waits_for_every_rank_at_the_exit_barrier(tmp_path):
 def rank_env(rank, world, port, meet_s):
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MEET_S": str(meet_s),
-            "PYTHONPATH": os.pathsep.join(sys.path), "STEPS": "0"}
+            "PYTHONPATH": os.pathsep.join(sys.path), "STEPS": "0", "STAMP_ERRORS": "1"}
 
 
 def last_line(out):
@@ -216,19 +260,22 @@ def test_a_port_that_accepts_and_never_answers_is_one_line_within_the_timeout(tm
         port = listener.getsockname()[1]
         status, out, gone = run_job([sys.executable, script(tmp_path)], tmp_path,
                                     rank_env(1, 2, port, 3), timeout=120)
-    joined = stamp(out, "joining")
-    assert status != 0 and joined, out[-3000:]
-    print(f"never-answering port: failed {gone - joined[0]:.1f} s after joining (timeout 3 s)")
-    assert gone - joined[0] < 3 + 5, out[-3000:]  # the timeout plus exit, not TCPStore's ping
-    assert (f"RendezvousError: the job's store at 127.0.0.1:{port} accepted the connection "
+    meeting, raised = stamp(out, "meeting"), stamp(out, "raised")
+    assert status != 0 and meeting and raised, out[-3000:]
+    print(f"never-answering port: the error {raised[0] - meeting[0]:.1f} s after the "
+          f"rendezvous began, all gone after {gone - meeting[0]:.1f} s (timeout 3 s)")
+    # the timeout (and the print of a loaded machine), not TCPStore's endless ping
+    assert raised[0] - meeting[0] < 3 + 0.5, out[-3000:]
+    assert (f"LaunchError: the job's store at 127.0.0.1:{port} accepted the connection "
             "but did not answer within 3 s") in last_line(out), out[-3000:]
     assert "terminate called" not in out
 
 
-def start_rank(tmp_path, rank, world, port, meet_s):
+def start_rank(tmp_path, rank, world, port, meet_s, extra=None):
     tag = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag, "FAILFAST_TESTS": HERE,
-           "SAVE_DIR": str(tmp_path / "ck"), **rank_env(rank, world, port, meet_s)}
+           "SAVE_DIR": str(tmp_path / "ck"), **rank_env(rank, world, port, meet_s),
+           **(extra or {})}
     proc = subprocess.Popen([sys.executable, script(tmp_path)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, cwd=tmp_path)
@@ -247,11 +294,15 @@ def test_ranks_disagreeing_on_world_size_fail_in_one_line_each(tmp_path):
     for (proc, _), out in zip(ranks, outs):
         assert proc.returncode != 0, out[-3000:]
         line = last_line(out)
-        assert "rank 1 has WORLD_SIZE=3 but rank 0" in line, line
-        assert "joined 127.0.0.1" in line and "with WORLD_SIZE=2" in line, line
+        # whichever rank checked in first is the reference; the other is refused
+        said = re.search(rf"rank (\d) has WORLD_SIZE=(\d) but rank (\d) \(\S+\) joined "
+                         rf"127.0.0.1:{port} with WORLD_SIZE=(\d)$", line)
+        assert said and {said.group(1, 2), said.group(3, 4)} == {("0", "2"), ("1", "3")}, line
     joined = max(stamp(out, "joining")[0] for out in outs)
-    print(f"WORLD_SIZE disagreement: both ranks failed {ends[0] - joined:.1f} s after joining")
-    assert ends[0] - joined < meet_s, outs  # at once, not at the timeout
+    raised = max(stamp(out, "raised")[0] for out in outs)
+    print(f"WORLD_SIZE disagreement: both ranks raised {raised - joined:.1f} s after joining, "
+          f"gone after {ends[0] - joined:.1f} s (timeout {meet_s} s)")
+    assert raised - joined < meet_s / 2, outs  # at once, not at the timeout
 
 
 def test_meeting_on_a_store(tmp_path):
@@ -271,7 +322,7 @@ def test_meeting_on_a_store(tmp_path):
             try:
                 rendezvous.meet(rendezvous.connect_store("127.0.0.1", port, 2, False, 5),
                                 rank(r), address, 2, prefix)
-            except rendezvous.RendezvousError as err:
+            except LaunchError as err:
                 errors.setdefault(prefix, []).append(str(err))
 
         # two processes with RANK=1: the second is refused; a rank still waiting stops too
@@ -298,13 +349,13 @@ def test_meeting_on_a_store(tmp_path):
         other.bind(("127.0.0.1", 0))
         other.listen(1)
         taken = other.getsockname()[1]
-        with pytest.raises(rendezvous.RendezvousError,
+        with pytest.raises(LaunchError,
                            match=rf"^cannot serve the job's store at 127.0.0.1:{taken}: the "
                                  rf"port is in use \(another job on MASTER_PORT={taken}\?\)$"):
             rendezvous.connect_store("127.0.0.1", taken, 2, True, 2)
     nobody = free_port()
     started = time.monotonic()
-    with pytest.raises(rendezvous.RendezvousError,
+    with pytest.raises(LaunchError,
                        match=rf"^cannot reach the job's store at 127.0.0.1:{nobody} within 1 s"):
         rendezvous.connect_store("127.0.0.1", nobody, 2, False, 1)
     assert time.monotonic() - started < 1 + 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -75,10 +76,14 @@ def meet_the_others(where, address: str, timeout_s: float):
     prefix = rendezvous.job_prefix()
     rendezvous.next_join()
     host, port = where.master_addr, where.master_port
+    deadline = time.monotonic() + timeout_s  # one limit for all three steps
+
+    def left():
+        return max(0.1, deadline - time.monotonic())
     store = rendezvous.connect_store(host, port, where.world_size,
                                      where.rank == 0 and not agent, timeout_s)
-    control = rendezvous.connect_store(host, port, where.world_size, False, timeout_s)
-    rendezvous.meet(control, where, address, timeout_s, prefix)
+    control = rendezvous.connect_store(host, port, where.world_size, False, left())
+    rendezvous.meet(control, where, address, left(), prefix, limit_s=timeout_s)
     return store, FailFast(control, prefix, where.rank, where.world_size,
                            rank0_hosts_store=not agent, address=address)
 

@@ -19,10 +19,6 @@ from .env import LaunchError
 _JOINS = [0]  # groups this process joined: each join has keys of its own on a lasting store
 
 
-class RendezvousError(LaunchError):
-    """The ranks could not meet; the message names the address and what went wrong."""
-
-
 def uses_agent_store(env=None) -> bool:
     """torchrun's agent hosts the store at MASTER_PORT for its workers (as torch's tcp://
     rendezvous reads it): then every rank is a client, rank 0 included."""
@@ -61,28 +57,41 @@ def connect_store(addr: str, port: int, world_size: int, host: bool, timeout_s: 
 
     helper = threading.Thread(target=connect, name="vescale-store-connect", daemon=True)
     helper.start()
-    helper.join(timeout_s + 1.0)  # the client's own connect timeout comes first when it can
+    helper.join(timeout_s)
     if made:
         return made[0]
     if failed:
-        why = _first_line(failed[0])
+        why = f"{type(failed[0]).__name__}: {_first_line(failed[0])}"
         if "EADDRINUSE" in why or "address already in use" in why:
-            raise RendezvousError(f"cannot serve the job's store at {where}: the port is in "
-                                  f"use (another job on MASTER_PORT={port}?)") from None
-        raise RendezvousError(f"cannot reach the job's store at {where} within {timeout_s:g} s "
-                              f"({type(failed[0]).__name__}: {why}); check that rank 0 started "
-                              "and MASTER_ADDR/MASTER_PORT are the same on every rank") from None
-    raise RendezvousError(f"the job's store at {where} accepted the connection but did not "
-                          f"answer within {timeout_s:g} s: MASTER_PORT={port} belongs to "
-                          "something else (another service or job)")
+            raise LaunchError(f"cannot serve the job's store at {where}: the port is in "
+                              f"use (another job on MASTER_PORT={port}?)") from None
+    else:  # still trying at the deadline: connecting, or stuck in the handshake?
+        why = "nothing accepts connections there"
+        if _accepts(addr, port):
+            raise LaunchError(f"the job's store at {where} accepted the connection but did "
+                              f"not answer within {timeout_s:g} s: MASTER_PORT={port} belongs "
+                              "to something else (another service or job)")
+    raise LaunchError(f"cannot reach the job's store at {where} within {timeout_s:g} s "
+                      f"({why}); check that rank 0 started and MASTER_ADDR/MASTER_PORT are "
+                      "the same on every rank") from None
 
 
-def meet(store, where, address: str, timeout_s: float, prefix: str) -> None:
+def _accepts(addr, port) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def meet(store, where, address: str, timeout_s: float, prefix: str,
+         limit_s: float | None = None) -> None:
     """Every rank of `where` (a launch.env.Placement) checks in on `store` and waits for the
     others. Ranks that disagree on WORLD_SIZE, a RANK taken by another process (two ranks with
     one RANK, or another job on this port) and ranks that never come are one-line errors; a
     refusing rank leaves its reason in the store, so the waiting ones stop at once too."""
     rank, size = where.rank, where.world_size
+    limit_s = timeout_s if limit_s is None else limit_s  # as configured, for the message
     me = f"{socket.gethostname()}:{os.getpid()}"
     ticket = f"{me} {uuid.uuid4().hex}"  # one per join: tells this join from any other
     deadline = time.monotonic() + timeout_s
@@ -100,21 +109,21 @@ def meet(store, where, address: str, timeout_s: float, prefix: str) -> None:
     poll_s = min(1.0, 0.05 * size)  # light on the store with many ranks
     while store.add(prefix + "joined", 0) < size:
         if store.check([prefix + "refused"]):
-            raise RendezvousError(f"rank {rank} of {size}: the process group at {address} "
+            raise LaunchError(f"rank {rank} of {size}: the process group at {address} "
                                   "cannot form: "
                                   + _text(store.get(prefix + "refused")))
         if time.monotonic() > deadline:
             missing = [r for r in range(size) if not store.check([prefix + f"rank/{r}"])]
-            raise RendezvousError(
+            raise LaunchError(
                 f"rank {rank} of {size} ({where.launcher}): the process group at {address} did "
-                f"not form within {timeout_s:g} s ({_ranks(missing)} did not join); check that "
+                f"not form within {limit_s:g} s ({_ranks(missing)} did not join); check that "
                 "every rank started and can reach MASTER_ADDR")
         time.sleep(poll_s)
 
 
 def _refuse(store, prefix, why):
     store.compare_set(prefix + "refused", "", why)  # the first reason stays
-    raise RendezvousError(why)
+    raise LaunchError(why)
 
 
 def _ranks(ranks, shown=8) -> str:
