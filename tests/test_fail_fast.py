@@ -359,3 +359,89 @@ def test_meeting_on_a_store(tmp_path):
                        match=rf"^cannot reach the job's store at 127.0.0.1:{nobody} within 1 s"):
         rendezvous.connect_store("127.0.0.1", nobody, 2, False, 1)
     assert time.monotonic() - started < 1 + 2
+
+
+# -- a collective's timeout -----------------------------------------------------------------------
+
+TIMEOUT_JOB = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, os.environ["FAILFAST_TESTS"])
+import fsdp_models as fm
+import vescale_engine
+from vescale_engine.launch.collective_timeout import explain_timeout
+print("ready", flush=True)
+while not os.path.exists(os.environ["GO"]):  # both ranks imported: the rendezvous is short
+    time.sleep(0.05)
+engine, *_ = vescale_engine.initialize(model=fm.make("gpt"), config={
+    "train_batch_size": 2, "vescale": {"process_group_timeout_s": 4}})
+with explain_timeout("warm-up all-reduce"):
+    dist.all_reduce(torch.ones(1))
+if engine.global_rank == 1:
+    time.sleep(30)  # late: rank 0's next collective times out
+with explain_timeout("the test's all-reduce"):
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
+    job, go = tmp_path / "timeout_job.py", tmp_path / "go"
+    job.write_text(TIMEOUT_JOB)
+    port, tags, procs = free_port(), [], []
+    try:
+        for r in (0, 1):
+            tag = uuid.uuid4().hex
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag,
+                   "FAILFAST_TESTS": HERE, "GO": str(go), **rank_env(r, 2, port, 60)}
+            tags.append(tag)
+            procs.append(subprocess.Popen([sys.executable, str(job)], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        go.write_text("")
+        started = time.time()
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        took = time.time() - started
+    finally:
+        for tag in tags:
+            kill_all(tag)
+    print(f"collective timeout (4 s): both ranks gone {took:.1f} s after the start")
+    raised = [ln for ln in outs[0].splitlines() if "collective_timeout.CollectiveTimeout: " in ln]
+    assert len(raised) == 1, outs[0]
+    line = raised[0].split("collective_timeout.", 1)[1]  # after torch's "[rank0]:" prefix
+    assert line.startswith("CollectiveTimeout: rank 0 "
+                           "of 2: the test's all-reduce (#2) did not complete within 4 s "
+                           "(vescale.process_group_timeout_s); ranks not arrived: 1 (rank 1 is "
+                           "between collectives (last: warm-up all-reduce (#1))) ("), line
+    assert "Timed out" in line or "timed out" in line, line
+    assert last_line(outs[0]).startswith("vescale: rank 0 of 2 failed: CollectiveTimeout: ")
+    assert last_line(outs[1]).startswith("vescale: rank 1 of 2 stopped: rank 0 failed first: "
+                                         "CollectiveTimeout: rank 0 of 2: the test's "
+                                         "all-reduce (#2) did not complete"), outs[1]
+    assert took < 30, outs  # rank 1 stopped in its sleep, not after it
+
+
+def test_explain_timeout_passes_other_errors_and_rewords_timeouts(monkeypatch):
+    monkeypatch.setitem(collective_timeout._group, "timeout_s", 7.0)
+    monkeypatch.setitem(collective_timeout._group, "fail_fast", None)
+    with pytest.raises(ValueError, match="^not a timeout$"):
+        with collective_timeout.explain_timeout("x"):
+            raise ValueError("not a timeout")
+    with pytest.raises(RuntimeError, match="^Connection closed by peer$"):
+        with collective_timeout.explain_timeout("x"):
+            raise RuntimeError("Connection closed by peer")
+    with pytest.raises(collective_timeout.CollectiveTimeout) as err:
+        with collective_timeout.explain_timeout("all-gather of unit 'blocks.0' (forward)"):
+            assert collective_timeout.location().startswith(
+                "in all-gather of unit 'blocks.0' (forward) (#")
+            raise dist.DistBackendError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting "
+                                        "7000ms for recv operation to complete\nmore")
+    text = str(err.value)
+    assert re.fullmatch(r"rank 0 of 1: all-gather of unit 'blocks.0' \(forward\) \(#\d+\) did "
+                        r"not complete within 7 s \(vescale.process_group_timeout_s\); the other "
+                        r"ranks cannot be asked \(no failfast store for this group\) "
+                        r"\(DistBackendError: \[\.\./gloo/transport/tcp/pair.cc:534\] Timed out "
+                        r"waiting 7000ms for recv operation to complete\)", text), text
+    assert collective_timeout.location().startswith(
+        "between collectives (last: all-gather of unit 'blocks.0' (forward) (#")

@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 POLL_S = 1.0          # how often the watchdog reads the flag
 HOST_WAIT_S = 5.0     # how long the store's host waits for the others to read its failure
@@ -30,6 +29,10 @@ class FailFast:
                  rank0_hosts_store: bool, address: str):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.failed_key, self.seen_key = prefix + "failed", prefix + "failed_seen"
+        # bumped by every failure and census request: the one key the watchdog polls
+        self.news_key, self.census_key = prefix + "news", prefix + "census"
+        self.locate = lambda: "running"      # where this rank is (collective_timeout.location)
+        self._news_seen, self._census_seen = 0, 0
         self.rank0_hosts_store, self.address = rank0_hosts_store, address
         self.stopped = threading.Event()    # the watchdog should end
         self._ending = threading.Lock()     # one path ends the process
@@ -74,8 +77,10 @@ class FailFast:
         if self.failure is None:
             self.failure = last_line(exc)
         try:
-            return _text(self.store.compare_set(self.failed_key, "",
-                                                f"{self.rank}\t{self.failure}"))
+            first = _text(self.store.compare_set(self.failed_key, "",
+                                                 f"{self.rank}\t{self.failure}"))
+            self.store.add(self.news_key, 1)
+            return first
         except Exception:  # noqa: BLE001 - the store's host is gone: nobody left to tell
             return None
 
@@ -115,6 +120,11 @@ class FailFast:
     def _watch(self):
         while not self.stopped.wait(POLL_S):
             try:
+                news = self.store.add(self.news_key, 0)
+                if news == self._news_seen:
+                    continue
+                self._news_seen = news
+                self._answer_census()
                 if not self.store.check([self.failed_key]):
                     continue
                 first = _text(self.store.get(self.failed_key))
@@ -123,6 +133,28 @@ class FailFast:
             if _rank_of(first) != self.rank:  # our own: the main thread is on its way out
                 self._stop(first)
                 return
+
+    # -- where is everybody? (a collective timed out somewhere) ---------------------------------
+
+    def census(self, wait_s: float = 2 * POLL_S + 0.5) -> dict:
+        """Ask every other rank's watchdog where its rank is: {rank: answer, or None for a rank
+        that did not answer (gone, or stuck holding the interpreter)}."""
+        asked = self.store.add(self.census_key, 1)
+        self.store.add(self.news_key, 1)
+        keys = {r: f"{self.census_key}/{asked}/{r}" for r in range(self.world_size)
+                if r != self.rank}
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not self.store.check(list(keys.values())):
+            time.sleep(0.1)
+        return {r: _text(self.store.get(k)) if self.store.check([k]) else None
+                for r, k in keys.items()}
+
+    def _answer_census(self):
+        asked = self.store.add(self.census_key, 0)
+        here = self.locate()
+        for n in range(max(self._census_seen + 1, asked - 7), asked + 1):  # ranks may ask at once
+            self.store.set(f"{self.census_key}/{n}/{self.rank}", here)
+        self._census_seen = max(self._census_seen, asked)
 
     def _stop(self, first):
         if not self._ending.acquire(blocking=False):
@@ -157,12 +189,13 @@ def _line_of(record: str) -> str:
 
 
 def last_line(exc) -> str:
-    """An exception as the last line of its traceback, one line, at most 300 characters."""
+    """An exception as the last line of its traceback (the class without its module), one
+    line, at most 400 characters."""
     if exc is None:
         return "unknown error"
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return first[:300]
+    text = (str(exc).strip().splitlines() or [""])[0]
+    name = type(exc).__qualname__
+    return (f"{name}: {text}" if text else name)[:400]
 
 
 def _say(line):

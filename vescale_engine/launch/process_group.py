@@ -59,9 +59,10 @@ def join_process_group(timeout_s: float, create: bool = True,
                           f"{timeout_s:g} s ({type(err).__name__}: {why}); check that every "
                           "rank started and can reach MASTER_ADDR") from None
     if fail_fast is not None:
+        fail_fast.locate = collective_timeout.location
         fail_fast.install()
     _fail_fast[0] = fail_fast
-    collective_timeout.record_group(timeout_s, fail_fast and fail_fast.first_failure)
+    collective_timeout.record_group(timeout_s, fail_fast)
     atexit.register(leave_process_group, device)
     return device
 
