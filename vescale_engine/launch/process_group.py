@@ -47,6 +47,9 @@ def join_process_group(timeout_s: float, create: bool = True,
     if nccl:
         torch.cuda.set_device(device)
     store, fail_fast = meet_the_others(where, address, meet_s)
+    for connection in (store, fail_fast.store if fail_fast else None):
+        if connection is not None:  # made with the rendezvous' time left: now the group's
+            connection.set_timeout(timedelta(seconds=timeout_s))
     try:
         dist.init_process_group(NCCL_WITH_CPU if nccl else "gloo", store=store,
                                 rank=where.rank, world_size=where.world_size,
