@@ -199,6 +199,12 @@ def test_a_rank_that_raises_stops_the_job_within_seconds(tmp_path, launch, point
     other = re.findall(r"vescale: rank (\d) of 2 stopped: rank (\d) failed first: (\w+)", out)
     assert all(r == str(1 - rank) and f == str(rank) and k == kind for r, f, k in other), other
     assert "monitoredBarrier" not in out and "terminate called" not in out, out[-4000:]
+    # the failing rank exits first, so the launcher blames it, not the rank it stopped
+    blamed = {vescale_run: rf"^vescale run: rank {rank} exited with status 1",
+              torchrun: rf"Root Cause \(first observed failure\):\n\[0\]:\n.*\n.*\n"
+                        rf"\s*rank\s*: {rank} \(local_rank: {rank}\)",
+              mpirun: rf"The first process to do so was:\s+Process name: \[\S+,{rank}\]"}
+    assert re.search(blamed[launch], out, flags=re.M), out[-4000:]
 
 
 @pytest.mark.parametrize("failing", [0, 1])
