@@ -103,15 +103,15 @@ def meet(store, where, address: str, timeout_s: float, prefix: str,
     holder = _text(store.compare_set(prefix + f"rank/{rank}", "", ticket))
     if holder != ticket:
         _refuse(store, prefix, f"RANK={rank} at {address} was already taken by "
-                               f"{holder.split(' ')[0]}: two "
-                               f"ranks with RANK={rank}, or two jobs on MASTER_PORT")
+                               f"{holder.split(' ')[0]}: two ranks with RANK={rank}, or two "
+                               "jobs on MASTER_PORT")
     store.add(prefix + "joined", 1)
     poll_s = min(1.0, 0.05 * size)  # light on the store with many ranks
     while store.add(prefix + "joined", 0) < size:
         if store.check([prefix + "refused"]):
-            raise LaunchError(f"rank {rank} of {size}: the process group at {address} "
-                                  "cannot form: "
-                                  + _text(store.get(prefix + "refused")))
+            why = _text(store.get(prefix + "refused"))
+            raise LaunchError(f"rank {rank} of {size}: the process group at {address} cannot "
+                              f"form: {why}")
         if time.monotonic() > deadline:
             missing = [r for r in range(size) if not store.check([prefix + f"rank/{r}"])]
             raise LaunchError(
