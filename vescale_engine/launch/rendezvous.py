@@ -41,47 +41,58 @@ def connect_store(addr: str, port: int, world_size: int, host: bool, timeout_s: 
     """A TCPStore at addr:port (`host`: serve it here), connected within `timeout_s`.
 
     TCPStore's client bounds its connect attempts but not the handshake after them: a listener
-    that accepts and never answers holds it in TCPStore::ping() for ever. So the connection is
-    made on a helper thread and abandoned at the deadline (the thread stays blocked; the
-    process is about to exit with this error)."""
+    that accepts and never answers holds it in TCPStore::ping() for ever. So a client first
+    waits here, in Python, for the port to accept (rank 0 may still be starting), then makes
+    the connection on a helper thread, abandoned at the deadline (blocked in a read; the
+    process is about to exit with this error). The helper is never left retrying in C++: one
+    that ends in an exception while the interpreter finalizes aborts the process ("terminate
+    called without an active exception")."""
     where = f"{addr}:{port}"
+    deadline = time.monotonic() + timeout_s
+    if not host and not _accepts_by(addr, port, deadline):
+        raise LaunchError(f"cannot reach the job's store at {where} within {timeout_s:g} s "
+                          "(nothing accepts connections there); check that rank 0 started and "
+                          "MASTER_ADDR/MASTER_PORT are the same on every rank")
     made, failed = [], []
 
     def connect():
         try:
+            left = max(0.1, deadline - time.monotonic())
             made.append(dist.TCPStore(addr, port, world_size, host,
-                                      timeout=timedelta(seconds=timeout_s),
+                                      timeout=timedelta(seconds=left),
                                       wait_for_workers=False, multi_tenant=host))
         except (RuntimeError, dist.DistError) as err:  # DistNetworkError, DistStoreError
             failed.append(err)
 
     helper = threading.Thread(target=connect, name="vescale-store-connect", daemon=True)
     helper.start()
-    helper.join(timeout_s)
+    helper.join(max(0.0, deadline - time.monotonic()))
     if made:
         return made[0]
-    if failed:
-        why = f"{type(failed[0]).__name__}: {_first_line(failed[0])}"
-        if "EADDRINUSE" in why or "address already in use" in why:
-            raise LaunchError(f"cannot serve the job's store at {where}: the port is in "
-                              f"use (another job on MASTER_PORT={port}?)") from None
-    else:  # still trying at the deadline: connecting, or stuck in the handshake?
-        why = "nothing accepts connections there"
-        if _accepts(addr, port):
-            raise LaunchError(f"the job's store at {where} accepted the connection but did "
-                              f"not answer within {timeout_s:g} s: MASTER_PORT={port} belongs "
-                              "to something else (another service or job)")
+    if not failed:
+        raise LaunchError(f"the job's store at {where} accepted the connection but did not "
+                          f"answer within {timeout_s:g} s: MASTER_PORT={port} belongs to "
+                          "something else (another service or job)")
+    why = f"{type(failed[0]).__name__}: {_first_line(failed[0])}"
+    if "EADDRINUSE" in why or "address already in use" in why:
+        raise LaunchError(f"cannot serve the job's store at {where}: the port is in use "
+                          f"(another job on MASTER_PORT={port}?)") from None
     raise LaunchError(f"cannot reach the job's store at {where} within {timeout_s:g} s "
                       f"({why}); check that rank 0 started and MASTER_ADDR/MASTER_PORT are "
                       "the same on every rank") from None
 
 
-def _accepts(addr, port) -> bool:
-    try:
-        with socket.create_connection((addr, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
+def _accepts_by(addr, port, deadline) -> bool:
+    """Whether addr:port accepts a connection before the deadline (tried every 0.1 s)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((addr, port), timeout=min(1.0, left)):
+                return True
+        except OSError:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def meet(store, where, address: str, timeout_s: float, prefix: str,
