@@ -123,6 +123,11 @@ def test_nccl_join_sets_the_device_before_the_group_forms(fake_gpus, monkeypatch
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def meet(where, address, timeout_s):  # the store and the join check: no network here
+        calls.append(("meet", address))
+        return dist.HashStore(), None
+    monkeypatch.setattr(distributed, "meet_the_others", meet)
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: calls.append(("init", backend, kw["device_id"],
                                                             kw["rank"], kw["world_size"])))
@@ -130,7 +135,7 @@ def test_nccl_join_sets_the_device_before_the_group_forms(fake_gpus, monkeypatch
     monkeypatch.setattr(distributed.atexit, "register", lambda fn, *a: exits.append((fn, a)))
     device = distributed.join_process_group(60)
     assert device == CUDA("cuda", 2)
-    assert calls == [("set_device", CUDA("cuda", 2)),
+    assert calls == [("set_device", CUDA("cuda", 2)), ("meet", "10.0.0.1:29500"),
                      ("init", "cpu:gloo,cuda:nccl", CUDA("cuda", 2), 6, 8)]
     # at exit: a barrier on this rank's GPU, then the group goes
     calls.clear()
@@ -149,6 +154,9 @@ def test_a_failed_nccl_join_says_why_in_one_line(fake_gpus, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    monkeypatch.setattr(distributed, "meet_the_others",
+                        lambda where, address, timeout_s: (dist.HashStore(), None))
 
     def refuse(*a, **kw):
         raise dist.DistError("NCCL error: invalid usage\nDuplicate GPU detected")

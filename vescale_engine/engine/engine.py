@@ -356,11 +356,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("no config: pass config=, config_params= or args.deepspeed_config")
     from config_schemas.validate import read_config
     raw = read_config(source)
-    timeout = raw.get("vescale", {}).get("process_group_timeout_s", DEFAULT_TIMEOUT_S) \
-        if isinstance(raw, dict) else DEFAULT_TIMEOUT_S
+    section = raw.get("vescale", {}) if isinstance(raw, dict) else {}
+    section = section if isinstance(section, dict) else {}
+    timeout = section.get("process_group_timeout_s", DEFAULT_TIMEOUT_S)
+    meet = section.get("rendezvous_timeout_s")  # validated with the rest by build_config
     device = join_process_group(
         float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S,
-        create=dist_init_required is not False)
+        create=dist_init_required is not False,
+        rendezvous_timeout_s=float(meet) if isinstance(meet, (int, float)) and meet > 0 else None)
     cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
     require_not_partitioned(model)
     if optimizer is None:

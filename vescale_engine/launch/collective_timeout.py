@@ -1,0 +1,106 @@
+"""A collective that times out says so in one line: which operation, after how long, the config
+key that sets the limit (vescale.process_group_timeout_s), and what the job's store can tell
+about the other ranks: a rank that failed first, or, asked through their failfast watchdogs,
+the ranks that did not arrive and where they are instead. The backends' own messages name none
+of these (gloo: "Timed out waiting 600000ms for recv operation to complete").
+
+    with explain_timeout("all-gather of unit 'blocks.3' (forward)"):
+        work.wait()
+
+Every rank counts the operations it enters, so that "rank 1 is in the same operation" means
+the same call, not the previous step's: wrap the same collectives on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch.distributed as dist
+
+TIMEOUT_KEY = "vescale.process_group_timeout_s"
+# How gloo, NCCL's watchdog and the store word a timeout.
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the process group's timeout."""
+
+
+# Set by process_group when the group forms: its timeout, and the FailFast (or None) whose
+# store says who failed first and where the others are.
+_group = {"timeout_s": None, "fail_fast": None}
+_here = {"operation": None, "last": None, "count": 0}
+_lock = threading.Lock()  # the watchdog thread reads _here
+
+
+def record_group(timeout_s: float, fail_fast=None):
+    _group.update(timeout_s=timeout_s, fail_fast=fail_fast)
+
+
+def location() -> str:
+    """Where this rank is, as another rank's timeout message quotes it."""
+    with _lock:
+        if _here["operation"] is not None:
+            return f"in {_here['operation']}"
+        last = f" (last: {_here['last']})" if _here["last"] else ""
+        return f"between collectives{last}"
+
+
+def is_timeout(err: BaseException) -> bool:
+    if not isinstance(err, (RuntimeError, dist.DistError)) or isinstance(err, CollectiveTimeout):
+        return False
+    text = str(err).lower()
+    return any(word in text for word in _TIMEOUT_WORDS)
+
+
+@contextlib.contextmanager
+def explain_timeout(operation: str):
+    """Run the block as `operation` (what this rank's location says meanwhile); a backend's
+    timeout error inside it becomes a CollectiveTimeout with one line (timeout_message).
+    Every other error passes unchanged."""
+    with _lock:
+        _here["count"] += 1
+        label = f"{operation} (#{_here['count']})"
+        outer, _here["operation"] = _here["operation"], label
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        if not is_timeout(err):
+            raise
+        raise CollectiveTimeout(timeout_message(label, err)) from err
+    finally:
+        with _lock:
+            _here["operation"], _here["last"] = outer, label
+
+
+def timeout_message(operation: str, err: BaseException) -> str:
+    """One line for `err`, a timeout in `operation` on this rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    limit = _group["timeout_s"]
+    within = f"within {limit:g} s" if limit is not None else "within the process group's timeout"
+    backend = (str(err).strip().splitlines() or [""])[0][:200]
+    return (f"rank {rank} of {world}: {operation} did not complete {within} ({TIMEOUT_KEY}); "
+            f"{_the_others(operation)} ({type(err).__name__}: {backend})")
+
+
+def _the_others(operation: str) -> str:
+    fail_fast = _group["fail_fast"]
+    if fail_fast is None:
+        return "the other ranks cannot be asked (no failfast store for this group)"
+    try:
+        first = fail_fast.first_failure()
+        if first:
+            return f"rank {first} failed first"
+        answers = fail_fast.census()
+    except Exception:  # noqa: BLE001 - the store is gone with its host
+        return "the job's store does not answer (rank 0, its host, may have exited)"
+    mine = f"in {operation}"
+    away = {r: a for r, a in sorted(answers.items()) if a != mine}
+    if not away:
+        return "every rank is in this operation: the backend itself is stuck (network?)"
+    shown = [f"rank {r} {'did not answer (gone, or stuck)' if a is None else 'is ' + a}"
+             for r, a in list(away.items())[:4]]
+    more = f", and {len(away) - 4} more" if len(away) > 4 else ""
+    ranks = ", ".join(str(r) for r in away)
+    return f"ranks not arrived: {ranks} ({'; '.join(shown)}{more})"
