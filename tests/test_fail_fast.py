@@ -385,12 +385,16 @@ with explain_timeout("warm-up all-reduce"):
     dist.all_reduce(torch.ones(1))
 if engine.global_rank == 1:
     time.sleep(30)  # late: rank 0's next collective times out
+if os.environ.get("IN_FORWARD"):  # the first unit's all-gather, as fsdp/unit.py labels it
+    idx, target = fm.batch("gpt", 0, 1)
+    engine(idx)
 with explain_timeout("the test's all-reduce"):
     dist.all_reduce(torch.ones(1))
 """
 
 
-def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
+def _timeout_job(tmp_path, extra_env):
+    """Both ranks of TIMEOUT_JOB: (each rank's output, seconds from the start to both gone)."""
     job, go = tmp_path / "timeout_job.py", tmp_path / "go"
     job.write_text(TIMEOUT_JOB)
     port, tags, procs = free_port(), [], []
@@ -398,7 +402,8 @@ def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
         for r in (0, 1):
             tag = uuid.uuid4().hex
             env = {**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag,
-                   "FAILFAST_TESTS": HERE, "GO": str(go), **rank_env(r, 2, port, 60)}
+                   "FAILFAST_TESTS": HERE, "GO": str(go), **rank_env(r, 2, port, 60),
+                   **extra_env}
             tags.append(tag)
             procs.append(subprocess.Popen([sys.executable, str(job)], env=env, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -412,6 +417,11 @@ def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
     finally:
         for tag in tags:
             kill_all(tag)
+    return outs, took
+
+
+def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
+    outs, took = _timeout_job(tmp_path, {})
     print(f"collective timeout (4 s): both ranks gone {took:.1f} s after the start")
     raised = [ln for ln in outs[0].splitlines() if "collective_timeout.CollectiveTimeout: " in ln]
     assert len(raised) == 1, outs[0]
@@ -426,6 +436,20 @@ def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
                                          "CollectiveTimeout: rank 0 of 2: the test's "
                                          "all-reduce (#2) did not complete"), outs[1]
     assert took < 30, outs  # rank 1 stopped in its sleep, not after it
+
+
+def test_a_units_all_gather_that_times_out_names_the_unit(tmp_path):
+    """The FSDP runtime labels its waits: rank 0's forward waits for the first unit's
+    all-gather while rank 1 is late, and the timeout says which unit and operation."""
+    outs, took = _timeout_job(tmp_path, {"IN_FORWARD": "1"})
+    raised = [ln for ln in outs[0].splitlines() if "collective_timeout.CollectiveTimeout: " in ln]
+    assert len(raised) == 1, outs[0]
+    line = raised[0].split("collective_timeout.", 1)[1]
+    assert re.match(r"CollectiveTimeout: rank 0 of 2: the all-gather of unit \w+#\d+'s "
+                    r"parameters \(#2\) did not complete within 4 s "
+                    r"\(vescale.process_group_timeout_s\); ranks not arrived: 1 \(rank 1 is "
+                    r"between collectives \(last: warm-up all-reduce \(#1\)\)\)", line), line
+    assert took < 30, outs
 
 
 def test_explain_timeout_passes_other_errors_and_rewords_timeouts(monkeypatch):

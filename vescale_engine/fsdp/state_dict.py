@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
 from ..shard.ragged import RaggedShard
 from .guards import require_materialized
@@ -130,7 +131,8 @@ def gathered_buffers(params):
     for buf, members in selected.items():
         full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
                            device=buf.master.device)
-        all_gather_master(full, buf)
+        with explain_timeout(f"the all-gather of {buf.name}'s master shards (full values)"):
+            all_gather_master(full, buf)
         gathered = GatheredBuffer(buf, list(members), full)
         del full
         try:

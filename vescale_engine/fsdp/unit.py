@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..launch.collective_timeout import explain_timeout
 from ..plan.planner import TensorSpec, plan_unit
 from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
 from .guards import is_deferred, require_materialized
@@ -244,8 +245,9 @@ class FSDPUnit:
             return
         if not self._pending_gather:
             self.unshard(async_op=True)
-        for work in self._pending_gather:
-            work.wait()
+        with explain_timeout(f"the all-gather of unit {self.name}'s parameters"):
+            for work in self._pending_gather:
+                work.wait()
         STATS.log("unshard_wait", self.name)
         self._pending_gather = []
         for p in self.params:
@@ -254,8 +256,9 @@ class FSDPUnit:
 
     def reshard(self):
         if self._pending_gather:  # a prefetch nobody used: finish it before freeing its target
-            for work in self._pending_gather:
-                work.wait()
+            with explain_timeout(f"the all-gather of unit {self.name}'s parameters"):
+                for work in self._pending_gather:
+                    work.wait()
             self._pending_gather = []
         if not self._unsharded and not any(b.is_unsharded for b in self.buffers):
             return
@@ -432,8 +435,9 @@ class FSDPUnit:
     def advance_gradients(self) -> bool:
         """Wait for this unit's reduce-scatters and start the replicas' all-reduces; finish at
         once where there is none. Whether all-reduces are now in flight."""
-        for _, _, pending in self._finishers:
-            pending.wait_reduce_scatter()
+        with explain_timeout(f"the reduce-scatter of unit {self.name}'s gradients"):
+            for _, _, pending in self._finishers:
+                pending.wait_reduce_scatter()
         if any(pending.all_reducing for _, _, pending in self._finishers):
             return True
         self.finish_gradients()
@@ -441,7 +445,8 @@ class FSDPUnit:
 
     def finish_gradients(self):
         for buf, members, pending in self._finishers:
-            pending.finish()
+            with explain_timeout(f"the replicas' all-reduce of unit {self.name}'s gradients"):
+                pending.finish()
             for p in members:
                 p.sharded.grad = buf.grad_view(p.index)
         self._finishers = []
