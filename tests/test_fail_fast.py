@@ -441,15 +441,21 @@ def test_a_collective_timeout_names_the_key_and_the_ranks_not_arrived(tmp_path):
 def test_a_units_all_gather_that_times_out_names_the_unit(tmp_path):
     """The FSDP runtime labels its waits: rank 0's forward waits for the first unit's
     all-gather while rank 1 is late, and the timeout says which unit and operation."""
-    outs, took = _timeout_job(tmp_path, {"IN_FORWARD": "1"})
+    prefix = tmp_path / "fr_rank_"  # a flight record is asked for, as docs/launching.md says
+    outs, took = _timeout_job(tmp_path, {"IN_FORWARD": "1", "TORCH_FR_DUMP_TEMP_FILE": str(prefix)})
     raised = [ln for ln in outs[0].splitlines() if "collective_timeout.CollectiveTimeout: " in ln]
     assert len(raised) == 1, outs[0]
     line = raised[0].split("collective_timeout.", 1)[1]
     assert re.match(r"CollectiveTimeout: rank 0 of 2: the all-gather of unit \w+#\d+'s "
                     r"parameters \(#2\) did not complete within 4 s "
                     r"\(vescale.process_group_timeout_s\); ranks not arrived: 1 \(rank 1 is "
-                    r"between collectives \(last: warm-up all-reduce \(#1\)\)\)", line), line
+                    r"between collectives \(last: warm-up all-reduce \(#1\)\)\); "
+                    rf"flight record: {re.escape(str(prefix))}0 \(", line), line
     assert took < 30, outs
+    import pickle
+    record = pickle.loads((tmp_path / "fr_rank_0").read_bytes())
+    names = [e.get("profiling_name") for e in record["entries"]]
+    assert "gloo:all_reduce" in names, names  # the warm-up (gloo records no point-to-point)
 
 
 def test_explain_timeout_passes_other_errors_and_rewords_timeouts(monkeypatch):

@@ -13,11 +13,16 @@ the same call, not the previous step's: wrap the same collectives on every rank.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
+import torch
 import torch.distributed as dist
 
 TIMEOUT_KEY = "vescale.process_group_timeout_s"
+# Where torch's flight recorder dumps go ("PREFIX{rank}"): NCCL's watchdog writes there on a
+# timeout with TORCH_NCCL_DUMP_ON_TIMEOUT=1; we write gloo's there too (docs/launching.md).
+FLIGHT_RECORD_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 # How gloo, NCCL's watchdog and the store word a timeout.
 _TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
 
@@ -80,8 +85,30 @@ def timeout_message(operation: str, err: BaseException) -> str:
     limit = _group["timeout_s"]
     within = f"within {limit:g} s" if limit is not None else "within the process group's timeout"
     backend = (str(err).strip().splitlines() or [""])[0][:200]
+    record = dump_flight_record(rank)
+    record = f"; flight record: {record}" if record else ""
     return (f"rank {rank} of {world}: {operation} did not complete {within} ({TIMEOUT_KEY}); "
-            f"{_the_others(operation)} ({type(err).__name__}: {backend})")
+            f"{_the_others(operation)}{record} ({type(err).__name__}: {backend})")
+
+
+def dump_flight_record(rank: int) -> str | None:
+    """This rank's flight record (the collectives torch recorded, with their states) in
+    `PREFIX{rank}`, where PREFIX is TORCH_FR_DUMP_TEMP_FILE: the file NCCL's watchdog writes
+    and `python -m torch.distributed.flight_recorder.fr_trace DIR` reads. Only when the user
+    set the variable; a dump NCCL already wrote is kept. The path, or None."""
+    prefix = next((os.environ[v] for v in FLIGHT_RECORD_VARS if os.environ.get(v)), None)
+    if prefix is None:
+        return None
+    path = f"{prefix}{rank}"
+    if not os.path.exists(path):
+        try:
+            record = torch._C._distributed_c10d._dump_fr_trace()
+            with open(path + ".tmp", "wb") as f:
+                f.write(record)
+            os.replace(path + ".tmp", path)
+        except Exception as err:  # noqa: BLE001 - evidence is best effort; the timeout is not
+            return f"not written to {path} ({type(err).__name__}: {err})"
+    return path
 
 
 def _the_others(operation: str) -> str:
