@@ -284,22 +284,28 @@ def resume_job(out, runs):
     engine.destroy()
     report = {}
     for run_dir, tag in runs:
-        problems = []
+        problems, start = [], None
         with open(os.path.join(run_dir, f"rank{rank}.log")) as log:
             done = [json.loads(line) for line in log if line.startswith("[")]
         for step, losses, digest in done:
             if (losses, digest) != reference[step]:
                 problems.append(f"interrupted run step {step} differs from the reference")
         engine, *_ = vescale_engine.initialize(model=fm.make("gpt"), config=config)
-        engine.load_checkpoint(os.path.join(run_dir, "ckpt"), tag=tag)
-        start = engine.global_steps
-        if local_digest(engine) != reference[start - 1][1]:
-            problems.append(f"parameters loaded at step {start} differ from the reference's")
-        for step, losses, digest in train_steps(engine, rank, STEPS):
-            if losses != reference[step][0]:
-                problems.append(f"step {step} losses {losses} != {reference[step][0]}")
-            if digest != reference[step][1]:
-                problems.append(f"step {step} parameters differ")
+        try:  # a checkpoint that does not load is this run's problem, not the job's
+            path, _ = engine.load_checkpoint(os.path.join(run_dir, "ckpt"), tag=tag)
+            start = engine.global_steps
+            if path is None:
+                raise FileNotFoundError("no checkpoint to load (no latest)")
+            if local_digest(engine) != reference[start - 1][1]:
+                problems.append(f"parameters loaded at step {start} differ from the "
+                                "reference's")
+            for step, losses, digest in train_steps(engine, rank, STEPS):
+                if losses != reference[step][0]:
+                    problems.append(f"step {step} losses {losses} != {reference[step][0]}")
+                if digest != reference[step][1]:
+                    problems.append(f"step {step} parameters differ")
+        except Exception as err:
+            problems.append(f"{type(err).__name__}: {err}")
         engine.destroy()
         report[f"{run_dir}:{tag}"] = {"resumed_at": start, "problems": problems}
     with open(out.format(rank=rank), "w") as f:
