@@ -380,7 +380,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     except Exception as err:  # the other ranks must hear of it, not wait in a collective
         error = err
     # The first collective: every rank's config the same (or every rank stops).
-    require_same_config(None if error else config_facts(cfg.canonical, cfg.batch),
+    require_same_config(None if error else config_facts(cfg.canonical),
                         None if error is None else
                         (str(error).splitlines() or [type(error).__name__])[0], device)
     if error is not None:

@@ -6,10 +6,11 @@ the keys that differ and each rank's value. A rank whose config did not build ta
 so the others fail with its reason instead of waiting for it in the next collective.
 
 What is compared: the validated config under canonical names (DeepSpeed's aliases mapped,
-ignored top-level keys dropped), flattened to dotted key paths, plus the batch sizes resolved
-for the world size. Left out, because they may legitimately differ per rank: the monitor
-sections (`tensorboard`, `csv_monitor`, `wandb`, `comet`), which only rank 0 reads (or
-nothing does), so a per-rank output path in them changes nothing.
+ignored top-level keys dropped), flattened to dotted key paths. Left out, because they may
+legitimately differ per rank: the monitor sections (`tensorboard`, `csv_monitor`, `wandb`,
+`comet`), which only rank 0 reads (or nothing does), so a per-rank output path in them changes
+nothing. Paths elsewhere (`vescale.hf_checkpoint`, `vescale.save_on_signal.save_dir`) are
+compared: every rank must read and write the same files.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ __all__ = ["config_facts", "require_same_config", "PER_RANK_SECTIONS"]
 # Top-level sections read on rank 0 only (monitor.py) or not at all: free to differ per rank.
 PER_RANK_SECTIONS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
-_DIGEST = 32        # sha256
 _SHOWN_KEYS = 4     # keys named in the one-line message
 _SHOWN_CHARS = 60   # characters of one value
 
@@ -39,12 +39,12 @@ def _flatten(node, prefix: str, out: dict):
         out[prefix] = json.dumps(node, sort_keys=True, default=repr)
 
 
-def config_facts(canonical: dict, batch) -> dict:
-    """{dotted key: JSON text of its value} for everything every rank must agree on."""
+def config_facts(canonical: dict) -> dict:
+    """{dotted key: JSON text of its value} for everything every rank must agree on (what
+    the config resolves to, the batch sizes included, follows from these and the world
+    size, which the process group fixes)."""
     facts = {}
     _flatten({k: v for k, v in canonical.items() if k not in PER_RANK_SECTIONS}, "", facts)
-    for name in ("train_batch_size", "micro_batch_per_gpu", "gradient_accumulation_steps"):
-        facts[f"(resolved batch) {name}"] = json.dumps(getattr(batch, name))
     return facts
 
 
