@@ -133,12 +133,13 @@ def test_a_config_invalid_on_one_rank_stops_every_rank(pool):
     """Rank 1's config does not validate: rank 1 raises its own error, rank 0 names rank 1
     and its reason instead of waiting for it in the next collective."""
     configs = [BASE, with_keys(BASE, **{"vescale.granularty": {"default": "rows:8"}})]
-    (zero, calls0, wrapped0), (one, _, wrapped1) = pool.run(initialize_with_rank_config,
+    (zero, calls0, wrapped0), (one, calls1, wrapped1) = pool.run(initialize_with_rank_config,
                                                             configs)
     assert one and "vescale.granularty" in one and "granularity" in one, one
     assert zero == (f"the config did not build on rank 1 (rank 1: {one}); this rank (rank 0) "
                     "stops too"), zero
-    assert calls0[0] == FINGERPRINT and not wrapped0 and not wrapped1
+    assert calls0[0] == FINGERPRINT and calls1[0] == FINGERPRINT and not wrapped0 and \
+        not wrapped1
 
 
 def test_the_same_config_passes_and_rank_zero_only_keys_may_differ(pool, tmp_path):
@@ -155,7 +156,8 @@ def test_the_same_config_passes_and_rank_zero_only_keys_may_differ(pool, tmp_pat
 
 
 def signal_handlers_rank(rank, world, save_dir):
-    """SIGTERM/SIGUSR1 handlers without the key, with it, after destroy; a bad tag pattern."""
+    """SIGTERM/SIGUSR1 handlers without the key, with it, after destroy; a bad tag pattern;
+    the key with initialize off the main thread."""
     import vescale_engine
     from vescale_engine import initialize
 
@@ -177,15 +179,29 @@ def signal_handlers_rank(rank, world, save_dir):
         bad_tag = None
     except ValueError as err:
         bad_tag = str(err)
-    return seen, bad_tag, issubclass(vescale_engine.Preempted, SystemExit)
+    in_thread = []
+    keyed = with_keys(BASE, **{"vescale.save_on_signal": {"save_dir": save_dir}})
+
+    def build():
+        try:
+            initialize(model=fm.make("gpt"), config=keyed)
+        except ValueError as err:
+            in_thread.append(str(err))
+    import threading
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join(timeout=120)
+    return seen, bad_tag, in_thread, issubclass(vescale_engine.Preempted, SystemExit)
 
 
 def test_signal_handlers_only_with_the_key_and_restored_by_destroy(pool, tmp_path):
-    for seen, bad_tag, exits in pool.run(signal_handlers_rank, str(tmp_path)):
+    for seen, bad_tag, in_thread, exits in pool.run(signal_handlers_rank, str(tmp_path)):
         # default before, default without the key, the engine's with it, default after
         assert seen == [[True, True], [True, True], [False, False], [True, True]], seen
         assert bad_tag == ("vescale.save_on_signal.tag 's{step}': not a pattern with only "
                            "{global_steps} in it (KeyError: 'step')"), bad_tag
+        assert in_thread == ["vescale.save_on_signal: initialize must run on the main thread "
+                             "(Python installs signal handlers only there)"], in_thread
         assert exits
 
 
