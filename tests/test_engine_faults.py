@@ -156,8 +156,8 @@ def test_the_same_config_passes_and_rank_zero_only_keys_may_differ(pool, tmp_pat
 
 
 def signal_handlers_rank(rank, world, save_dir):
-    """SIGTERM/SIGUSR1 handlers without the key, with it, after destroy; a bad tag pattern;
-    the key with initialize off the main thread."""
+    """SIGTERM/SIGUSR1 handlers without the key, with it (and in a forked child), after
+    destroy; a bad tag pattern; the key with initialize off the main thread."""
     import vescale_engine
     from vescale_engine import initialize
 
@@ -171,6 +171,16 @@ def signal_handlers_rank(rank, world, save_dir):
         BASE, **{"vescale.save_on_signal": {"save_dir": save_dir,
                                             "signals": ["SIGTERM", "SIGUSR1"]}}))
     seen.append(handlers())
+    ready, say_ready = os.pipe()
+    child = os.fork()  # as a DataLoader worker is: SIGTERM keeps its default action there
+    if child == 0:
+        os.write(say_ready, b"1")  # a signal before the child runs Python is dropped
+        time.sleep(60)
+        os._exit(0)
+    os.read(ready, 1)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    forked_child = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
     engine.destroy()
     seen.append(handlers())
     try:
@@ -191,18 +201,20 @@ def signal_handlers_rank(rank, world, save_dir):
     thread = threading.Thread(target=build)
     thread.start()
     thread.join(timeout=120)
-    return seen, bad_tag, in_thread, issubclass(vescale_engine.Preempted, SystemExit)
+    return seen, bad_tag, in_thread, forked_child, issubclass(vescale_engine.Preempted,
+                                                              SystemExit)
 
 
 def test_signal_handlers_only_with_the_key_and_restored_by_destroy(pool, tmp_path):
-    for seen, bad_tag, in_thread, exits in pool.run(signal_handlers_rank, str(tmp_path)):
+    for seen, bad_tag, in_thread, child_killed, exits in pool.run(signal_handlers_rank,
+                                                                  str(tmp_path)):
         # default before, default without the key, the engine's with it, default after
         assert seen == [[True, True], [True, True], [False, False], [True, True]], seen
         assert bad_tag == ("vescale.save_on_signal.tag 's{step}': not a pattern with only "
                            "{global_steps} in it (KeyError: 'step')"), bad_tag
         assert in_thread == ["vescale.save_on_signal: initialize must run on the main thread "
                              "(Python installs signal handlers only there)"], in_thread
-        assert exits
+        assert child_killed and exits
 
 
 

@@ -16,11 +16,13 @@ and a terminal often both deliver one (Ctrl-C reaches the whole process group, t
 forwards it again), and interrupting the save would waste the grace period. The hard stop is
 the supervisor's SIGKILL; a kill mid-save leaves `latest` on the previous checkpoint (saves
 are atomic: checkpoint/layout.py). Handlers are installed by initialize (main thread only)
-and the previous ones restored by engine.destroy().
+and the previous ones restored by engine.destroy(); a process forked afterwards (a DataLoader
+worker) inherits them but takes the signal's default action.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -60,12 +62,17 @@ class SignalSave:
         self.repeats = 0       # signals after the first, not acted on
         self._vote = torch.zeros(1, dtype=torch.int32, device=device)
         self._previous = {}
+        self._pid = os.getpid()
         for name in spec.signals:
             number = signal.Signals[name]
             self._previous[number] = signal.signal(number, self._record)
             signal.siginterrupt(number, False)  # system calls in C++ (gloo, files) restart
 
     def _record(self, signum, frame):
+        if os.getpid() != self._pid:  # a forked child (a DataLoader worker): default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         # Only note it: the main thread is anywhere (inside a collective, a file write).
         if self.received:
             self.repeats += 1
