@@ -348,12 +348,21 @@ def free_port() -> int:
 
 class Job:
     """WORLD rank processes of this file, started directly (no launcher), each its own
-    session; `close` kills whatever is left by process group and reaps it."""
+    session, or with `launcher`, one `vescale run --nproc WORLD` of it; `close` kills whatever
+    is left by process group and reaps it (vescale run's ranks die with it)."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, launcher=False):
         port = free_port()
         self.procs = []
-        for rank in range(WORLD):
+        if launcher:
+            env = dict(os.environ, OMP_NUM_THREADS="1",
+                       PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "launcher.cli", "run", "--nproc", str(WORLD),
+                 os.path.abspath(__file__), *map(str, args)], env=env,
+                cwd=os.path.dirname(HERE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, start_new_session=True))
+        for rank in range(0 if launcher else WORLD):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                        PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
@@ -454,17 +463,19 @@ def saved_step(run_dir, tag) -> int:
 
 
 def interrupted_run(run_dir, signal_ranks=(), at_step=1, user_save_at=0, signal_in_save="-",
-                    hang_in_publish=0):
-    """Start a run and send SIGTERM to `signal_ranks` once they started step `at_step`;
-    returns the job and when the signal went out."""
+                    hang_in_publish=0, launcher=False):
+    """Start a run and send SIGTERM to `signal_ranks` once they started step `at_step` (with
+    `launcher`: to `vescale run` once every rank did); returns the job and when the signal
+    went out."""
     os.makedirs(run_dir)
-    job = Job("train", run_dir, user_save_at, signal_in_save, hang_in_publish)
+    job = Job("train", run_dir, user_save_at, signal_in_save, hang_in_publish,
+              launcher=launcher)
     signalled = None
     if signal_ranks:
         wait_for(job, lambda: all(started(run_dir, r, at_step) for r in signal_ranks),
                  f"step {at_step} to start")
         signalled = time.time()
-        job.signal(signal.SIGTERM, signal_ranks)
+        job.signal(signal.SIGTERM, (0,) if launcher else signal_ranks)
     return job, signalled
 
 
@@ -481,6 +492,8 @@ def preempted(tmp_path_factory):
                 "both": dict(signal_ranks=(0, 1), signal_in_save="preempt:0,1"),
                 # mid-step to rank 1 only; rank 0 gets its first one inside the save
                 "rank1": dict(signal_ranks=(1,), signal_in_save="preempt:0"),
+                # to `vescale run`, which forwards it to every rank
+                "launcher": dict(signal_ranks=(0, 1), launcher=True),
                 # inside the user's own save at step 2 (both ranks), then the supervisor's
                 # SIGKILL inside the preemption save
                 "killed_in_save": dict(user_save_at=2, signal_in_save="user:0,1",
@@ -495,7 +508,8 @@ def preempted(tmp_path_factory):
             codes, outputs = job.wait()
             gone_s = None if signalled is None else time.time() - signalled
             runs[name] = (codes, outputs, (signalled, gone_s), run_dir)
-        to_resume = [(runs[name][3], None) for name in ("both", "rank1", "killed_in_save")]
+        to_resume = [(runs[name][3], None)
+                     for name in ("both", "rank1", "launcher", "killed_in_save")]
         job = Job("resume", str(root / "resume{rank}.json"), json.dumps(to_resume))
         jobs.append(job)
         codes, outputs = job.wait()
@@ -520,15 +534,16 @@ def _resumed(reports, run_dir, tag=None):
     return starts
 
 
-@pytest.mark.parametrize("name", ["both", "rank1"])
+@pytest.mark.parametrize("name", ["both", "rank1", "launcher"])
 def test_sigterm_mid_step_saves_at_the_agreed_step_exits_143_and_resumes_exactly(preempted,
                                                                                  name):
-    """The signal lands mid-step (during a forward) on both ranks or on rank 1 only, and a
-    SIGTERM again inside the preemption save (a repeat on the signalled ranks, rank 0's first
-    in the rank-1 run): every rank saves the same step, the save completes, exit 143."""
+    """The signal lands mid-step (during a forward) on both ranks, on rank 1 only, or on
+    `vescale run` (which forwards it), and, in the first two, a SIGTERM again inside the
+    preemption save (a repeat on the signalled ranks, rank 0's first in the rank-1 run): every
+    rank saves the same step, the save completes, exit 143."""
     runs, reports = preempted
     codes, outputs, (signalled, gone_s), run_dir = runs[name]
-    assert codes == [143, 143], outputs
+    assert codes == [143] * len(codes), outputs  # the ranks', or vescale run's
     tag = read_latest(run_dir)
     step = saved_step(run_dir, tag)
     assert tag == f"global_step{step}" and 2 <= step < STEPS, (tag, step)
