@@ -19,6 +19,7 @@ _LAZY = {
     "clip_grad_norm_": "optim.clip", "global_grad_norm": "optim.clip",
     "add_config_arguments": "engine.config", "initialize": "engine.engine",
     "VeScaleEngine": "engine.engine", "patch_deepspeed": "engine.deepspeed_compat",
+    "Preempted": "engine.preemption",
 }
 # `materialize` is a callable submodule: vescale_engine.materialize(model) initializes,
 # vescale_engine.materialize.allocate_shards(model) only allocates.

@@ -72,6 +72,35 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int) -> BatchSizes:
 
 
 @dataclass(frozen=True)
+class SaveOnSignal:
+    """vescale.save_on_signal: the preemption save (engine/preemption.py acts on it)."""
+    save_dir: str
+    signals: tuple = ("SIGTERM",)
+    tag: str = "global_step{global_steps}"
+
+    def tag_at(self, global_steps: int) -> str:
+        return self.tag.format(global_steps=global_steps)
+
+
+def _save_on_signal(spec: dict | None) -> SaveOnSignal | None:
+    """The validated section, its tag pattern checked: it must format with {global_steps}
+    alone and give a tag save_checkpoint accepts."""
+    if spec is None:
+        return None
+    result = SaveOnSignal(spec["save_dir"], tuple(spec.get("signals", ("SIGTERM",))),
+                          spec.get("tag", SaveOnSignal.tag))
+    try:
+        tag = result.tag_at(0)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError([f"vescale.save_on_signal.tag {result.tag!r}: not a pattern with "
+                           f"only {{global_steps}} in it ({type(err).__name__}: {err})"]) from None
+    if "/" in tag or tag.startswith(".") or tag == "latest":
+        raise ConfigError([f"vescale.save_on_signal.tag {result.tag!r} gives {tag!r}: a tag "
+                           "has no '/', does not start with '.' and is not 'latest'"])
+    return result
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     raw: dict  # the config as given (DeepSpeed's engine.config); the fields below are canonical
     batch: BatchSizes
@@ -105,6 +134,8 @@ class EngineConfig:
     # zero_optimization.stage3_gather_16bit_weights_on_model_save (aliases included): what
     # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
     gather_16bit_weights_on_model_save: bool = False
+    save_on_signal: SaveOnSignal | None = None  # the preemption save, when configured
+    canonical: dict = field(default_factory=dict)  # the validated config, canonical names
 
 
 def _rank() -> int:
@@ -178,4 +209,6 @@ def build_config(source, world_size: int) -> EngineConfig:
         hf_checkpoint=ves.get("hf_checkpoint"),
         gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save",
                                                     False),
+        save_on_signal=_save_on_signal(ves.get("save_on_signal")),
+        canonical=config,
     )

@@ -25,7 +25,9 @@ from .from_config import (build_optimizer, build_scheduler, check_client_schedul
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
                           rebuild_optimizer, resolve_named_parameters)
 from .monitor import Monitors, PendingScalars
+from .preemption import SignalSave
 from .progress import Progress
+from .rank_agreement import config_facts, require_same_config
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
@@ -78,6 +80,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._sync_context = None
         self._destroyed = False
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
+        # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
+        self._signal_save = SignalSave(config.save_on_signal, device) \
+            if config.save_on_signal is not None else None
 
     # -- forward and backward ------------------------------------------------------------------
 
@@ -189,10 +194,14 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """At the accumulation boundary: (fp16: overflow check and unscale), clip, optimizer
         step, scheduler step, zero gradients. A step whose gradients overflowed is skipped on
         every rank but still counts in global_steps, as in DeepSpeed. Counters as DeepSpeed's:
-        micro_steps counts step() calls, global_samples a train batch per optimizer step."""
+        micro_steps counts step() calls, global_samples a train batch per optimizer step.
+        With vescale.save_on_signal, an optimizer step after the signal saves a checkpoint and
+        raises Preempted (preemption.py)."""
         self._check_alive()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            if self._signal_save is not None:
+                self._signal_save.vote()  # before the norm: read below, once queued
             self.timers.start("optimizer")
             self._take_model_step(lr_kwargs)
             self.timers.stop("optimizer")
@@ -201,6 +210,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.micro_steps += 1
         if boundary:
             self._report()
+            if self._signal_save is not None:  # every rank the same: save, raise Preempted
+                self._signal_save.save_if_agreed(self)
 
     def _take_model_step(self, lr_kwargs):
         # Norm, clipping and overflow over what the optimizer steps (model_parameters may be
@@ -326,6 +337,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         error. The module keeps its (sharded) parameters."""
         if self._destroyed:
             return
+        if self._signal_save is not None:
+            self._signal_save.close()
         release(self.module)
         if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
             self.optimizer.state.clear()
@@ -364,7 +377,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S,
         create=dist_init_required is not False,
         rendezvous_timeout_s=float(meet) if isinstance(meet, (int, float)) and meet > 0 else None)
-    cfg = build_config(raw, dist.get_world_size())  # every config error before wrapping
+    error = None
+    try:  # every config error before wrapping
+        cfg = build_config(raw, dist.get_world_size())
+    except Exception as err:  # the other ranks must hear of it, not wait in a collective
+        error = err
+    # The first collective: every rank's config the same (or every rank stops).
+    require_same_config(None if error else config_facts(cfg.canonical),
+                        None if error is None else
+                        (str(error).splitlines() or [type(error).__name__])[0], device)
+    if error is not None:
+        raise error
     require_not_partitioned(model)
     if optimizer is None:
         optimizer_spec(cfg.optimizer)
