@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from config_schemas.validate import ConfigError
 
+from ..launch.collective_timeout import explain_timeout
+
 __all__ = ["Preempted", "SignalSave"]
 
 LOG = logging.getLogger("vescale_engine")
@@ -83,7 +85,8 @@ class SignalSave:
         """At the start of the optimizer step, before the gradient norm: MAX over the ranks
         of the signal each recorded. fill_ with a number queues a kernel: no host sync."""
         self._vote.fill_(self.received)
-        dist.all_reduce(self._vote, op=dist.ReduceOp.MAX)
+        with explain_timeout("the all-reduce of the preemption vote"):
+            dist.all_reduce(self._vote, op=dist.ReduceOp.MAX)
 
     def save_if_agreed(self, engine):
         """After the optimizer step, once its kernels are queued: read the agreed signal (the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..launch.collective_timeout import explain_timeout
+
 __all__ = ["clip_grad_norm_", "global_grad_norm", "clip_coefficient", "scale_gradients_"]
 
 
@@ -60,7 +62,8 @@ def global_grad_norm(parameters) -> torch.Tensor:
     total = _sum_of_squares([p.grad.detach() for p in plain], device)
     for group, grads in by_group.items():
         local = _sum_of_squares(grads, device)
-        dist.all_reduce(local, group=group)  # every rank of the group joins, with or without
+        with explain_timeout("the all-reduce of the gradient norm"):
+            dist.all_reduce(local, group=group)  # every rank of the group joins, grads or none
         total = total + local
     return total.sqrt()
 
