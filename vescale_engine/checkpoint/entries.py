@@ -15,6 +15,10 @@ import torch
 from ..shard.ragged import RaggedShard
 from .dcp import CheckpointError, RaggedPiece, write_error
 
+__all__ = ["sharded_params", "piece", "persistent_buffers", "optimizer_info", "optimizer_state",
+           "optimizer_entries", "rng_entries", "restore_rng", "to_json", "from_json",
+           "write_checked_json", "read_checked_json", "write_atomically", "fsync_dir", "crc32"]
+
 
 def sharded_params(module):
     """[[parameter, [every fqn it has]]]: tied parameters once, with all their names (a plain

@@ -37,7 +37,8 @@ from .entries import fsync_dir, write_atomically
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "LoadResult",
-           "HFCheckpointError", "INDEX_NAME", "SINGLE_NAME", "STAGING_BYTES"]
+           "HFCheckpointError", "INDEX_NAME", "SINGLE_NAME", "STAGING_BYTES", "checkpoint_files",
+           "read_stored", "parse_size"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

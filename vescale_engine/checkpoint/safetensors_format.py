@@ -19,6 +19,9 @@ import sys
 
 import torch
 
+__all__ = ["dtype_of", "memory_of", "read_header", "check_offsets", "read_exactly", "save_file",
+           "load_file", "DTYPES"]
+
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}

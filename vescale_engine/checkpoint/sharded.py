@@ -59,7 +59,8 @@ from .safetensors_format import save_file
 from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
-           "CheckpointWriteError", "STATE_FILE", "LATEST_FILE"]
+           "CheckpointWriteError", "STATE_FILE", "LATEST_FILE", "read_metadata", "read_state",
+           "torch_state_target"]
 
 LOG = logging.getLogger("vescale_engine")
 

@@ -34,7 +34,8 @@ from . import layout
 from .dcp import CheckpointError, CrcWriter
 from .entries import fsync_dir, to_json, write_checked_json
 
-__all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint"]
+__all__ = ["convert_zero", "is_zero_checkpoint", "ensure_vescale_checkpoint",
+           "DEFAULT_IMPORT_TIMEOUT_S"]
 
 LOG = logging.getLogger("vescale_engine")
 

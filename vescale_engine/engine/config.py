@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 from config_schemas.validate import ConfigError, read_config, validate_config
 
+__all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "SaveOnSignal",
+           "EngineConfig", "build_config"]
+
 LOG = logging.getLogger("vescale_engine")
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",

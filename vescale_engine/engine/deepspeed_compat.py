@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import sys
 
+__all__ = ["patch_deepspeed", "patch_accelerate_unwrap", "patch_accelerate_state_dict"]
+
 _OUR_ARGUMENTS = ("args", "model", "optimizer", "model_parameters", "training_data",
                   "lr_scheduler", "mpu", "dist_init_required", "collate_fn", "config",
                   "config_params")

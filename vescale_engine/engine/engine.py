@@ -33,6 +33,8 @@ from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
 from .wrap import device_mesh, wrap_model
 
+__all__ = ["VeScaleEngine", "initialize"]
+
 LOG = logging.getLogger("vescale_engine")
 
 DEFAULT_TIMEOUT_S = 600

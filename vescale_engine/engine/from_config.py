@@ -9,6 +9,10 @@ import torch
 
 from .. import optim
 
+__all__ = ["optimizer_spec", "build_optimizer", "client_optimizer_groups", "rebuild_optimizer",
+           "check_client_scheduler", "build_scheduler", "named_model_parameters",
+           "resolve_named_parameters"]
+
 LOG = logging.getLogger("vescale_engine")
 
 # DeepSpeed's Adam switches: they choose among DeepSpeed's kernels, whose math ours matches.

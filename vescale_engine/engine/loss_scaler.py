@@ -15,6 +15,8 @@ import math
 
 from ..optim.clip import clip_coefficient, global_grad_norm, scale_gradients_
 
+__all__ = ["LossScaler", "from_config", "unscale_and_clip_"]
+
 LOG = logging.getLogger("vescale_engine")
 
 

@@ -15,6 +15,8 @@ from collections import deque
 
 import torch
 
+__all__ = ["CsvMonitor", "TensorBoardMonitor", "Monitors", "PendingScalars"]
+
 LOG = logging.getLogger("vescale_engine")
 DEFAULT_JOB_NAME = "DeepSpeedJobName"
 

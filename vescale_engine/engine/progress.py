@@ -9,6 +9,8 @@ import time
 
 import torch
 
+__all__ = ["peak_memory_gb", "Progress"]
+
 LOG = logging.getLogger("vescale_engine")
 
 

@@ -18,6 +18,8 @@ from torch import nn
 
 from ..fsdp.state_dict import gather_to_rank0
 
+__all__ = ["DeepSpeedSurface"]
+
 LOG = logging.getLogger("vescale_engine")
 
 class DeepSpeedSurface:

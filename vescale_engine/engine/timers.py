@@ -19,6 +19,8 @@ import torch
 
 from ..shard.dbuffer import STATS
 
+__all__ = ["WallClockBreakdown"]
+
 PHASES = ("forward", "backward", "communication", "optimizer")
 HOST_WAIT_LABEL = "communication (host wait)"
 

@@ -15,6 +15,9 @@ from ..fsdp.api import fully_shard
 from ..fsdp.lookup import unit_of
 from ..fsdp.policy import MixedPrecisionPolicy
 
+__all__ = ["WrapChoice", "device_mesh", "wrap_model", "describe", "choose_units", "default_units",
+           "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
+
 LOG = logging.getLogger("vescale_engine")
 
 # The size rule's unit: about 1/DEFAULT_UNITS of the model, so that what forward holds gathered

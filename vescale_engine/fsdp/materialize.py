@@ -53,7 +53,7 @@ from .lookup import sharded_parameters, units_under
 
 LOG = logging.getLogger("vescale_engine")
 
-__all__ = ["materialize", "allocate_shards", "init_unloaded"]
+__all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state"]
 
 
 def _target_device(module: nn.Module, device) -> torch.device:

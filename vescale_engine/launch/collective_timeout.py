@@ -19,6 +19,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+__all__ = ["CollectiveTimeout", "record_group", "location", "is_timeout", "explain_timeout",
+           "timeout_message", "dump_flight_record"]
+
 TIMEOUT_KEY = "vescale.process_group_timeout_s"
 # Where torch's flight recorder dumps go ("PREFIX{rank}"): NCCL's watchdog writes there on a
 # timeout with TORCH_NCCL_DUMP_ON_TIMEOUT=1; we write gloo's there too (docs/launching.md).

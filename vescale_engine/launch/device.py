@@ -9,6 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
+__all__ = ["DeviceError", "choose_backend", "choose_device", "device_of_rank",
+           "adopt_group_device", "NCCL_WITH_CPU"]
+
 BACKENDS = ("gloo", "nccl")
 # NCCL for CUDA tensors, gloo for CPU ones (object collectives, monitored_barrier, CPU state).
 NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"

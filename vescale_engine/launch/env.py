@@ -9,6 +9,8 @@ import os
 import socket
 from dataclasses import dataclass, replace
 
+__all__ = ["LaunchError", "Placement", "discover", "set_device_before_mpi"]
+
 # (launcher, rank, world size, local rank) variable names, first match wins: torchrun and the
 # deepspeed launcher are checked first because they may run inside an MPI or SLURM job.
 _LAUNCHERS = (

@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+__all__ = ["FailFast", "last_line"]
+
 POLL_S = 1.0          # how often the watchdog reads the flag
 HOST_WAIT_S = 5.0     # how long the store's host waits for the others to read its failure
 ACK_WAIT_S = 1.0      # how long a stopping rank lets the failing one exit first

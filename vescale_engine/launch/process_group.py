@@ -18,6 +18,8 @@ from .device import NCCL_WITH_CPU, adopt_group_device, device_of_rank
 from .env import LaunchError, discover
 from .failfast import FailFast
 
+__all__ = ["join_process_group", "meet_the_others", "leave_process_group"]
+
 EXIT_BARRIER_S = 30  # how long a clean exit waits for the other ranks (gloo)
 _fail_fast = [None]  # the FailFast of the group this process created, while it lives
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from .env import LaunchError
 
+__all__ = ["uses_agent_store", "job_prefix", "next_join", "connect_store", "meet"]
+
 _JOINS = [0]  # groups this process joined: each join has keys of its own on a lasting store
 
 
