@@ -20,7 +20,6 @@ name patterns (matched against every dotted suffix of a parameter's name, so "he
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass
 
