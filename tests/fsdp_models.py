@@ -113,3 +113,20 @@ def rank_micro_batches(kind, step, rank, world, micro, accum):
     idx, tgt = idx[mine], tgt[mine]
     return [(idx[k * micro:(k + 1) * micro], tgt[k * micro:(k + 1) * micro])
             for k in range(accum)]
+
+
+def train_steps(engine, rank, world, steps, global_batch):
+    """`steps` optimizer steps of the GPT on global batches of `global_batch` samples (batch
+    `engine.global_steps` each), this rank taking its slice; the world's mean loss per step."""
+    import torch.distributed as dist
+    losses = []
+    for _ in range(steps):
+        idx, tgt = batch("gpt", engine.global_steps, global_batch)
+        part = slice(rank * global_batch // world, (rank + 1) * global_batch // world)
+        loss = engine(idx[part], tgt[part])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses

@@ -56,17 +56,7 @@ def make_engine(world, opt_kind, granularity="rows:16", model=None, scheduler=Tr
 
 
 def train(engine, rank, world, steps):
-    losses = []
-    for _ in range(steps):
-        idx, tgt = fm.batch("gpt", engine.global_steps, GLOBAL)
-        part = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
-        loss = engine(idx[part], tgt[part])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return fm.train_steps(engine, rank, world, steps, GLOBAL)
 
 
 def full_weights(engine):
