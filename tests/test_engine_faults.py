@@ -453,8 +453,11 @@ def preempted_at(run_dir, rank):
 
 
 def read_latest(run_dir):
-    with open(os.path.join(run_dir, "ckpt", "latest")) as f:
-        return f.read()
+    """The tag `latest` names, as the loader reads it (its checksum checked)."""
+    from vescale_engine.checkpoint.layout import read_latest as read_checked
+    tag, checked = read_checked(os.path.join(run_dir, "ckpt", "latest"))
+    assert checked, "latest was written without its checksum"
+    return tag
 
 
 def saved_step(run_dir, tag) -> int:
