@@ -21,10 +21,10 @@ from .ours import (ADAMW8BIT_STEP_BYTES_PER_ELEMENT, ADAMW8BIT_TABLE_BYTES, Plan
 from .report import ACTIVATIONS_NOTE, estimate
 from .request import MASTER_BYTES, CapacityError, Setup, check_setup
 from .units import Tensor, Unit, default_root, model_units, tensor_uses
-from .zero3 import ZERO3_DEFAULTS, estimate_zero3, pcie_zero3, traffic_zero3
+from .zero3 import ZERO3_DEFAULTS, estimate_zero3, pcie_zero3, sub_groups, traffic_zero3
 
 __all__ = ["CapacityError", "Setup", "check_setup", "estimate", "PlanCache", "tensor_uses",
            "default_root", "model_units", "Tensor", "Unit", "simulate_ours", "simulate_fsdp2",
            "estimate_zero3", "traffic", "traffic_fsdp2", "traffic_zero3", "MASTER_BYTES",
            "ACTIVATIONS_NOTE", "ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES",
-           "ZERO3_DEFAULTS", "offloaded_buffers", "pcie", "pcie_fsdp2", "pcie_zero3"]
+           "ZERO3_DEFAULTS", "offloaded_buffers", "pcie", "pcie_fsdp2", "pcie_zero3", "sub_groups"]
