@@ -294,17 +294,19 @@ def _print_offload(est):
     print(f"offload: optimizer {'none' if not ratio else f'ratio {ratio:g}'}, parameters "
           f"{'on the host' if s['offload_param'] else 'on the device'} (FSDP2's "
           f"CPUOffloadPolicy offloads parameters, gradients and optimizer state, always all)")
-    print("GB per rank; host: its peak host memory (the parts shown and the host step's "
+    print("GB per rank; device: its peak (as above), shards: the part of it that is parameter "
+          "shards kept for the all-gather; host: its peak (the parts shown and the host step's "
           "temporaries); h2d / d2h: bytes over PCIe per optimizer step")
-    print(f"{'system':<7} {'device':>8} {'host':>8} {'master':>8} {'grad':>8} {'optim':>8} "
-          f"{'param':>8} {'offload':>8} {'h2d':>8} {'d2h':>8}")
+    print(f"{'system':<7} {'device':>8} {'shards':>8} {'host':>8} {'master':>8} {'grad':>8} "
+          f"{'optim':>8} {'params':>8} {'offload':>8} {'h2d':>8} {'d2h':>8}")
     for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
         m = est["memory"][name]
         h = m["host"]
         t = (est["traffic"] if name == "ours" else est["traffic"][name])["pcie"]
-        print(f"{label:<7} {m['total'] / gb:>8.2f} {h['total'] / gb:>8.2f} "
-              f"{h['master'] / gb:>8.2f} {h['grad'] / gb:>8.2f} {h['optimizer'] / gb:>8.2f} "
-              f"{h['param'] / gb:>8.2f} {100 * m['offloaded_ratio']:>7.1f}% "
+        print(f"{label:<7} {m['total'] / gb:>8.2f} {m['param_shard'] / gb:>8.2f} "
+              f"{h['total'] / gb:>8.2f} {h['master'] / gb:>8.2f} {h['grad'] / gb:>8.2f} "
+              f"{h['optimizer'] / gb:>8.2f} {h['param'] / gb:>8.2f} "
+              f"{100 * m['offloaded_ratio']:>7.1f}% "
               f"{t['host_to_device'] / gb:>8.1f} {t['device_to_host'] / gb:>8.1f}")
     if s["offload_param"] and not ratio:
         print("ours: --offload-param without --offload-optimizer moves nothing: a buffer "

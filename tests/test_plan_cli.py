@@ -164,9 +164,10 @@ def test_offload_table_and_json():
         pcie = (est["traffic"] if name == "ours" else est["traffic"][name])["pcie"]
         row = rows[label]
         assert float(row[1]) == round(mem["total"] / 1e9, 2)
-        assert float(row[2]) == round(mem["host"]["total"] / 1e9, 2)
-        assert float(row[8]) == round(pcie["host_to_device"] / 1e9, 1)
-        assert float(row[9]) == round(pcie["device_to_host"] / 1e9, 1)
+        assert float(row[2]) == round(mem["param_shard"] / 1e9, 2)
+        assert float(row[3]) == round(mem["host"]["total"] / 1e9, 2)
+        assert float(row[9]) == round(pcie["host_to_device"] / 1e9, 1)
+        assert float(row[10]) == round(pcie["device_to_host"] / 1e9, 1)
     # without the flags: no offload block, no offload keys
     plain = vescale(*common, "--json")
     plain_est = json.loads(plain.stdout)
