@@ -134,7 +134,8 @@ def test_bad_offload_ratio_is_one_line(value):
 @pytest.mark.parametrize("args,message", [
     (["--offload-optimizer"], "--offload-optimizer needs --memory"),
     (["--offload-param"], "--offload-param needs --memory"),
-    (["--memory", "--optimizer", "Muon", "--offload-param"], "offload is not estimated for Muon"),
+    (["--memory", "--optimizer", "Muon", "--offload-param"],
+     "offload is not estimated for Muon"),
 ])
 def test_offload_flag_errors(args, message):
     out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "8", *args)

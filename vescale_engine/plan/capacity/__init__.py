@@ -6,8 +6,8 @@ the optimizer) is replayed as the sequence of allocations and frees their code m
 unit, and the largest sum of live bytes is the peak; every term is what the code allocates
 (ours.py, fsdp2.py say which), on the device and, with offload, on the host, with the
 bytes that cross between them per step. ZeRO-3 is estimated, not simulated, from its
-allocation sites and default limits (zero3.py). Activations (and the memory a collective library uses
-internally) are excluded: the output says so. Pure Python: no torch, so the command starts at
+allocation sites and default limits (zero3.py). Activations (and the memory a collective
+library uses internally) are excluded: the output says so. Pure Python: no torch, so the command starts at
 once.
 
 One concept per module: request.py (the setup asked for, its checks), units.py (the model's
@@ -27,4 +27,5 @@ __all__ = ["CapacityError", "Setup", "check_setup", "estimate", "PlanCache", "te
            "default_root", "model_units", "Tensor", "Unit", "simulate_ours", "simulate_fsdp2",
            "estimate_zero3", "traffic", "traffic_fsdp2", "traffic_zero3", "MASTER_BYTES",
            "ACTIVATIONS_NOTE", "ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES",
-           "ZERO3_DEFAULTS", "offloaded_buffers", "pcie", "pcie_fsdp2", "pcie_zero3", "sub_groups"]
+           "ZERO3_DEFAULTS", "offloaded_buffers", "pcie", "pcie_fsdp2", "pcie_zero3",
+           "sub_groups"]
