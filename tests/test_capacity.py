@@ -288,7 +288,15 @@ def test_offload_ratio_takes_whole_buffers_largest_first(offload_model):
 
 def test_offload_ratio_zero_is_no_offload_and_one_moves_all(offload_model):
     plain = offload_estimate(offload_model)
-    assert offload_estimate(offload_model, offload_optimizer=0.0) == plain
+    zero = offload_estimate(offload_model, offload_optimizer=0.0)
+    assert zero == plain
+    # ... and that is no offload: everything on the device, no host or PCIe terms, for all three
+    for system in ("ours", "fsdp2"):
+        parts = zero["memory"][system]
+        assert (parts["master"], parts["grad"], parts["optimizer"]) == (1088, 1088, 2188)
+    assert zero["memory"]["zero3"]["optimizer"] == 2176
+    assert not any("host" in parts for parts in zero["memory"].values())
+    assert "pcie" not in zero["traffic"] and "offload_optimizer" not in zero["setup"]
     model = model_plan.load_shapes(str(ROOT / "examples/models/llama3-70b.json"))
     base = capacity.estimate(model, capacity.Setup(8))["memory"]
     for ratio in (0.25, 0.5, 1.0):
@@ -357,3 +365,30 @@ def test_offload_setup_errors_are_one_line(offload_model):
             offload_estimate(offload_model, offload_optimizer=ratio)
     with pytest.raises(capacity.CapacityError, match="offload is not estimated for Muon"):
         offload_estimate(offload_model, offload_optimizer=1.0, optimizer="Muon")
+
+
+def test_offload_adamw8bit_state_and_step_move_to_the_host(offload_model):
+    """AdamW8bit: codes, scales, lookup tables and the re-quantization's transient go where
+    their buffers' state goes (all of it with ratio 1)."""
+    plain = offload_estimate(offload_model, optimizer="AdamW8bit")["memory"]["ours"]
+    moved = offload_estimate(offload_model, optimizer="AdamW8bit",
+                             offload_optimizer=1.0)["memory"]["ours"]
+    assert moved["optimizer"] == 0 and moved["optimizer_step_peak"] == 0
+    assert moved["host"]["optimizer"] == plain["optimizer"]
+    assert moved["host"]["optimizer_step_peak"] == plain["optimizer_step_peak"] > 0
+    assert plain["optimizer"] > capacity.ADAMW8BIT_TABLE_BYTES   # the tables are in it
+
+
+def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
+    """Ours gathers a device-stepped buffer from its device master: --offload-param without
+    optimizer offload has nothing of ours to move (the CLI says so); FSDP2 offloads all."""
+    plain = offload_estimate(offload_model)
+    alone = offload_estimate(offload_model, offload_param=True)
+    for part in ("master", "grad", "optimizer", "total"):
+        assert alone["memory"]["ours"][part] == plain["memory"]["ours"][part]
+    assert alone["memory"]["ours"]["host"]["total"] == 0
+    assert alone["traffic"]["pcie"] == {"host_to_device": 0, "device_to_host": 0}
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "8",
+                  "--memory", "--offload-param")
+    assert out.returncode == 0, out.stderr
+    assert "ours: --offload-param without --offload-optimizer moves nothing" in out.stdout
