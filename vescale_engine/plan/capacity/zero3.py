@@ -31,12 +31,15 @@ ZERO3_DEFAULTS = {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_
 
 def sub_groups(root: Unit, others: list, setup: Setup) -> list:
     """[(partition elements, optimizer state bytes, host?)] per optimizer sub-group: partitions
-    packed in order until one reaches sub_group_size (stage3._create_fp16_sub_groups), the
-    last `ratio` of them on the host when the optimizer is offloaded."""
+    packed in the model's parameter order until one reaches sub_group_size
+    (stage3._create_fp16_sub_groups), the last `ratio` of them on the host when the optimizer
+    is offloaded."""
     M, limit = setup.shard_size, ZERO3_DEFAULTS["sub_group_size"]
     groups, numel, state = [], 0, 0
-    tensors = [t for u in ([root] if root.tensors else []) + list(others)
-               for _ in range(u.repeat) for t in u.tensors]
+    late = set(root.late)   # the model's order: embeddings, the layers, then the head
+    tensors = [t for t in root.tensors if t.name not in late] + \
+        [t for u in others for _ in range(u.repeat) for t in u.tensors] + \
+        [t for t in root.tensors if t.name in late]
     for k, t in enumerate(tensors):
         part = -(-t.numel // M)
         numel += part
