@@ -85,11 +85,19 @@ def add_parser(sub):
     m.add_argument("--device-memory", metavar="GB",
                    help="memory of one device in GB (10^9 bytes): also print what each system "
                         "leaves for activations")
+    m.add_argument("--offload-optimizer", nargs="?", const="1", metavar="RATIO",
+                   help="keep the fp32 master and optimizer state on the host: all of it, or "
+                        "RATIO in (0, 1] of the optimizer bytes (ours: whole buffers, largest "
+                        "first; FSDP2's CPUOffloadPolicy: always all); also prints host bytes "
+                        "and host<->device bytes per step")
+    m.add_argument("--offload-param", action="store_const", const=True, default=None,
+                   help="keep the sharded parameters on the host between uses")
     p.set_defaults(run=_run_plan)
 
 
 _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp",
-                 "reshard_after_forward", "root", "device_memory")
+                 "reshard_after_forward", "root", "device_memory", "offload_optimizer",
+                 "offload_param")
 
 
 def _flag_number(text, flag, kind):
@@ -107,6 +115,21 @@ def _flag_number(text, flag, kind):
     return value
 
 
+def _offload_ratio(text):
+    """--offload-optimizer's RATIO: a number in (0, 1] (None: no offload, 0.0)."""
+    from vescale_engine.plan.capacity import CapacityError
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:   # NaN fails too
+        raise CapacityError(f"--offload-optimizer RATIO must be a number in (0, 1], got "
+                            f"{text!r}")
+    return value
+
+
 def _capacity_setups(args, model) -> dict:
     """{world size: capacity.Setup}, checked: a bad value is one line, before any planning."""
     from vescale_engine.plan import capacity
@@ -119,6 +142,7 @@ def _capacity_setups(args, model) -> dict:
     args.grad_accum = _flag_number(args.grad_accum, "--grad-accum", int)
     args.hsdp = _flag_number(args.hsdp, "--hsdp", int)
     args.device_memory = _flag_number(args.device_memory, "--device-memory", float)
+    offload_ratio = _offload_ratio(args.offload_optimizer)
     root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
                                                  if r.strip())
     setups = {}
@@ -130,7 +154,8 @@ def _capacity_setups(args, model) -> dict:
                 grad_accum=args.grad_accum or 1, hsdp=args.hsdp or 1,
                 reshard_after_forward=args.reshard_after_forward is not False,
                 granularity=str(granularity), align_bytes=args.align_bytes,
-                max_buffers=args.max_buffers, root=root)
+                max_buffers=args.max_buffers, root=root, offload_optimizer=offload_ratio,
+                offload_param=bool(args.offload_param))
             capacity.check_setup(setup, model)
             setups[(str(granularity), world_size)] = setup
     return setups
@@ -251,12 +276,41 @@ def _print_memory(model, plans, estimates, device_memory):
                   f"{m['optimizer'] / gb:>8.2f} {m['gathered_peak'] / gb:>9.2f} "
                   f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
                   f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}")
+        if "pcie" in est["traffic"]:
+            _print_offload(est)
         if device_memory:
             fits = [label for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"),
                                                ("zero3", "ZeRO-3"))
                     if est["memory"][name]["headroom"] > 0]
             print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
                   f"(left: what remains for activations and the collectives' own buffers)")
+
+
+def _print_offload(est):
+    """With offload: each system's device peak (as above), host bytes and PCIe bytes."""
+    gb = 1e9
+    s = est["setup"]
+    ratio = s["offload_optimizer"]
+    print(f"offload: optimizer {'none' if not ratio else f'ratio {ratio:g}'}, parameters "
+          f"{'on the host' if s['offload_param'] else 'on the device'} (FSDP2's "
+          f"CPUOffloadPolicy offloads parameters, gradients and optimizer state, always all)")
+    print("GB per rank; device: its peak (as above), shards: the part of it that is parameter "
+          "shards kept for the all-gather; host: its peak (the parts shown and the host step's "
+          "temporaries); h2d / d2h: bytes over PCIe per optimizer step")
+    print(f"{'system':<7} {'device':>8} {'shards':>8} {'host':>8} {'master':>8} {'grad':>8} "
+          f"{'optim':>8} {'params':>8} {'offload':>8} {'h2d':>8} {'d2h':>8}")
+    for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
+        m = est["memory"][name]
+        h = m["host"]
+        t = (est["traffic"] if name == "ours" else est["traffic"][name])["pcie"]
+        print(f"{label:<7} {m['total'] / gb:>8.2f} {m['param_shard'] / gb:>8.2f} "
+              f"{h['total'] / gb:>8.2f} {h['master'] / gb:>8.2f} {h['grad'] / gb:>8.2f} "
+              f"{h['optimizer'] / gb:>8.2f} {h['param'] / gb:>8.2f} "
+              f"{100 * m['offloaded_ratio']:>7.1f}% "
+              f"{t['host_to_device'] / gb:>8.1f} {t['device_to_host'] / gb:>8.1f}")
+    if s["offload_param"] and not ratio:
+        print("ours: --offload-param without --offload-optimizer moves nothing: a buffer "
+              "stepped on the device gathers from its device master")
 
 
 def _require_matplotlib():

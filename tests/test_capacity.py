@@ -207,13 +207,188 @@ def test_optimizer_facts_match_the_optimizers():
 
 
 def test_capacity_guide_shows_the_commands_real_output():
-    """docs/capacity_planning.md's answer is what its command prints today."""
+    """docs/capacity_planning.md's answers are what their commands print today."""
     import re
     import shlex
     text = (ROOT / "docs" / "capacity_planning.md").read_text()
     blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
-    command = next(b for b in blocks if b.startswith("vescale plan"))
-    shown = next(b for b in blocks if b.startswith("memory per rank"))
-    out = vescale(*shlex.split(command)[1:])
+    commands = [i for i, b in enumerate(blocks) if b.startswith("vescale plan")]
+    assert len(commands) == 2   # the AdamW8bit question and the offload one
+    for i in commands:
+        shown = blocks[i + 1]
+        assert shown.startswith("memory per rank")
+        out = vescale(*shlex.split(blocks[i])[1:])
+        assert out.returncode == 0, out.stderr
+        assert shown.strip() in out.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Offload (--offload-optimizer [RATIO], --offload-param): hand-computed bytes on a model small
+# enough to count. W = 2, bf16 compute and reduce, AdamW. Units: the root (embed 8x4 = 32
+# elements, shard 16) and layers x2 (64x4 = 256 elements, shard 128 each): 272 shard elements.
+# AdamW state per buffer: 2 x 4 B x shard + a 4 B step: root 132, each layer 1028 (2188 in all).
+
+OFFLOAD_TINY = {"name": "tiny-offload", "groups": [
+    {"name": "embed", "tensors": [{"name": "embed.weight", "shape": [8, 4]}]},
+    {"name": "layers", "repeat": 2, "tensors": [{"name": "w", "shape": [64, 4]}]}]}
+
+
+@pytest.fixture(scope="module")
+def offload_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("offload") / "tiny.json"
+    path.write_text(json.dumps(OFFLOAD_TINY))
+    return model_plan.load_shapes(str(path))
+
+
+def offload_estimate(model, **changes):
+    return capacity.estimate(model, capacity.Setup(2, **changes))
+
+
+def test_offload_ours_all_by_hand(offload_model):
+    both = offload_estimate(offload_model, offload_optimizer=1.0, offload_param=True)
+    ours = both["memory"]["ours"]
+    assert (ours["master"], ours["grad"], ours["optimizer"], ours["param_shard"]) == (0,) * 4
+    # Device peak: root full (2 x 16 x 2 B = 64) + layer 1 full (512) + layer 0 full, gathered
+    # ahead (512) + layer 1's reduce-scatter output waiting for its copy to the host (128 x 2 B
+    # = 256) + autograd's gradient of layer 0's one tensor (512) = 1856.
+    assert ours["total"] == 1856
+    # Host: fp32 master and gradient 272 x 4 each, the optimizer state, the bf16 shards 272 x 2.
+    assert ours["host"] == {"master": 1088, "grad": 1088, "optimizer": 2188, "param": 544,
+                            "optimizer_step_peak": 0, "total": 4908}
+    # PCIe: gradients in bf16 once per micro-step (272 x 2 B); parameters in bf16 before each
+    # all-gather: the root once, layer 0 twice (forward and backward), layer 1 once (backward
+    # starts with it): (16 + 2 x 128 + 128) x 2 B = 800.
+    assert both["traffic"]["pcie"] == {"host_to_device": 800, "device_to_host": 544}
+    accum = offload_estimate(offload_model, offload_optimizer=1.0, offload_param=True,
+                             grad_accum=2)["traffic"]["pcie"]
+    assert accum == {"host_to_device": 1600, "device_to_host": 1088}
+    # Optimizer only: the bf16 shards stay on the device (544 B) and come back once per step.
+    opt = offload_estimate(offload_model, offload_optimizer=1.0)
+    assert opt["memory"]["ours"]["param_shard"] == 544
+    assert opt["memory"]["ours"]["host"]["total"] == 4908 - 544
+    assert opt["traffic"]["pcie"] == {"host_to_device": 544, "device_to_host": 544}
+    # fp32 reduce: the gradient shards go to the host in fp32
+    fp32 = offload_estimate(offload_model, offload_optimizer=1.0, reduce_dtype="fp32")
+    assert fp32["traffic"]["pcie"] == {"host_to_device": 544, "device_to_host": 1088}
+
+
+def test_offload_ratio_takes_whole_buffers_largest_first(offload_model):
+    # 0.4 of 2188 B is 875.2: one layer's buffer (1028) reaches it; the root (132, first in
+    # order but smallest) stays on the device.
+    part = offload_estimate(offload_model, offload_optimizer=0.4)
+    ours = part["memory"]["ours"]
+    assert ours["host"]["optimizer"] == 1028 and ours["optimizer"] == 132 + 1028
+    assert ours["host"]["master"] == 128 * 4 and ours["master"] == (16 + 128) * 4
+    assert ours["offloaded_ratio"] == 1028 / 2188
+    assert part["traffic"]["pcie"] == {"host_to_device": 256, "device_to_host": 256}
+    # 0.5 (1094 B): both layers, never the root.
+    half = offload_estimate(offload_model, offload_optimizer=0.5)["memory"]["ours"]
+    assert (half["host"]["optimizer"], half["optimizer"]) == (2056, 132)
+
+
+def test_offload_ratio_zero_is_no_offload_and_one_moves_all(offload_model):
+    plain = offload_estimate(offload_model)
+    zero = offload_estimate(offload_model, offload_optimizer=0.0)
+    assert zero == plain
+    # ... and that is no offload: everything on the device, no host or PCIe terms, for all three
+    for system in ("ours", "fsdp2"):
+        parts = zero["memory"][system]
+        assert (parts["master"], parts["grad"], parts["optimizer"]) == (1088, 1088, 2188)
+    assert zero["memory"]["zero3"]["optimizer"] == 2176
+    assert not any("host" in parts for parts in zero["memory"].values())
+    assert "pcie" not in zero["traffic"] and "offload_optimizer" not in zero["setup"]
+    model = model_plan.load_shapes(str(ROOT / "examples/models/llama3-70b.json"))
+    base = capacity.estimate(model, capacity.Setup(8))["memory"]
+    for ratio in (0.25, 0.5, 1.0):
+        est = capacity.estimate(model, capacity.Setup(8, offload_optimizer=ratio))["memory"]
+        ours = est["ours"]
+        # device + host is what stayed on the device without offload, for every part
+        for part in ("master", "grad", "optimizer"):
+            assert ours[part] + ours["host"][part] == base["ours"][part], (ratio, part)
+        assert ours["offloaded_ratio"] >= ratio
+    assert ours["master"] == ours["optimizer"] == ours["grad"] == 0   # ratio 1: all of it
+    assert ours["offloaded_ratio"] == 1.0
+
+
+def test_offload_fsdp2_by_hand(offload_model):
+    """FSDP2's CPUOffloadPolicy (all or nothing, either flag): dim-0 shards 16 and 128 x 2."""
+    for changes in ({"offload_optimizer": 0.5}, {"offload_param": True}):
+        est = offload_estimate(offload_model, **changes)
+        fsdp2 = est["memory"]["fsdp2"]
+        assert (fsdp2["master"], fsdp2["grad"], fsdp2["optimizer"]) == (0, 0, 0)
+        # _fsdp_param.py FSDPParam._init_sharded_param: the fp32 shards on the host; the
+        # gradients arrive there (_fsdp_collectives.foreach_reduce) and torch.optim.AdamW steps
+        # there one tensor at a time: two fp32 temporaries of the largest shard (2 x 4 x 128).
+        assert fsdp2["host"] == {"master": 1088, "grad": 1088, "optimizer": 2188, "param": 0,
+                                 "optimizer_step_peak": 1024, "total": 5388}
+        # FSDPParam.all_gather_inputs copies the fp32 shard before the cast: 4 B per element,
+        # root once, both layers twice; foreach_reduce casts to fp32 before the copy to host.
+        assert est["traffic"]["fsdp2"]["pcie"] == {"host_to_device": (16 + 4 * 128) * 4,
+                                                   "device_to_host": 272 * 4}
+
+
+def test_offload_zero3_by_hand(offload_model, monkeypatch):
+    """ZeRO-3: partitions ceil(numel / 2) = 16, 128, 128 (272); all below the persistence
+    threshold, so never re-gathered (they stay whole on the device)."""
+    est = offload_estimate(offload_model, offload_optimizer=1.0)
+    zero3 = est["memory"]["zero3"]
+    # stage3.py: fp32 master + optimizer state + the sub-group's fp32 gradient buffer on the
+    # host, and grad_partitions_flat_buffer (fp32, every partition) there too.
+    assert zero3["host"] == {"master": 1088, "grad": 2 * 1088, "optimizer": 2176, "param": 0,
+                             "optimizer_step_peak": 0, "total": 5440}
+    assert (zero3["grad"], zero3["optimizer"], zero3["param_shard"]) == (0, 0, 544)
+    # partition_grads: fp32 to the host and back (4 B each way), at the boundary the fp32
+    # gradient once more to the host; after the step the bf16 partition to the device.
+    assert est["traffic"]["zero3"]["pcie"] == {"host_to_device": 272 * 4 + 272 * 2,
+                                               "device_to_host": 2 * 272 * 4}
+    both = offload_estimate(offload_model, offload_optimizer=1.0, offload_param=True)
+    assert both["memory"]["zero3"]["host"]["param"] == 544
+    assert both["memory"]["zero3"]["param_shard"] == 0
+    # no bf16 copy back after the step (the partition is the host's); the persistent
+    # parameters' re-gather after the step (_post_step) brings 272 x 2 B to the device
+    assert both["traffic"]["zero3"]["pcie"] == {"host_to_device": 272 * 4 + 272 * 2,
+                                                "device_to_host": 2 * 272 * 4}
+    # ratio: the last sub-groups (stage3 _setup_for_real_optimizer: i >= int((1 - r) * n)); with
+    # 100-element sub-groups the partitions pack into [16 + 128] and [128]
+    monkeypatch.setitem(capacity.ZERO3_DEFAULTS, "sub_group_size", 100)
+    root, others = capacity.model_units(offload_model, capacity.default_root(offload_model), {})
+    groups = capacity.sub_groups(root, others, capacity.Setup(2, offload_optimizer=0.5))
+    assert groups == [(144, 1152, False), (128, 1024, True)]
+    half = offload_estimate(offload_model, offload_optimizer=0.5)
+    assert half["memory"]["zero3"]["host"]["optimizer"] == 1024
+    assert half["memory"]["zero3"]["optimizer"] == 1152
+
+
+def test_offload_setup_errors_are_one_line(offload_model):
+    for ratio in (-0.1, 1.5, float("nan"), "0.5", True):
+        with pytest.raises(capacity.CapacityError, match="offload_optimizer ratio must be"):
+            offload_estimate(offload_model, offload_optimizer=ratio)
+    with pytest.raises(capacity.CapacityError, match="offload is not estimated for Muon"):
+        offload_estimate(offload_model, offload_optimizer=1.0, optimizer="Muon")
+
+
+def test_offload_adamw8bit_state_and_step_move_to_the_host(offload_model):
+    """AdamW8bit: codes, scales, lookup tables and the re-quantization's transient go where
+    their buffers' state goes (all of it with ratio 1)."""
+    plain = offload_estimate(offload_model, optimizer="AdamW8bit")["memory"]["ours"]
+    moved = offload_estimate(offload_model, optimizer="AdamW8bit",
+                             offload_optimizer=1.0)["memory"]["ours"]
+    assert moved["optimizer"] == 0 and moved["optimizer_step_peak"] == 0
+    assert moved["host"]["optimizer"] == plain["optimizer"]
+    assert moved["host"]["optimizer_step_peak"] == plain["optimizer_step_peak"] > 0
+    assert plain["optimizer"] > capacity.ADAMW8BIT_TABLE_BYTES   # the tables are in it
+
+
+def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
+    """Ours gathers a device-stepped buffer from its device master: --offload-param without
+    optimizer offload has nothing of ours to move (the CLI says so); FSDP2 offloads all."""
+    plain = offload_estimate(offload_model)
+    alone = offload_estimate(offload_model, offload_param=True)
+    for part in ("master", "grad", "optimizer", "total"):
+        assert alone["memory"]["ours"][part] == plain["memory"]["ours"][part]
+    assert alone["memory"]["ours"]["host"]["total"] == 0
+    assert alone["traffic"]["pcie"] == {"host_to_device": 0, "device_to_host": 0}
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "8",
+                  "--memory", "--offload-param")
     assert out.returncode == 0, out.stderr
-    assert shown.strip() in out.stdout
+    assert "ours: --offload-param without --offload-optimizer moves nothing" in out.stdout

@@ -119,3 +119,59 @@ def test_bad_arguments(args, message, tmp_path):
     assert out.returncode == 2, out.stdout
     assert message in out.stderr and "Traceback" not in out.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-1", "half", "nan", "inf"])
+def test_bad_offload_ratio_is_one_line(value):
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "8",
+                  "--memory", f"--offload-optimizer={value}")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"vescale plan: error: --offload-optimizer RATIO must be a number in "
+                     f"(0, 1], got {value!r}"], out.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--offload-optimizer"], "--offload-optimizer needs --memory"),
+    (["--offload-param"], "--offload-param needs --memory"),
+    (["--memory", "--optimizer", "Muon", "--offload-param"],
+     "offload is not estimated for Muon"),
+])
+def test_offload_flag_errors(args, message):
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "8", *args)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_offload_table_and_json():
+    """The flag alone means ratio 1; the offload block prints each system's device peak (the
+    main table's), host bytes and PCIe bytes, and --json carries the same numbers."""
+    common = ["plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "8", "--memory"]
+    text = vescale(*common, "--offload-optimizer", "--offload-param")
+    assert text.returncode == 0, text.stderr
+    data = vescale(*common, "--offload-optimizer", "--offload-param", "--json")
+    assert data.returncode == 0, data.stderr
+    est = json.loads(data.stdout)
+    assert est["memory_setup"]["offload_optimizer"] == 1.0
+    assert est["memory_setup"]["offload_param"] is True
+    lines = text.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("offload: optimizer "
+                                                                      "ratio 1, parameters on "
+                                                                      "the host"))
+    rows = {line.split()[0]: line.split() for line in lines[start + 3:start + 6]}
+    for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
+        mem = est["memory"][name]
+        pcie = (est["traffic"] if name == "ours" else est["traffic"][name])["pcie"]
+        row = rows[label]
+        assert float(row[1]) == round(mem["total"] / 1e9, 2)
+        assert float(row[2]) == round(mem["param_shard"] / 1e9, 2)
+        assert float(row[3]) == round(mem["host"]["total"] / 1e9, 2)
+        assert float(row[9]) == round(pcie["host_to_device"] / 1e9, 1)
+        assert float(row[10]) == round(pcie["device_to_host"] / 1e9, 1)
+    # without the flags: no offload block, no offload keys
+    plain = vescale(*common, "--json")
+    plain_est = json.loads(plain.stdout)
+    assert "offload_optimizer" not in plain_est["memory_setup"]
+    assert "pcie" not in plain_est["traffic"] and "host" not in plain_est["memory"]["ours"]
+    assert "offload:" not in vescale(*common).stdout

@@ -6,6 +6,15 @@ unsharded parameters it is copied out into (both W x padded), the output kept in
 the next unit's copy-out; autograd's unsharded gradients, kept until the unit's reduce-scatter
 copies them into its input buffer, which lives until the next unit's reduce-scatter; the root's
 gradients kept to the end.
+
+With offload (any of Setup.offload_optimizer / offload_param: FSDP2's CPUOffloadPolicy is all
+or nothing), read from _fsdp_param.py and _fsdp_collectives.py: the padded fp32 sharded
+parameters (FSDPParam._init_sharded_param: `.cpu()`, pinned), their gradients and the
+optimizer state (built over those CPU parameters, stepped there) are host memory. On the
+device: each unshard copies the fp32 shards to the device and casts them
+(FSDPParam.all_gather_inputs: `.to(device)`, then `_to_dtype_if_needed`), and each
+reduce-scatter's output is cast to fp32 there before its copy to the host
+(foreach_reduce: `_to_dtype_if_needed(reduce_output, orig_dtype)`, then `.to("cpu")`).
 """
 from __future__ import annotations
 
@@ -17,7 +26,7 @@ from .request import MASTER_BYTES, Setup
 from .timeline import Timeline
 from .units import Unit, expand
 
-__all__ = ["simulate_fsdp2", "traffic_fsdp2"]
+__all__ = ["simulate_fsdp2", "traffic_fsdp2", "pcie_fsdp2"]
 
 
 def _dim0_shard(shape, world: int) -> int:
@@ -50,6 +59,7 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
     pb = DTYPE_BYTES[setup.param_dtype]
     rb = DTYPE_BYTES[setup.reduce]
     mixed = setup.param_dtype not in ("fp32", "float32")
+    offload = setup.offloads
     tl = Timeline()
     units = ([root] if root.tensors else []) + list(others)
     repeat = {u.name: u.repeat for u in units}
@@ -60,6 +70,17 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
         s, peak = _fsdp2_optimizer(u, setup, M)
         state += s * repeat[u.name]
         step_peak = max(step_peak, peak)
+    largest_shard = max((_dim0_shard(t.shape, M) for u in units for t in u.tensors), default=0)
+    host = {}
+    if offload:
+        # torch.optim.AdamW over CPU tensors: neither fused nor foreach by default
+        # (optim/optimizer.py _default_to_fused_or_foreach), so _single_tensor_adamw, one
+        # parameter at a time: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two fp32
+        # temporaries of the largest shard at once.
+        host_step = 2 * MASTER_BYTES * largest_shard if setup.optimizer == "AdamW" else step_peak
+        host = {"master": master, "grad": master, "optimizer": state, "param": 0,
+                "optimizer_step_peak": host_step}
+        master, state, step_peak = 0, 0, 0
     tl.alloc("master", master, "master")
     tl.alloc("optimizer", state, "optimizer")
     order = expand(others)
@@ -74,7 +95,10 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
         if name("unsharded", key) in tl.live or name("ag", key) in tl.live:
             return
         tl.alloc(name("ag", key), M * S[key[0].name] * pb)
-        if mixed:
+        if offload:   # the cast inputs, and the fp32 device copy of the one being cast
+            tl.spike(S[key[0].name] * pb + (max(_dim0_shard(t.shape, M) for t in key[0].tensors)
+                                            * MASTER_BYTES if mixed else 0))
+        elif mixed:
             tl.spike(S[key[0].name] * pb)
 
     def copy_out(key, keep_output):
@@ -114,7 +138,8 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
                 all_gather(order[k - 1])
             numel = key[0].numel
             tl.alloc(name("grads", key), numel * pb)     # autograd's unsharded gradients
-            rs_state = _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate, grad_kind)
+            rs_state = _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate or offload,
+                                     grad_kind)
         if rkey:
             for t in root.tensors:
                 if t.name not in set(root.late):
@@ -125,15 +150,19 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
                     tl.spike(t.numel * pb)
                     tl.free(("rootgrad", "new", t.name))
             rootgrads = [k for k in tl.live if k[0] == "rootgrad"]
-            rs_state = _fsdp2_reduce(tl, rkey, name, S, M, rb, rs_state, accumulate, grad_kind,
-                                     extra=rootgrads)
+            rs_state = _fsdp2_reduce(tl, rkey, name, S, M, rb, rs_state, accumulate or offload,
+                                     grad_kind, extra=rootgrads)
         if rs_state:
             tl.free(rs_state)
     tl.phase = "optimizer_step"
     tl.spike(step_peak)
     numel = sum(u.numel * u.repeat for u in units)
     padding = sum((M * S[u.name] - u.numel) * u.repeat for u in units)
-    return tl.summary(master, padding / M * MASTER_BYTES, padding / max(1, numel))
+    result = tl.summary(master, padding / M * MASTER_BYTES, padding / max(1, numel))
+    if offload:
+        result.update(param_shard=0, offloaded_ratio=1.0,
+                      host={**host, "total": sum(host.values())})
+    return result
 
 
 def _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate, grad_kind, extra=()):
@@ -147,7 +176,9 @@ def _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate, grad_kind, extr
     for k in extra:
         tl.free(k)
     shard = S[key[0].name]
-    if accumulate:   # reduce-scatter output (cast to fp32), added into the gradient
+    # accumulating: the reduce-scatter output (cast to fp32), added into the gradient; with
+    # offload always so: the fp32 copy goes to the host and its device memory is freed
+    if accumulate:
         tl.spike(shard * rb + (shard * MASTER_BYTES if rb != MASTER_BYTES else 0))
     else:
         if rb != MASTER_BYTES:
@@ -167,3 +198,19 @@ def traffic_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
         gathered += shard * (2 if setup.reshard_after_forward and not is_root else 1)
         reduced += shard
     return setup.traffic(gathered, reduced)
+
+
+def pcie_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
+    """FSDP2 with CPUOffloadPolicy, bytes per rank per optimizer step across host<->device:
+    `host_to_device`: each all-gather's input, the fp32 padded shards of the unit (copied
+    before the cast, FSDPParam.all_gather_inputs), as often as traffic_fsdp2 gathers;
+    `device_to_host`: each reduce-scatter's output cast to fp32 (foreach_reduce), every
+    micro-step. Nothing comes back after the step: the parameters are the host's."""
+    M = setup.shard_size
+    h2d = d2h = 0
+    for unit, is_root in ([(root, True)] if root.tensors else []) + [(u, False) for u in others]:
+        shard = sum(_dim0_shard(t.shape, M) for t in unit.tensors) * unit.repeat
+        h2d += shard * (2 if setup.reshard_after_forward and not is_root else 1)
+        d2h += shard
+    n = setup.grad_accum
+    return {"host_to_device": n * h2d * MASTER_BYTES, "device_to_host": n * d2h * MASTER_BYTES}

@@ -11,6 +11,16 @@ gradient autograd makes for one tensor before it is added into that buffer; with
 other than the compute dtype, the cast copy the reduce-scatter reads instead (the full buffer is
 freed once cast) and the staging shard; the root unit gathered from the first forward to the end
 of backward.
+
+With offload (Setup.offload_optimizer = r > 0): whole DBuffers, largest optimizer state
+first, go to the host until at least r of the optimizer state bytes are there
+(`offloaded_buffers`). An offloaded buffer's fp32 master, optimizer state and fp32 gradient
+shard are host memory (pinned, one allocation each); the device keeps its sharded parameters
+in the compute dtype (what the all-gather reads), and its reduce-scatter output (reduce dtype)
+lives on the device only until it is copied to the host, in the next unit's post-backward.
+With offload_param those compute-dtype shards are host memory too, copied straight into the
+rank's slice of the full buffer before each all-gather (no device copy of their own).
+`pcie` counts the bytes that cross host<->device per optimizer step.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ from .timeline import Timeline
 from .units import Unit, expand
 
 __all__ = ["ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES", "PlanCache",
-           "simulate_ours", "traffic"]
+           "offloaded_buffers", "simulate_ours", "traffic", "pcie"]
 
 # AdamW8bit's step, per element of the largest chunk it works on at a time (quantize.py), at
 # its peak while quantizing a moment again: both moments restored to fp32 (8 B), the normalized
@@ -93,20 +103,21 @@ def _segments_rank0(buf) -> int:
     return count + (1 if S > cursor else 0)
 
 
+def _buffer_optimizer(buf, setup: Setup) -> tuple:
+    """(state bytes, step transient bytes) of AdamW or AdamW8bit for one buffer on rank 0."""
+    if setup.optimizer == "AdamW":   # two fp32 moments, a 0-d step; fused step: in place
+        return 2 * MASTER_BYTES * buf.shard_size + 4, 0
+    segments = _segments_rank0(buf)
+    # int8 + uint8 codes, two fp32 scales and one int64 length per segment, the step
+    return (2 * buf.shard_size + 2 * 4 * segments + 8 * segments + 4,
+            ADAMW8BIT_STEP_BYTES_PER_ELEMENT * min(buf.shard_size, QUANT_CHUNK_ELEMENTS))
+
+
 def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
     """(state bytes, step transient bytes) of the optimizer for one unit instance on rank 0."""
-    S = planned.shard
-    if setup.optimizer == "AdamW":   # two fp32 moments per buffer, a 0-d step; fused step
-        return 2 * MASTER_BYTES * S + 4 * len(planned.buffers), 0
-    if setup.optimizer == "AdamW8bit":
-        state = peak = 0
-        for buf in planned.buffers:
-            segments = _segments_rank0(buf)
-            # int8 + uint8 codes, two fp32 scales and one int64 length per segment, the step
-            state += 2 * buf.shard_size + 2 * 4 * segments + 8 * segments + 4
-            peak = max(peak, ADAMW8BIT_STEP_BYTES_PER_ELEMENT *
-                       min(buf.shard_size, QUANT_CHUNK_ELEMENTS))
-        return state, peak
+    if setup.optimizer in ("AdamW", "AdamW8bit"):
+        steps = [_buffer_optimizer(buf, setup) for buf in planned.buffers]
+        return sum(s for s, _ in steps), max((p for _, p in steps), default=0)
     # Muon: fp32 momentum for its matrices, AdamW moments and a step for every other non-empty
     # piece. The step makes each matrix's update (fp32) and keeps the Newton-Schulz results
     # (bf16) of this rank's pieces, gathers whole matrices on their roots a few rounds ahead and
@@ -124,27 +135,84 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
     return state, (MASTER_BYTES + 2) * muon_local + ns
 
 
+def offloaded_buffers(units: list, setup: Setup) -> dict:
+    """{(id(planned), instance): {buffer index}}: the DBuffers whose master and optimizer state
+    live on the host. Every buffer of every unit instance in `units` (the root, then forward
+    order) ranked by its optimizer state bytes, largest first (ties in that order), taken while
+    less than `offload_optimizer` of all the optimizer state bytes are: 1 takes all, 0 none."""
+    ranked = [(_buffer_optimizer(buf, setup)[0], (id(p), i), b)
+              for p, i in units for b, buf in enumerate(p.buffers)]
+    target = setup.offload_optimizer * sum(r[0] for r in ranked)
+    chosen, taken = {}, 0
+    for state, key, b in sorted(ranked, key=lambda r: -r[0]):   # stable: ties keep order
+        if taken >= target:
+            break
+        chosen.setdefault(key, set()).add(b)
+        taken += state
+    return chosen
+
+
+def _units(root: Unit, others: list, setup: Setup, cache: PlanCache) -> tuple:
+    """(root key or None, [keys in forward order], [planned units, the root first]); a key is
+    (planned unit, instance)."""
+    plans = {u.name: cache.plan(u, setup) for u in others}
+    order = [(plans[u.name], i) for u, i in expand(others)]
+    root_key = (cache.plan(root, setup), 0) if root.tensors else None
+    return root_key, order, ([root_key[0]] if root_key else []) + list(plans.values())
+
+
+def _offloaded(key, chosen) -> int:
+    """Elements of rank 0's shards of `key` that are offloaded."""
+    return sum(key[0].buffers[b].shard_size for b in chosen.get((id(key[0]), key[1]), ()))
+
+
 def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
     M = setup.shard_size
-    plans = {u.name: cache.plan(u, setup) for u in others}
-    order = [(plans[u.name], i) for u, i in expand(others)]
-    root_plan = cache.plan(root, setup) if root.tensors else None
-    planned = ([root_plan] if root_plan else []) + list(plans.values())
+    root_key, order, planned = _units(root, others, setup, cache)
+    root_plan = root_key[0] if root_key else None
     repeats = {id(p): p.unit.repeat for p in planned}
+    units = ([root_key] if root_key else []) + order
+    chosen = offloaded_buffers(units, setup) if setup.offload_optimizer else {}
+    off = {(id(k[0]), k[1]): _offloaded(k, chosen) for k in units}
     tl = Timeline()
-    optimizer_state = ADAMW8BIT_TABLE_BYTES if setup.optimizer == "AdamW8bit" else 0
-    step_peak = 0
-    for p in planned:
-        state, peak = _ours_optimizer(p, setup)
-        optimizer_state += state * repeats[id(p)]
-        step_peak = max(step_peak, peak)
-    master = sum(p.shard * repeats[id(p)] for p in planned) * MASTER_BYTES
+    optimizer_state = host_state = step_peak = host_step_peak = 0
+    on_device = on_host = False
+    for key in units:
+        picked = chosen.get((id(key[0]), key[1]), set())
+        if not picked:
+            state, peak = _ours_optimizer(key[0], setup)
+            optimizer_state += state
+            step_peak = max(step_peak, peak)
+            on_device = True
+            continue
+        for b, buf in enumerate(key[0].buffers):
+            state, peak = _buffer_optimizer(buf, setup)
+            if b in picked:
+                host_state += state
+                host_step_peak = max(host_step_peak, peak)
+                on_host = True
+            else:
+                optimizer_state += state
+                step_peak = max(step_peak, peak)
+                on_device = True
+    if setup.optimizer == "AdamW8bit":   # its lookup tables, once per process and device
+        optimizer_state += ADAMW8BIT_TABLE_BYTES if on_device else 0
+        host_state += ADAMW8BIT_TABLE_BYTES if on_host else 0
+    offloaded = sum(off.values())
+    master = sum(p.shard * repeats[id(p)] for p in planned) * MASTER_BYTES - \
+        offloaded * MASTER_BYTES
+    # the offloaded buffers' compute-dtype shards: on the device, or with offload_param the host
+    param_shard = 0 if setup.offload_param else offloaded * pb
     tl.alloc("master", master, "master")
     tl.alloc("optimizer", optimizer_state, "optimizer")
-    units = ([(root_plan, 0)] if root_plan else []) + order
+    tl.alloc("param", param_shard, "param")
+
+    def device_shard(key):
+        return key[0].shard - off[(id(key[0]), key[1])]
+
     for key in units:  # the previous step's gradient shards, released at the first forward
-        tl.alloc(("grad", id(key[0]), key[1]), key[0].shard * MASTER_BYTES, "grad")
+        tl.alloc(("grad", id(key[0]), key[1]), device_shard(key) * MASTER_BYTES, "grad")
 
     def full(key):
         return ("full", id(key[0]), key[1])
@@ -158,9 +226,11 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
         if rb != pb:   # the reduce-scatter reads a cast copy: the full buffer goes at reshard
             tl.alloc(("cast",) + full(key)[1:], p.full * rb)
             tl.free(full(key))
-        tl.alloc(("grad", id(p), key[1]), p.shard * MASTER_BYTES, "grad")
-        if accumulate or rb != MASTER_BYTES:
-            tl.alloc(("out",) + full(key)[1:], p.shard * rb)
+        tl.alloc(("grad", id(p), key[1]), device_shard(key) * MASTER_BYTES, "grad")
+        # the reduce-scatter output: staged for a device shard that is added to or cast, and
+        # always for an offloaded one (it waits there for its copy to the host)
+        staged = device_shard(key) if accumulate or rb != MASTER_BYTES else 0
+        tl.alloc(("out",) + full(key)[1:], (staged + off[(id(p), key[1])]) * rb)
 
     def finish(key):
         for kind in ("full", "cast", "out"):
@@ -220,8 +290,15 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
     tl.phase = "optimizer_step"
     tl.spike(step_peak)
     padding = sum((p.full - p.numel) * repeats[id(p)] for p in planned)
-    return tl.summary(master, padding / M * MASTER_BYTES,
-                      padding / max(1, sum(p.numel * repeats[id(p)] for p in planned)))
+    result = tl.summary(master, padding / M * MASTER_BYTES,
+                        padding / max(1, sum(p.numel * repeats[id(p)] for p in planned)))
+    if setup.offloads:
+        host = {"master": offloaded * MASTER_BYTES, "grad": offloaded * MASTER_BYTES,
+                "optimizer": host_state, "param": offloaded * pb if setup.offload_param else 0,
+                "optimizer_step_peak": host_step_peak}
+        result.update(param_shard=param_shard, offloaded_ratio=host_state / max(
+            1, host_state + optimizer_state), host={**host, "total": sum(host.values())})
+    return result
 
 
 def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
@@ -241,3 +318,26 @@ def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
         gathered += gathers * p.shard
         reduced += p.shard
     return setup.traffic(gathered, reduced)
+
+
+def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
+    """Ours with offload, bytes per rank per optimizer step across host<->device:
+    `device_to_host`: every micro-step, each offloaded buffer's gradient shard as the
+    reduce-scatter (and HSDP all-reduce) left it, in the reduce dtype (the host adds it into
+    its fp32 gradient shard); `host_to_device`: after the step each offloaded buffer's updated
+    parameter shard in the compute dtype, or with offload_param that shard before each of its
+    all-gathers instead (forward, and backward's re-gather, every micro-step; the step then
+    writes it on the host)."""
+    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
+    root_key, order, _ = _units(root, others, setup, cache)
+    units = ([(root_key, 1)] if root_key else []) + \
+        [(key, 2 if setup.reshard_after_forward and k + 1 < len(order) else 1)
+         for k, key in enumerate(order)]
+    chosen = offloaded_buffers([k for k, _ in units], setup) if setup.offload_optimizer else {}
+    n = setup.grad_accum
+    offloaded = sum(_offloaded(key, chosen) for key, _ in units)
+    if setup.offload_param:
+        h2d = n * sum(gathers * _offloaded(key, chosen) for key, gathers in units) * pb
+    else:
+        h2d = offloaded * pb
+    return {"host_to_device": h2d, "device_to_host": n * offloaded * rb}

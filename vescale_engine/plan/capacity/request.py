@@ -1,6 +1,9 @@
 """What a capacity estimate is asked for, everything but the model (`Setup`), checked before
 any planning (`check_setup`, `CapacityError`), and the bytes per step each rank's collectives
-move for a given number of gathered and reduced elements under it (`Setup.traffic`)."""
+move for a given number of gathered and reduced elements under it (`Setup.traffic`).
+
+Offload (`offload_optimizer`, `offload_param`) is part of the setup: each system's simulation
+reads it and moves its own terms to the host (ours.py, fsdp2.py, zero3.py say which)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +36,14 @@ class Setup:
     align_bytes: int = DEFAULT_ALIGN_BYTES
     max_buffers: int = DEFAULT_MAX_BUFFERS
     root: tuple | None = None          # groups the root unit owns (None: see default_root)
+    # ZeRO-Offload: the fraction of the optimizer bytes kept on the host (0: none, 1: all) and
+    # whether the sharded parameters live on the host between uses
+    offload_optimizer: float = 0.0
+    offload_param: bool = False
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_optimizer > 0 or self.offload_param
 
     @property
     def shard_size(self) -> int:
@@ -72,6 +83,15 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
     if setup.world_size % setup.hsdp:
         raise CapacityError(f"HSDP replicate size {setup.hsdp} does not divide the world size "
                             f"{setup.world_size}")
+    ratio = setup.offload_optimizer
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise CapacityError(f"offload_optimizer ratio must be a number in [0, 1] (0: no "
+                            f"offload), got {ratio!r}")
+    if not isinstance(setup.offload_param, bool):
+        raise CapacityError(f"offload_param must be true or false, got {setup.offload_param!r}")
+    if setup.offloads and setup.optimizer == "Muon":
+        raise CapacityError("offload is not estimated for Muon (its momentum and Newton-Schulz "
+                            "traffic are not modelled); use AdamW or AdamW8bit")
     try:
         parse_granularity(setup.granularity)
     except ValueError as err:

@@ -9,7 +9,7 @@ __all__ = ["Timeline"]
 class Timeline:
     """Live bytes by name and kind; the peak of everything and of the transient part."""
 
-    PERSISTENT = ("master", "grad", "optimizer")
+    PERSISTENT = ("master", "grad", "optimizer", "param")
 
     def __init__(self):
         self.live = {}
