@@ -1,5 +1,5 @@
 """ZeRO-Offload of the optimizer (zero_optimization.offload_optimizer, device "cpu") on 2 gloo
-ranks: with ratio 1 and 0.5, AdamW, clipping, accumulation 2, fp32 and bf16, the losses and
+ranks: with ratio 1 and 0.5, AdamW, clipping, accumulation 2, fp32, bf16 and fp16, the losses and
 parameters equal the run without offload bitwise (the host step runs the same fused AdamW kernel
 on the same values); the offloaded state is separate host memory; the bytes copied each way are
 the expected ones; checkpoints cross between offload and no offload exactly; what is not yet
@@ -17,7 +17,7 @@ GLOBAL, MICRO, ACCUM, STEPS = 12, 3, 2, 3
 CLIP = 0.05  # below the norms of these steps: every step clips
 
 
-def config(offload=None, bf16=False, optimizer="AdamW"):
+def config(offload=None, dtype="fp32", optimizer="AdamW"):
     cfg = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO,
            "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
            "optimizer": {"type": optimizer, "params": {"lr": 3e-3, "eps": 1e-6,
@@ -26,8 +26,10 @@ def config(offload=None, bf16=False, optimizer="AdamW"):
                        "granularity": {"default": "rows:16"}}}
     if optimizer == "Muon":
         cfg["optimizer"]["params"] = {"lr": 0.02}
-    if bf16:
+    if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":  # dynamic loss scaling: overflow check and unscale before the step
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if offload is not None:
         cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {
             "device": "cpu", "pin_memory": True, **offload}}
@@ -66,11 +68,11 @@ def buffers_of(engine):
     return [b for b, *_ in engine.optimizer._buffers]
 
 
-def run_parity(rank, world, bf16):
+def run_parity(rank, world, dtype):
     """The same training without offload, with ratio 1 and with 0.5: what each gives."""
     results = {}
     for ratio in (None, 1.0, 0.5):
-        engine = make_engine(config(None if ratio is None else {"ratio": ratio}, bf16))
+        engine = make_engine(config(None if ratio is None else {"ratio": ratio}, dtype))
         steps = train(engine, rank, world, STEPS)
         info = {"steps": steps, "shards": shards(engine)}
         if ratio is not None:
@@ -104,9 +106,9 @@ def pools():
         yield get
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_offload_matches_no_offload_bitwise(pools, bf16):
-    for rank, results in enumerate(pools(2).run(run_parity, bf16)):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_offload_matches_no_offload_bitwise(pools, dtype):
+    for rank, results in enumerate(pools(2).run(run_parity, dtype)):
         plain = results[None]
         assert all(norm > CLIP for _, norm in plain["steps"])  # clipping acted every step
         for ratio in (1.0, 0.5):
@@ -128,19 +130,19 @@ def test_offload_matches_no_offload_bitwise(pools, bf16):
                 assert apart and step == STEPS
 
 
-def run_checkpoint_cross(rank, world, root, bf16):
+def run_checkpoint_cross(rank, world, root, dtype):
     """Offload saves, no offload resumes; no offload saves, offload resumes: each resumed run
     continues exactly as the run that saved."""
     out = []
     for saver, loader in (({"ratio": 1.0}, None), (None, {"ratio": 1.0})):
-        path = os.path.join(root, f"from_{'offload' if saver else 'plain'}_{bf16}")
-        engine = make_engine(config(saver, bf16))
+        path = os.path.join(root, f"from_{'offload' if saver else 'plain'}_{dtype}")
+        engine = make_engine(config(saver, dtype))
         train(engine, rank, world, 2)
         engine.save_checkpoint(path)
         after = train(engine, rank, world, 2)
         expected = shards(engine)
         engine.destroy()
-        resumed = make_engine(config(loader, bf16))
+        resumed = make_engine(config(loader, dtype))
         resumed.load_checkpoint(path)
         got = train(resumed, rank, world, 2)
         out.append((after == got, all(torch.equal(expected[n], v)
@@ -149,11 +151,11 @@ def run_checkpoint_cross(rank, world, root, bf16):
     return out
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_checkpoint_crosses_offload_exactly(pools, bf16):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_checkpoint_crosses_offload_exactly(pools, dtype):
     root = scratch_dir()
     try:
-        for rank, results in enumerate(pools(2).run(run_checkpoint_cross, root, bf16)):
+        for rank, results in enumerate(pools(2).run(run_checkpoint_cross, root, dtype)):
             for same_losses, same_shards, after, got in results:
                 assert same_losses, (rank, after, got)
                 assert same_shards, rank
