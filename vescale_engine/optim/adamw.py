@@ -49,7 +49,7 @@ class AdamW(torch.optim.Optimizer):
         if not state:
             if self._offloaded(buf):
                 host = self.offload.host(buf)
-                state.update(step=torch.zeros((), dtype=torch.float32),
+                state.update(step=torch.zeros((), dtype=torch.float32, device="cpu"),
                              exp_avg=host.exp_avg, exp_avg_sq=host.exp_avg_sq)
             else:
                 state.update(new_adamw_state(buf.master))
