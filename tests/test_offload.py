@@ -100,6 +100,35 @@ def run_parity(rank, world, dtype):
     return results
 
 
+def run_groups_and_frozen(rank, world):
+    """Trainer's two weight-decay groups (a per-element decay inside a buffer, kept on the host
+    for offloaded buffers) and a frozen tensor (its buffer stepped over the others' ranges only):
+    the same as without offload."""
+    from vescale_engine import initialize
+    out = []
+    for offload in (None, {"ratio": 1.0}):
+        model = fm.make("gpt")
+        model.wpe.weight.requires_grad_(False)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for n, p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+        engine, *_ = initialize(model=model, model_parameters=groups, config=config(offload))
+        assert type(engine.optimizer).__module__ == "vescale_engine.optim.adamw"
+        decays = [d for _, _, d, _ in engine.optimizer._buffers if isinstance(d, torch.Tensor)]
+        out.append((train(engine, rank, world, 2), shards(engine), len(decays),
+                    None if offload is None else engine.optimizer.offload.stats.host_steps))
+        engine.destroy()
+    return out
+
+
+def test_weight_decay_groups_and_frozen_tensors_match(pools):
+    for (want, want_shards, decays, _), (got, got_shards, _, host_steps) in \
+            pools(2).run(run_groups_and_frozen):
+        assert decays > 0 and host_steps > 0  # the per-element decay path ran, on the host
+        assert got == want
+        assert all(torch.equal(got_shards[n], v) for n, v in want_shards.items())
+
+
 @pytest.fixture(scope="module")
 def pools():
     with rank_pools() as get:
