@@ -34,8 +34,10 @@ class AdamW(torch.optim.Optimizer):
         state in host memory (optim/offload.py). Before the first step only."""
         if self.state:
             raise RuntimeError("offload_to_host: the optimizer already holds state")
-        self.offload = OptimizerOffload([b for b, *_ in self._buffers], ratio=ratio,
-                                        pin_memory=pin_memory)
+        self.offload = OptimizerOffload(
+            [b for b, *_ in self._buffers],
+            lambda b: [(name, b.master.dtype, b.shard_size) for name in ("exp_avg", "exp_avg_sq")],
+            ratio=ratio, pin_memory=pin_memory)
         self._buffers = [(b, g, d.cpu() if isinstance(d, torch.Tensor) and
                           self.offload.offloads(b) else d, m) for b, g, d, m in self._buffers]
         return self.offload
@@ -50,7 +52,7 @@ class AdamW(torch.optim.Optimizer):
             if self._offloaded(buf):
                 host = self.offload.host(buf)
                 state.update(step=torch.zeros((), dtype=torch.float32, device="cpu"),
-                             exp_avg=host.exp_avg, exp_avg_sq=host.exp_avg_sq)
+                             exp_avg=host.parts["exp_avg"], exp_avg_sq=host.parts["exp_avg_sq"])
             else:
                 state.update(new_adamw_state(buf.master))
         return state

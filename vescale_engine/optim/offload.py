@@ -16,7 +16,7 @@ and step: 8 x shard elements to the host, 4 back (`OffloadStats` counts them).
 bytes is offloaded; the rest step on the device. Shard sizes are the same on every rank, so
 every rank chooses the same buffers.
 
-Only AdamW (ours) offloads for now; `check_offloadable` names what works for the others.
+AdamW and AdamW8bit (ours) offload; `check_offloadable` names what works for the others.
 """
 from __future__ import annotations
 
@@ -40,25 +40,36 @@ class OffloadStats:
 
 
 class HostShard:
-    """One buffer's host memory: master, grad, exp_avg, exp_avg_sq, one allocation."""
+    """One buffer's host memory, one allocation: the master and gradient copies, then the
+    optimizer's state tensors (`parts`, by name) as its `state_layout` lists them."""
 
-    def __init__(self, buf, pin_memory: bool):
+    def __init__(self, buf, state_layout, pin_memory: bool):
         S = buf.shard_size
+        layout = [("master", buf.master.dtype, S), ("grad", buf.master.dtype, S),
+                  *state_layout]
+        # widest elements first: every part starts aligned for its dtype
+        layout.sort(key=lambda part: -part[1].itemsize)
         pin = pin_memory and buf.device.type != "cpu"  # pinning needs an accelerator
-        self.storage = torch.zeros(4 * S, dtype=buf.master.dtype, device="cpu", pin_memory=pin)
-        self.master, self.grad, self.exp_avg, self.exp_avg_sq = self.storage.split(S)
+        total = sum(dtype.itemsize * n for _, dtype, n in layout)
+        self.storage = torch.zeros(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        self.parts, at = {}, 0
+        for name, dtype, n in layout:
+            self.parts[name] = self.storage[at:at + dtype.itemsize * n].view(dtype)
+            at += dtype.itemsize * n
+        self.master, self.grad = self.parts["master"], self.parts["grad"]
         self.pinned = pin
 
 
 def check_offloadable(optimizer) -> None:
-    """A one-line error unless `optimizer` can offload (ours AdamW: `offload_to_host`)."""
+    """A one-line error unless `optimizer` can offload (ours AdamW, AdamW8bit:
+    `offload_to_host`)."""
     if not hasattr(optimizer, "offload_to_host"):
         cls = type(optimizer)
         name = cls.__name__ if cls.__module__.startswith("vescale_engine") else \
             f"{cls.__module__}.{cls.__name__}"
         raise ValueError(f"zero_optimization.offload_optimizer: optimizer {name} is not yet "
-                         "supported with offload; offload works with optimizer type AdamW "
-                         "(vescale_engine.optim.AdamW over whole flat buffers)")
+                         "supported with offload; offload works with optimizer types AdamW and "
+                         "AdamW8bit (ours, over whole flat buffers)")
 
 
 def choose_offloaded(buffers, ratio: float) -> list:
@@ -76,7 +87,10 @@ def choose_offloaded(buffers, ratio: float) -> list:
 class OptimizerOffload:
     """Which of an optimizer's buffers step on the host, their host memory and the copies."""
 
-    def __init__(self, buffers, *, ratio: float = 1.0, pin_memory: bool = False):
+    def __init__(self, buffers, state_layout, *, ratio: float = 1.0, pin_memory: bool = False):
+        """`state_layout(buf)`: [(name, dtype, numel)] of the state the host allocation holds
+        besides the master and gradient copies."""
+        self.state_layout = state_layout
         self.ratio = ratio
         self.pin_memory = pin_memory
         self.stats = OffloadStats()
@@ -90,7 +104,7 @@ class OptimizerOffload:
         """The buffer's host memory, made on first use."""
         host = self._hosts.get(id(buf))
         if host is None:
-            host = self._hosts[id(buf)] = HostShard(buf, self.pin_memory)
+            host = self._hosts[id(buf)] = HostShard(buf, self.state_layout(buf), self.pin_memory)
         return host
 
     def to_host(self, buf) -> HostShard:
@@ -116,7 +130,7 @@ class OptimizerOffload:
 
     @property
     def host_bytes(self) -> int:
-        return sum(h.storage.numel() * h.storage.element_size() for h in self._hosts.values())
+        return sum(h.storage.numel() for h in self._hosts.values())
 
     def release(self) -> None:
         self._hosts.clear()
