@@ -1,11 +1,11 @@
 """ZeRO-Offload of optimizer state (`zero_optimization.offload_optimizer`, device "cpu").
 
 For each offloaded DBuffer one host allocation (pinned when asked and the device is an
-accelerator) holds four flat runs of the shard's length: the fp32 master the step updates, the
-gradient shard and AdamW's two moments. The device keeps its fp32 master shard: the sharded
-parameters stay views of it, so the all-gather, checkpoints, Hugging Face loading and anything
-else that reads or writes parameters between steps work unchanged; what leaves the device is
-the optimizer state (8 of AdamW's 12 bytes per element). Because the device master stays the
+accelerator) holds the fp32 master copy the step updates, the gradient copy and the optimizer's
+state (AdamW's two moments; AdamW8bit's codes and scales). The device keeps its fp32 master
+shard: the sharded parameters stay views of it, so the all-gather, checkpoints, Hugging Face
+loading and anything else that reads or writes parameters between steps work unchanged; what
+leaves the device is the optimizer state (8 of AdamW's 12 bytes per element). Because the device master stays the
 authoritative value, every step copies it to the host together with the gradient shard (after
 clipping and fp16 unscaling, so both stay as they are), steps the whole flat shard there with
 the same kernel as the device path (torch's fused AdamW, CPU build), and copies the master back:
