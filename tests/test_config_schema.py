@@ -24,9 +24,10 @@ BAD = [
      "zero_optimization.stage: 4 is not allowed (allowed: 0, 1, 2, 3)"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
      "zero_optimization.offload_param.device: 'nvme' is not allowed (allowed: 'none'); "
-     "veScale Engine does not offload"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-     "zero_optimization.offload_optimizer.device: 'cpu' is not allowed"),
+     "offload_param is not yet supported"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.offload_optimizer.device: 'nvme' is not allowed (allowed: 'none', "
+     "'cpu'); NVMe offload is not supported"),
     ({"zero_optimization": {"stage3_prefetch_bucket_sise": 1}},
      "did you mean 'stage3_prefetch_bucket_size'?"),
     ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected boolean, got 'yes'"),

@@ -25,6 +25,7 @@ OPTIMIZERS = {
     "AdamW8bit": {"type": "AdamW8bit", "params": {"lr": 1e-3, "block": "block:64"}},
     "Muon": {"type": "Muon", "params": {"lr": 0.02, "adamw_lr": 1e-3}},
 }
+OFFLOADED = "AdamW offload_optimizer ratio 0.5"  # host state made at the first step
 TORCH_FUSED = "torch.optim.AdamW(fused=True)"  # a client optimizer: its `step` state is torch's
 PRECISION = {"bf16": {"bf16": {"enabled": True}},  # bf16 parameters, fp32 master and reduction
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}  # + loss scaler
@@ -56,6 +57,9 @@ def train(rank, world, optimizer, precision, directory, meta):
     client = None
     if optimizer == TORCH_FUSED:
         client = functools.partial(torch.optim.AdamW, lr=1e-3, fused=True)
+    elif optimizer == OFFLOADED:
+        config["optimizer"] = OPTIMIZERS["AdamW"]
+        config["zero_optimization"] = {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}
     else:
         config["optimizer"] = OPTIMIZERS[optimizer]
     engine, *_ = initialize(model=fm.make("gpt"), optimizer=client, config=config)
@@ -102,7 +106,7 @@ def hygiene_rank(rank, world, optimizer, precision, directory):
     return got, want, same_params
 
 
-CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED]] + [("AdamW", "fp16")]
+CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED, OFFLOADED]] + [("AdamW", "fp16")]
 
 
 @pytest.mark.parametrize("optimizer,precision", CASES)

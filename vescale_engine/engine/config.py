@@ -138,7 +138,18 @@ class EngineConfig:
     # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
     gather_16bit_weights_on_model_save: bool = False
     save_on_signal: SaveOnSignal | None = None  # the preemption save, when configured
+    # zero_optimization.offload_optimizer with device "cpu": {"ratio", "pin_memory"}, else None
+    offload_optimizer: dict | None = None
     canonical: dict = field(default_factory=dict)  # the validated config, canonical names
+
+
+def _offload_optimizer(section: dict | None) -> dict | None:
+    """The validated offload_optimizer section as what the engine acts on (None: no offload;
+    the schema allows device "none" or "cpu" only)."""
+    if not section or section.get("device", "none") == "none":
+        return None
+    return {"ratio": float(section.get("ratio", 1.0)),
+            "pin_memory": bool(section.get("pin_memory", False))}
 
 
 def _rank() -> int:
@@ -213,5 +224,6 @@ def build_config(source, world_size: int) -> EngineConfig:
         gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save",
                                                     False),
         save_on_signal=_save_on_signal(ves.get("save_on_signal")),
+        offload_optimizer=_offload_optimizer(zero.get("offload_optimizer")),
         canonical=config,
     )

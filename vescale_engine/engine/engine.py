@@ -19,6 +19,7 @@ from ..init.zero import require_not_partitioned
 from ..launch.env import discover
 from ..launch.process_group import join_process_group
 from ..optim.clip import clip_grad_norm_, global_grad_norm
+from ..optim.offload import check_offloadable
 from . import loss_scaler as scaling
 from .config import EngineConfig, build_config
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
@@ -344,6 +345,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         release(self.module)
         if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
             self.optimizer.state.clear()
+        if getattr(self.optimizer, "offload", None) is not None:  # its host memory
+            self.optimizer.offload.release()
         self._monitor_events.write_ready(wait=True)
         self.monitor.close()
         self._window_losses = []
@@ -417,6 +420,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         params = resolve_named_parameters(chosen, module)
     opt = rebuild_optimizer(optimizer, params) if instance else \
         build_optimizer(cfg.optimizer, optimizer, params)
+    if cfg.offload_optimizer is not None:  # before any state exists: it is made on the host
+        check_offloadable(opt)
+        opt.offload_to_host(**cfg.offload_optimizer)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
     engine = VeScaleEngine(module, cfg, opt, sched, device)
     loader = None

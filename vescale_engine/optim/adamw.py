@@ -15,6 +15,7 @@ import math
 import torch
 
 from .flat import evaluate_closure, flat_buffers, stepped_members
+from .offload import OptimizerOffload
 
 __all__ = ["AdamW", "new_adamw_state", "adamw_update", "adamw_math"]
 
@@ -26,6 +27,35 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._buffers = flat_buffers(self.param_groups, "vescale_engine.optim.AdamW")
         self._missed = {}  # id(buffer) -> per tensor: steps of the buffer it had no gradient
+        self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
+
+    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False) -> OptimizerOffload:
+        """Step `ratio` of the buffers (by bytes, largest first) on the host from now on, their
+        state in host memory (optim/offload.py). Before the first step only."""
+        if self.state:
+            raise RuntimeError("offload_to_host: the optimizer already holds state")
+        self.offload = OptimizerOffload(
+            [b for b, *_ in self._buffers],
+            lambda b: [(name, b.master.dtype, b.shard_size) for name in ("exp_avg", "exp_avg_sq")],
+            ratio=ratio, pin_memory=pin_memory)
+        self._buffers = [(b, g, d.cpu() if isinstance(d, torch.Tensor) and
+                          self.offload.offloads(b) else d, m) for b, g, d, m in self._buffers]
+        return self.offload
+
+    def _offloaded(self, buf) -> bool:
+        return self.offload is not None and self.offload.offloads(buf)
+
+    def _state_of(self, buf) -> dict:
+        """The buffer's state, made when missing: on the device, or in its host memory."""
+        state = self.state.setdefault(buf.master, {})
+        if not state:
+            if self._offloaded(buf):
+                host = self.offload.host(buf)
+                state.update(step=torch.zeros((), dtype=torch.float32, device="cpu"),
+                             exp_avg=host.parts["exp_avg"], exp_avg_sq=host.parts["exp_avg_sq"])
+            else:
+                state.update(new_adamw_state(buf.master))
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -34,9 +64,7 @@ class AdamW(torch.optim.Optimizer):
             stepped, everything = stepped_members(buf, members)
             if not stepped:  # no gradient since zero_grad: like torch, skip
                 continue
-            state = self.state.setdefault(buf.master, {})
-            if not state:
-                state.update(new_adamw_state(buf.master))
+            state = self._state_of(buf)
             missed = self._missed.setdefault(id(buf), [0] * len(buf.layout.placements))
             torch._foreach_add_([state["step"]], 1)
             if everything and not any(missed):
@@ -51,15 +79,23 @@ class AdamW(torch.optim.Optimizer):
                     missed[i] += i not in done
             if not pieces:  # this rank holds none of the stepped tensors
                 continue
+            offloaded = self._offloaded(buf)
+            # the step's master and gradient: the device's, or their host copies
+            master, grad = buf.master, buf.grad
+            if offloaded:
+                host = self.offload.to_host(buf)
+                master, grad = host.master, host.grad
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             if isinstance(decay, torch.Tensor):  # per-element decay first, then none inside
                 for piece in pieces:
-                    buf.master[piece].mul_(1 - lr * decay[piece])
-            adamw_math([buf.master[k] for k in pieces], [buf.grad[k] for k in pieces],
+                    master[piece].mul_(1 - lr * decay[piece])
+            adamw_math([master[k] for k in pieces], [grad[k] for k in pieces],
                        [state["exp_avg"][k] for k in pieces],
                        [state["exp_avg_sq"][k] for k in pieces], steps,
                        lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
+            if offloaded:
+                self.offload.to_device(buf)
         return loss
 
     def checkpoint_state(self, create: bool) -> dict:
@@ -67,9 +103,7 @@ class AdamW(torch.optim.Optimizer):
         is its slice of it (1-D views of its local numel) and the buffer's 0-d `step`."""
         out = {}
         for buf, _group, _decay, _members in self._buffers:
-            state = self.state.setdefault(buf.master, {})
-            if not state and create:
-                state.update(new_adamw_state(buf.master))
+            state = self._state_of(buf) if create else self.state.get(buf.master, {})
             if not state:
                 continue
             for group in self.param_groups:

@@ -19,6 +19,7 @@ from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
 from .flat import evaluate_closure, flat_buffers, stepped_members
+from .offload import OptimizerOffload
 from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = ADAMW8BIT_BLOCK
@@ -46,6 +47,33 @@ class AdamW8bit(torch.optim.Optimizer):
         self.quant_map = quant_map
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._buffers = self._index_buffers()
+        self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
+
+    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False) -> OptimizerOffload:
+        """Step `ratio` of the buffers (by bytes, largest first) on the host from now on: their
+        codes and scales in host memory, quantized there (optim/offload.py). Before the first
+        step only."""
+        if self.state:
+            raise RuntimeError("offload_to_host: the optimizer already holds state")
+        blocks = {id(b): q.num_blocks for b, *_, q in self._buffers}
+        self.offload = OptimizerOffload(
+            [b for b, *_ in self._buffers],
+            lambda b: [("exp_avg_scales", b.master.dtype, blocks[id(b)]),
+                       ("exp_avg_sq_scales", b.master.dtype, blocks[id(b)]),
+                       ("exp_avg_codes", torch.int8, b.shard_size),
+                       ("exp_avg_sq_codes", torch.uint8, b.shard_size)],
+            ratio=ratio, pin_memory=pin_memory)
+        self._buffers = [
+            (b, g, d.cpu() if isinstance(d, torch.Tensor) and self.offload.offloads(b) else d,
+             m, BlockQuantizer(shard_segments(b), self.quant_map, device="cpu")
+             if self.offload.offloads(b) else q) for b, g, d, m, q in self._buffers]
+        return self.offload
+
+    def _offloaded(self, buf) -> bool:
+        return self.offload is not None and self.offload.offloads(buf)
+
+    def _state_device(self, buf) -> torch.device:
+        return torch.device("cpu") if self._offloaded(buf) else buf.master.device
 
     def _index_buffers(self):
         """Per DBuffer: its group, weight decay, its given parameters, and the quantizer of its
@@ -66,8 +94,12 @@ class AdamW8bit(torch.optim.Optimizer):
                 f"it with granularity {self.granularity} so that no rank holds part "
                 "of a block")
 
-    @staticmethod
-    def _new_state(buf, quantizer) -> dict:
+    def _new_state(self, buf, quantizer) -> dict:
+        if self._offloaded(buf):  # in the buffer's one host allocation
+            parts = self.offload.host(buf).parts
+            return {"step": torch.zeros((), dtype=torch.float32, device="cpu"),
+                    **{name: parts[name] for name in ("exp_avg_codes", "exp_avg_scales",
+                                                      "exp_avg_sq_codes", "exp_avg_sq_scales")}}
         return {"step": torch.zeros((), dtype=torch.float32, device=buf.master.device),
                 "exp_avg_codes": torch.zeros_like(buf.master, dtype=torch.int8),
                 "exp_avg_scales": buf.master.new_zeros(quantizer.num_blocks),
@@ -95,13 +127,21 @@ class AdamW8bit(torch.optim.Optimizer):
                 self.state[buf.master] = self._new_state(buf, quantizer)
             state = self.state[buf.master]
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            offloaded = self._offloaded(buf)
+            # the step's master and gradient: the device's, or their host copies
+            master, grad = buf.master, buf.grad
+            if offloaded:
+                host = self.offload.to_host(buf)
+                master, grad = host.master, host.grad
             if isinstance(decay, torch.Tensor):
-                buf.master.mul_(1 - lr * decay)
+                master.mul_(1 - lr * decay)
             state["step"] += 1
             for chunk in quantizer.chunks:  # restore, update, quantize: one chunk at a time
-                self._step_chunk(buf, state, quantizer, chunk, lr=lr, beta1=beta1, beta2=beta2,
-                                 eps=eps, weight_decay=0.0 if isinstance(decay, torch.Tensor)
-                                 else decay)
+                self._step_chunk(master, grad, state, quantizer, chunk, lr=lr, beta1=beta1,
+                                 beta2=beta2, eps=eps,
+                                 weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
+            if offloaded:
+                self.offload.to_device(buf)
         return loss
 
     def _check_untouched(self, buf, members, decay):
@@ -122,14 +162,14 @@ class AdamW8bit(torch.optim.Optimizer):
                     "AdamW, which skips it")
 
     @staticmethod
-    def _step_chunk(buf, state, quantizer, chunk, **hyper):
+    def _step_chunk(master, grad, state, quantizer, chunk, **hyper):
         """AdamW on one chunk of whole blocks: its moments restored to fp32, torch's update,
         quantized again, so the fp32 moments exist for one chunk at a time."""
         moments = [quantizer.dequantize_chunk(chunk, state[f"{name}_codes"],
                                               state[f"{name}_scales"], signed)
                    for name, signed in MOMENTS]
         piece = slice(chunk.lo, chunk.hi)
-        adamw_math([buf.master[piece]], [buf.grad[piece]], moments[:1], moments[1:],
+        adamw_math([master[piece]], [grad[piece]], moments[:1], moments[1:],
                    [state["step"]], **hyper)
         for (name, signed), moment in zip(MOMENTS, moments):
             quantizer.quantize_chunk(chunk, moment, signed, state[f"{name}_codes"],
@@ -193,7 +233,9 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _fp32_scratch(self, buf, start, end) -> dict:
         """fp32 moments to read an unquantized checkpoint into."""
-        scratch = {name: buf.master.new_zeros(end - start) for name in ("exp_avg", "exp_avg_sq")}
+        scratch = {name: torch.zeros(end - start, dtype=buf.master.dtype,
+                                     device=self._state_device(buf))
+                   for name in ("exp_avg", "exp_avg_sq")}
         self._converting.append((buf, start, end, lambda moment, signed, codes: scratch[moment]))
         return scratch
 
@@ -202,7 +244,9 @@ class AdamW8bit(torch.optim.Optimizer):
         state as they are: one per element whatever the blocks), and how to restore them."""
         lo, hi = (first // saved_block, -(-(first + end - start) // saved_block)) if end > start \
             else (0, 0)
-        scales = {name: RaggedPiece(buf.master.new_zeros(hi - lo), (_blocks(sp, saved_block),), lo)
+        scales = {name: RaggedPiece(torch.zeros(hi - lo, dtype=buf.master.dtype,
+                                                device=self._state_device(buf)),
+                                    (_blocks(sp, saved_block),), lo)
                   for name in ("exp_avg_scales", "exp_avg_sq_scales")}
 
         def restore(moment, signed, codes):
