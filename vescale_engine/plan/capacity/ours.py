@@ -12,15 +12,14 @@ other than the compute dtype, the cast copy the reduce-scatter reads instead (th
 freed once cast) and the staging shard; the root unit gathered from the first forward to the end
 of backward.
 
-With offload (Setup.offload_optimizer = r > 0): whole DBuffers, largest optimizer state
-first, go to the host until at least r of the optimizer state bytes are there
-(`offloaded_buffers`). An offloaded buffer's fp32 master, optimizer state and fp32 gradient
-shard are host memory (pinned, one allocation each); the device keeps its sharded parameters
-in the compute dtype (what the all-gather reads), and its reduce-scatter output (reduce dtype)
-lives on the device only until it is copied to the host, in the next unit's post-backward.
-With offload_param those compute-dtype shards are host memory too, copied straight into the
-rank's slice of the full buffer before each all-gather (no device copy of their own).
-`pcie` counts the bytes that cross host<->device per optimizer step.
+With offload (Setup.offload_optimizer = r > 0), as optim/offload.py does it: whole DBuffers,
+largest optimizer state first, go to the host until at least r of the optimizer state bytes
+are there (`offloaded_buffers`). An offloaded buffer's optimizer state lives only on the host;
+its fp32 master and gradient shards stay on the device (the sharded parameters are views of the
+master, and the all-gather reads it) and have host copies (pinned, one allocation per buffer)
+that the step runs over: per optimizer step the master and gradient shards go to the host and
+the updated master comes back. `pcie` counts those bytes. Parameter offload (offload_param) is
+not built: ours is estimated with the parameters on the device.
 """
 from __future__ import annotations
 
@@ -200,16 +199,14 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
         optimizer_state += ADAMW8BIT_TABLE_BYTES if on_device else 0
         host_state += ADAMW8BIT_TABLE_BYTES if on_host else 0
     offloaded = sum(off.values())
-    master = sum(p.shard * repeats[id(p)] for p in planned) * MASTER_BYTES - \
-        offloaded * MASTER_BYTES
-    # the offloaded buffers' compute-dtype shards: on the device, or with offload_param the host
-    param_shard = 0 if setup.offload_param else offloaded * pb
+    # master and gradient shards stay on the device (their host copies are extra)
+    master = sum(p.shard * repeats[id(p)] for p in planned) * MASTER_BYTES
+    param_shard = 0   # no compute-dtype copy of its own: the all-gather reads the master
     tl.alloc("master", master, "master")
     tl.alloc("optimizer", optimizer_state, "optimizer")
-    tl.alloc("param", param_shard, "param")
 
     def device_shard(key):
-        return key[0].shard - off[(id(key[0]), key[1])]
+        return key[0].shard
 
     for key in units:  # the previous step's gradient shards, released at the first forward
         tl.alloc(("grad", id(key[0]), key[1]), device_shard(key) * MASTER_BYTES, "grad")
@@ -227,10 +224,9 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
             tl.alloc(("cast",) + full(key)[1:], p.full * rb)
             tl.free(full(key))
         tl.alloc(("grad", id(p), key[1]), device_shard(key) * MASTER_BYTES, "grad")
-        # the reduce-scatter output: staged for a device shard that is added to or cast, and
-        # always for an offloaded one (it waits there for its copy to the host)
+        # the reduce-scatter output: staged for a shard that is added to or cast
         staged = device_shard(key) if accumulate or rb != MASTER_BYTES else 0
-        tl.alloc(("out",) + full(key)[1:], (staged + off[(id(p), key[1])]) * rb)
+        tl.alloc(("out",) + full(key)[1:], staged * rb)
 
     def finish(key):
         for kind in ("full", "cast", "out"):
@@ -294,8 +290,7 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
                         padding / max(1, sum(p.numel * repeats[id(p)] for p in planned)))
     if setup.offloads:
         host = {"master": offloaded * MASTER_BYTES, "grad": offloaded * MASTER_BYTES,
-                "optimizer": host_state, "param": offloaded * pb if setup.offload_param else 0,
-                "optimizer_step_peak": host_step_peak}
+                "optimizer": host_state, "param": 0, "optimizer_step_peak": host_step_peak}
         result.update(param_shard=param_shard, offloaded_ratio=host_state / max(
             1, host_state + optimizer_state), host={**host, "total": sum(host.values())})
     return result
@@ -321,23 +316,13 @@ def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
 
 
 def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
-    """Ours with offload, bytes per rank per optimizer step across host<->device:
-    `device_to_host`: every micro-step, each offloaded buffer's gradient shard as the
-    reduce-scatter (and HSDP all-reduce) left it, in the reduce dtype (the host adds it into
-    its fp32 gradient shard); `host_to_device`: after the step each offloaded buffer's updated
-    parameter shard in the compute dtype, or with offload_param that shard before each of its
-    all-gathers instead (forward, and backward's re-gather, every micro-step; the step then
-    writes it on the host)."""
-    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
+    """Ours with offload, bytes per rank per optimizer step across host<->device, as
+    optim/offload.py moves them (and counts them in its stats): `device_to_host` each offloaded
+    buffer's fp32 master and gradient shards once per optimizer step (after unscaling and
+    clipping; gradient accumulation adds nothing), `host_to_device` its updated fp32 master."""
     root_key, order, _ = _units(root, others, setup, cache)
-    units = ([(root_key, 1)] if root_key else []) + \
-        [(key, 2 if setup.reshard_after_forward and k + 1 < len(order) else 1)
-         for k, key in enumerate(order)]
-    chosen = offloaded_buffers([k for k, _ in units], setup) if setup.offload_optimizer else {}
-    n = setup.grad_accum
-    offloaded = sum(_offloaded(key, chosen) for key, _ in units)
-    if setup.offload_param:
-        h2d = n * sum(gathers * _offloaded(key, chosen) for key, gathers in units) * pb
-    else:
-        h2d = offloaded * pb
-    return {"host_to_device": h2d, "device_to_host": n * offloaded * rb}
+    units = ([root_key] if root_key else []) + order
+    chosen = offloaded_buffers(units, setup) if setup.offload_optimizer else {}
+    offloaded = sum(_offloaded(key, chosen) for key in units)
+    return {"host_to_device": offloaded * MASTER_BYTES,
+            "device_to_host": 2 * offloaded * MASTER_BYTES}
