@@ -5,11 +5,12 @@ accelerator) holds the fp32 master copy the step updates, the gradient copy and 
 state (AdamW's two moments; AdamW8bit's codes and scales). The device keeps its fp32 master
 shard: the sharded parameters stay views of it, so the all-gather, checkpoints, Hugging Face
 loading and anything else that reads or writes parameters between steps work unchanged; what
-leaves the device is the optimizer state (8 of AdamW's 12 bytes per element). Because the device master stays the
-authoritative value, every step copies it to the host together with the gradient shard (after
-clipping and fp16 unscaling, so both stay as they are), steps the whole flat shard there with
-the same kernel as the device path (torch's fused AdamW, CPU build), and copies the master back:
-nothing written to the parameters between steps is ever lost. Bytes moved per offloaded buffer
+leaves the device is the optimizer state (8 of AdamW's 16 bytes per element of master, gradient
+and moments). Because the device master stays the authoritative value, every step copies it to
+the host together with the gradient shard (after clipping and fp16 unscaling, so both stay as
+they are), steps the whole flat shard there with the same kernel as the device path (torch's
+fused AdamW, CPU build), and copies the master back: nothing written to the parameters between
+steps is ever lost. Bytes moved per offloaded buffer
 and step: 8 x shard elements to the host, 4 back (`OffloadStats` counts them).
 
 `ratio` < 1 offloads whole buffers, largest shard first, until that fraction of the optimizer's
