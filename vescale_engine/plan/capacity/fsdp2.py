@@ -188,16 +188,22 @@ def _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate, grad_kind, extr
     return name("rs_in", key)
 
 
-def traffic_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
-    """FSDP2: every unit gathered in forward, the non-root ones again in backward when resharded
-    (the last one too), W x the dim-0 padded shard; one reduce-scatter per unit."""
+def _gathered_and_reduced(root: Unit, others: list, setup: Setup) -> tuple:
+    """(shard elements all-gathered, reduce-scattered) per micro-step: every unit gathered in
+    forward, the non-root ones again in backward when resharded (the last one too), the dim-0
+    padded shard; one reduce-scatter per unit."""
     M = setup.shard_size
     gathered = reduced = 0
     for unit, is_root in ([(root, True)] if root.tensors else []) + [(u, False) for u in others]:
         shard = sum(_dim0_shard(t.shape, M) for t in unit.tensors) * unit.repeat
         gathered += shard * (2 if setup.reshard_after_forward and not is_root else 1)
         reduced += shard
-    return setup.traffic(gathered, reduced)
+    return gathered, reduced
+
+
+def traffic_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
+    """FSDP2's collectives: W x each gathered shard, one reduce-scatter per unit."""
+    return setup.traffic(*_gathered_and_reduced(root, others, setup))
 
 
 def pcie_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
@@ -206,11 +212,6 @@ def pcie_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
     before the cast, FSDPParam.all_gather_inputs), as often as traffic_fsdp2 gathers;
     `device_to_host`: each reduce-scatter's output cast to fp32 (foreach_reduce), every
     micro-step. Nothing comes back after the step: the parameters are the host's."""
-    M = setup.shard_size
-    h2d = d2h = 0
-    for unit, is_root in ([(root, True)] if root.tensors else []) + [(u, False) for u in others]:
-        shard = sum(_dim0_shard(t.shape, M) for t in unit.tensors) * unit.repeat
-        h2d += shard * (2 if setup.reshard_after_forward and not is_root else 1)
-        d2h += shard
+    h2d, d2h = _gathered_and_reduced(root, others, setup)
     n = setup.grad_accum
     return {"host_to_device": n * h2d * MASTER_BYTES, "device_to_host": n * d2h * MASTER_BYTES}
