@@ -201,17 +201,17 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
     return result
 
 
-def trainer_offload_rank(rank, world, model_dir, out_dir):
-    """The Trainer script with an offload section in the vescale config: the error each rank
-    gets from trainer.train() (None if it trained)."""
-    cfg = config("vescale")
+def trainer_offload_rank(rank, world, model_dir, out_dir, optimizer_section):
+    """The Trainer script with optimizer offload in the vescale config (the accum1 scenario's
+    config, with or without its optimizer section): (the run's result or None, the error each
+    rank gets from trainer.train() or None)."""
+    cfg = config("vescale", optimizer=optimizer_section, scheduler=False)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     try:
-        trainer_rank(rank, world, model_dir, out_dir, cfg, {})
+        return trainer_rank(rank, world, model_dir, out_dir, cfg, {}), None
     except Exception as err:  # the test checks which error it is
         _reset_global_state()
-        return f"{type(err).__name__}: {err}"
-    return None
+        return None, f"{type(err).__name__}: {err}"
 
 
 def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
@@ -439,14 +439,25 @@ def test_trainer_resume_equals_uninterrupted(runs, from_engine):
         assert resumed[rank]["global_step"] == STEPS
 
 
-def test_trainer_with_offload_is_an_error(pool, model_dir, tmp_path):
-    """Offload is not supported: Trainer's run stops at deepspeed.initialize, on every rank,
-    with the message that says what to change, instead of training without it."""
-    errors = pool.run(trainer_offload_rank, model_dir, str(tmp_path))
-    for error in errors:
-        assert error is not None and "ConfigError" in error, error
-        assert "zero_optimization.offload_optimizer.device: 'cpu' is not allowed" in error, error
-        assert "AdamW8bit" in error, error
+def test_trainer_with_optimizer_offload_trains_as_without(runs, pool, model_dir, tmp_path):
+    """Optimizer offload through Trainer: the same losses, grad norms and learning rates per
+    step as the run without it. Without an optimizer section Trainer passes its own torch
+    AdamW, which offload cannot step on the host yet: one line on every rank saying what to
+    add, instead of training without offload."""
+    plain = runs.trainer("vescale", "accum1")
+    outcomes = pool.run(trainer_offload_rank, model_dir, str(tmp_path / "with"), True)
+    for rank, (result, error) in enumerate(outcomes):
+        assert error is None, error
+        assert result["engine"] == "VeScaleEngine"
+        assert sorted(result["train"]) == sorted(plain[rank]["train"]) == \
+            list(range(1, STEPS + 1))
+        for step, logged in plain[rank]["train"].items():  # (loss, grad_norm, lr)
+            for a, b in zip(result["train"][step], logged, strict=True):
+                assert _close(a, b), (rank, step, result["train"][step], logged)
+    outcomes = pool.run(trainer_offload_rank, model_dir, str(tmp_path / "without"), False)
+    for result, error in outcomes:
+        assert result is None and error is not None, result
+        assert "offload_optimizer" in error and "AdamW" in error, error
 
 
 @pytest.mark.parametrize("accum", [1, 2])
