@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -42,16 +43,28 @@ def run_job(cmd, *, timeout, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every process whose session id is `sid` (read from /proc)."""
+def kill_session(sid: int, *, wait_s: float = 10.0) -> None:
+    """SIGKILL every process whose session id is `sid` (read from /proc), and keep at it until
+    none is left alive: a process can fork while the first pass reads /proc, and a killed one
+    still shows as running until the kernel has torn it down."""
+    deadline = time.monotonic() + wait_s
+    while _signal_session(sid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _signal_session(sid: int) -> int:
+    """SIGKILL the live processes of session `sid`; how many there were."""
+    found = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
+            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                found += 1
                 os.kill(int(pid), signal.SIGKILL)
         except (OSError, IndexError, ValueError):
             pass
+    return found
 
 
 def _free_port() -> int:
