@@ -447,3 +447,69 @@ def test_device_none_with_other_keys_is_a_warning_naming_them(caplog):
     with caplog.at_level("WARNING", logger="vescale_engine"):
         build_config(config(), 2)
     assert not [r for r in caplog.records if "offload" in r.getMessage()]
+
+
+# -- the capacity estimate's PCIe bytes are the runtime's --------------------------------------
+
+SHAPES = dict(name="offload-tiny", vocab=256, H=64, layers=3, Hq=64, Hkv=32, F=128)
+
+
+def _capacity_bench():
+    """benchmarks/capacity_check.py: the model a shapes file describes (as test_capacity uses)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "capacity_check.py"
+    spec = importlib.util.spec_from_file_location("capacity_check", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def run_estimate_bytes(rank, world, path, ratio, param, accum):
+    """The shapes file's model sharded as the planner lays it out (each layer, then the root;
+    bf16 compute), our AdamW offloaded; the bytes one optimizer step copies each way, counted
+    after a first step filled the compute shards."""
+    from vescale_engine import optim
+    from vescale_engine.fsdp import MixedPrecisionPolicy, fully_shard
+    bench = _capacity_bench()
+    torch.manual_seed(0)
+    model = bench.build_model(path)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for module in (*model.layers, model):
+        fully_shard(module, mp_policy=mp, granularity="rows:1")
+    opt = optim.AdamW(model.parameters(), lr=1e-3)
+    off = opt.offload_to_host(ratio=ratio, offload_param=param)
+    ids = torch.randint(SHAPES["vocab"], (8,), generator=torch.Generator().manual_seed(rank))
+
+    def step():
+        for _ in range(accum):
+            model(ids, ids).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    off.stats.reset()
+    step()
+    step()
+    return off.stats.bytes_to_host / 2, off.stats.bytes_to_device / 2, off.stats.host_steps / 2
+
+
+@pytest.mark.parametrize("ratio,param,accum", [(1.0, False, 1), (0.5, False, 2),
+                                               (1.0, True, 2), (0.5, True, 1)])
+def test_pcie_bytes_per_step_are_the_capacity_estimate(pools, ratio, param, accum):
+    import json
+    from vescale_engine.plan import capacity, model_plan
+    root = scratch_dir()
+    try:
+        path = os.path.join(root, "shapes.json")
+        with open(path, "w") as f:
+            json.dump(_capacity_bench().model_shapes(**SHAPES), f)
+        est = capacity.estimate(model_plan.load_shapes(path), capacity.Setup(
+            2, param_dtype="bf16", grad_accum=accum, offload_optimizer=ratio,
+            offload_param=param))["traffic"]["pcie"]
+        for to_host, to_device, steps in pools(2).run(run_estimate_bytes, path, ratio, param,
+                                                      accum):
+            assert steps > 0
+            assert (to_host, to_device) == (est["device_to_host"], est["host_to_device"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
