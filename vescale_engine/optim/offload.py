@@ -107,7 +107,7 @@ class OptimizerOffload:
     """Which of an optimizer's buffers step on the host, their host memory and the copies."""
 
     def __init__(self, buffers, state_layout, *, ratio: float = 1.0, pin_memory: bool = False,
-                 offload_param: bool = False, faces_of=None):
+                 faces_of, offload_param: bool = False):
         """`state_layout(buf)`: [(name, dtype, numel)] of the state the host allocation holds
         besides the master and gradient; `faces_of(buf)`: every ShardedParameter laid out in
         it, re-pointed at the host master."""
