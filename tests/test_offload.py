@@ -2,9 +2,9 @@
 ranks: with ratio 1 and 0.5, with and without offload_param, AdamW and AdamW8bit, clipping,
 accumulation 2 (reduced every micro-step, and kept local as no_sync does), fp32, bf16 and fp16,
 the losses and parameters equal the run without offload bitwise (the host step runs the same
-kernels on the same values). The fp32 master lives in the buffer's host allocation, the sharded
-parameters view it, the compute shard all-gather sends is separate (on the host with
-offload_param) and follows every write to the master; the bytes copied each way are the
+kernels on the same values). The fp32 master and gradient shards live in the buffer's host
+allocation, the sharded parameters view them, the compute shard all-gather sends is separate
+(on the host with offload_param) and follows every write to the master; the bytes copied each way are the
 expected ones; checkpoints cross between offload and no offload exactly; what is not supported
 is one line naming what works."""
 import os
