@@ -88,6 +88,7 @@ class Colocation:
         self.offloaded = None   # the state type names offloaded, while offloaded
         self._moved = []        # _Moved, in offload order
         self._hooks = []        # the forward guards on the units' modules
+        self._exposed = []      # (optimizer, method name) set by expose_on
         self.bytes_offloaded = 0
 
     # -- what the engine holds on its device ---------------------------------------------------
@@ -203,6 +204,24 @@ class Colocation:
         parameters, as destroy promises)."""
         if self.offloaded is not None:
             self.reload()
+        self.unexpose()
+
+    # -- DeepSpeed's ZeRO optimizer face (OpenRLHF calls it there) ------------------------------
+
+    def expose_on(self, optimizer, offload_states, reload_states) -> None:
+        """`engine.optimizer.offload_states(...)` / `.reload_states(...)`, as DeepSpeed's ZeRO
+        optimizer has them (OpenRLHF's offload_deepspeed_states calls the optimizer's): the
+        engine's methods, set on the optimizer unless it has its own."""
+        for name, method in (("offload_states", offload_states),
+                             ("reload_states", reload_states)):
+            if not hasattr(optimizer, name):
+                setattr(optimizer, name, method)
+                self._exposed.append((optimizer, name))
+
+    def unexpose(self) -> None:
+        for optimizer, name in self._exposed:
+            optimizer.__dict__.pop(name, None)
+        self._exposed = []
 
     # -- guards --------------------------------------------------------------------------------
 

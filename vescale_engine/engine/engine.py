@@ -85,6 +85,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._destroyed = False
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
         self._colocation = Colocation(module, optimizer, device)  # offload_states' record
+        self._colocation.expose_on(optimizer, self.offload_states, self.reload_states)
         # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
         self._signal_save = SignalSave(config.save_on_signal, device) \
             if config.save_on_signal is not None else None
@@ -341,6 +342,14 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """DeepSpeed's reload_states: everything offload_states moved, back where it was."""
         self._check_alive()
         self._colocation.reload(non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the parameters ZeRO-3 keeps gathered between steps (its
+        persistence threshold and prefetch cache). This engine keeps none: every unit is
+        resharded by the end of its backward, or of an inference forward, so there is nothing
+        to release (a unit still gathered then is waiting for a pending backward, or is inside
+        GatheredParameters, and must stay). OpenRLHF calls it after offload_states."""
+        self._check_alive()
 
     def fp16_enabled(self) -> bool:
         return self.loss_scaler is not None
