@@ -296,6 +296,7 @@ def run_refusals(rank, world, root):
     out = {}
     out["reload first"] = _message(engine.reload_states)
     out["unknown"] = _message(lambda: engine.offload_states(include=["optim_states", "grads"]))
+    out["not a collection"] = _message(lambda: engine.offload_states(include=3))
     out["nvme"] = _message(lambda: engine.offload_states(device=OffloadDeviceEnum.nvme))
     out["none"] = _message(lambda: engine.offload_states(device="none"))
     with GatheredShards(list(engine.module.parameters())):
@@ -337,6 +338,10 @@ def test_misuse_is_one_line(pools):
         assert out["unknown"] == (
             "ValueError: offload_states: unknown include grads; DeepSpeed's state types are "
             "optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer")
+        assert out["not a collection"] == (
+            "ValueError: offload_states: include must be None or a collection of DeepSpeed's "
+            "state types (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer), "
+            "got 3")
         for key, name in (("nvme", "nvme"), ("none", "none")):
             assert out[key] == (f"ValueError: offload_states: device {name} is not supported; "
                                 "offload to \"cpu\" (OffloadDeviceEnum.cpu)")

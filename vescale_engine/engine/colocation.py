@@ -54,7 +54,13 @@ def state_type_names(include) -> tuple:
     them or one) as state type names, checked."""
     if include is None:
         return STATE_TYPES
-    items = [include] if isinstance(include, str) else list(include)
+    if isinstance(include, str):
+        items = [include]
+    elif hasattr(include, "__iter__"):
+        items = list(include)
+    else:
+        raise ValueError(f"offload_states: include must be None or a collection of DeepSpeed's "
+                         f"state types ({', '.join(STATE_TYPES)}), got {include!r}")
     names = tuple(dict.fromkeys(_name(item) for item in items))
     unknown = [n for n in names if n not in STATE_TYPES]
     if unknown:
@@ -66,11 +72,10 @@ def state_type_names(include) -> tuple:
 class _Moved:
     """One device storage while offloaded: the storage object and its bytes on the host."""
 
-    def __init__(self, storage, host: torch.Tensor, state_type: str):
+    def __init__(self, storage, host: torch.Tensor):
         self.storage = storage
         self.host = host
         self.nbytes = host.numel()
-        self.state_type = state_type
 
 
 def _as_bytes(storage) -> torch.Tensor:
@@ -168,12 +173,12 @@ class Colocation:
         pin = bool(pin_memory) and self.device.type != "cpu"  # pinning needs an accelerator
         moved = []
         with torch.no_grad():
-            for state_type, tensor in self.device_tensors(state_types):
+            for _, tensor in self.device_tensors(state_types):
                 storage = tensor.untyped_storage()
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu",
                                    pin_memory=pin)
                 host.copy_(_as_bytes(storage), non_blocking=non_blocking and pin)
-                moved.append(_Moved(storage, host, state_type))
+                moved.append(_Moved(storage, host))
             # Freed after every copy is queued: the copies read them on the same stream.
             for m in moved:
                 m.storage.resize_(0)
