@@ -527,6 +527,14 @@ class DBuffer:
                 factor = factor.to(self.grad.device)  # a host gradient shard (offload)
             self.grad.mul_(factor)
 
+    def device_state(self) -> list:
+        """[(name, tensor)] of the shard tensors this buffer holds on its device now (the
+        master, a compute-dtype shard where there is one, the gradient): what
+        engine/colocation.py moves off the device and back. Full buffers are not among them."""
+        held = [(name, getattr(self, name, None)) for name in ("master", "compute", "grad")]
+        return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
+                t.device.type == self.device.type and _held(t) > 0]
+
 
 class PendingReduction:
     """A buffer's gradient reduction in flight, finished in two stages so that the replicas'
