@@ -531,7 +531,10 @@ class DBuffer:
         """[(name, tensor)] of the shard tensors this buffer holds on its device now (the
         master, a compute-dtype shard where there is one, the gradient): what
         engine/colocation.py moves off the device and back. Full buffers are not among them."""
-        held = [(name, getattr(self, name, None)) for name in ("master", "compute", "grad")]
+        if self.compute is not None:  # offloaded: master and gradient are in host memory
+            held = [] if self.compute.on_host else [("compute", self.compute.tensor)]
+        else:
+            held = [("master", self.master), ("grad", self.grad)]
         return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
                 t.device.type == self.device.type and _held(t) > 0]
 
