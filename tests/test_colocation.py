@@ -102,10 +102,13 @@ def run_round_trip(rank, world, optimizer, dtype, offload_optimizer):
         if round_trip:
             held = held_tensors(engine)
             before = {name: bits(t) for name, t in held.items()}
-            # offload_optimizer (ratio 1): every buffer's optimizer state is in host memory
-            host_resident = {name for name in held if name.startswith("state")} \
-                if offload_optimizer else set()
+            # offload_optimizer (ratio 1): every buffer's master, gradient shard and optimizer
+            # state are in host memory (the faces and their .grad view them); the device keeps
+            # each buffer's compute shard, which offload_states moves
+            host_resident = set(held) if offload_optimizer else set()
             engine.offload_states()
+            info["compute_freed"] = all(b.compute.tensor.untyped_storage().nbytes() == 0
+                                        for b in buffers(engine)) if offload_optimizer else None
             info["offloaded"] = {name: t.untyped_storage().nbytes() for name, t in held.items()}
             info["host_resident"] = sorted(host_resident)
             info["device_bytes"] = engine._colocation.device_bytes()
@@ -147,6 +150,7 @@ def test_round_trip_is_exact_and_training_goes_on(pools, optimizer, dtype, offlo
         if offload_optimizer:  # its state stays in host memory, untouched
             assert info["host_resident"]
             assert all(info["offloaded"][n] > 0 for n in info["host_resident"])
+            assert info["compute_freed"], rank
         else:
             assert not info["host_resident"]
         assert info["same_objects"]
