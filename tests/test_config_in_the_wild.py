@@ -385,6 +385,7 @@ OFFLOADING = {
     "axolotl_zero3_bf16_cpuoffload_params.json": ["offload_param"],
     "llamafactory_ds_z3_offload_config.json": ["offload_param"],
     "llava_zero3_offload.json": ["offload_param"],
+    "llava_next_zero2_offload.json": ["offload_param"],  # at stage 2, where DeepSpeed ignores it
     "msswift_zero3_offload.json": ["offload_param"],
     "transformers_docs_zero3.json": ["offload_param"],
     "transformers_tests_ds_config_zero3.json": ["offload_param"],
