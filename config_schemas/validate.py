@@ -405,7 +405,28 @@ def _semantic_errors(config) -> list:
                       f"param_dtype is {dtype!r}: drop one of them")
     errors += _batch_errors(config)
     errors += _optimizer_errors(config.get("optimizer"))
+    errors += _offload_param_errors(config.get("zero_optimization", {}))
     return errors
+
+
+def _offload_param_errors(zero) -> list:
+    """offload_param with device "cpu" acts at ZeRO stage 3 together with offload_optimizer
+    with device "cpu" (the fp32 master lives with the optimizer state): anything else is an
+    error naming what to add."""
+    param = zero.get("offload_param") or {}
+    if not isinstance(param, dict) or param.get("device") != "cpu":
+        return []
+    key = "zero_optimization.offload_param"
+    stage = zero.get("stage", 3)
+    if stage != 3:
+        return [f"{key}: needs ZeRO stage 3 (zero_optimization.stage is {_show(stage)}): "
+                "parameters are sharded only at stage 3"]
+    optimizer = zero.get("offload_optimizer") or {}
+    if isinstance(optimizer, dict) and optimizer.get("device") in ("cpu", "auto"):
+        return []
+    return [f"{key}: needs zero_optimization.offload_optimizer with device \"cpu\" too: the "
+            "fp32 master lives with the optimizer state, and offloading only the compute-dtype "
+            "shard would keep the master on the device and save nothing"]
 
 
 def node_at(parts):

@@ -245,28 +245,42 @@ def offload_estimate(model, **changes):
 
 
 def test_offload_ours_all_by_hand(offload_model):
-    """Ours as optim/offload.py offloads: the optimizer state moves to the host; the fp32
-    master and gradient shards stay on the device and are copied to the host for the step."""
+    """Ours as optim/offload.py offloads: the fp32 master and the optimizer state move to the
+    host; the device keeps the gradient shard and a bf16 compute shard the all-gather sends."""
     plain = offload_estimate(offload_model)["memory"]["ours"]
     est = offload_estimate(offload_model, offload_optimizer=1.0)
     ours = est["memory"]["ours"]
     assert (ours["master"], ours["grad"], ours["optimizer"], ours["param_shard"]) == \
-        (272 * 4, 272 * 4, 0, 0)
-    # The state (2188 B) was live all through forward and backward, where the peak is: the
-    # device peak drops by exactly that much.
-    assert plain["total"] == 5644 and ours["total"] == 5644 - 2188
-    # Host: copies of the fp32 master and gradient (272 x 4 each) and the optimizer state.
-    assert ours["host"] == {"master": 1088, "grad": 1088, "optimizer": 2188, "param": 0,
-                            "optimizer_step_peak": 0, "total": 4364}
-    # PCIe per optimizer step: master and gradient down (2 x 272 x 4 B), master back (272 x 4
-    # B), whatever the reduce dtype and the accumulation (the copies are made at the step).
-    assert est["traffic"]["pcie"] == {"host_to_device": 1088, "device_to_host": 2176}
+        (0, 272 * 4, 0, 272 * 2)
+    # The state (2188 B) and the master (1088 B) were live all through forward and backward,
+    # where the peak is; the compute shard (544 B) is: the device peak drops by the difference.
+    assert plain["total"] == 5644 and ours["total"] == 5644 - 2188 - 1088 + 544
+    # Host: the fp32 master, the gradient copy (272 x 4 each), the optimizer state and the
+    # bf16 staging tensor the compute shard's refresh casts into (272 x 2).
+    assert ours["host"] == {"master": 1088, "grad": 1088, "optimizer": 2188, "param": 544,
+                            "optimizer_step_peak": 0, "total": 4908}
+    # PCIe per optimizer step: the fp32 gradient down (272 x 4 B), the bf16 compute shard back
+    # (272 x 2 B), whatever the reduce dtype and the accumulation (both move at the step).
+    assert est["traffic"]["pcie"] == {"host_to_device": 544, "device_to_host": 1088}
     for changes in ({"grad_accum": 2}, {"reduce_dtype": "fp32"}):
         again = offload_estimate(offload_model, offload_optimizer=1.0, **changes)
         assert again["traffic"]["pcie"] == est["traffic"]["pcie"], changes
-    # Parameter offload is not built: ours is the same with it.
+    # fp32 compute: the compute shard is fp32 (4 B) and needs no staging on the host
+    fp32 = offload_estimate(offload_model, offload_optimizer=1.0, param_dtype="fp32")
+    assert fp32["memory"]["ours"]["param_shard"] == 272 * 4
+    assert fp32["memory"]["ours"]["host"]["param"] == 0
+    assert fp32["traffic"]["pcie"] == {"host_to_device": 1088, "device_to_host": 1088}
+    # With offload_param the compute shard lives on the host (in place of the staging tensor)
+    # and each all-gather copies it down: the root and the last layer once, the first layer
+    # twice (resharded after forward): (16 + 2 x 128 + 128) x 2 B per micro-step.
     both = offload_estimate(offload_model, offload_optimizer=1.0, offload_param=True)
-    assert both["memory"]["ours"] == ours and both["traffic"]["pcie"] == est["traffic"]["pcie"]
+    mine = both["memory"]["ours"]
+    assert (mine["master"], mine["param_shard"], mine["total"]) == (0, 0, ours["total"] - 544)
+    assert mine["host"] == ours["host"]
+    assert both["traffic"]["pcie"] == {"host_to_device": 400 * 2, "device_to_host": 1088}
+    twice = offload_estimate(offload_model, offload_optimizer=1.0, offload_param=True,
+                             grad_accum=2)
+    assert twice["traffic"]["pcie"] == {"host_to_device": 2 * 400 * 2, "device_to_host": 1088}
 
 
 def test_offload_ratio_takes_whole_buffers_largest_first(offload_model):
@@ -275,10 +289,11 @@ def test_offload_ratio_takes_whole_buffers_largest_first(offload_model):
     part = offload_estimate(offload_model, offload_optimizer=0.4)
     ours = part["memory"]["ours"]
     assert ours["host"]["optimizer"] == 1028 and ours["optimizer"] == 132 + 1028
-    assert ours["host"]["master"] == 128 * 4 and ours["master"] == 272 * 4
+    assert ours["host"]["master"] == 128 * 4 and ours["master"] == 144 * 4
+    assert ours["param_shard"] == 128 * 2
     assert ours["offloaded_ratio"] == 1028 / 2188
-    assert ours["total"] == 5644 - 1028
-    assert part["traffic"]["pcie"] == {"host_to_device": 128 * 4, "device_to_host": 2 * 128 * 4}
+    assert ours["total"] == 5644 - 1028 - 128 * 4 + 128 * 2
+    assert part["traffic"]["pcie"] == {"host_to_device": 128 * 2, "device_to_host": 128 * 4}
     # 0.5 (1094 B): both layers, never the root.
     half = offload_estimate(offload_model, offload_optimizer=0.5)["memory"]["ours"]
     assert (half["host"]["optimizer"], half["optimizer"]) == (2056, 132)
@@ -300,14 +315,17 @@ def test_offload_ratio_zero_is_no_offload_and_one_moves_all(offload_model):
     for ratio in (0.25, 0.5, 1.0):
         est = capacity.estimate(model, capacity.Setup(8, offload_optimizer=ratio))["memory"]
         ours = est["ours"]
-        # the state moves (device + host is what stayed on the device without offload); the
-        # master and gradient shards stay, with host copies of the offloaded ones
-        assert ours["optimizer"] + ours["host"]["optimizer"] == base["ours"]["optimizer"]
-        for part in ("master", "grad"):
-            assert ours[part] == base["ours"][part], (ratio, part)
-            assert 0 < ours["host"][part] <= base["ours"][part], (ratio, part)
+        # the state and the master move (device + host is what was on the device without
+        # offload); the gradient shard stays, with host copies of the offloaded ones
+        for part in ("optimizer", "master"):
+            assert ours[part] + ours["host"][part] == base["ours"][part], (ratio, part)
+        assert ours["grad"] == base["ours"]["grad"]
+        assert 0 < ours["host"]["grad"] <= base["ours"]["grad"], ratio
+        # the offloaded master's bf16 compute shard: half its bytes, on the device
+        assert ours["param_shard"] == ours["host"]["master"] // 2
         assert ours["offloaded_ratio"] >= ratio
-    assert ours["optimizer"] == 0 and ours["host"]["master"] == base["ours"]["master"]
+    assert ours["optimizer"] == 0 and ours["master"] == 0
+    assert ours["host"]["master"] == base["ours"]["master"]
     assert ours["offloaded_ratio"] == 1.0
 
 
@@ -381,8 +399,9 @@ def test_offload_adamw8bit_state_and_step_move_to_the_host(offload_model):
 
 
 def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
-    """Parameter offload is not built for ours: --offload-param leaves ours as it was (the
-    CLI says so); FSDP2 offloads all."""
+    """offload_param without offload_optimizer is refused by ours' initialize (the fp32 master
+    lives with the optimizer state): --offload-param alone leaves ours as it was (the CLI says
+    so); FSDP2 offloads all."""
     plain = offload_estimate(offload_model)
     alone = offload_estimate(offload_model, offload_param=True)
     for part in ("master", "grad", "optimizer", "total"):
@@ -392,5 +411,9 @@ def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
     out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "8",
                   "--memory", "--offload-param")
     assert out.returncode == 0, out.stderr
-    assert "ours: offload_param is not built yet (initialize refuses it); ours is shown with " \
-        "the parameters on the device" in out.stdout
+    assert "ours: offload_param needs offload_optimizer (initialize refuses it alone: the fp32 " \
+        "master lives with the optimizer state); ours is shown without offload" in out.stdout
+    both = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "8",
+                   "--memory", "--offload-optimizer", "--offload-param")
+    assert both.returncode == 0, both.stderr
+    assert "offload_param needs" not in both.stdout

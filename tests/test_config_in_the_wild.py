@@ -42,12 +42,9 @@ FIXTURES = [
         "accepted but not acted on: zero_optimization.overlap_comm (",
         'valid, with 17 "auto" value(s) as listed',
     ]),
-    ("hf_trainer_zero3_offload.json", 2, [  # offload_optimizer works; offload_param not yet
-        "zero_optimization.offload_param.device: 'cpu' is not allowed (allowed: 'none'); "
-        "offload_param is not yet supported",
-        'Set device to "none" (or remove the section); what works: '
-        'zero_optimization.offload_optimizer with device "cpu"',
-        "1 problem(s)",
+    ("hf_trainer_zero3_offload.json", 0, [  # offload_optimizer and offload_param both act
+        '"auto": train_micro_batch_size_per_gpu (filled in by Hugging Face Trainer',
+        'valid, with 15 "auto" value(s) as listed',
     ]),
     ("llava_style_zero3.json", 0, [
         '"auto": gradient_accumulation_steps (filled in by Hugging Face Trainer: '
@@ -56,9 +53,8 @@ FIXTURES = [
         "zero_optimization.stage3_max_live_parameters (the next unit is prefetched",
         'valid, with 8 "auto" value(s)',
     ]),
-    ("llava_style_zero3_offload.json", 2, [
-        "zero_optimization.offload_param.device: 'cpu' is not allowed",
-        "1 problem(s)",
+    ("llava_style_zero3_offload.json", 0, [
+        'valid, with 16 "auto" value(s) as listed',
     ]),
     ("alpaca_style_zero3_aliases.json", 0, [
         "alias: bfloat16 (= bf16; DeepSpeed's older name)",
@@ -182,8 +178,8 @@ BAD = [
      "zero_optimization.stage3_max_reuse_distance: expected number, got '1e9' (a string"),
     # offload: never silently ignored
     ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}},
-     "zero_optimization.offload_param.device: 'nvme' is not allowed (allowed: 'none'); "
-     "offload_param is not yet supported"),
+     "zero_optimization.offload_param.device: 'nvme' is not allowed (allowed: 'none', "
+     "'cpu'); NVMe offload is not supported: device \"cpu\" keeps the sharded parameters"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_optimizer.device: 'nvme' is not allowed (allowed: 'none', "
      "'cpu'); NVMe offload is not supported: device \"cpu\" keeps the optimizer state"),
@@ -267,8 +263,8 @@ def test_top_level_keys_deepspeed_ignores_are_warned_about(config, texts, tmp_pa
 
 
 def test_validate_command_end_to_end():
-    """The real command line, once with a config Hugging Face fills in, once with offload
-    (offload_param refused, offload_optimizer accepted)."""
+    """The real command line, once with a config Hugging Face fills in, once with
+    offload_param alone (refused, naming offload_optimizer to add)."""
     def run(name):
         return subprocess.run([sys.executable, "-m", "launcher.cli", "validate",
                                str(WILD / name)], capture_output=True, text=True, timeout=120)
@@ -276,10 +272,11 @@ def test_validate_command_end_to_end():
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     lines = ok.stdout.splitlines()
     assert sum('"auto": ' in line for line in lines) == 17  # a line per key
-    bad = run("hf_trainer_zero3_offload.json")
+    both = run("hf_trainer_zero3_offload.json")
+    assert both.returncode == 0 and both.stderr == "", both.stderr
+    bad = run("public/axolotl_zero3_bf16_cpuoffload_params.json")
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
-    assert "offload_param.device: 'cpu' is not allowed" in bad.stderr
-    assert "offload_optimizer.device: 'cpu'" not in bad.stderr
+    assert f"zero_optimization.offload_param: {PARAM_ALONE}" in bad.stderr, bad.stderr
 
 
 def _load(name):
@@ -377,30 +374,37 @@ def test_aliases_are_read_as_the_canonical_key():
 # ---- the configs public projects ship (tests/configs_in_the_wild/public/, sources in README) --
 
 PUBLIC = WILD / "public"
-OFFLOAD = "offload_param is not yet supported"
-# The ones offloading parameters: `vescale validate` exits 2 naming offload_param and what works
-# (offload_optimizer with device "cpu"); the others are valid.
+PARAM_ALONE = ('needs zero_optimization.offload_optimizer with device "cpu" too: the fp32 master '
+               "lives with the optimizer state")
+# The ones offloading parameters without the optimizer: `vescale validate` exits 2 naming
+# offload_optimizer to add (ours keeps the fp32 master with the optimizer state); the others
+# are valid.
 OFFLOADING = {
-    "axolotl_zero3_bf16_cpuoffload_all.json": ["offload_param"],
     "axolotl_zero3_bf16_cpuoffload_params.json": ["offload_param"],
-    "llamafactory_ds_z3_offload_config.json": ["offload_param"],
-    "llava_zero3_offload.json": ["offload_param"],
-    "llava_next_zero2_offload.json": ["offload_param"],  # at stage 2, where DeepSpeed ignores it
     "msswift_zero3_offload.json": ["offload_param"],
-    "transformers_docs_zero3.json": ["offload_param"],
-    "transformers_tests_ds_config_zero3.json": ["offload_param"],
-    "transformers_tests_ds_config_zero3_bf16.json": ["offload_param"],
+    "transformers_tests_ds_config_zero3_bf16.json": [],  # (refused for bfloat16 "auto")
+    "llava_next_zero2_offload.json": [],  # (refused: offload_param at stage 2)
 }
-# The ones offloading only the optimizer (device "cpu"): valid, and the engine offloads.
-OPTIMIZER_OFFLOADING = {"axolotl_zero2.json": False,  # pin_memory as written
-                        "llamafactory_ds_z2_offload_config.json": True,
-                        "transformers_tests_ds_config_zero2.json": True}
+# The ones offloading the optimizer (device "cpu"): valid, and the engine offloads; the
+# value: pin_memory as written, and whether offload_param (device "cpu") comes with it.
+OPTIMIZER_OFFLOADING = {"axolotl_zero2.json": (False, False),
+                        "llamafactory_ds_z2_offload_config.json": (True, False),
+                        "transformers_tests_ds_config_zero2.json": (True, False),
+                        "axolotl_zero3_bf16_cpuoffload_all.json": (True, True),
+                        "llamafactory_ds_z3_offload_config.json": (True, True),
+                        "llava_zero3_offload.json": (True, True),
+                        "transformers_docs_zero3.json": (True, True),
+                        "transformers_tests_ds_config_zero3.json": (True, True)}
 # Other errors: transformers' own bf16 test config writes DeepSpeed's older name with "auto",
 # which Trainer does not fill in (it fills bf16.enabled) and DeepSpeed reads as its default,
 # false: bf16 would silently stay off under DeepSpeed.
 ALSO_REFUSED = {"transformers_tests_ds_config_zero3_bf16.json": [
     'bfloat16.enabled: "auto" is not filled in here: Hugging Face Trainer and Accelerate '
-    'replace "auto" only in']}
+    'replace "auto" only in'],
+    # LLaVA-NeXT's zero2_offload.json: offload_param at stage 2, which DeepSpeed does not read
+    "llava_next_zero2_offload.json": [
+        "zero_optimization.offload_param: needs ZeRO stage 3 (zero_optimization.stage is 2): "
+        "parameters are sharded only at stage 3"]}
 # what `vescale validate` must print for the valid ones beyond "valid"
 PUBLIC_TEXTS = {
     "llamafactory_ds_z3_config.json": [f"warning: ignored: comms_config ({IGNORED})",
@@ -429,11 +433,10 @@ def test_public_config_validates(name, capsys):
     if name in OFFLOADING:
         assert status == 2, out
         for section in OFFLOADING[name]:
-            assert f"zero_optimization.{section}.device: 'cpu' is not allowed (allowed: " \
-                   f"'none'); {OFFLOAD}" in out, out
+            assert f"zero_optimization.{section}: {PARAM_ALONE}" in out, out
         for text in ALSO_REFUSED.get(name, []):
             assert text in out, out
-        assert "offload_optimizer.device: 'cpu'" not in out, out
+        assert "device: 'cpu' is not allowed" not in out, out
         problems = len(OFFLOADING[name]) + len(ALSO_REFUSED.get(name, []))
         assert f"{PUBLIC / name}: {problems} problem(s)" in out, out
         return
@@ -470,15 +473,17 @@ def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
     """With "vescale": {} added, as a user switching would: the config Trainer passes to
     initialize builds (the offloading ones fail on offload, naming what to change)."""
     written = _load(f"public/{name}") | {"vescale": {}}
+    if name == "transformers_docs_zero3.json":  # the docs print its zero_optimization block
+        written |= {key: "auto" for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                            "gradient_accumulation_steps")}
     config = written if name in DIRECT else _trainer_filled(written)
     if name in OFFLOADING:
         with pytest.raises(ConfigError) as err:
             build_config(config, world_size=2)
         messages = "\n".join(err.value.messages)
         for section in OFFLOADING[name]:
-            assert f"zero_optimization.{section}.device: 'cpu' is not allowed" in messages
-        assert OFFLOAD in messages and 'Set device to "none"' in messages
-        assert "offload_optimizer.device: 'cpu'" not in messages
+            assert f"zero_optimization.{section}: {PARAM_ALONE}" in messages
+        assert "device: 'cpu' is not allowed" not in messages
         for text in ALSO_REFUSED.get(name, []):
             assert text in messages
         return
@@ -491,13 +496,15 @@ def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
         assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
                 cfg.batch.gradient_accumulation_steps) == (12, 3, 2)
         assert cfg.gradient_clipping == (0.5 if "gradient_clipping" in written else 0.0)
-    if name == "transformers_tests_ds_config_zero2.json":  # fp16 "auto" only: Trainer's fp16
+    if name in ("transformers_tests_ds_config_zero2.json", "transformers_tests_ds_config_zero3"
+                ".json", "transformers_docs_zero3.json"):  # fp16 "auto" only: Trainer's fp16
         assert not cfg.bf16 and cfg.param_dtype is None and cfg.fp16 == {}  # False: fp32
     else:
         assert cfg.bf16 and cfg.param_dtype == "bfloat16"
+    pin, param = OPTIMIZER_OFFLOADING.get(name, (None, False))
     assert cfg.offload_optimizer == (
-        {"ratio": 1.0, "pin_memory": OPTIMIZER_OFFLOADING[name]}
-        if name in OPTIMIZER_OFFLOADING else None)
+        None if pin is None else
+        {"ratio": 1.0, "pin_memory": pin, **({"offload_param": True} if param else {})})
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     if name == "llamafactory_ds_z3_config.json":
         assert [e.split(" (")[0] for e in cfg.ignored] == ["comms_config", "monitor_config"]

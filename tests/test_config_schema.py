@@ -23,8 +23,8 @@ BAD = [
     ({"zero_optimization": {"stage": 4}},
      "zero_optimization.stage: 4 is not allowed (allowed: 0, 1, 2, 3)"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
-     "zero_optimization.offload_param.device: 'nvme' is not allowed (allowed: 'none'); "
-     "offload_param is not yet supported"),
+     "zero_optimization.offload_param.device: 'nvme' is not allowed (allowed: 'none', "
+     "'cpu'); NVMe offload is not supported: device \"cpu\" keeps the sharded parameters"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
      "zero_optimization.offload_optimizer.device: 'nvme' is not allowed (allowed: 'none', "
      "'cpu'); NVMe offload is not supported"),

@@ -26,6 +26,7 @@ OPTIMIZERS = {
     "Muon": {"type": "Muon", "params": {"lr": 0.02, "adamw_lr": 1e-3}},
 }
 OFFLOADED = "AdamW offload_optimizer ratio 0.5"  # host state made at the first step
+BOTH_OFFLOADED = "AdamW offload_optimizer + offload_param"  # compute shards on the host too
 TORCH_FUSED = "torch.optim.AdamW(fused=True)"  # a client optimizer: its `step` state is torch's
 PRECISION = {"bf16": {"bf16": {"enabled": True}},  # bf16 parameters, fp32 master and reduction
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}  # + loss scaler
@@ -60,6 +61,11 @@ def train(rank, world, optimizer, precision, directory, meta):
     elif optimizer == OFFLOADED:
         config["optimizer"] = OPTIMIZERS["AdamW"]
         config["zero_optimization"] = {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    elif optimizer == BOTH_OFFLOADED:
+        config["optimizer"] = OPTIMIZERS["AdamW"]
+        config["zero_optimization"] = {"stage": 3,
+                                       "offload_optimizer": {"device": "cpu", "ratio": 1.0},
+                                       "offload_param": {"device": "cpu", "pin_memory": True}}
     else:
         config["optimizer"] = OPTIMIZERS[optimizer]
     engine, *_ = initialize(model=fm.make("gpt"), optimizer=client, config=config)
@@ -106,7 +112,8 @@ def hygiene_rank(rank, world, optimizer, precision, directory):
     return got, want, same_params
 
 
-CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED, OFFLOADED]] + [("AdamW", "fp16")]
+CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED, OFFLOADED, BOTH_OFFLOADED]] + \
+    [("AdamW", "fp16")]
 
 
 @pytest.mark.parametrize("optimizer,precision", CASES)

@@ -271,6 +271,10 @@ class _RangeReader:
         n = end - begin
         if out.dtype == entry.dtype and out.device.type == "cpu" and out.is_contiguous():
             self.bytes_read += read_exactly(f, offset, memory_of(out))  # in place, no copy
+            # a write torch did not see: move the version counter, as a copy_ would, so that
+            # an offloaded master's compute shard is refreshed (shard/compute_shard.py)
+            if not out.is_inference():  # (an inference tensor has no version counter)
+                torch.autograd.graph.increment_version(out)
             return
         chunk = max(1, STAGING_BYTES // itemsize)
         staging = self._staging_for(min(n, chunk) * itemsize, out.device)

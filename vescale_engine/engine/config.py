@@ -138,7 +138,8 @@ class EngineConfig:
     # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
     gather_16bit_weights_on_model_save: bool = False
     save_on_signal: SaveOnSignal | None = None  # the preemption save, when configured
-    # zero_optimization.offload_optimizer with device "cpu": {"ratio", "pin_memory"}, else None
+    # zero_optimization.offload_optimizer with device "cpu": {"ratio", "pin_memory",
+    # "offload_param"} (offload_param: device "cpu" there too), else None
     offload_optimizer: dict | None = None
     canonical: dict = field(default_factory=dict)  # the validated config, canonical names
 
@@ -146,10 +147,30 @@ class EngineConfig:
 def _offload_optimizer(section: dict | None) -> dict | None:
     """The validated offload_optimizer section as what the engine acts on (None: no offload;
     the schema allows device "none" or "cpu" only)."""
-    if not section or section.get("device", "none") == "none":
+    if not _offloads("zero_optimization.offload_optimizer", section):
         return None
     return {"ratio": float(section.get("ratio", 1.0)),
             "pin_memory": bool(section.get("pin_memory", False))}
+
+
+def _offloads(name: str, section: dict | None) -> bool:
+    """Whether an offload section asks for device "cpu"; with device "none" (or none given)
+    any other key it sets is named in a warning: it does nothing."""
+    if not section:
+        return False
+    if section.get("device", "none") != "none":
+        return True
+    unused = sorted(k for k in section if k != "device")
+    if unused and _rank() == 0:
+        LOG.warning("%s: device is \"none\", so %s do nothing (set device \"cpu\" to "
+                    "offload)", name, ", ".join(unused))
+    return False
+
+
+def _offload_param(zero: dict) -> bool:
+    """Whether parameters offload (offload_param device "cpu"; the validator refused it
+    without offload_optimizer or below stage 3)."""
+    return _offloads("zero_optimization.offload_param", zero.get("offload_param"))
 
 
 def _rank() -> int:
@@ -191,6 +212,11 @@ def build_config(source, world_size: int) -> EngineConfig:
     steps_per_print = config.get("steps_per_print", 10)
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
+    offload = _offload_optimizer(zero.get("offload_optimizer"))
+    if _offload_param(zero) and offload is not None:
+        pin = (zero.get("offload_param") or {}).get("pin_memory", False)
+        offload = {**offload, "offload_param": True,
+                   "pin_memory": offload["pin_memory"] or bool(pin)}
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, world_size),
@@ -224,6 +250,6 @@ def build_config(source, world_size: int) -> EngineConfig:
         gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save",
                                                     False),
         save_on_signal=_save_on_signal(ves.get("save_on_signal")),
-        offload_optimizer=_offload_optimizer(zero.get("offload_optimizer")),
+        offload_optimizer=offload,
         canonical=config,
     )

@@ -100,7 +100,7 @@ def gather_selected(params, keep=True, mode="view", compute_dtype=False) -> dict
         if keep:
             for p in gathered.members:  # no local keeps a view past the buffer's turn
                 out[p] = _copy_out(gathered.value(p, compute_dtype), mode)
-            _finish_host_copies(gathered.buffer.master.device, mode)
+            _finish_host_copies(gathered.buffer.device, mode)
     return out
 
 
@@ -130,7 +130,7 @@ def gathered_buffers(params):
         selected.setdefault(p.buffer, {})[p] = None
     for buf, members in selected.items():
         full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
-                           device=buf.master.device)
+                           device=buf.device)  # (an offloaded master is in host memory)
         with explain_timeout(f"the all-gather of {buf.name}'s master shards (full values)"):
             all_gather_master(full, buf)
         gathered = GatheredBuffer(buf, list(members), full)
@@ -142,8 +142,10 @@ def gathered_buffers(params):
 
 
 def all_gather_master(full, buf):
-    collectives.all_gather(full, buf.master, buf.shard_group, async_op=False,
-                           native=buf.native)
+    """The collective runs where the buffer's collectives run: a master offloaded to host
+    memory (optim/offload.py) is copied to the device first."""
+    source = buf.master if buf.master.device == full.device else buf.master.to(full.device)
+    collectives.all_gather(full, source, buf.shard_group, async_op=False, native=buf.native)
 
 
 def named_entries(module) -> list:

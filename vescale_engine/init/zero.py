@@ -141,6 +141,8 @@ def refuse_changed_meaning(config: dict, arguments: dict) -> None:
                         "to initialize as it is (initialize shards it), or build it inside "
                         "this context")
     offload = ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+    if str(offload).lower() == "cpu":  # initialize offloads the shards (optim/offload.py)
+        offload = None
     for what, where in (("remote_device", a.get("remote_device")),
                         ("zero_optimization.offload_param.device", offload)):
         if where is not None and str(getattr(where, "value", where)).lower() != "none":

@@ -29,15 +29,21 @@ class AdamW(torch.optim.Optimizer):
         self._missed = {}  # id(buffer) -> per tensor: steps of the buffer it had no gradient
         self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
 
-    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False) -> OptimizerOffload:
+    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False,
+                        offload_param: bool = False) -> OptimizerOffload:
         """Step `ratio` of the buffers (by bytes, largest first) on the host from now on, their
         state in host memory (optim/offload.py). Before the first step only."""
         if self.state:
             raise RuntimeError("offload_to_host: the optimizer already holds state")
+        members = {id(b): m for b, _g, _d, m, *_ in self._buffers}
+
+        def faces_of(buf):  # every parameter of the buffer, given to the optimizer or not
+            return [sp for sp in members[id(buf)][0].unit.params if sp.buffer is buf]
         self.offload = OptimizerOffload(
             [b for b, *_ in self._buffers],
             lambda b: [(name, b.master.dtype, b.shard_size) for name in ("exp_avg", "exp_avg_sq")],
-            ratio=ratio, pin_memory=pin_memory)
+            ratio=ratio, pin_memory=pin_memory, offload_param=offload_param,
+            faces_of=faces_of)
         self._buffers = [(b, g, d.cpu() if isinstance(d, torch.Tensor) and
                           self.offload.offloads(b) else d, m) for b, g, d, m in self._buffers]
         return self.offload
@@ -80,11 +86,10 @@ class AdamW(torch.optim.Optimizer):
             if not pieces:  # this rank holds none of the stepped tensors
                 continue
             offloaded = self._offloaded(buf)
-            # the step's master and gradient: the device's, or their host copies
+            # the step's master and gradient: on the device, or in the host allocation
             master, grad = buf.master, buf.grad
             if offloaded:
-                host = self.offload.to_host(buf)
-                master, grad = host.master, host.grad
+                grad = self.offload.to_host(buf).grad
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             if isinstance(decay, torch.Tensor):  # per-element decay first, then none inside
                 for piece in pieces:
@@ -95,7 +100,7 @@ class AdamW(torch.optim.Optimizer):
                        lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
             if offloaded:
-                self.offload.to_device(buf)
+                self.offload.stepped(buf)
         return loss
 
     def checkpoint_state(self, create: bool) -> dict:

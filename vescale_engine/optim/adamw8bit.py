@@ -49,12 +49,17 @@ class AdamW8bit(torch.optim.Optimizer):
         self._buffers = self._index_buffers()
         self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
 
-    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False) -> OptimizerOffload:
+    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False,
+                        offload_param: bool = False) -> OptimizerOffload:
         """Step `ratio` of the buffers (by bytes, largest first) on the host from now on: their
         codes and scales in host memory, quantized there (optim/offload.py). Before the first
         step only."""
         if self.state:
             raise RuntimeError("offload_to_host: the optimizer already holds state")
+        members = {id(b): m for b, _g, _d, m, *_ in self._buffers}
+
+        def faces_of(buf):  # every parameter of the buffer, given to the optimizer or not
+            return [sp for sp in members[id(buf)][0].unit.params if sp.buffer is buf]
         blocks = {id(b): q.num_blocks for b, *_, q in self._buffers}
         self.offload = OptimizerOffload(
             [b for b, *_ in self._buffers],
@@ -62,7 +67,8 @@ class AdamW8bit(torch.optim.Optimizer):
                        ("exp_avg_sq_scales", b.master.dtype, blocks[id(b)]),
                        ("exp_avg_codes", torch.int8, b.shard_size),
                        ("exp_avg_sq_codes", torch.uint8, b.shard_size)],
-            ratio=ratio, pin_memory=pin_memory)
+            ratio=ratio, pin_memory=pin_memory, offload_param=offload_param,
+            faces_of=faces_of)
         self._buffers = [
             (b, g, d.cpu() if isinstance(d, torch.Tensor) and self.offload.offloads(b) else d,
              m, BlockQuantizer(shard_segments(b), self.quant_map, device="cpu")
@@ -128,11 +134,10 @@ class AdamW8bit(torch.optim.Optimizer):
             state = self.state[buf.master]
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             offloaded = self._offloaded(buf)
-            # the step's master and gradient: the device's, or their host copies
+            # the step's master and gradient: on the device, or in the host allocation
             master, grad = buf.master, buf.grad
             if offloaded:
-                host = self.offload.to_host(buf)
-                master, grad = host.master, host.grad
+                grad = self.offload.to_host(buf).grad
             if isinstance(decay, torch.Tensor):
                 master.mul_(1 - lr * decay)
             state["step"] += 1
@@ -141,7 +146,7 @@ class AdamW8bit(torch.optim.Optimizer):
                                  beta2=beta2, eps=eps,
                                  weight_decay=0.0 if isinstance(decay, torch.Tensor) else decay)
             if offloaded:
-                self.offload.to_device(buf)
+                self.offload.stepped(buf)
         return loss
 
     def _check_untouched(self, buf, members, decay):

@@ -1,21 +1,29 @@
-"""ZeRO-Offload of optimizer state (`zero_optimization.offload_optimizer`, device "cpu").
+"""ZeRO-Offload (`zero_optimization.offload_optimizer` and `offload_param`, device "cpu").
 
 For each offloaded DBuffer one host allocation (pinned when asked and the device is an
-accelerator) holds the fp32 master copy the step updates, the gradient copy and the optimizer's
-state (AdamW's two moments; AdamW8bit's codes and scales). The device keeps its fp32 master
-shard: the sharded parameters stay views of it, so the all-gather, checkpoints, Hugging Face
-loading and anything else that reads or writes parameters between steps work unchanged; what
-leaves the device is the optimizer state (8 of AdamW's 16 bytes per element of master, gradient
-and moments). Because the device master stays the authoritative value, every step copies it to
-the host together with the gradient shard (after clipping and fp16 unscaling, so both stay as
-they are), steps the whole flat shard there with the same kernel as the device path (torch's
-fused AdamW, CPU build), and copies the master back: nothing written to the parameters between
-steps is ever lost. Bytes moved per offloaded buffer
-and step: 8 x shard elements to the host, 4 back (`OffloadStats` counts them).
+accelerator) holds the fp32 master shard, the gradient copy the step reads and the optimizer's
+state (AdamW's two moments; AdamW8bit's codes and scales), plus the compute-dtype shard where
+it lives on the host (offload_param) or the staging tensor its refresh casts into. The master
+moves there for good (`DBuffer.move_master_to_host`): the sharded parameters are re-pointed at
+it (`ShardedParameter.bind_storage`, the same Parameter objects), so checkpoints, Hugging Face
+loading and GatheredParameters read and write the host master. The device keeps a shard in the
+compute dtype that all-gather sends (shard/compute_shard.py; refreshed after every host step
+and whenever the master's version counter moved), and the gradient shard between backward and
+step: 6 bytes per element for bf16 compute instead of 8 (master + gradient). With
+offload_param the compute shard lives on the host too and each all-gather copies it into this
+rank's slot of the full buffer: only the gradient shard stays on the device between uses.
+
+Per offloaded buffer and step (`OffloadStats` counts them): the gradient shard to the host
+(4 bytes per element, after clipping and fp16 unscaling on the device), one vectorized step of
+the whole flat shard there with the same kernel as the device path (torch's fused AdamW, CPU
+build), then the compute shard refreshed: 2 bytes per element back for bf16 (4 for fp32). With
+offload_param nothing comes back at the step; each all-gather copies the compute shard to the
+device instead (2 bytes per element per gather).
 
 `ratio` < 1 offloads whole buffers, largest shard first, until that fraction of the optimizer's
-bytes is offloaded; the rest step on the device. Shard sizes are the same on every rank, so
-every rank chooses the same buffers.
+bytes is offloaded; the rest keep master and state on the device and step there (offload_param
+acts on the offloaded buffers only). Shard sizes are the same on every rank, so every rank
+chooses the same buffers.
 
 AdamW and AdamW8bit (ours) offload; `check_offloadable` names what works for the others.
 """
@@ -41,13 +49,21 @@ class OffloadStats:
 
 
 class HostShard:
-    """One buffer's host memory, one allocation: the master and gradient copies, then the
-    optimizer's state tensors (`parts`, by name) as its `state_layout` lists them."""
+    """One buffer's host memory, one allocation: the master, the gradient copy, the optimizer's
+    state tensors (`parts`, by name) as its `state_layout` lists them, and the compute-dtype
+    shard (`compute`, with offload_param) or the staging tensor its refresh casts into
+    (`staging`, an accelerator and a compute dtype other than the master's), when needed. Each
+    part has a version counter of its own: a write to one is not a write to the master."""
 
-    def __init__(self, buf, state_layout, pin_memory: bool):
+    def __init__(self, buf, state_layout, pin_memory: bool, offload_param: bool = False):
         S = buf.shard_size
-        layout = [("master", buf.master.dtype, S), ("grad", buf.master.dtype, S),
-                  *state_layout]
+        master_dtype = buf.master.dtype
+        layout = [("master", master_dtype, S), ("grad", master_dtype, S), *state_layout]
+        if buf.param_dtype != master_dtype:
+            if offload_param:
+                layout.append(("compute", buf.param_dtype, S))
+            elif buf.device.type != "cpu":
+                layout.append(("staging", buf.param_dtype, S))
         # widest elements first: every part starts aligned for its dtype
         layout.sort(key=lambda part: -part[1].itemsize)
         pin = pin_memory and buf.device.type != "cpu"  # pinning needs an accelerator
@@ -55,7 +71,9 @@ class HostShard:
         self.storage = torch.zeros(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
         self.parts, at = {}, 0
         for name, dtype, n in layout:
-            self.parts[name] = self.storage[at:at + dtype.itemsize * n].view(dtype)
+            part = torch.empty(0, dtype=dtype, device="cpu")
+            part.set_(self.storage.untyped_storage(), at // dtype.itemsize, (n,))
+            self.parts[name] = part
             at += dtype.itemsize * n
         self.master, self.grad = self.parts["master"], self.parts["grad"]
         self.pinned = pin
@@ -88,15 +106,26 @@ def choose_offloaded(buffers, ratio: float) -> list:
 class OptimizerOffload:
     """Which of an optimizer's buffers step on the host, their host memory and the copies."""
 
-    def __init__(self, buffers, state_layout, *, ratio: float = 1.0, pin_memory: bool = False):
+    def __init__(self, buffers, state_layout, *, ratio: float = 1.0, pin_memory: bool = False,
+                 offload_param: bool = False, faces_of=None):
         """`state_layout(buf)`: [(name, dtype, numel)] of the state the host allocation holds
-        besides the master and gradient copies."""
+        besides the master and gradient; `faces_of(buf)`: every ShardedParameter laid out in
+        it, re-pointed at the host master."""
         self.state_layout = state_layout
         self.ratio = ratio
         self.pin_memory = pin_memory
+        self.offload_param = offload_param
         self.stats = OffloadStats()
-        self._offloaded = {id(b) for b in choose_offloaded(buffers, ratio)}
+        chosen = choose_offloaded(buffers, ratio)
+        self._offloaded = {id(b) for b in chosen}
         self._hosts = {}
+        for buf in chosen:  # the masters move now: nothing has read them on the device yet
+            host = self.host(buf)
+            buf.move_master_to_host(host.master, compute_on_host=offload_param,
+                                    host_compute=host.parts.get("compute"),
+                                    staging=host.parts.get("staging"), stats=self.stats)
+            for sp in faces_of(buf):
+                sp.bind_storage()
 
     def offloads(self, buf) -> bool:
         return id(buf) in self._offloaded
@@ -105,28 +134,25 @@ class OptimizerOffload:
         """The buffer's host memory, made on first use."""
         host = self._hosts.get(id(buf))
         if host is None:
-            host = self._hosts[id(buf)] = HostShard(buf, self.state_layout(buf), self.pin_memory)
+            host = self._hosts[id(buf)] = HostShard(buf, self.state_layout(buf), self.pin_memory,
+                                                    self.offload_param)
         return host
 
     def to_host(self, buf) -> HostShard:
-        """Copy the device master and gradient shards to the host, and wait for them."""
+        """Copy the device gradient shard to the host, and wait for it (the master is there)."""
         host = self.host(buf)
-        non_blocking = host.pinned
-        host.master.copy_(buf.master, non_blocking=non_blocking)
-        host.grad.copy_(buf.grad, non_blocking=non_blocking)
-        if non_blocking:  # the host step reads them next
+        host.grad.copy_(buf.grad, non_blocking=host.pinned)
+        if host.pinned:  # the host step reads it next
             event = torch.Event(device=buf.device)
             event.record()
             event.synchronize()
-        self.stats.bytes_to_host += 2 * buf.shard_size * buf.master.element_size()
+        self.stats.bytes_to_host += buf.shard_size * buf.grad.element_size()
         return host
 
-    def to_device(self, buf) -> None:
-        """The updated master back into the device shard (asynchronous from pinned memory: the
-        next copy to the host is queued behind it on the same stream)."""
-        host = self.host(buf)
-        buf.master.copy_(host.master, non_blocking=host.pinned)
-        self.stats.bytes_to_device += buf.shard_size * buf.master.element_size()
+    def stepped(self, buf) -> None:
+        """The host step wrote the master (torch's fused kernels do not move its version
+        counter): refresh the compute shard now, asynchronously from pinned memory."""
+        buf.compute.refresh(force=True)
         self.stats.host_steps += 1
 
     @property
@@ -134,4 +160,5 @@ class OptimizerOffload:
         return sum(h.storage.numel() for h in self._hosts.values())
 
     def release(self) -> None:
+        """Drop the optimizer's references; the masters stay (the parameters view them)."""
         self._hosts.clear()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..plan.planner import BufferLayout
 from . import collectives
+from .compute_shard import ComputeShard
 
 __all__ = ["DBuffer", "PendingReduction", "CollectiveStats", "STATS", "release_free_host_memory"]
 
@@ -205,6 +206,7 @@ class DBuffer:
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
         self.native = self.reduction = None
+        self.compute = None  # the ComputeShard all-gather sends once the master is on the host
         if not self.is_meta:
             self._choose_collectives()
         lo = self.rank * S
@@ -253,6 +255,29 @@ class DBuffer:
         self.grad = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
         self.release_grad()
         self._choose_collectives()
+
+    # -- the master in host memory (ZeRO-Offload) -----------------------------------------------
+
+    def move_master_to_host(self, host_master: torch.Tensor, *, compute_on_host: bool,
+                            host_compute: torch.Tensor | None = None,
+                            staging: torch.Tensor | None = None, stats=None) -> None:
+        """Make `host_master` (S elements of the master's dtype, in host memory) the master:
+        the current value is copied into it and the device master is dropped. From now on
+        all-gather sends a ComputeShard (compute_shard.py): on the device, or with
+        `compute_on_host` on the host as well. The sharded parameters still view the old
+        master: the caller re-points them (ShardedParameter.bind_storage)."""
+        if self.compute is not None or self.is_meta:
+            raise RuntimeError(f"{self.name}: the master is already on the host, or on meta")
+        if host_master.device.type != "cpu" or host_master.numel() != self.shard_size or \
+                host_master.dtype != self.master.dtype:
+            raise ValueError(f"{self.name}: a host master needs {self.shard_size} CPU elements "
+                             f"of {self.master.dtype}")
+        with torch.no_grad():
+            host_master.copy_(self.master)
+        self.master = host_master
+        self.compute = ComputeShard(host_master, self.param_dtype, self.device,
+                                    on_host=compute_on_host, host_tensor=host_compute,
+                                    staging=staging, stats=stats)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -331,11 +356,14 @@ class DBuffer:
     def all_gather(self, async_op: bool = True):
         """Gather every rank's shard into `full`, in place. With a lower compute dtype the
         master shard is cast straight into this rank's slot (one fused op), which is then the
-        collective's input; otherwise the master shard is the input."""
+        collective's input; otherwise the master shard is the input. A master in host memory
+        sends its compute shard instead (refreshed first if the master changed)."""
         self._allocate("full")
         S = self.shard_size
         slot = self.full[self.rank * S:(self.rank + 1) * S]
-        if self.param_dtype != self.master.dtype:
+        if self.compute is not None:
+            source = self.compute.gather_source(slot)
+        elif self.param_dtype != self.master.dtype:
             slot.copy_(self.master)  # the cast to the compute dtype, not a staging copy
             source = slot
         else:

@@ -14,12 +14,14 @@ of backward.
 
 With offload (Setup.offload_optimizer = r > 0), as optim/offload.py does it: whole DBuffers,
 largest optimizer state first, go to the host until at least r of the optimizer state bytes
-are there (`offloaded_buffers`). An offloaded buffer's optimizer state lives only on the host;
-its fp32 master and gradient shards stay on the device (the sharded parameters are views of the
-master, and the all-gather reads it) and have host copies (pinned, one allocation per buffer)
-that the step runs over: per optimizer step the master and gradient shards go to the host and
-the updated master comes back. `pcie` counts those bytes. Parameter offload (offload_param) is
-not built: ours is estimated with the parameters on the device.
+are there (`offloaded_buffers`). An offloaded buffer's fp32 master, a gradient copy and its
+optimizer state live on the host (one pinned allocation per buffer, with the staging tensor
+the compute shard's refresh casts into when the compute dtype is not fp32); the device keeps
+its gradient shard and a compute-dtype shard the all-gather sends (`param_shard`). Per
+optimizer step the gradient shard goes to the host and the compute shard comes back. With
+offload_param as well the compute shard lives on the host (in place of the staging tensor) and
+each all-gather copies it to the device instead. `pcie` counts those bytes. offload_param
+without offload_optimizer is refused by initialize: ours is estimated without offload then.
 """
 from __future__ import annotations
 
@@ -199,10 +201,13 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
         optimizer_state += ADAMW8BIT_TABLE_BYTES if on_device else 0
         host_state += ADAMW8BIT_TABLE_BYTES if on_host else 0
     offloaded = sum(off.values())
-    # master and gradient shards stay on the device (their host copies are extra)
-    master = sum(p.shard * repeats[id(p)] for p in planned) * MASTER_BYTES
-    param_shard = 0   # no compute-dtype copy of its own: the all-gather reads the master
+    # an offloaded buffer's master is on the host; the device keeps its compute-dtype shard
+    # (none with offload_param); a buffer left on the device has no compute shard of its own:
+    # the all-gather casts its master
+    master = (sum(p.shard * repeats[id(p)] for p in planned) - offloaded) * MASTER_BYTES
+    param_shard = 0 if setup.offload_param else offloaded * pb
     tl.alloc("master", master, "master")
+    tl.alloc("param_shard", param_shard, "param")
     tl.alloc("optimizer", optimizer_state, "optimizer")
 
     def device_shard(key):
@@ -289,8 +294,11 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
     result = tl.summary(master, padding / M * MASTER_BYTES,
                         padding / max(1, sum(p.numel * repeats[id(p)] for p in planned)))
     if setup.offloads:
+        # host "param": the compute shard (offload_param) or the staging tensor its refresh
+        # casts into, in the buffer's allocation; neither with fp32 compute (the master serves)
         host = {"master": offloaded * MASTER_BYTES, "grad": offloaded * MASTER_BYTES,
-                "optimizer": host_state, "param": 0, "optimizer_step_peak": host_step_peak}
+                "optimizer": host_state, "param": offloaded * pb if pb != MASTER_BYTES else 0,
+                "optimizer_step_peak": host_step_peak}
         result.update(param_shard=param_shard, offloaded_ratio=host_state / max(
             1, host_state + optimizer_state), host={**host, "total": sum(host.values())})
     return result
@@ -317,12 +325,24 @@ def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
 
 def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     """Ours with offload, bytes per rank per optimizer step across host<->device, as
-    optim/offload.py moves them (and counts them in its stats): `device_to_host` each offloaded
-    buffer's fp32 master and gradient shards once per optimizer step (after unscaling and
-    clipping; gradient accumulation adds nothing), `host_to_device` its updated fp32 master."""
+    optim/offload.py moves them (and counts them in its stats, once the first step has filled
+    the compute shards): `device_to_host` each offloaded buffer's fp32 gradient shard once per
+    optimizer step (after unscaling and clipping; gradient accumulation adds nothing),
+    `host_to_device` its compute shard: once after the step, or with offload_param at each of
+    its all-gathers (as `traffic` counts them: the root and the last unit once per micro-step,
+    the others twice when resharded after forward)."""
     root_key, order, _ = _units(root, others, setup, cache)
     units = ([root_key] if root_key else []) + order
     chosen = offloaded_buffers(units, setup) if setup.offload_optimizer else {}
-    offloaded = sum(_offloaded(key, chosen) for key in units)
-    return {"host_to_device": offloaded * MASTER_BYTES,
-            "device_to_host": 2 * offloaded * MASTER_BYTES}
+    pb = DTYPE_BYTES[setup.param_dtype]
+    back = down = 0
+    for key in units:
+        elements = _offloaded(key, chosen)
+        down += elements * MASTER_BYTES
+        gathers = 1
+        if setup.offload_param:
+            resharded = key is not root_key and setup.reshard_after_forward and \
+                key is not order[-1]
+            gathers = setup.grad_accum * (2 if resharded else 1)
+        back += gathers * elements * pb
+    return {"host_to_device": back, "device_to_host": down}
