@@ -12,6 +12,12 @@ only the order of the cross-rank sums differs, which moves these values by float
 (~1e-7). A missed optimizer step, a wrong gradient scale, a scheduler that does not reach the
 optimizer or restarts on resume moves them by far more.
 
+The public offload configs (LLaVA's, LLaMA-Factory's, axolotl's; tests/configs_in_the_wild/
+public/) run through the same Trainer script under DeepSpeed ZeRO with its CPU offload
+(DeepSpeedCPUAdam, JIT-built on first use: about a minute on an idle machine, then cached) and
+under our one line, compared the same way; axolotl's writes bf16 true, whose compute the two
+engines round differently (BF16_TOLERANCE).
+
 Ranks are started once (RankPool); each check runs a whole script in them, so Trainer's and
 Accelerate's process-wide state is reset before every run (`_reset_global_state`).
 """
@@ -33,6 +39,9 @@ STEPS = 6
 MICRO = 2
 LR = 1e-2
 TOLERANCE = 1e-6
+# bf16 compute, rounded differently by DeepSpeed and ours: (loss, grad norm, lr) relative;
+# measured 1.9e-4 and 1.6e-3 (lr equal); a missed step moves the loss by ~2e-3
+BF16_TOLERANCE = (1e-3, 1e-2, TOLERANCE)
 PUBLIC = Path(__file__).resolve().parent / "configs_in_the_wild" / "public"
 
 # A Trainer config as Hugging Face's DeepSpeed docs write it (their ds_config_zero3.json):
@@ -203,7 +212,8 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
     result = {"engine": type(trainer.model_wrapped).__name__, "train": recorder.train,
               "eval": recorder.eval, "global_step": trainer.state.global_step,
               "gradient_checkpointing": trainer.model.is_gradient_checkpointing,
-              "stepped_lrs": recorder.stepped_lrs, "stepping": recorder.stepping}
+              "stepped_lrs": recorder.stepped_lrs, "stepping": recorder.stepping,
+              "bf16": trainer.model_wrapped.bfloat16_enabled()}
     offload = getattr(trainer.model_wrapped.optimizer, "offload", None)  # ours, offloading
     if offload is not None:
         result["host_steps"] = offload.stats.host_steps
@@ -227,18 +237,27 @@ def trainer_offload_rank(rank, world, model_dir, out_dir, optimizer_section, for
     return trainer_rank(rank, world, model_dir, out_dir, cfg, {})
 
 
-def trainer_public_config_rank(rank, world, model_dir, out_dir, name, engine):
-    """The Trainer script with a public config as written (plus "vescale": {} for ours):
-    (the run's result or None, the error this rank got or None)."""
+def trainer_public_config_rank(rank, world, model_dir, out_dir, name, engine, options):
+    """The Trainer script with a public config as written (plus "vescale": {} for ours) and
+    `options` for TrainingArguments: (the run's result or None, the error this rank got or
+    None)."""
     import json
+
+    import transformers.training_args as training_args
     cfg = json.loads((PUBLIC / name).read_text())
     if engine == "vescale":
         cfg["vescale"] = {}
+    # TEST SHIM, not product code: TrainingArguments(bf16=True) wants a GPU, or use_cpu, which
+    # takes Accelerate off its DeepSpeed path. These CPU ranks compute bf16 themselves.
+    bf16_check = training_args.is_torch_bf16_gpu_available
+    training_args.is_torch_bf16_gpu_available = lambda: True
     try:
-        return trainer_rank(rank, world, model_dir, out_dir, cfg, {}), None
+        return trainer_rank(rank, world, model_dir, out_dir, cfg, options), None
     except Exception as err:  # the test checks which error it is
         _reset_global_state()
         return None, f"{type(err).__name__}: {err}"
+    finally:
+        training_args.is_torch_bf16_gpu_available = bf16_check
 
 
 def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
@@ -533,25 +552,25 @@ def test_trainer_resume_equals_uninterrupted(runs, from_engine):
 OURS = "vescale_engine.optim.adamw.AdamW"
 
 
-def _assert_close_steps(ours: dict, theirs: dict, what: str, tolerance=TOLERANCE):
-    """Per step: (loss, grad norm, learning rate) within `tolerance` relative."""
+def _assert_close_steps(ours: dict, theirs: dict, what: str, tolerance=(TOLERANCE,) * 3):
+    """Per step: (loss, grad norm, learning rate) each within its `tolerance` relative."""
     assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1)), (what, sorted(ours))
     for step in theirs:
-        for name, a, b in zip(("loss", "grad_norm", "learning_rate"), ours[step], theirs[step],
-                              strict=True):
+        for name, a, b, tol in zip(("loss", "grad_norm", "learning_rate"), ours[step],
+                                   theirs[step], tolerance, strict=True):
             assert a is not None and b is not None and \
-                abs(a - b) <= tolerance * max(abs(a), abs(b)), \
+                abs(a - b) <= tol * max(abs(a), abs(b)), \
                 f"{what}: step {step} {name}: {a!r} vs {b!r}"
 
 
 def _assert_scheduler_drove_the_stepping_optimizer(result, groups):
     """At every step each group of the optimizer that stepped held the lr Trainer logged for
-    that step (its scheduler's), and that lr changed over the run (warmup, then decay)."""
+    that step (its scheduler's), and that lr changed over the run (warmup)."""
     assert sorted(result["stepped_lrs"]) == list(range(1, STEPS + 1)), result["stepped_lrs"]
     for step, lrs in result["stepped_lrs"].items():
         assert len(lrs) == groups and all(lr == result["train"][step][2] for lr in lrs), \
             (step, lrs, result["train"][step])
-    assert len({lrs[0] for lrs in result["stepped_lrs"].values()}) >= 4, result["stepped_lrs"]
+    assert len({lrs[0] for lrs in result["stepped_lrs"].values()}) >= 2, result["stepped_lrs"]
 
 
 def test_trainer_with_optimizer_offload_trains_as_without(runs, pool, model_dir, tmp_path):
@@ -632,41 +651,39 @@ def test_client_adamw_with_offload_is_rebuilt_as_ours_or_refused_in_one_line(poo
 
 # The public offload configs (tests/configs_in_the_wild/public/, sources in its README), each
 # as written through the same Trainer script: under DeepSpeed ZeRO (its CPU offload runs on CPU:
-# DeepSpeedCPUAdam, JIT-built) and under our one line, the same losses, grad norms and learning
-# rates per step; or, where ours does not run the config yet, this one line on every rank.
-OFFLOAD_PARAM_REFUSED = (
-    "ConfigError: zero_optimization.offload_param.device: 'cpu' is not allowed (allowed: "
-    "'none'); offload_param is not yet supported: the sharded parameters stay on the training "
-    "device. Set device to \"none\" (or remove the section); what works: "
-    "zero_optimization.offload_optimizer with device \"cpu\" (optimizer state in host memory), "
-    "optimizer type AdamW8bit (8-bit state), or more ranks")
-# at stage 3 transformers builds the model inside deepspeed.zero.Init, which refuses it first
-ZERO_INIT_REFUSED = (
-    "ValueError: deepspeed.zero.Init under a vescale config: "
-    "zero_optimization.offload_param.device='cpu' keeps parameters off the accelerator, which "
-    "vescale does not do (each rank holds its shard on its device): remove it")
+# DeepSpeedCPUAdam, JIT-built once) and under our one line, the same losses, grad norms and
+# learning rates per step; or, where ours does not run the config, this one line on every rank.
+# Per config: the refusal (None: it runs), the TrainingArguments it needs, the optimizer's
+# parameter groups (1: the config's optimizer section over all parameters; 2: Trainer's
+# AdamW, decay / no decay) and the relative tolerances (fp32: measured ~1e-7).
 PUBLIC_OFFLOAD = {
     # no optimizer or scheduler section: Trainer's AdamW (as DeepSpeedCPUAdam) and schedule
-    "llamafactory_ds_z2_offload_config.json": None,
-    # offload_param at stage 2 (DeepSpeed ignores it there) and ZeRO-3 with offload_param:
-    # refused until offload_param lands (branch h24-core); these rows then compare too
-    "llava_next_zero2_offload.json": OFFLOAD_PARAM_REFUSED,
-    "llava_zero3_offload.json": ZERO_INIT_REFUSED,
-    "llamafactory_ds_z3_offload_config.json": ZERO_INIT_REFUSED,
-    "axolotl_zero3_bf16_cpuoffload_all.json": ZERO_INIT_REFUSED,
+    "llamafactory_ds_z2_offload_config.json": (None, {}, 2, (TOLERANCE,) * 3),
+    # offload_param at stage 2, which DeepSpeed does not read: refused here
+    "llava_next_zero2_offload.json": (
+        "ConfigError: zero_optimization.offload_param: needs ZeRO stage 3 "
+        "(zero_optimization.stage is 2): parameters are sharded only at stage 3", {}, 0, None),
+    # both offloads; optimizer AdamW and WarmupLR from the config
+    "llava_zero3_offload.json": (None, {}, 1, (TOLERANCE,) * 3),
+    # both offloads; Trainer's AdamW (as DeepSpeedCPUAdam) and schedule
+    "llamafactory_ds_z3_offload_config.json": (None, {}, 2, (TOLERANCE,) * 3),
+    # both offloads, bf16 written as true (Trainer then needs bf16=True), Trainer's torch AdamW
+    # passed as it is (zero_force_ds_cpu_optimizer false). bf16: DeepSpeed and ours round the
+    # compute differently, so the tolerance is bf16's
+    "axolotl_zero3_bf16_cpuoffload_all.json": (None, {"bf16": True}, 2, BF16_TOLERANCE),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_OFFLOAD))
 def test_public_offload_configs_through_trainer(runs, name):
-    refusal = PUBLIC_OFFLOAD[name]
+    refusal, options, groups, tolerance = PUBLIC_OFFLOAD[name]
     ours = runs.get(trainer_public_config_rank, (name, "vescale"), runs.model_dir,
-                    runs.out_dir("public", name, "vescale"), name, "vescale")
+                    runs.out_dir("public", name, "vescale"), name, "vescale", options)
     if refusal is not None:
         assert [error for _, error in ours] == [refusal] * WORLD, ours
         return
     ds = runs.get(trainer_public_config_rank, (name, "deepspeed"), runs.model_dir,
-                  runs.out_dir("public", name, "deepspeed"), name, "deepspeed")
+                  runs.out_dir("public", name, "deepspeed"), name, "deepspeed", options)
     for rank in range(WORLD):
         (result, error), (ds_result, ds_error) = ours[rank], ds[rank]
         assert error is None and ds_error is None, (error, ds_error)
@@ -675,9 +692,11 @@ def test_public_offload_configs_through_trainer(runs, name):
         _assert_trained(ds_result["train"])
         assert result["engine"] == "VeScaleEngine" and result["stepping"] == OURS, result
         assert result["host_steps"] > 0
-        _assert_steps_equal(result["train"], ds_result["train"], f"{name} rank {rank}")
+        assert result["bf16"] == ds_result["bf16"] == options.get("bf16", False)
+        _assert_close_steps(result["train"], ds_result["train"], f"{name} rank {rank}",
+                            tolerance)
         assert result["stepped_lrs"] == ds_result["stepped_lrs"]
-        _assert_scheduler_drove_the_stepping_optimizer(result, groups=2)
+        _assert_scheduler_drove_the_stepping_optimizer(result, groups)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
