@@ -245,26 +245,30 @@ def offload_estimate(model, **changes):
 
 
 def test_offload_ours_all_by_hand(offload_model):
-    """Ours as optim/offload.py offloads: the fp32 master and the optimizer state move to the
-    host; the device keeps the gradient shard and a bf16 compute shard the all-gather sends."""
+    """Ours as optim/offload.py offloads: the fp32 master, the gradient shard and the optimizer
+    state move to the host; the device keeps a bf16 compute shard the all-gather sends."""
     plain = offload_estimate(offload_model)["memory"]["ours"]
     est = offload_estimate(offload_model, offload_optimizer=1.0)
     ours = est["memory"]["ours"]
     assert (ours["master"], ours["grad"], ours["optimizer"], ours["param_shard"]) == \
-        (0, 272 * 4, 0, 272 * 2)
-    # The state (2188 B) and the master (1088 B) were live all through forward and backward,
-    # where the peak is; the compute shard (544 B) is: the device peak drops by the difference.
-    assert plain["total"] == 5644 and ours["total"] == 5644 - 2188 - 1088 + 544
+        (0, 0, 0, 272 * 2)
+    # The peak (in backward): the compute shard and the gathered buffers, where each reduced
+    # layer's bf16 output (128 x 2 B) and its fp32 cast for the copy to the host (128 x 4 B)
+    # are staged on the device: 512 B more than the plain run's, which keeps its shards.
+    assert plain["total"] == 5644 and plain["gathered_peak"] == 1856
+    assert ours["gathered_peak"] == 1856 + 512 and ours["total"] == 544 + 2368
     # Host: the fp32 master, the gradient copy (272 x 4 each), the optimizer state and the
     # bf16 staging tensor the compute shard's refresh casts into (272 x 2).
     assert ours["host"] == {"master": 1088, "grad": 1088, "optimizer": 2188, "param": 544,
                             "optimizer_step_peak": 0, "total": 4908}
-    # PCIe per optimizer step: the fp32 gradient down (272 x 4 B), the bf16 compute shard back
-    # (272 x 2 B), whatever the reduce dtype and the accumulation (both move at the step).
+    # PCIe per optimizer step: the fp32 gradient down per reduction (272 x 4 B each micro-step,
+    # whatever the reduce dtype: cast on the device), the bf16 compute shard back (272 x 2 B)
+    # once per step.
     assert est["traffic"]["pcie"] == {"host_to_device": 544, "device_to_host": 1088}
-    for changes in ({"grad_accum": 2}, {"reduce_dtype": "fp32"}):
-        again = offload_estimate(offload_model, offload_optimizer=1.0, **changes)
-        assert again["traffic"]["pcie"] == est["traffic"]["pcie"], changes
+    fp32_reduce = offload_estimate(offload_model, offload_optimizer=1.0, reduce_dtype="fp32")
+    assert fp32_reduce["traffic"]["pcie"] == est["traffic"]["pcie"]
+    accum = offload_estimate(offload_model, offload_optimizer=1.0, grad_accum=2)
+    assert accum["traffic"]["pcie"] == {"host_to_device": 544, "device_to_host": 2 * 1088}
     # fp32 compute: the compute shard is fp32 (4 B) and needs no staging on the host
     fp32 = offload_estimate(offload_model, offload_optimizer=1.0, param_dtype="fp32")
     assert fp32["memory"]["ours"]["param_shard"] == 272 * 4
@@ -280,7 +284,8 @@ def test_offload_ours_all_by_hand(offload_model):
     assert both["traffic"]["pcie"] == {"host_to_device": 400 * 2, "device_to_host": 1088}
     twice = offload_estimate(offload_model, offload_optimizer=1.0, offload_param=True,
                              grad_accum=2)
-    assert twice["traffic"]["pcie"] == {"host_to_device": 2 * 400 * 2, "device_to_host": 1088}
+    assert twice["traffic"]["pcie"] == {"host_to_device": 2 * 400 * 2,
+                                        "device_to_host": 2 * 1088}
 
 
 def test_offload_ratio_takes_whole_buffers_largest_first(offload_model):
@@ -290,9 +295,9 @@ def test_offload_ratio_takes_whole_buffers_largest_first(offload_model):
     ours = part["memory"]["ours"]
     assert ours["host"]["optimizer"] == 1028 and ours["optimizer"] == 132 + 1028
     assert ours["host"]["master"] == 128 * 4 and ours["master"] == 144 * 4
-    assert ours["param_shard"] == 128 * 2
+    assert ours["param_shard"] == 128 * 2 and ours["grad"] == 144 * 4
     assert ours["offloaded_ratio"] == 1028 / 2188
-    assert ours["total"] == 5644 - 1028 - 128 * 4 + 128 * 2
+    assert ours["total"] == 5644 - 1028 - 128 * 4 + 128 * 2  # state, master out; compute in
     assert part["traffic"]["pcie"] == {"host_to_device": 128 * 2, "device_to_host": 128 * 4}
     # 0.5 (1094 B): both layers, never the root.
     half = offload_estimate(offload_model, offload_optimizer=0.5)["memory"]["ours"]
@@ -315,16 +320,15 @@ def test_offload_ratio_zero_is_no_offload_and_one_moves_all(offload_model):
     for ratio in (0.25, 0.5, 1.0):
         est = capacity.estimate(model, capacity.Setup(8, offload_optimizer=ratio))["memory"]
         ours = est["ours"]
-        # the state and the master move (device + host is what was on the device without
-        # offload); the gradient shard stays, with host copies of the offloaded ones
-        for part in ("optimizer", "master"):
+        # the state, the master and the gradient shard move (device + host is what was on
+        # the device without offload)
+        for part in ("optimizer", "master", "grad"):
             assert ours[part] + ours["host"][part] == base["ours"][part], (ratio, part)
-        assert ours["grad"] == base["ours"]["grad"]
-        assert 0 < ours["host"]["grad"] <= base["ours"]["grad"], ratio
+            assert 0 < ours["host"][part], (ratio, part)
         # the offloaded master's bf16 compute shard: half its bytes, on the device
         assert ours["param_shard"] == ours["host"]["master"] // 2
         assert ours["offloaded_ratio"] >= ratio
-    assert ours["optimizer"] == 0 and ours["master"] == 0
+    assert ours["optimizer"] == ours["master"] == ours["grad"] == 0
     assert ours["host"]["master"] == base["ours"]["master"]
     assert ours["offloaded_ratio"] == 1.0
 

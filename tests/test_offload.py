@@ -2,9 +2,9 @@
 ranks: with ratio 1 and 0.5, with and without offload_param, AdamW and AdamW8bit, clipping,
 accumulation 2 (reduced every micro-step, and kept local as no_sync does), fp32, bf16 and fp16,
 the losses and parameters equal the run without offload bitwise (the host step runs the same
-kernels on the same values). The fp32 master lives in the buffer's host allocation, the sharded
-parameters view it, the compute shard all-gather sends is separate (on the host with
-offload_param) and follows every write to the master; the bytes copied each way are the
+kernels on the same values). The fp32 master and gradient shards live in the buffer's host
+allocation, the sharded parameters view them, the compute shard all-gather sends is separate
+(on the host with offload_param) and follows every write to the master; the bytes copied each way are the
 expected ones; checkpoints cross between offload and no offload exactly; what is not supported
 is one line naming what works."""
 import os
@@ -92,14 +92,15 @@ def layout_facts(engine):
         first = "exp_avg" if "exp_avg" in state else "exp_avg_codes"  # AdamW8bit's
         host = off._hosts.get(id(buf))
         faces = [sp.sharded for sp in buf_faces(engine, buf) if sp.sharded.numel()]
-        if host is None:
+        if host is None:  # master, gradient and state on the device
             facts.append({"offloaded": off.offloads(buf), "compute": buf.compute is None,
-                          "step": float(state["step"])})
+                          "step": float(state["step"]), "device_grad": not buf.grad_on_host})
             continue
         compute = buf.compute.tensor
         facts.append({
             "offloaded": off.offloads(buf), "step": float(state["step"]),
             "master": buf.master is host.master and within(buf.master, host),
+            "grad": buf.grad is host.grad and within(buf.grad, host),
             "faces": bool(faces) and all(within(f, host) for f in faces),
             "state": within(state[first], host) and state["step"].device.type == "cpu",
             # fp32 compute with offload_param: the master is what is gathered
@@ -139,11 +140,13 @@ def run_parity(rank, world, dtype, optimizer="AdamW", local=False):
             info["all"] = [b.shard_size for b in bufs]
             info["bytes"] = (off.stats.bytes_to_host, off.stats.bytes_to_device,
                              off.stats.host_steps)
-            # to the host: the fp32 gradient shard per step. To the device: the compute shard,
-            # once at the first gather and after every step, or (offload_param) at every gather
+            # to the host: the fp32 gradient shard per reduction (every micro-step, or once
+            # per step with local accumulation). To the device: the compute shard, once at the
+            # first gather and after every step, or (offload_param) at every gather
             back = sum(b.compute.gathers * b.shard_size for b in chosen) if param else \
                 (STEPS + 1) * elems
-            info["expected"] = (STEPS * 4 * elems, back * itemsize, STEPS * len(chosen))
+            reductions = STEPS * (1 if local else ACCUM)
+            info["expected"] = (reductions * 4 * elems, back * itemsize, STEPS * len(chosen))
             info["gathers"] = [b.compute.gathers for b in chosen]
             info["layout"] = layout_facts(engine)
         results[variant] = info
@@ -212,12 +215,14 @@ def test_offload_matches_no_offload_bitwise(pools, dtype, optimizer, local):
             for facts in got["layout"]:
                 assert facts["step"] == STEPS
                 if not facts["offloaded"]:  # master and state on the device, no compute shard
-                    assert facts == {"offloaded": False, "compute": True, "step": STEPS}
+                    assert facts == {"offloaded": False, "compute": True, "step": STEPS,
+                                     "device_grad": True}
                     continue
                 # the master, every face and the state in the buffer's host allocation; the
                 # compute shard separate in the compute dtype, in that allocation only with
                 # offload_param, and the master itself only for fp32 with offload_param
-                assert facts["master"] and facts["faces"] and facts["state"], facts
+                assert facts["master"] and facts["grad"] and facts["faces"], facts
+                assert facts["state"], facts
                 assert facts["compute_dtype"], facts
                 assert facts["compute_in_host"] == param, facts
                 assert facts["compute_is_master"] == (param and dtype == "fp32"), facts
@@ -513,3 +518,14 @@ def test_pcie_bytes_per_step_are_the_capacity_estimate(pools, ratio, param, accu
             assert (to_host, to_device) == (est["device_to_host"], est["host_to_device"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_zero_init_accepts_offload_param_cpu_and_still_refuses_nvme():
+    """deepspeed.zero.Init under a config with offload_param device "cpu" builds on meta as
+    usual (initialize offloads the shards); "nvme" stays refused."""
+    from vescale_engine.init.zero import refuse_changed_meaning
+    cpu = {"zero_optimization": {"offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "cpu"}}}
+    refuse_changed_meaning(cpu, {})
+    with pytest.raises(ValueError, match="offload_param.device='nvme'"):
+        refuse_changed_meaning({"zero_optimization": {"offload_param": {"device": "nvme"}}}, {})

@@ -21,6 +21,7 @@ from ..launch.process_group import join_process_group
 from ..optim.clip import clip_grad_norm_, global_grad_norm
 from ..optim.offload import check_offloadable
 from . import loss_scaler as scaling
+from .colocation import Colocation
 from .config import EngineConfig, build_config
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
@@ -84,6 +85,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._sync_context = None
         self._destroyed = False
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
+        self._colocation = Colocation(module, optimizer, device)  # offload_states' record
+        self._colocation.expose_on(optimizer, self.offload_states, self.reload_states)
         # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
         self._signal_save = SignalSave(config.save_on_signal, device) \
             if config.save_on_signal is not None else None
@@ -92,6 +95,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
 
     def forward(self, *args, **kwargs):
         self._check_alive()
+        self._colocation.require_on_device("engine forward")
         first = args[0] if args else None  # token ids [batch, sequence] give tokens/s
         self._tokens = first.numel() if isinstance(first, torch.Tensor) and \
             not first.is_floating_point() else None
@@ -167,6 +171,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """DeepSpeed's backward: divide by the accumulation steps (and multiply by the fp16 loss
         scale), then backpropagate. Returns the loss divided by the accumulation steps."""
         self._check_alive()
+        self._colocation.require_on_device("engine.backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward needs a scalar loss tensor")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
@@ -202,6 +207,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         With vescale.save_on_signal, an optimizer step after the signal saves a checkpoint and
         raises Preempted (preemption.py)."""
         self._check_alive()
+        self._colocation.require_on_device("engine.step")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             if self._signal_save is not None:
@@ -289,6 +295,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
 
     def zero_grad(self):
         self._check_alive()
+        self._colocation.require_on_device("engine.zero_grad")
         self.optimizer.zero_grad()
 
     def get_lr(self):
@@ -301,22 +308,49 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                         exclude_frozen_parameters=False):
         """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
+        self._colocation.require_on_device("engine.save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
+        self._colocation.require_on_device("engine.load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
+        self._colocation.require_on_device("engine.load_hf_checkpoint")
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
     def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
         """The model as a Hugging Face checkpoint (checkpoint.hf.save_hf_checkpoint)."""
+        self._colocation.require_on_device("engine.save_hf_checkpoint")
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
+
+    # -- RL colocation (colocation.py) ---------------------------------------------------------
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's offload_states: move `include` (OffloadStateTypeEnum members or their
+        names; None: all) off the device into host memory, pinned when asked, until
+        reload_states(). Between steps only; see engine/colocation.py for what each name moves."""
+        self._check_alive()
+        self._colocation.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's reload_states: everything offload_states moved, back where it was."""
+        self._check_alive()
+        self._colocation.reload(non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the parameters ZeRO-3 keeps gathered between steps (its
+        persistence threshold and prefetch cache). This engine keeps none: every unit is
+        resharded by the end of its backward, or of an inference forward, so there is nothing
+        to release (a unit still gathered then is waiting for a pending backward, or is inside
+        GatheredParameters, and must stay). OpenRLHF calls it after offload_states."""
+        self._check_alive()
 
     def fp16_enabled(self) -> bool:
         return self.loss_scaler is not None
@@ -343,6 +377,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
             return
         if self._signal_save is not None:
             self._signal_save.close()
+        self._colocation.release()
         release(self.module)
         if isinstance(getattr(self.optimizer, "state", None), dict):  # torch optimizers
             self.optimizer.state.clear()

@@ -486,6 +486,9 @@ def _final_callback(ctx):
         unit.finish_gradients()
         unit.reshard()
         unit._reset_iteration()
+    for unit in ctx.order:  # host gradient shards (offload) copied during backward: arrived
+        for buf in unit.buffers:
+            buf.wait_grad_copies()
     ctx.reducing = []
     ctx.all_reducing = []
     ctx.live_forwards = weakref.WeakSet()  # this backward took what they had pending

@@ -52,8 +52,9 @@ class AdamW8bit(torch.optim.Optimizer):
     def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False,
                         offload_param: bool = False) -> OptimizerOffload:
         """Step `ratio` of the buffers (by bytes, largest first) on the host from now on: their
-        codes and scales in host memory, quantized there (optim/offload.py). Before the first
-        step only."""
+        fp32 master, codes and scales in host memory, quantized there, the device keeping a
+        compute-dtype shard (on the host too with `offload_param`; optim/offload.py). Before
+        the first step only."""
         if self.state:
             raise RuntimeError("offload_to_host: the optimizer already holds state")
         members = {id(b): m for b, _g, _d, m, *_ in self._buffers}

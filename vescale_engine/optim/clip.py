@@ -28,9 +28,11 @@ def _buffers_and_plain(parameters):
 
 
 def _device_of(buffers, plain, parameters) -> torch.device:
-    """Where the norm lives: the gradients' device (the parameters' when none has one)."""
+    """Where the norm lives: the gradients' device (the parameters' when none has one); for
+    sharded parameters their buffers' device, where the norm's all-reduce runs (an offloaded
+    buffer's gradient shard is in host memory)."""
     if buffers:
-        return buffers[0].grad.device
+        return buffers[0].device
     if plain:
         return plain[0].grad.device
     return parameters[0].device if parameters else torch.device("cpu")
@@ -41,7 +43,11 @@ def _sum_of_squares(tensors, device) -> torch.Tensor:
     tensor-sized temporary), the per-tensor norms squared and added there."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    by_device = {}
+    for t in tensors:  # (host gradient shards of offloaded buffers beside device ones)
+        by_device.setdefault(t.device, []).append(t)
+    norms = [n for group in by_device.values()
+             for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
     return torch.stack([n.to(device, non_blocking=True) for n in norms]).square().sum()
 
 

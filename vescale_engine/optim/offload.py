@@ -1,20 +1,23 @@
 """ZeRO-Offload (`zero_optimization.offload_optimizer` and `offload_param`, device "cpu").
 
 For each offloaded DBuffer one host allocation (pinned when asked and the device is an
-accelerator) holds the fp32 master shard, the gradient copy the step reads and the optimizer's
+accelerator) holds the fp32 master shard, the fp32 gradient shard and the optimizer's
 state (AdamW's two moments; AdamW8bit's codes and scales), plus the compute-dtype shard where
 it lives on the host (offload_param) or the staging tensor its refresh casts into. The master
 moves there for good (`DBuffer.move_master_to_host`): the sharded parameters are re-pointed at
 it (`ShardedParameter.bind_storage`, the same Parameter objects), so checkpoints, Hugging Face
 loading and GatheredParameters read and write the host master. The device keeps a shard in the
 compute dtype that all-gather sends (shard/compute_shard.py; refreshed after every host step
-and whenever the master's version counter moved), and the gradient shard between backward and
-step: 6 bytes per element for bf16 compute instead of 8 (master + gradient). With
+and whenever the master's version counter moved): 2 bytes per element for bf16 compute
+instead of 8 (master + gradient). Each reduction's result goes to the host gradient shard as
+its unit finishes reducing (`PendingReduction.finish`: cast to fp32 on the device, copied
+asynchronously into pinned memory, waited for at the end of backward; accumulation adds on the
+host), so clipping, fp16 unscaling and the overflow check read host gradients. With
 offload_param the compute shard lives on the host too and each all-gather copies it into this
-rank's slot of the full buffer: only the gradient shard stays on the device between uses.
+rank's slot of the full buffer: nothing of an offloaded buffer stays on the device between uses.
 
-Per offloaded buffer and step (`OffloadStats` counts them): the gradient shard to the host
-(4 bytes per element, after clipping and fp16 unscaling on the device), one vectorized step of
+Per offloaded buffer (`OffloadStats` counts the bytes): the gradient shard to the host once
+per reduction (4 bytes per element, every micro-step), and per step one vectorized step of
 the whole flat shard there with the same kernel as the device path (torch's fused AdamW, CPU
 build), then the compute shard refreshed: 2 bytes per element back for bf16 (4 for fp32). With
 offload_param nothing comes back at the step; each all-gather copies the compute shard to the
@@ -107,7 +110,7 @@ class OptimizerOffload:
     """Which of an optimizer's buffers step on the host, their host memory and the copies."""
 
     def __init__(self, buffers, state_layout, *, ratio: float = 1.0, pin_memory: bool = False,
-                 offload_param: bool = False, faces_of=None):
+                 faces_of, offload_param: bool = False):
         """`state_layout(buf)`: [(name, dtype, numel)] of the state the host allocation holds
         besides the master and gradient; `faces_of(buf)`: every ShardedParameter laid out in
         it, re-pointed at the host master."""
@@ -121,7 +124,7 @@ class OptimizerOffload:
         self._hosts = {}
         for buf in chosen:  # the masters move now: nothing has read them on the device yet
             host = self.host(buf)
-            buf.move_master_to_host(host.master, compute_on_host=offload_param,
+            buf.move_master_to_host(host.master, host.grad, compute_on_host=offload_param,
                                     host_compute=host.parts.get("compute"),
                                     staging=host.parts.get("staging"), stats=self.stats)
             for sp in faces_of(buf):
@@ -139,15 +142,10 @@ class OptimizerOffload:
         return host
 
     def to_host(self, buf) -> HostShard:
-        """Copy the device gradient shard to the host, and wait for it (the master is there)."""
-        host = self.host(buf)
-        host.grad.copy_(buf.grad, non_blocking=host.pinned)
-        if host.pinned:  # the host step reads it next
-            event = torch.Event(device=buf.device)
-            event.record()
-            event.synchronize()
-        self.stats.bytes_to_host += buf.shard_size * buf.grad.element_size()
-        return host
+        """The buffer's host memory, once the gradient shard copied there as its reductions
+        finished has arrived (`DBuffer.wait_grad_copies`): what the host step reads."""
+        buf.wait_grad_copies()
+        return self.host(buf)
 
     def stepped(self, buf) -> None:
         """The host step wrote the master (torch's fused kernels do not move its version

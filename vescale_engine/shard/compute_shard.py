@@ -18,6 +18,10 @@ writes do not move it: torch's fused optimizer kernels (the step refreshes expli
 (force=True)`) and writes through `.data` (`p.data.copy_(x)` hides the write from autograd and
 from this check: write through the parameter under torch.no_grad() instead).
 
+Copies out of pinned host memory are asynchronous; a refresh waits for the last one before it
+writes the host memory that copy reads. (A write to a host master while its own asynchronous
+copy is in flight, fp32 compute, is the caller's to avoid: the step waits for the stream first.)
+
 Must not know about modules, optimizers or config.
 """
 from __future__ import annotations
@@ -53,7 +57,7 @@ class ComputeShard:
             if accelerator and dtype != master.dtype:  # cast on the host: half the PCIe bytes
                 self.staging = staging if staging is not None else \
                     torch.empty(S, dtype=dtype, device="cpu", pin_memory=master.is_pinned())
-        self._copied = None  # event of the last asynchronous copy out of `staging`
+        self._copied = None  # event of the last asynchronous copy out of host memory
         self.version = None  # the master's version the tensor holds; None: never filled
         self.refreshes = 0
         self.gathers = 0  # all-gathers served (each one a copy to the device when on the host)
@@ -71,16 +75,14 @@ class ComputeShard:
         """Make `tensor` hold the master's value (when stale, or always with `force`)."""
         if self.tensor is self.master or not (force or self.stale):
             return
+        self._wait_for_copies()  # host memory an asynchronous copy still reads is written next
         if self.staging is not None:
-            if self._copied is not None:  # the previous copy may still read the staging
-                self._copied.synchronize()
             self.staging.copy_(self.master)  # the cast, on the host
-            self.tensor.copy_(self.staging, non_blocking=self.staging.is_pinned())
-            if self.staging.is_pinned():
-                self._copied = torch.Event(device=self.device)
-                self._copied.record()
+            self._copy(self.tensor, self.staging)
+        elif self.on_host:
+            self.tensor.copy_(self.master)  # the cast, on the host
         else:
-            self.tensor.copy_(self.master, non_blocking=self.master.is_pinned())
+            self._copy(self.tensor, self.master)
         if not self.on_host:
             self._count(self.tensor.numel() * self.tensor.element_size())
         self.version = self.master._version
@@ -94,6 +96,19 @@ class ComputeShard:
         if not self.on_host:
             return self.tensor
         with torch.no_grad():
-            slot.copy_(self.tensor, non_blocking=self.tensor.is_pinned())
+            self._copy(slot, self.tensor)
         self._count(slot.numel() * slot.element_size())
         return slot
+
+    def _copy(self, out: torch.Tensor, host: torch.Tensor) -> None:
+        """Host to device: asynchronous from pinned memory, remembered until done."""
+        asynchronous = host.is_pinned() and out.device.type != "cpu"
+        out.copy_(host, non_blocking=asynchronous)
+        if asynchronous:
+            self._copied = torch.Event(device=out.device)
+            self._copied.record()
+
+    def _wait_for_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None

@@ -190,6 +190,12 @@ class DBuffer:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self._native_requested = native_collectives
         self._replicas = replicas
+        # set by move_master_to_host (ZeRO-Offload): what all-gather sends, the host gradient
+        # shard's state and the offload's byte counters
+        self.compute = None
+        self._host_grad_live = False
+        self._grad_copied = None
+        self.offload_stats = None
         self.master = torch.zeros(S, dtype=dtype, device=device)
         self.grad = torch.zeros(S, dtype=dtype, device=device)
         self._grad_bytes = S * dtype.itemsize
@@ -206,7 +212,6 @@ class DBuffer:
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
         self.native = self.reduction = None
-        self.compute = None  # the ComputeShard all-gather sends once the master is on the host
         if not self.is_meta:
             self._choose_collectives()
         lo = self.rank * S
@@ -258,23 +263,33 @@ class DBuffer:
 
     # -- the master in host memory (ZeRO-Offload) -----------------------------------------------
 
-    def move_master_to_host(self, host_master: torch.Tensor, *, compute_on_host: bool,
-                            host_compute: torch.Tensor | None = None,
+    def move_master_to_host(self, host_master: torch.Tensor, host_grad: torch.Tensor, *,
+                            compute_on_host: bool, host_compute: torch.Tensor | None = None,
                             staging: torch.Tensor | None = None, stats=None) -> None:
         """Make `host_master` (S elements of the master's dtype, in host memory) the master:
         the current value is copied into it and the device master is dropped. From now on
         all-gather sends a ComputeShard (compute_shard.py): on the device, or with
-        `compute_on_host` on the host as well. The sharded parameters still view the old
-        master: the caller re-points them (ShardedParameter.bind_storage)."""
+        `compute_on_host` on the host as well. The gradient shard becomes `host_grad` (S
+        elements of the master's dtype in host memory, never resized: it belongs to the
+        caller's allocation): each reduction copies its result there (the sharded parameters'
+        `.grad` must be on their device) and no gradient shard stays on the device. `stats`:
+        an object whose `bytes_to_host` / `bytes_to_device` get the bytes copied each way.
+        The sharded parameters still view the old master: the caller re-points them
+        (ShardedParameter.bind_storage)."""
         if self.compute is not None or self.is_meta:
             raise RuntimeError(f"{self.name}: the master is already on the host, or on meta")
-        if host_master.device.type != "cpu" or host_master.numel() != self.shard_size or \
-                host_master.dtype != self.master.dtype:
-            raise ValueError(f"{self.name}: a host master needs {self.shard_size} CPU elements "
-                             f"of {self.master.dtype}")
+        for tensor in (host_master, host_grad):
+            if tensor.device.type != "cpu" or tensor.numel() != self.shard_size or \
+                    tensor.dtype != self.master.dtype:
+                raise ValueError(f"{self.name}: a host master and gradient need "
+                                 f"{self.shard_size} CPU elements of {self.master.dtype} each")
+        if self.has_grad:
+            raise RuntimeError(f"{self.name}: holds a gradient; move the master before backward")
         with torch.no_grad():
             host_master.copy_(self.master)
         self.master = host_master
+        self.grad = host_grad
+        self.offload_stats = stats
         self.compute = ComputeShard(host_master, self.param_dtype, self.device,
                                     on_host=compute_on_host, host_tensor=host_compute,
                                     staging=staging, stats=stats)
@@ -429,11 +444,27 @@ class DBuffer:
             self._grad_written[i] = True
 
     @property
+    def grad_on_host(self) -> bool:
+        """The gradient shard is in host memory (an offloaded buffer)."""
+        return self.compute is not None
+
+    @property
     def has_grad(self) -> bool:
+        if self.grad_on_host:
+            return self._host_grad_live
         return self.grad.untyped_storage().nbytes() > 0
 
     def release_grad(self) -> None:
-        self.grad.untyped_storage().resize_(0)
+        if self.grad_on_host:  # part of the offload's host allocation: it stays
+            self._host_grad_live = False
+        else:
+            self.grad.untyped_storage().resize_(0)
+
+    def wait_grad_copies(self) -> None:
+        """The last asynchronous copy of a reduction into the host gradient shard is done."""
+        if self._grad_copied is not None:
+            self._grad_copied.synchronize()
+            self._grad_copied = None
 
     def reduce_scatter(self, accumulate: bool) -> "PendingReduction":
         """Reduce the full gradients into the local gradient shard, in place, averaged over the
@@ -450,8 +481,12 @@ class DBuffer:
         if self.reduction.pre_divide != 1.0:  # fp16: keep the sum over ranks finite
             source.div_(self.reduction.pre_divide)  # in place: the source is dead after this
         if not accumulate and not self.has_grad:
-            self.grad.untyped_storage().resize_(self._grad_bytes)  # fully overwritten below
-        direct = not accumulate and self.reduce_dtype == self.grad.dtype
+            if self.grad_on_host:
+                self._host_grad_live = True
+            else:
+                self.grad.untyped_storage().resize_(self._grad_bytes)  # fully overwritten below
+        direct = not accumulate and self.reduce_dtype == self.grad.dtype and \
+            not self.grad_on_host
         out = self.grad if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
                                                    device=self.device)
         STATS.reduce_scatters += 1
@@ -485,9 +520,20 @@ class DBuffer:
 
     # -- fused group operations ----------------------------------------------------------------
 
-    def scale_grad(self, factor: float) -> None:
+    def scale_grad(self, factor) -> None:
+        """Multiply the gradient shard by `factor` (a number or a 0-d tensor)."""
         if self.has_grad:
+            if isinstance(factor, torch.Tensor) and factor.device != self.grad.device:
+                factor = factor.to(self.grad.device)  # a host gradient shard (offload)
             self.grad.mul_(factor)
+
+    def device_state(self) -> list:
+        """[(name, tensor)] of the shard tensors this buffer holds on its device now (the
+        master, a compute-dtype shard where there is one, the gradient): what
+        engine/colocation.py moves off the device and back. Full buffers are not among them."""
+        held = [(name, getattr(self, name, None)) for name in ("master", "compute", "grad")]
+        return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
+                t.device.type == self.device.type and _held(t) > 0]
 
 
 class PendingReduction:
@@ -540,10 +586,31 @@ class PendingReduction:
         buf, out = self.buffer, self.out
         if buf.reduction.post_divide != 1.0:
             out.div_(buf.reduction.post_divide)
-        if self.accumulate:
+        if buf.grad_on_host:
+            self._to_host_grad()
+        elif self.accumulate:
             buf.grad.add_(out)
         elif not self.direct:
             buf.grad.copy_(out)  # a staging copy: only when reduce and master dtypes differ
             STATS.bytes_copied += out.numel() * out.element_size()
         STATS.log("reduced", buf.name)
         self.finished = True
+
+    def _to_host_grad(self) -> None:
+        """The reduced shard into the host gradient shard (an offloaded buffer): cast to its
+        dtype on the device, then one copy (asynchronous into pinned memory: the step waits,
+        `wait_grad_copies`); added there when accumulating."""
+        buf, out = self.buffer, self.out
+        if out.dtype != buf.grad.dtype:
+            out = out.to(buf.grad.dtype)
+        if self.accumulate:  # the sum needs the values on the host now
+            buf.wait_grad_copies()
+            buf.grad.add_(out.to(buf.grad.device))
+        else:
+            pinned = buf.grad.is_pinned() and out.device.type != "cpu"
+            buf.grad.copy_(out, non_blocking=pinned)
+            if pinned:
+                buf._grad_copied = torch.Event(device=out.device)
+                buf._grad_copied.record()
+        if buf.offload_stats is not None:
+            buf.offload_stats.bytes_to_host += out.numel() * out.element_size()

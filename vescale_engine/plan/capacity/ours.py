@@ -16,9 +16,10 @@ With offload (Setup.offload_optimizer = r > 0), as optim/offload.py does it: who
 largest optimizer state first, go to the host until at least r of the optimizer state bytes
 are there (`offloaded_buffers`). An offloaded buffer's fp32 master, a gradient copy and its
 optimizer state live on the host (one pinned allocation per buffer, with the staging tensor
-the compute shard's refresh casts into when the compute dtype is not fp32); the device keeps
-its gradient shard and a compute-dtype shard the all-gather sends (`param_shard`). Per
-optimizer step the gradient shard goes to the host and the compute shard comes back. With
+the compute shard's refresh casts into when the compute dtype is not fp32), and so does its
+gradient shard: each reduction's result (staged on the device, cast to fp32 there) is copied
+to the host as the unit finishes reducing. The device keeps a compute-dtype shard the
+all-gather sends (`param_shard`), which comes back after each step. With
 offload_param as well the compute shard lives on the host (in place of the staging tensor) and
 each all-gather copies it to the device instead. `pcie` counts those bytes. offload_param
 without offload_optimizer is refused by initialize: ours is estimated without offload then.
@@ -210,8 +211,8 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
     tl.alloc("param_shard", param_shard, "param")
     tl.alloc("optimizer", optimizer_state, "optimizer")
 
-    def device_shard(key):
-        return key[0].shard
+    def device_shard(key):  # an offloaded buffer's gradient shard is in host memory
+        return key[0].shard - off[(id(key[0]), key[1])]
 
     for key in units:  # the previous step's gradient shards, released at the first forward
         tl.alloc(("grad", id(key[0]), key[1]), device_shard(key) * MASTER_BYTES, "grad")
@@ -229,9 +230,12 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
             tl.alloc(("cast",) + full(key)[1:], p.full * rb)
             tl.free(full(key))
         tl.alloc(("grad", id(p), key[1]), device_shard(key) * MASTER_BYTES, "grad")
-        # the reduce-scatter output: staged for a shard that is added to or cast
+        # the reduce-scatter output: staged for a shard that is added to or cast, and always
+        # for an offloaded one (then cast to fp32 on the device before its copy to the host)
         staged = device_shard(key) if accumulate or rb != MASTER_BYTES else 0
-        tl.alloc(("out",) + full(key)[1:], staged * rb)
+        offloaded_here = off[(id(p), key[1])]
+        tl.alloc(("out",) + full(key)[1:], (staged + offloaded_here) * rb +
+                 (offloaded_here * MASTER_BYTES if rb != MASTER_BYTES else 0))
 
     def finish(key):
         for kind in ("full", "cast", "out"):
@@ -327,8 +331,8 @@ def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     """Ours with offload, bytes per rank per optimizer step across host<->device, as
     optim/offload.py moves them (and counts them in its stats, once the first step has filled
     the compute shards): `device_to_host` each offloaded buffer's fp32 gradient shard once per
-    optimizer step (after unscaling and clipping; gradient accumulation adds nothing),
-    `host_to_device` its compute shard: once after the step, or with offload_param at each of
+    reduction (every micro-step, as each unit finishes reducing), `host_to_device` its compute
+    shard: once after the step, or with offload_param at each of
     its all-gathers (as `traffic` counts them: the root and the last unit once per micro-step,
     the others twice when resharded after forward)."""
     root_key, order, _ = _units(root, others, setup, cache)
@@ -338,7 +342,7 @@ def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     back = down = 0
     for key in units:
         elements = _offloaded(key, chosen)
-        down += elements * MASTER_BYTES
+        down += setup.grad_accum * elements * MASTER_BYTES
         gathers = 1
         if setup.offload_param:
             resharded = key is not root_key and setup.reshard_after_forward and \
