@@ -383,6 +383,7 @@ OFFLOADING = {
     "axolotl_zero3_bf16_cpuoffload_params.json": ["offload_param"],
     "msswift_zero3_offload.json": ["offload_param"],
     "transformers_tests_ds_config_zero3_bf16.json": [],  # (refused for bfloat16 "auto")
+    "llava_next_zero2_offload.json": [],  # (refused: offload_param at stage 2)
 }
 # The ones offloading the optimizer (device "cpu"): valid, and the engine offloads; the
 # value: pin_memory as written, and whether offload_param (device "cpu") comes with it.
@@ -399,7 +400,11 @@ OPTIMIZER_OFFLOADING = {"axolotl_zero2.json": (False, False),
 # false: bf16 would silently stay off under DeepSpeed.
 ALSO_REFUSED = {"transformers_tests_ds_config_zero3_bf16.json": [
     'bfloat16.enabled: "auto" is not filled in here: Hugging Face Trainer and Accelerate '
-    'replace "auto" only in']}
+    'replace "auto" only in'],
+    # LLaVA-NeXT's zero2_offload.json: offload_param at stage 2, which DeepSpeed does not read
+    "llava_next_zero2_offload.json": [
+        "zero_optimization.offload_param: needs ZeRO stage 3 (zero_optimization.stage is 2): "
+        "parameters are sharded only at stage 3"]}
 # what `vescale validate` must print for the valid ones beyond "valid"
 PUBLIC_TEXTS = {
     "llamafactory_ds_z3_config.json": [f"warning: ignored: comms_config ({IGNORED})",

@@ -12,6 +12,12 @@ only the order of the cross-rank sums differs, which moves these values by float
 (~1e-7). A missed optimizer step, a wrong gradient scale, a scheduler that does not reach the
 optimizer or restarts on resume moves them by far more.
 
+The public offload configs (LLaVA's, LLaMA-Factory's, axolotl's; tests/configs_in_the_wild/
+public/) run through the same Trainer script under DeepSpeed ZeRO with its CPU offload
+(DeepSpeedCPUAdam, JIT-built on first use: about a minute on an idle machine, then cached) and
+under our one line, compared the same way; axolotl's writes bf16 true, whose compute the two
+engines round differently (BF16_TOLERANCE).
+
 Ranks are started once (RankPool); each check runs a whole script in them, so Trainer's and
 Accelerate's process-wide state is reset before every run (`_reset_global_state`).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +39,10 @@ STEPS = 6
 MICRO = 2
 LR = 1e-2
 TOLERANCE = 1e-6
+# bf16 compute, rounded differently by DeepSpeed and ours: (loss, grad norm, lr) relative;
+# measured 1.9e-4 and 1.6e-3 (lr equal); a missed step moves the loss by ~2e-3
+BF16_TOLERANCE = (1e-3, 1e-2, TOLERANCE)
+PUBLIC = Path(__file__).resolve().parent / "configs_in_the_wild" / "public"
 
 # A Trainer config as Hugging Face's DeepSpeed docs write it (their ds_config_zero3.json):
 # "auto" wherever Trainer fills the value in from TrainingArguments. "torch_adam": DeepSpeed on
@@ -154,10 +165,18 @@ def _recorder():
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
-        """Per optimizer step: the logged loss, grad norm and learning rate; eval losses."""
+        """Per optimizer step: the logged loss, grad norm and learning rate; eval losses; the
+        learning rates of every group of the optimizer that steps (the engine's, behind
+        Accelerate's wrapper), read just before it steps, and its class."""
 
         def __init__(self):
-            self.train, self.eval = {}, {}
+            self.train, self.eval, self.stepped_lrs = {}, {}, {}
+            self.stepping = None
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            stepping = optimizer.optimizer  # DeepSpeedOptimizerWrapper(the engine's optimizer)
+            self.stepping = f"{type(stepping).__module__}.{type(stepping).__name__}"
+            self.stepped_lrs[state.global_step + 1] = [g["lr"] for g in stepping.param_groups]
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if "loss" in logs:
@@ -192,7 +211,12 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
     trainer.train(resume_from_checkpoint=resume)
     result = {"engine": type(trainer.model_wrapped).__name__, "train": recorder.train,
               "eval": recorder.eval, "global_step": trainer.state.global_step,
-              "gradient_checkpointing": trainer.model.is_gradient_checkpointing}
+              "gradient_checkpointing": trainer.model.is_gradient_checkpointing,
+              "stepped_lrs": recorder.stepped_lrs, "stepping": recorder.stepping,
+              "bf16": trainer.model_wrapped.bfloat16_enabled()}
+    offload = getattr(trainer.model_wrapped.optimizer, "offload", None)  # ours, offloading
+    if offload is not None:
+        result["host_steps"] = offload.stats.host_steps
     if save_model_to:
         trainer.save_model(save_model_to)
         with torch.no_grad():
@@ -201,17 +225,39 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
     return result
 
 
-def trainer_offload_rank(rank, world, model_dir, out_dir, optimizer_section):
+def trainer_offload_rank(rank, world, model_dir, out_dir, optimizer_section, force_ds_cpu=True):
     """The Trainer script with optimizer offload in the vescale config (the accum1 scenario's
-    config, with or without its optimizer section): (the run's result or None, the error each
-    rank gets from trainer.train() or None)."""
+    config, with or without its optimizer section; `force_ds_cpu` false writes
+    zero_force_ds_cpu_optimizer false, so that Accelerate passes Trainer's torch AdamW itself
+    instead of the DeepSpeedCPUAdam it makes of it)."""
     cfg = config("vescale", optimizer=optimizer_section, scheduler=False)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if not force_ds_cpu:
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    return trainer_rank(rank, world, model_dir, out_dir, cfg, {})
+
+
+def trainer_public_config_rank(rank, world, model_dir, out_dir, name, engine, options):
+    """The Trainer script with a public config as written (plus "vescale": {} for ours) and
+    `options` for TrainingArguments: (the run's result or None, the error this rank got or
+    None)."""
+    import json
+
+    import transformers.training_args as training_args
+    cfg = json.loads((PUBLIC / name).read_text())
+    if engine == "vescale":
+        cfg["vescale"] = {}
+    # TEST SHIM, not product code: TrainingArguments(bf16=True) wants a GPU, or use_cpu, which
+    # takes Accelerate off its DeepSpeed path. These CPU ranks compute bf16 themselves.
+    bf16_check = training_args.is_torch_bf16_gpu_available
+    training_args.is_torch_bf16_gpu_available = lambda: True
     try:
-        return trainer_rank(rank, world, model_dir, out_dir, cfg, {}), None
+        return trainer_rank(rank, world, model_dir, out_dir, cfg, options), None
     except Exception as err:  # the test checks which error it is
         _reset_global_state()
         return None, f"{type(err).__name__}: {err}"
+    finally:
+        training_args.is_torch_bf16_gpu_available = bf16_check
 
 
 def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
@@ -267,6 +313,70 @@ def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
               "unwrapped": type(accelerator.unwrap_model(model)).__name__, "logits": logits}
     _reset_global_state()
     return result
+
+
+def client_adamw_offload_rank(rank, world):
+    """initialize with offload and a client optimizer instance, as deepspeed.initialize gets
+    one from Trainer or a script: Trainer's torch AdamW (decay / no-decay groups) with a
+    scheduler object built on it, trained 3 steps; then, for each optimizer that cannot become
+    ours, the error. Returns (what the rebuild gave, {case: error})."""
+    import fsdp_models as fm
+    from vescale_engine import initialize
+    cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+           "vescale": {"wrap_policy": {"module_classes": ["Block"]}}}
+
+    def trainer_groups(model, **kwargs):  # Trainer's create_optimizer: no decay on 1-D ones
+        params = list(model.parameters())
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, **kwargs}]
+
+    model = fm.make("gpt")
+    client = torch.optim.AdamW(trainer_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-7)
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1 / (1 + step))
+    engine, opt, _, sched = initialize(model=model, optimizer=client, lr_scheduler=schedule,
+                                       config=cfg)
+    hyper = [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups]
+    used = []
+    for step in range(3):
+        idx, tgt = fm.rank_micro_batches("gpt", step, rank, world, 2, 1)[0]
+        used.append([g["lr"] for g in engine.optimizer.param_groups])
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    got = {"class": f"{type(opt).__module__}.{type(opt).__name__}",
+           "engine_has_it": engine.optimizer is opt, "sched_is_client": sched is schedule,
+           "shared_groups": all(a is b for a, b in zip(opt.param_groups, client.param_groups,
+                                                      strict=True)),
+           "hyper": hyper,
+           "used_lrs": used, "host_steps": opt.offload.stats.host_steps,
+           "buffers": len(opt._buffers)}
+    engine.destroy()
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    def cpu_adam_l2(params):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(params, adamw_mode=False)
+
+    def split_buffer_lr(params):  # Block 0's LayerNorms at another lr than its matrices
+        decay, no_decay = params
+        return torch.optim.AdamW([decay, {**no_decay, "lr": 5e-3}], lr=1e-2)
+
+    cases = {"sgd": lambda groups: torch.optim.SGD(groups, lr=0.1),
+             "subclass": lambda groups: MyAdamW(groups),
+             "amsgrad": lambda groups: torch.optim.AdamW(groups, amsgrad=True),
+             "maximize": lambda groups: torch.optim.AdamW(groups, maximize=True),
+             "deepspeed_cpu_adam_l2": cpu_adam_l2, "split_buffer_lr": split_buffer_lr}
+    errors = {}
+    for case, make in cases.items():
+        model = fm.make("gpt")
+        try:
+            initialize(model=model, optimizer=make(trainer_groups(model)), config=cfg)
+            errors[case] = None
+        except ValueError as err:
+            errors[case] = str(err)
+    return got, errors
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -439,25 +549,154 @@ def test_trainer_resume_equals_uninterrupted(runs, from_engine):
         assert resumed[rank]["global_step"] == STEPS
 
 
+OURS = "vescale_engine.optim.adamw.AdamW"
+
+
+def _assert_close_steps(ours: dict, theirs: dict, what: str, tolerance=(TOLERANCE,) * 3):
+    """Per step: (loss, grad norm, learning rate) each within its `tolerance` relative."""
+    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1)), (what, sorted(ours))
+    for step in theirs:
+        for name, a, b, tol in zip(("loss", "grad_norm", "learning_rate"), ours[step],
+                                   theirs[step], tolerance, strict=True):
+            assert a is not None and b is not None and \
+                abs(a - b) <= tol * max(abs(a), abs(b)), \
+                f"{what}: step {step} {name}: {a!r} vs {b!r}"
+
+
+def _assert_scheduler_drove_the_stepping_optimizer(result, groups):
+    """At every step each group of the optimizer that stepped held the lr Trainer logged for
+    that step (its scheduler's), and that lr changed over the run (warmup)."""
+    assert sorted(result["stepped_lrs"]) == list(range(1, STEPS + 1)), result["stepped_lrs"]
+    for step, lrs in result["stepped_lrs"].items():
+        assert len(lrs) == groups and all(lr == result["train"][step][2] for lr in lrs), \
+            (step, lrs, result["train"][step])
+    assert len({lrs[0] for lrs in result["stepped_lrs"].values()}) >= 2, result["stepped_lrs"]
+
+
 def test_trainer_with_optimizer_offload_trains_as_without(runs, pool, model_dir, tmp_path):
     """Optimizer offload through Trainer: the same losses, grad norms and learning rates per
-    step as the run without it. Without an optimizer section Trainer passes its own torch
-    AdamW, which offload cannot step on the host yet: one line on every rank saying what to
-    add, instead of training without offload."""
+    step as the run without it, with the config's optimizer section and without one. Without
+    it Trainer passes its own torch AdamW (two groups: decay / no decay; here with
+    zero_force_ds_cpu_optimizer false, else Accelerate passes the DeepSpeedCPUAdam it makes of
+    it: test_public_offload_configs_through_trainer), which the engine rebuilds as ours (the
+    host step) with the same groups and hyperparameters. Trainer's scheduler, made after
+    initialize on the optimizer initialize returned, drives that optimizer."""
     plain = runs.trainer("vescale", "accum1")
-    outcomes = pool.run(trainer_offload_rank, model_dir, str(tmp_path / "with"), True)
-    for rank, (result, error) in enumerate(outcomes):
-        assert error is None, error
-        assert result["engine"] == "VeScaleEngine"
-        assert sorted(result["train"]) == sorted(plain[rank]["train"]) == \
-            list(range(1, STEPS + 1))
-        for step, logged in plain[rank]["train"].items():  # (loss, grad_norm, lr)
-            for a, b in zip(result["train"][step], logged, strict=True):
-                assert _close(a, b), (rank, step, result["train"][step], logged)
-    outcomes = pool.run(trainer_offload_rank, model_dir, str(tmp_path / "without"), False)
-    for result, error in outcomes:
-        assert result is None and error is not None, result
-        assert "offload_optimizer" in error and "AdamW" in error, error
+    with_section = pool.run(trainer_offload_rank, model_dir, str(tmp_path / "with"), True,
+                            timeout=300)
+    own = pool.run(trainer_rank, model_dir, str(tmp_path / "own"),
+                   config("vescale", optimizer=False, scheduler=False), {}, timeout=300)
+    torch_adamw = pool.run(trainer_offload_rank, model_dir, str(tmp_path / "torch"), False,
+                           False, timeout=300)
+    for rank in range(WORLD):
+        assert with_section[rank]["stepping"] == OURS
+        assert with_section[rank]["host_steps"] > 0
+        _assert_close_steps(with_section[rank]["train"], plain[rank]["train"],
+                            f"rank {rank}: with the optimizer section")
+        _assert_scheduler_drove_the_stepping_optimizer(with_section[rank], groups=1)
+        # without offload Trainer's torch AdamW stays itself (rebuilt in place)
+        assert own[rank]["stepping"] == "torch.optim.adamw.AdamW"
+        _assert_trained(own[rank]["train"])
+        assert torch_adamw[rank]["stepping"] == OURS, torch_adamw[rank]["stepping"]
+        assert torch_adamw[rank]["host_steps"] > 0
+        _assert_close_steps(torch_adamw[rank]["train"], own[rank]["train"],
+                            f"rank {rank}: Trainer's AdamW with offload")
+        _assert_scheduler_drove_the_stepping_optimizer(torch_adamw[rank], groups=2)
+
+
+def test_client_adamw_with_offload_is_rebuilt_as_ours_or_refused_in_one_line(pool):
+    """initialize(optimizer=torch AdamW, lr_scheduler=a scheduler built on it) with offload:
+    ours steps on the host with the client's groups and hyperparameters, and the client's
+    scheduler sets the lr ours uses. What cannot become ours with the same math is one line
+    naming what to add."""
+    results = pool.run(client_adamw_offload_rank, timeout=300)
+    for got, errors in results:
+        assert got["class"] == OURS and got["engine_has_it"] and got["sched_is_client"], got
+        assert got["shared_groups"], got
+        assert got["hyper"] == [(1e-2, (0.9, 0.95), 1e-7, 0.01), (1e-2, (0.9, 0.95), 1e-7, 0.0)]
+        assert got["used_lrs"] == [[1e-2 * (1 / (1 + s))] * 2 for s in range(3)], got
+        assert got["host_steps"] == 3 * got["buffers"], got
+        head = "zero_optimization.offload_optimizer: the "
+        what = 'add an "optimizer" section (type AdamW or AdamW8bit) to the config, or ' \
+            "pass torch.optim.AdamW or vescale_engine.optim.AdamW"
+        only = "only torch.optim.AdamW itself, or the DeepSpeedCPUAdam Accelerate makes of " \
+            "it, is rebuilt as ours"
+        want = {
+            "sgd": f"{head}torch.optim.sgd.SGD passed to initialize cannot be stepped on the "
+                   f"host ({only}); offload works with our AdamW and AdamW8bit: {what}",
+            "subclass": f"{head}{__name__}.MyAdamW passed to initialize cannot be stepped on "
+                        f"the host ({only}); offload works with our AdamW and AdamW8bit: "
+                        f"{what}",
+            "amsgrad": f"{head}torch.optim.adamw.AdamW passed to initialize cannot be stepped "
+                       "on the host (param_groups[0] has amsgrad=True); offload works with our "
+                       f"AdamW and AdamW8bit: {what}",
+            "maximize": f"{head}torch.optim.adamw.AdamW passed to initialize cannot be "
+                        "stepped on the host (param_groups[0] has maximize=True); offload "
+                        f"works with our AdamW and AdamW8bit: {what}",
+            "deepspeed_cpu_adam_l2": f"{head}deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam "
+                                     "passed to initialize cannot be stepped on the host "
+                                     "(adamw_mode is false: Adam with L2 decay, not AdamW); "
+                                     f"offload works with our AdamW and AdamW8bit: {what}",
+        }
+        for case, message in want.items():
+            assert errors[case] == message, (case, errors[case])
+        split = errors["split_buffer_lr"]
+        assert split.startswith(f"{head}torch.optim.adamw.AdamW passed to initialize cannot "
+                                "be stepped on the host as our AdamW (parameter "), split
+        assert "lr differs (" in split and split.endswith(
+            'add an "optimizer" section (type AdamW) to the config so that the engine '
+            "builds it"), split
+        assert all("\n" not in e for e in errors.values()), errors
+
+
+# The public offload configs (tests/configs_in_the_wild/public/, sources in its README), each
+# as written through the same Trainer script: under DeepSpeed ZeRO (its CPU offload runs on CPU:
+# DeepSpeedCPUAdam, JIT-built once) and under our one line, the same losses, grad norms and
+# learning rates per step; or, where ours does not run the config, this one line on every rank.
+# Per config: the refusal (None: it runs), the TrainingArguments it needs, the optimizer's
+# parameter groups (1: the config's optimizer section over all parameters; 2: Trainer's
+# AdamW, decay / no decay) and the relative tolerances (fp32: measured ~1e-7).
+PUBLIC_OFFLOAD = {
+    # no optimizer or scheduler section: Trainer's AdamW (as DeepSpeedCPUAdam) and schedule
+    "llamafactory_ds_z2_offload_config.json": (None, {}, 2, (TOLERANCE,) * 3),
+    # offload_param at stage 2, which DeepSpeed does not read: refused here
+    "llava_next_zero2_offload.json": (
+        "ConfigError: zero_optimization.offload_param: needs ZeRO stage 3 "
+        "(zero_optimization.stage is 2): parameters are sharded only at stage 3", {}, 0, None),
+    # both offloads; optimizer AdamW and WarmupLR from the config
+    "llava_zero3_offload.json": (None, {}, 1, (TOLERANCE,) * 3),
+    # both offloads; Trainer's AdamW (as DeepSpeedCPUAdam) and schedule
+    "llamafactory_ds_z3_offload_config.json": (None, {}, 2, (TOLERANCE,) * 3),
+    # both offloads, bf16 written as true (Trainer then needs bf16=True), Trainer's torch AdamW
+    # passed as it is (zero_force_ds_cpu_optimizer false). bf16: DeepSpeed and ours round the
+    # compute differently, so the tolerance is bf16's
+    "axolotl_zero3_bf16_cpuoffload_all.json": (None, {"bf16": True}, 2, BF16_TOLERANCE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_OFFLOAD))
+def test_public_offload_configs_through_trainer(runs, name):
+    refusal, options, groups, tolerance = PUBLIC_OFFLOAD[name]
+    ours = runs.get(trainer_public_config_rank, (name, "vescale"), runs.model_dir,
+                    runs.out_dir("public", name, "vescale"), name, "vescale", options)
+    if refusal is not None:
+        assert [error for _, error in ours] == [refusal] * WORLD, ours
+        return
+    ds = runs.get(trainer_public_config_rank, (name, "deepspeed"), runs.model_dir,
+                  runs.out_dir("public", name, "deepspeed"), name, "deepspeed", options)
+    for rank in range(WORLD):
+        (result, error), (ds_result, ds_error) = ours[rank], ds[rank]
+        assert error is None and ds_error is None, (error, ds_error)
+        assert ds_result["engine"] == "DeepSpeedEngine"
+        assert ds_result["stepping"].startswith("deepspeed.runtime.zero."), ds_result
+        _assert_trained(ds_result["train"])
+        assert result["engine"] == "VeScaleEngine" and result["stepping"] == OURS, result
+        assert result["host_steps"] > 0
+        assert result["bf16"] == ds_result["bf16"] == options.get("bf16", False)
+        _assert_close_steps(result["train"], ds_result["train"], f"{name} rank {rank}",
+                            tolerance)
+        assert result["stepped_lrs"] == ds_result["stepped_lrs"]
+        _assert_scheduler_drove_the_stepping_optimizer(result, groups)
 
 
 @pytest.mark.parametrize("accum", [1, 2])

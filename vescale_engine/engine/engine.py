@@ -25,7 +25,8 @@ from .colocation import Colocation
 from .config import EngineConfig, build_config
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
-                          rebuild_optimizer, resolve_named_parameters)
+                          rebuild_for_offload, rebuild_optimizer,
+                          resolve_named_parameters)
 from .monitor import Monitors, PendingScalars
 from .preemption import SignalSave
 from .progress import Progress
@@ -453,9 +454,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         params = [p for p in module.parameters() if p.requires_grad]
     else:
         params = resolve_named_parameters(chosen, module)
-    opt = rebuild_optimizer(optimizer, params) if instance else \
-        build_optimizer(cfg.optimizer, optimizer, params)
-    if cfg.offload_optimizer is not None:  # before any state exists: it is made on the host
+    offload = cfg.offload_optimizer is not None
+    if instance:  # with offload, Trainer's torch AdamW becomes ours (steps on the host)
+        opt = rebuild_for_offload(optimizer, params) if offload else \
+            rebuild_optimizer(optimizer, params)
+    else:
+        opt = build_optimizer(cfg.optimizer, optimizer, params)
+    if offload:  # before any state exists: it is made on the host
         check_offloadable(opt)
         opt.offload_to_host(**cfg.offload_optimizer)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)

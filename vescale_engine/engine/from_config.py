@@ -10,7 +10,7 @@ import torch
 from .. import optim
 
 __all__ = ["optimizer_spec", "build_optimizer", "client_optimizer_groups", "rebuild_optimizer",
-           "check_client_scheduler", "build_scheduler", "named_model_parameters",
+           "rebuild_for_offload", "check_client_scheduler", "build_scheduler", "named_model_parameters",
            "resolve_named_parameters"]
 
 LOG = logging.getLogger("vescale_engine")
@@ -102,6 +102,63 @@ def rebuild_optimizer(optimizer, groups):
     vars(optimizer).update(vars(fresh))
     vars(optimizer).update(kept)
     return optimizer
+
+
+def rebuild_for_offload(optimizer, groups):
+    """With offload_optimizer: the client's AdamW instance made again as ours
+    (vescale_engine.optim.AdamW, which steps whole flat shards on the host) over the sharded
+    parameters `groups` (as `client_optimizer_groups` named them, resolved), each group keeping
+    its lr, betas, eps and weight_decay. Taken: exactly torch.optim.AdamW (Hugging Face
+    Trainer's default; its decay / no-decay groups), or the DeepSpeedCPUAdam in AdamW mode that
+    Accelerate makes of it when offload is on (unless zero_force_ds_cpu_optimizer is false),
+    with amsgrad and maximize off and no state. Anything else is a one-line error naming what to
+    add. Bitwise the same as the client's class it is not (torch's per-tensor AdamW and our
+    fused flat step round differently in the last bit), so without offload the client's class
+    stays (`rebuild_optimizer`).
+
+    The client's group dicts themselves become ours' groups (their "params" replaced), as
+    DeepSpeed rewrites the client optimizer's groups in place: a scheduler built on the client's
+    instance, or on the torch AdamW Accelerate mapped, sets the lr ours reads. Returns ours."""
+    cls = type(optimizer)
+    name = f"{cls.__module__}.{cls.__name__}"
+    reason = _why_not_our_adamw(optimizer)
+    if reason is not None:
+        raise ValueError(f"zero_optimization.offload_optimizer: the {name} passed to initialize "
+                         f"cannot be stepped on the host ({reason}); offload works with our "
+                         "AdamW and AdamW8bit: add an \"optimizer\" section (type AdamW or "
+                         "AdamW8bit) to the config, or pass torch.optim.AdamW or "
+                         "vescale_engine.optim.AdamW")
+    keys = ("lr", "betas", "eps", "weight_decay")
+    for client_group, group in zip(optimizer.param_groups, groups, strict=True):
+        client_group["params"] = group["params"]
+    defaults = {k: optimizer.defaults[k] for k in keys}
+    try:
+        return optim.AdamW(optimizer.param_groups, **defaults)
+    except ValueError as err:  # groups that split a flat buffer
+        raise ValueError(f"zero_optimization.offload_optimizer: the {name} passed to "
+                         f"initialize cannot be stepped on the host as our AdamW ({err}); add "
+                         "an \"optimizer\" section (type AdamW) to the config so that the "
+                         "engine builds it") from None
+
+
+def _why_not_our_adamw(optimizer) -> str | None:
+    """Why `optimizer` cannot become our AdamW with the same math, or None."""
+    cls = type(optimizer)
+    if cls is torch.optim.AdamW:
+        pass
+    elif cls.__name__ == "DeepSpeedCPUAdam" and cls.__module__.startswith("deepspeed."):
+        if not getattr(optimizer, "adam_w_mode", False):
+            return "adamw_mode is false: Adam with L2 decay, not AdamW"
+        if not getattr(optimizer, "fp32_optimizer_states", True):
+            return "fp32_optimizer_states is false"
+    else:
+        return "only torch.optim.AdamW itself, or the DeepSpeedCPUAdam Accelerate makes of it, " \
+            "is rebuilt as ours"
+    for i, group in enumerate(optimizer.param_groups):
+        for key, want in (("amsgrad", False), ("maximize", False), ("bias_correction", True)):
+            if key in group and group[key] != want:
+                return f"param_groups[{i}] has {key}={group[key]}"
+    return None
 
 
 def check_client_scheduler(scheduler, optimizer):
