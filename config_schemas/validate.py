@@ -409,18 +409,26 @@ def _semantic_errors(config) -> list:
     return errors
 
 
+def offload_param_below_stage_3(zero) -> str | None:
+    """Why offload_param with device "cpu" is not acted on, when ZeRO's stage is below 3
+    (DeepSpeed reads it at stage 3 only: public stage-2 configs set it); else None."""
+    param = zero.get("offload_param") if isinstance(zero, dict) else None
+    stage = zero.get("stage", 3) if isinstance(zero, dict) else 3
+    if not isinstance(param, dict) or param.get("device") != "cpu" or stage == 3:
+        return None
+    return (f"zero_optimization.offload_param (read at ZeRO stage 3 only, as DeepSpeed does; "
+            f"zero_optimization.stage is {_show(stage)}: parameters are not sharded)")
+
+
 def _offload_param_errors(zero) -> list:
     """offload_param with device "cpu" acts at ZeRO stage 3 together with offload_optimizer
-    with device "cpu" (the fp32 master lives with the optimizer state): anything else is an
-    error naming what to add."""
+    with device "cpu" (the fp32 master lives with the optimizer state): without it, an error
+    naming what to add. Below stage 3 it is not acted on (`offload_param_below_stage_3`)."""
     param = zero.get("offload_param") or {}
-    if not isinstance(param, dict) or param.get("device") != "cpu":
+    if not isinstance(param, dict) or param.get("device") != "cpu" or \
+            offload_param_below_stage_3(zero):
         return []
     key = "zero_optimization.offload_param"
-    stage = zero.get("stage", 3)
-    if stage != 3:
-        return [f"{key}: needs ZeRO stage 3 (zero_optimization.stage is {_show(stage)}): "
-                "parameters are sharded only at stage 3"]
     optimizer = zero.get("offload_optimizer") or {}
     if isinstance(optimizer, dict) and optimizer.get("device") in ("cpu", "auto"):
         return []
@@ -514,7 +522,11 @@ def check_config(config, allow_auto: bool = True) -> Report:
         messages = _semantic_errors(canonical)
     if messages:
         return Report(messages, aliases=notes, ignored=ignored)
-    return Report([], _not_acted_on(canonical, schema, names), auto, notes, ignored, canonical)
+    not_acted_on = _not_acted_on(canonical, schema, names)
+    below = offload_param_below_stage_3(canonical.get("zero_optimization"))
+    if below:
+        not_acted_on.append(below)
+    return Report([], not_acted_on, auto, notes, ignored, canonical)
 
 
 def read_config(source) -> dict:

@@ -383,12 +383,13 @@ OFFLOADING = {
     "axolotl_zero3_bf16_cpuoffload_params.json": ["offload_param"],
     "msswift_zero3_offload.json": ["offload_param"],
     "transformers_tests_ds_config_zero3_bf16.json": [],  # (refused for bfloat16 "auto")
-    "llava_next_zero2_offload.json": [],  # (refused: offload_param at stage 2)
 }
 # The ones offloading the optimizer (device "cpu"): valid, and the engine offloads; the
 # value: pin_memory as written, and whether offload_param (device "cpu") comes with it.
 OPTIMIZER_OFFLOADING = {"axolotl_zero2.json": (False, False),
                         "llamafactory_ds_z2_offload_config.json": (True, False),
+                        # offload_param at stage 2: not read there (DeepSpeed does not either)
+                        "llava_next_zero2_offload.json": (True, False),
                         "transformers_tests_ds_config_zero2.json": (True, False),
                         "axolotl_zero3_bf16_cpuoffload_all.json": (True, True),
                         "llamafactory_ds_z3_offload_config.json": (True, True),
@@ -400,11 +401,9 @@ OPTIMIZER_OFFLOADING = {"axolotl_zero2.json": (False, False),
 # false: bf16 would silently stay off under DeepSpeed.
 ALSO_REFUSED = {"transformers_tests_ds_config_zero3_bf16.json": [
     'bfloat16.enabled: "auto" is not filled in here: Hugging Face Trainer and Accelerate '
-    'replace "auto" only in'],
-    # LLaVA-NeXT's zero2_offload.json: offload_param at stage 2, which DeepSpeed does not read
-    "llava_next_zero2_offload.json": [
-        "zero_optimization.offload_param: needs ZeRO stage 3 (zero_optimization.stage is 2): "
-        "parameters are sharded only at stage 3"]}
+    'replace "auto" only in']}
+STAGE_2_PARAM = ("zero_optimization.offload_param (read at ZeRO stage 3 only, as DeepSpeed does; "
+                 "zero_optimization.stage is 2: parameters are not sharded)")
 # what `vescale validate` must print for the valid ones beyond "valid"
 PUBLIC_TEXTS = {
     "llamafactory_ds_z3_config.json": [f"warning: ignored: comms_config ({IGNORED})",
@@ -412,6 +411,8 @@ PUBLIC_TEXTS = {
     "axolotl_zero1_torch_compile.json": ["accepted but not acted on: ", "compile (DeepSpeed "
                                          "compiles only when the script calls engine.compile()"],
     "openrlhf_get_train_ds_config_zero3.json": ["compile (DeepSpeed compiles only"],
+    # LLaVA-NeXT's zero2_offload.json: offload_param at stage 2, which DeepSpeed does not read
+    "llava_next_zero2_offload.json": ["accepted but not acted on: ", STAGE_2_PARAM],
 }
 PUBLIC_JSON = sorted(p.name for p in PUBLIC.glob("*.json"))
 DIRECT = {"openrlhf_get_train_ds_config_zero3.json"}  # given to initialize as written
@@ -505,6 +506,10 @@ def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
     assert cfg.offload_optimizer == (
         None if pin is None else
         {"ratio": 1.0, "pin_memory": pin, **({"offload_param": True} if param else {})})
+    stage_2 = [r.getMessage() for r in caplog.records if "offload_param (read at" in
+               r.getMessage()]
+    assert stage_2 == ([f"accepted but not acted on: {STAGE_2_PARAM}"]
+                       if name == "llava_next_zero2_offload.json" else []), stage_2
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     if name == "llamafactory_ds_z3_config.json":
         assert [e.split(" (")[0] for e in cfg.ignored] == ["comms_config", "monitor_config"]

@@ -11,7 +11,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from config_schemas.validate import ConfigError, read_config, validate_config
+from config_schemas.validate import (ConfigError, offload_param_below_stage_3, read_config,
+                                     validate_config)
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "SaveOnSignal",
            "EngineConfig", "build_config"]
@@ -168,8 +169,14 @@ def _offloads(name: str, section: dict | None) -> bool:
 
 
 def _offload_param(zero: dict) -> bool:
-    """Whether parameters offload (offload_param device "cpu"; the validator refused it
-    without offload_optimizer or below stage 3)."""
+    """Whether parameters offload (offload_param device "cpu" at stage 3; the validator refused
+    it without offload_optimizer). Below stage 3 it is a warning: DeepSpeed does not read it
+    there, and public stage-2 configs set it."""
+    below = offload_param_below_stage_3(zero)
+    if below:
+        if _rank() == 0:
+            LOG.warning("accepted but not acted on: %s", below)
+        return False
     return _offloads("zero_optimization.offload_param", zero.get("offload_param"))
 
 

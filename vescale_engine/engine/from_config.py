@@ -125,8 +125,8 @@ def rebuild_for_offload(optimizer, groups):
     if reason is not None:
         raise ValueError(f"zero_optimization.offload_optimizer: the {name} passed to initialize "
                          f"cannot be stepped on the host ({reason}); offload works with our "
-                         "AdamW and AdamW8bit: add an \"optimizer\" section (type AdamW or "
-                         "AdamW8bit) to the config, or pass torch.optim.AdamW or "
+                         "AdamW, AdamW8bit and Muon: add an \"optimizer\" section (type AdamW, "
+                         "AdamW8bit or Muon) to the config, or pass torch.optim.AdamW or "
                          "vescale_engine.optim.AdamW")
     keys = ("lr", "betas", "eps", "weight_decay")
     for client_group, group in zip(optimizer.param_groups, groups, strict=True):

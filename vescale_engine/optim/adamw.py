@@ -15,7 +15,7 @@ import math
 import torch
 
 from .flat import evaluate_closure, flat_buffers, stepped_members
-from .offload import OptimizerOffload
+from .offload import OptimizerOffload, faces_in
 
 __all__ = ["AdamW", "new_adamw_state", "adamw_update", "adamw_math"]
 
@@ -36,15 +36,11 @@ class AdamW(torch.optim.Optimizer):
         the host too with `offload_param`; optim/offload.py). Before the first step only."""
         if self.state:
             raise RuntimeError("offload_to_host: the optimizer already holds state")
-        members = {id(b): m for b, _g, _d, m, *_ in self._buffers}
-
-        def faces_of(buf):  # every parameter of the buffer, given to the optimizer or not
-            return [sp for sp in members[id(buf)][0].unit.params if sp.buffer is buf]
         self.offload = OptimizerOffload(
             [b for b, *_ in self._buffers],
             lambda b: [(name, b.master.dtype, b.shard_size) for name in ("exp_avg", "exp_avg_sq")],
             ratio=ratio, pin_memory=pin_memory, offload_param=offload_param,
-            faces_of=faces_of)
+            faces_of=faces_in([p for g in self.param_groups for p in g["params"]]))
         self._buffers = [(b, g, d.cpu() if isinstance(d, torch.Tensor) and
                           self.offload.offloads(b) else d, m) for b, g, d, m in self._buffers]
         return self.offload

@@ -19,7 +19,7 @@ from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
 from .flat import evaluate_closure, flat_buffers, stepped_members
-from .offload import OptimizerOffload
+from .offload import OptimizerOffload, faces_in
 from .quantize import MAPS, BlockQuantizer, code_table
 
 DEFAULT_BLOCK = ADAMW8BIT_BLOCK
@@ -57,10 +57,6 @@ class AdamW8bit(torch.optim.Optimizer):
         the first step only."""
         if self.state:
             raise RuntimeError("offload_to_host: the optimizer already holds state")
-        members = {id(b): m for b, _g, _d, m, *_ in self._buffers}
-
-        def faces_of(buf):  # every parameter of the buffer, given to the optimizer or not
-            return [sp for sp in members[id(buf)][0].unit.params if sp.buffer is buf]
         blocks = {id(b): q.num_blocks for b, *_, q in self._buffers}
         self.offload = OptimizerOffload(
             [b for b, *_ in self._buffers],
@@ -69,7 +65,7 @@ class AdamW8bit(torch.optim.Optimizer):
                        ("exp_avg_codes", torch.int8, b.shard_size),
                        ("exp_avg_sq_codes", torch.uint8, b.shard_size)],
             ratio=ratio, pin_memory=pin_memory, offload_param=offload_param,
-            faces_of=faces_of)
+            faces_of=faces_in([p for g in self.param_groups for p in g["params"]]))
         self._buffers = [
             (b, g, d.cpu() if isinstance(d, torch.Tensor) and self.offload.offloads(b) else d,
              m, BlockQuantizer(shard_segments(b), self.quant_map, device="cpu")

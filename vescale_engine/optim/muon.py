@@ -8,6 +8,15 @@ rank's j-th matrix together, one uneven all-to-all each way); a bounded number o
 gathered ahead, so a round's communication overlaps the round before it, no rank waits on
 another's Newton-Schulz, and a root never holds more than a few gathered matrices at once.
 
+With ZeRO-Offload (`offload_to_host`) the chosen buffers' fp32 masters and gradients live in
+host memory (optim/offload.py) and so does every piece of this optimizer's state made for them:
+momentum, Nesterov and weight decay run on the host. Only Newton-Schulz runs on the device:
+each rank's pieces of a matrix go to the device in the Newton-Schulz dtype (2 bytes per
+element for bf16) before the all-to-all that gathers it on its root, and the root's result
+comes back to the host the same way, once the scatter has brought it (2 bytes per element).
+Per step and offloaded matrix element: the gradient to the host as it is reduced (4 bytes,
+counted by the offload), these 2 + 2, and the compute shard's refresh.
+
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
 
@@ -30,6 +39,7 @@ from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muo
 from ..shard.ragged import RaggedShard
 from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
+from .offload import OptimizerOffload, faces_in
 
 __all__ = ["Muon", "newton_schulz", "adjusted_lr", "ns_flops", "is_muon_matrix",
            "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "DEFAULT_EPS", "DEFAULT_ADAMW_PATTERNS",
@@ -137,9 +147,47 @@ class Muon(torch.optim.Optimizer):
         self._matrices = self._plan_matrices(ns_steps)
         self.bytes_sent = 0  # bytes this rank sent for Muon in the last step (gathers + scatters)
         self.rounds_in_flight = ROUNDS_IN_FLIGHT  # gather rounds issued ahead (gather mode)
+        self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
         self.record_trace = False  # tests: log ("gather", round), ("ns", matrix) and
         # ("scatter", round) in the order they are issued
         self.trace = []
+
+    def offload_to_host(self, ratio: float = 1.0, pin_memory: bool = False,
+                        offload_param: bool = False) -> OptimizerOffload:
+        """Step `ratio` of the buffers (by bytes, largest first) with their master, gradient and
+        this optimizer's state in host memory from now on (optim/offload.py); Newton-Schulz
+        stays on the device. Before the first step only."""
+        if self.state:
+            raise RuntimeError("offload_to_host: the optimizer already holds state")
+        params = [p for g in self.param_groups for p in g["params"]]
+        buffers = list({id(p._vescale.buffer): p._vescale.buffer for p in params}.values())
+        # the state is per parameter, made on the host beside its master: nothing in the
+        # buffer's allocation but the master and gradient
+        self.offload = OptimizerOffload(buffers, lambda b: [], ratio=ratio,
+                                        pin_memory=pin_memory, offload_param=offload_param,
+                                        faces_of=faces_in(params))
+        return self.offload
+
+    def _offloaded_buffers(self, stepped: bool) -> list:
+        """The offloaded buffers holding parameters of this optimizer (with a gradient now,
+        when `stepped`)."""
+        if self.offload is None:
+            return []
+        found = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = p._vescale.buffer
+                if self.offload.offloads(buf) and (not stepped or p.grad is not None):
+                    found[id(buf)] = buf
+        return list(found.values())
+
+    def _count_pcie(self, param: int, nbytes: int, to_host: bool) -> None:
+        """Newton-Schulz traffic of an offloaded matrix, in the offload's counters."""
+        if self.offload is not None and self.offload.offloads(self._sharded[param].buffer):
+            if to_host:
+                self.offload.stats.bytes_to_host += nbytes
+            else:
+                self.offload.stats.bytes_to_device += nbytes
 
     # -- which rank orthogonalizes what ----------------------------------------------------------
 
@@ -182,11 +230,16 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = evaluate_closure(closure)
+        stepped = self._offloaded_buffers(stepped=True)
+        for buf in stepped:  # the host gradients, once their copies have arrived
+            self.offload.to_host(buf)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
+        for buf in stepped:  # the host masters were written: the compute shards follow
+            self.offload.stepped(buf)
         return loss
 
     def _muon_step(self, group):
@@ -212,8 +265,11 @@ class Muon(torch.optim.Optimizer):
             params[i].mul_(1 - lr * decay)
         for m, local in zip(todo, results):
             if m.hi > m.lo:
-                params[m.param][m.lo:m.hi].add_(
-                    local, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
+                target = params[m.param][m.lo:m.hi]
+                if local.device != target.device:  # the device's result to the host master
+                    local = local.to(target.device)
+                self._count_pcie(m.param, local.numel() * local.element_size(), to_host=True)
+                target.add_(local, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
 
     def _orthogonalize(self, todo, updates, group):
         """This rank's piece of every matrix's Newton-Schulz result.
@@ -232,7 +288,7 @@ class Muon(torch.optim.Optimizer):
             return []
         buf = self._sharded[0].buffer
         rank, world, pg = buf.rank, buf.world_size, buf.shard_group
-        device, dtype = buf.master.device, self.ns_dtype
+        device, dtype = buf.device, self.ns_dtype  # the compute device (masters may be on the host)
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
                   eps=group["eps"], dtype=dtype)
         self.bytes_sent = 0
@@ -246,12 +302,17 @@ class Muon(torch.optim.Optimizer):
         def piece(k, r):  # how many elements of matrix k rank r holds
             return todo[k].spec.local_numel(r) if k is not None else 0
 
+        def on_device(k):  # this rank's piece of matrix k, in the Newton-Schulz dtype
+            m = todo[k]
+            local = updates[m.param][m.lo:m.hi]
+            self._count_pcie(m.param, local.numel() * dtype.itemsize, to_host=False)
+            return local.to(device=device, dtype=dtype)
+
         def gather(j):
             row = rounds[j]
             self._log("gather", j)
             return self._exchange(
-                [[updates[todo[k].param][todo[k].lo:todo[k].hi]] if k is not None else []
-                 for k in row],
+                [[on_device(k)] if k is not None else [] for k in row],
                 [piece(row[rank], s) for s in range(world)], dtype, device, pg)
 
         results = [None] * len(todo)
@@ -265,7 +326,7 @@ class Muon(torch.optim.Optimizer):
         for k, m in enumerate(todo):  # matrices already whole here, while the gathers run
             if m.one_hot and m.root == rank:
                 self._log("ns", k)
-                results[k] = newton_schulz(updates[m.param][m.lo:m.hi].view(m.rows, m.cols),
+                results[k] = newton_schulz(on_device(k).view(m.rows, m.cols),
                                            **ns).reshape(-1)
         scatters = []
         for j, row in enumerate(rounds):

@@ -28,7 +28,10 @@ bytes is offloaded; the rest keep master and state on the device and step there 
 acts on the offloaded buffers only). Shard sizes are the same on every rank, so every rank
 chooses the same buffers.
 
-AdamW and AdamW8bit (ours) offload; `check_offloadable` names what works for the others.
+AdamW, AdamW8bit and Muon (ours) offload; `check_offloadable` names what works for the others.
+Muon keeps its per-parameter state (momentum, and AdamW's moments for what is not a matrix) in
+host memory beside the host master and steps it there; only Newton-Schulz runs on the device
+(optim/muon.py says what that moves).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["OffloadStats", "HostShard", "OptimizerOffload", "check_offloadable",
-           "choose_offloaded"]
+           "choose_offloaded", "faces_in"]
 
 
 @dataclass
@@ -90,8 +93,19 @@ def check_offloadable(optimizer) -> None:
         name = cls.__name__ if cls.__module__.startswith("vescale_engine") else \
             f"{cls.__module__}.{cls.__name__}"
         raise ValueError(f"zero_optimization.offload_optimizer: optimizer {name} is not yet "
-                         "supported with offload; offload works with optimizer types AdamW and "
-                         "AdamW8bit (ours, over whole flat buffers)")
+                         "supported with offload; offload works with optimizer types AdamW, "
+                         "AdamW8bit and Muon (ours, over whole flat buffers)")
+
+
+def faces_in(params):
+    """`faces_of` for OptimizerOffload: every ShardedParameter laid out in a buffer, found
+    through the units of the optimizer's `params` (so a frozen tensor of the same buffer, which
+    the optimizer was not given, is re-pointed at the host master too)."""
+    units = {id(p._vescale.unit): p._vescale.unit for p in params}
+
+    def faces_of(buf):
+        return [sp for unit in units.values() for sp in unit.params if sp.buffer is buf]
+    return faces_of
 
 
 def choose_offloaded(buffers, ratio: float) -> list:
