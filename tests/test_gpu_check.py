@@ -1,6 +1,7 @@
 """The GPU check's CPU dry run: `DEVICE=cpu bash benchmarks/gpu_check.sh` runs every part of
 the script the first GPU will run (main job fp32 and bf16, gpu_validate's checks, the fake
-process group memory comparison, the step-time comparison with FSDP2) on gloo, small sizes."""
+process group memory comparison, the step-time comparison with FSDP2, the offload comparison)
+on gloo, small sizes."""
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     log = (tmp_path / "gpu_check.log").read_text()
     assert proc.returncode == 0, log[-6000:]
     for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
-                 "fake_pg_memory", "step_time"):
+                 "fake_pg_memory", "step_time", "offload"):
         assert f"{part}: 0" in log, part
     assert log.count("trained 6 steps on 1 rank(s)") == 2
     report = json.loads((tmp_path / "gpu_validate.json").read_text())
@@ -29,3 +30,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     table = (tmp_path / "gpu_step_time_cpu.md").read_text()
     assert "| veScale |" in table and "| FSDP2 |" in table
     assert (tmp_path / "fake_pg_memory_cpu.md").exists()
+    offload = json.loads((tmp_path / "gpu_offload_cpu.json").read_text())
+    systems = offload["models"]["smoke"]["systems"]
+    for name in ("vescale", "deepspeed", "deepspeed_param", "fsdp2"):
+        assert systems[name]["step_s"] > 0 and systems[name]["peak_bytes"] > 0, name
+    param = systems["vescale_param"]  # run, or skipped with the engine's one-line refusal
+    assert param.get("step_s", 0) > 0 or "offload_param" in param["skipped"], param
+    assert "| FSDP2, CPUOffloadPolicy |" in (tmp_path / "gpu_offload_cpu.md").read_text()
