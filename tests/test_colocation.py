@@ -160,6 +160,40 @@ def test_round_trip_is_exact_and_training_goes_on(pools, optimizer, dtype, offlo
         assert all(torch.equal(plain[n], trip[n]) for n in plain), rank
 
 
+def run_decay_groups(rank, world, optimizer):
+    """Trainer's decay / no-decay groups share buffers, so ours keeps a per-element weight decay
+    on the device beside the state: offload_states frees it too, and the run goes on as one
+    without the round trip."""
+    from vescale_engine import initialize
+    out = []
+    for round_trip in (False, True):
+        model = fm.make("gpt")
+        named = list(model.named_parameters())
+        groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+        engine, *_ = initialize(model=model, model_parameters=groups,
+                                config=config(optimizer))
+        seen = [micro_step(engine, rank, world, k % ACCUM) for k in range(ACCUM)]
+        decays = engine.optimizer.held_tensors()
+        freed = None
+        if round_trip:
+            engine.offload_states()
+            freed = [d.untyped_storage().nbytes() for d in decays]
+            engine.reload_states()
+        seen += [micro_step(engine, rank, world, k % ACCUM) for k in range(2 * ACCUM)]
+        out.append((seen, len(decays), freed, engine._colocation.device_bytes() > 0))
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "AdamW8bit"])
+def test_per_element_weight_decay_moves_with_the_state(pools, optimizer):
+    for (plain, decays, _, _), (trip, _, freed, held_after) in \
+            pools(2).run(run_decay_groups, optimizer):
+        assert decays > 0 and freed == [0] * decays
+        assert held_after and trip == plain
+
+
 # -- partial include, and what each name moves --------------------------------------------------
 
 def run_partial(rank, world):

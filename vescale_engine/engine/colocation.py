@@ -6,7 +6,8 @@ DeepSpeed's names for what moves (`include`, OffloadStateTypeEnum's values or th
 strings), and what each means here:
 
     optim_states            the optimizer's state tensors (moments, 8-bit codes and scales,
-                            Muon's momentum, step counts)
+                            Muon's momentum, step counts) and what else it holds on the
+                            device (`held_tensors`: ours' per-element weight decay)
     hp_params               every DBuffer's fp32 master shard (the sharded parameters' values)
     lp_params               every DBuffer's compute-dtype shard, where a buffer keeps one
     lp_grads                every DBuffer's gradient shard, where it holds one now (one
@@ -130,6 +131,8 @@ class Colocation:
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
                         add("optim_states", value)
+            for tensor in getattr(self.optimizer, "held_tensors", list)():
+                add("optim_states", tensor)  # (ours: per-element weight decay)
         for buf in self._buffers():
             for name, tensor in buf.device_state():
                 if _BUFFER_STATE_TYPE[name] in state_types:

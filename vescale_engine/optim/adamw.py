@@ -45,6 +45,13 @@ class AdamW(torch.optim.Optimizer):
                           self.offload.offloads(b) else d, m) for b, g, d, m in self._buffers]
         return self.offload
 
+    def held_tensors(self) -> list:
+        """Device tensors this optimizer keeps besides `state`: the per-element weight decay
+        of buffers whose tensors' groups decay differently (Trainer's decay / no-decay groups).
+        engine/colocation.py moves them with the state."""
+        return [d for b, _g, d, _m in self._buffers
+                if isinstance(d, torch.Tensor) and not self._offloaded(b)]
+
     def _offloaded(self, buf) -> bool:
         return self.offload is not None and self.offload.offloads(buf)
 

@@ -72,6 +72,13 @@ class AdamW8bit(torch.optim.Optimizer):
              if self.offload.offloads(b) else q) for b, g, d, m, q in self._buffers]
         return self.offload
 
+    def held_tensors(self) -> list:
+        """Device tensors this optimizer keeps besides `state`: the per-element weight decay
+        of buffers whose tensors' groups decay differently (Trainer's decay / no-decay groups).
+        engine/colocation.py moves them with the state."""
+        return [d for b, _g, d, *_ in self._buffers
+                if isinstance(d, torch.Tensor) and not self._offloaded(b)]
+
     def _offloaded(self, buf) -> bool:
         return self.offload is not None and self.offload.offloads(buf)
 
