@@ -15,7 +15,7 @@ from config_schemas.validate import (ConfigError, offload_param_below_stage_3, r
                                      validate_config)
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "SaveOnSignal",
-           "EngineConfig", "build_config"]
+           "EngineConfig", "build_config", "deepspeed_default"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -180,6 +180,41 @@ def _offload_param(zero: dict) -> bool:
     return _offloads("zero_optimization.offload_param", zero.get("offload_param"))
 
 
+def deepspeed_default(name: str):
+    """A default of the installed DeepSpeed (deepspeed/runtime/constants.py), read without
+    importing it (that imports torch and more); None when it is not installed or not there."""
+    import ast
+    import importlib.util
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "runtime", "constants.py")
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return None
+    return None
+
+
+def _warn_unclipped() -> None:
+    """No gradient_clipping in the config: ours does not clip, and says so on rank 0 when the
+    installed DeepSpeed would (its default is 1.0 since some release: the same config would
+    train differently under DeepSpeed)."""
+    theirs = deepspeed_default("GRADIENT_CLIPPING_DEFAULT")
+    if theirs and _rank() == 0:
+        LOG.warning("gradient_clipping is not set: the engine does not clip gradients, where the "
+                    "installed DeepSpeed clips at %s by default; set \"gradient_clipping\" in "
+                    "the config (0 for none) to say which you mean", theirs)
+
+
 def _rank() -> int:
     """This process's rank without importing torch: the process group's if torch.distributed
     is already imported and initialized, else the launcher's RANK, else 0."""
@@ -224,6 +259,8 @@ def build_config(source, world_size: int) -> EngineConfig:
         pin = (zero.get("offload_param") or {}).get("pin_memory", False)
         offload = {**offload, "offload_param": True,
                    "pin_memory": offload["pin_memory"] or bool(pin)}
+    if "gradient_clipping" not in config:
+        _warn_unclipped()
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, world_size),
