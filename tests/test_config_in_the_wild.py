@@ -496,7 +496,9 @@ def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
     else:
         assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
                 cfg.batch.gradient_accumulation_steps) == (12, 3, 2)
-        assert cfg.gradient_clipping == (0.5 if "gradient_clipping" in written else 0.0)
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+        assert cfg.gradient_clipping == (0.5 if "gradient_clipping" in written else
+                                         GRADIENT_CLIPPING_DEFAULT)
     if name in ("transformers_tests_ds_config_zero2.json", "transformers_tests_ds_config_zero3"
                 ".json", "transformers_docs_zero3.json"):  # fp16 "auto" only: Trainer's fp16
         assert not cfg.bf16 and cfg.param_dtype is None and cfg.fp16 == {}  # False: fp32

@@ -679,12 +679,9 @@ PUBLIC_OFFLOAD = {
     # no optimizer or scheduler section: Trainer's AdamW (as DeepSpeedCPUAdam) and schedule
     "llamafactory_ds_z2_offload_config.json": (None, {}, 2, (TOLERANCE,) * 3),
     # offload_param at stage 2, which DeepSpeed does not read (nor do we: a warning);
-    # Trainer's AdamW (as DeepSpeedCPUAdam) and schedule. It sets no gradient_clipping, and
-    # unclipped, ours and DeepSpeed ZeRO-2 drift apart step by step, WITHOUT offload exactly as
-    # with it (measured on the loss: 2.1e-6 relative at step 3, 4.7e-5 at 4, 4.9e-4 at 5; the
-    # same config with clipping agrees to 1e-7). Not offload's doing, not yet explained: an open
-    # finding. Until then this row holds both engines to the bf16 bounds.
-    "llava_next_zero2_offload.json": (None, {}, 2, BF16_TOLERANCE),
+    # Trainer's AdamW (as DeepSpeedCPUAdam) and schedule. It sets no gradient_clipping:
+    # DeepSpeed's default (1.0) clips, and so does ours (unclipped, ours drifted 5e-4 by step 5)
+    "llava_next_zero2_offload.json": (None, {}, 2, (TOLERANCE,) * 3),
     # both offloads; optimizer AdamW and WarmupLR from the config
     "llava_zero3_offload.json": (None, {}, 1, (TOLERANCE,) * 3),
     # both offloads; Trainer's AdamW (as DeepSpeedCPUAdam) and schedule

@@ -15,7 +15,7 @@ from config_schemas.validate import (ConfigError, offload_param_below_stage_3, r
                                      validate_config)
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "SaveOnSignal",
-           "EngineConfig", "build_config", "deepspeed_default"]
+           "EngineConfig", "build_config", "deepspeed_default", "default_gradient_clipping"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -204,15 +204,11 @@ def deepspeed_default(name: str):
     return None
 
 
-def _warn_unclipped() -> None:
-    """No gradient_clipping in the config: ours does not clip, and says so on rank 0 when the
-    installed DeepSpeed would (its default is 1.0 since some release: the same config would
-    train differently under DeepSpeed)."""
+def default_gradient_clipping() -> float:
+    """What an unset gradient_clipping means: the installed DeepSpeed's default (1.0 in 0.19.8),
+    so that a config trains as it does under DeepSpeed; 0 (off) without DeepSpeed."""
     theirs = deepspeed_default("GRADIENT_CLIPPING_DEFAULT")
-    if theirs and _rank() == 0:
-        LOG.warning("gradient_clipping is not set: the engine does not clip gradients, where the "
-                    "installed DeepSpeed clips at %s by default; set \"gradient_clipping\" in "
-                    "the config (0 for none) to say which you mean", theirs)
+    return float(theirs) if isinstance(theirs, (int, float)) else 0.0
 
 
 def _rank() -> int:
@@ -259,14 +255,13 @@ def build_config(source, world_size: int) -> EngineConfig:
         pin = (zero.get("offload_param") or {}).get("pin_memory", False)
         offload = {**offload, "offload_param": True,
                    "pin_memory": offload["pin_memory"] or bool(pin)}
-    if "gradient_clipping" not in config:
-        _warn_unclipped()
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, world_size),
         optimizer=config.get("optimizer"),
         scheduler=config.get("scheduler"),
-        gradient_clipping=float(config.get("gradient_clipping", 0.0)),
+        gradient_clipping=float(config["gradient_clipping"]) if "gradient_clipping" in config
+        else default_gradient_clipping(),
         steps_per_print=steps_per_print if steps_per_print == math.inf else int(steps_per_print),
         wall_clock_breakdown=config.get("wall_clock_breakdown", False),
         zero_stage=stage,
