@@ -25,6 +25,7 @@ KINDS = ("ours", "torch", "sgd", "adamw8bit", "muon")  # every optimizer we ship
 
 def config(world, granularity="rows:16", scheduler=True):
     cfg = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // world,
+            "gradient_clipping": 0.0,  # (unset: DeepSpeed's default, 1.0)
             "optimizer": {"type": "AdamW", "params": OPT},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
                                                          "warmup_num_steps": 6}},

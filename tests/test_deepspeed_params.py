@@ -19,7 +19,7 @@ from dist_harness import RankPool
 SEQ, SEED = 10, 3
 TOLERANCE = 1e-5  # fp32 round-off of sharded vs one-process AdamW
 OPT = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01}
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "gradient_clipping": 0.0,
           "optimizer": {"type": "AdamW", "params": OPT},
           "zero_optimization": {"stage": 3}, "vescale": {}}
 

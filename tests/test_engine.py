@@ -180,6 +180,7 @@ def llama_default_wrap_rank(rank, world, vescale_section):
     """A tiny LlamaForCausalLM with no wrap_policy: its decoder layers become the units, and
     it trains like one process."""
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 100,
+              "gradient_clipping": 0.0,  # the reference does not clip
               "optimizer": {"type": "AdamW", "params": OPT},
               "zero_optimization": {"stage": 3}, **vescale_section}
     reference = tiny_llama()

@@ -26,6 +26,7 @@ MICRO, SEQ, STEPS, SEED = 2, 12, 3, 7
 TOLERANCE = 1e-5  # fp32 round-off of sharded vs one-process AdamW (see test_deepspeed_parity)
 OPT = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01}
 CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+          "gradient_clipping": 0.0,  # the one-process reference does not clip
           "optimizer": {"type": "AdamW", "params": OPT},
           "zero_optimization": {"stage": 3}, "vescale": {}}
 DEEPSPEED_ONLY = {key: value for key, value in CONFIG.items() if key != "vescale"}

@@ -287,6 +287,7 @@ def test_roots_balance_flops_and_communication_runs_ahead(pool):
 
 ENGINE = {
     "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 0.0,  # the reference does not clip (unset: DeepSpeed's 1.0)
     "optimizer": {"type": "Muon", "params": {**HYPER, "ns_coefficients": [3.4445, -4.775, 2.0315],
                                              "adamw_lr": ADAMW["lr"],
                                              "adamw_betas": list(ADAMW["betas"]),
