@@ -798,6 +798,17 @@ def test_gradient_reduction_factors():
         assert (fp16.pre_divide, fp16.reduce_scatter_op, fp16.post_divide) == \
             (pre, SUM, world / pre), world
     assert gradient_reduction(torch.float16, 1, 1, "nccl").post_divide == 1.0
+    # a divide factor other than the group's size (experts over efsdp, divided by the dense
+    # data-parallel size): SUM and one divide after, even where AVG exists
+    experts = gradient_reduction(torch.bfloat16, 2, 1, "nccl", divide_factor=8)
+    assert (experts.reduce_scatter_op, experts.post_divide) == (SUM, 8.0)
+    assert gradient_reduction(torch.float32, 1, 1, "gloo", divide_factor=4).post_divide == 4.0
+    assert gradient_reduction(torch.bfloat16, 8, 1, "nccl", divide_factor=8) == nccl.__class__(
+        1.0, AVG, SUM, 1.0)  # the factor equal to the group: the average, as without it
+    fp16 = gradient_reduction(torch.float16, 4, 1, "nccl", divide_factor=16)
+    assert (fp16.pre_divide, fp16.post_divide) == (2.0, 8.0)
+    with pytest.raises(ValueError, match="gradient_divide_factor"):
+        gradient_reduction(torch.float32, 2, 1, "gloo", divide_factor=0)
 
 
 def test_fp16_reduction_at_large_world_does_not_overflow_where_sum_then_divide_would():

@@ -39,7 +39,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                 mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
                 max_buffers: int = DEFAULT_MAX_BUFFERS,
                 align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
-                max_reuse_distance: int = 0, native_collectives: bool = False) -> nn.Module:
+                max_reuse_distance: int = 0, native_collectives: bool = False,
+                gradient_divide_factor: float | None = None) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
@@ -56,6 +57,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     `native_collectives`: use the backend's own all-gather and reduce-scatter on gloo too
     (NCCL always gets them; on gloo the default is faster point-to-point exchanges), so that
     the path GPUs take runs on CPU.
+    `gradient_divide_factor`: what the summed gradients are divided by (default: the number
+    of ranks of `mesh`, the average). Experts sharded over their expert-data-parallel group
+    (a part of the data-parallel world) set the whole data-parallel size, as torchtitan does:
+    every rank's loss is a mean over its own micro-batch.
     Errors (no parameters, mixed devices, a mesh that does not match the process group, a
     second call on the same module) are raised here, before any collective.
     """
@@ -65,11 +70,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if getattr(module, "_vescale_unit", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     group, replicate_group = _resolve_mesh(mesh)
+    if gradient_divide_factor is not None and not gradient_divide_factor > 0:
+        raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
     if max_reuse_distance < 0:
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
     unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
                     granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                    native_collectives)
+                    native_collectives, gradient_divide_factor)
     module._vescale_unit = unit
     guard_apply(module)
     guard_reset_parameters(unit)

@@ -72,8 +72,9 @@ class _ForwardToken:
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
                  granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                 native_collectives=False):
+                 native_collectives=False, gradient_divide_factor=None):
         self.module = module
+        self.gradient_divide_factor = gradient_divide_factor
         self.native_collectives = native_collectives
         self.grads_in_place = grads_in_place
         self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
@@ -145,7 +146,8 @@ class FSDPUnit:
                               replicate_group=replicate_group, param_dtype=param_dtype,
                               reduce_dtype=self.mp_policy.reduce_dtype,
                               name=f"{self.name}[{len(self.buffers)}]",
-                              native_collectives=self.native_collectives)
+                              native_collectives=self.native_collectives,
+                              divide_factor=self.gradient_divide_factor)
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]

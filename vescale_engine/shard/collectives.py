@@ -85,21 +85,31 @@ class GradientReduction:
 
 def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
                        shard_backend: str, replicate_backend: str | None = None,
-                       exchange: bool = False) -> GradientReduction:
-    """The reduction for gradients in `dtype` over `shard_size` ranks times `replicas`.
+                       exchange: bool = False,
+                       divide_factor: float | None = None) -> GradientReduction:
+    """The reduction for gradients in `dtype` over `shard_size` ranks times `replicas`,
+    divided by `divide_factor` (None: that number of ranks, the average).
 
     fp32/bf16 cannot overflow a sum of W gradients: AVG inside the collective where the
     backend has it (no divide kernel), else SUM and one divide after. fp16 can (the loss scale
     puts gradients near its 65504 limit), so the sum is kept small: divide by the power of two
-    nearest below sqrt(W) first, by the rest after. The exchange sums itself (SUM)."""
+    nearest below sqrt(W) first, by the rest after. The exchange sums itself (SUM). A factor
+    other than the group's size (experts: their group is a part of the data-parallel world,
+    their gradients are divided by all of it) is SUM and a divide after, never PREMUL_SUM
+    (gloo rejects it)."""
     world = shard_size * replicas
-    if world == 1:
+    factor = float(world if divide_factor is None else divide_factor)
+    if factor <= 0:
+        raise ValueError(f"gradient_divide_factor must be > 0, got {divide_factor}")
+    if world == 1 and factor == 1:
         return GradientReduction(1.0, dist.ReduceOp.SUM, dist.ReduceOp.SUM, 1.0)
     if dtype == torch.float16:
         pre = 1
-        while (pre * 2) ** 2 <= world:
+        while (pre * 2) ** 2 <= min(world, factor):
             pre *= 2
-        return GradientReduction(float(pre), dist.ReduceOp.SUM, dist.ReduceOp.SUM, world / pre)
+        return GradientReduction(float(pre), dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor / pre)
+    if factor != world:
+        return GradientReduction(1.0, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor)
     rs_avg = shard_size > 1 and not exchange and shard_backend in _AVG_BACKENDS
     ar_avg = replicas > 1 and replicate_backend in _AVG_BACKENDS
     post = (1 if rs_avg else shard_size) * (1 if ar_avg else replicas)

@@ -171,7 +171,7 @@ class DBuffer:
     def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
                  shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, name: str = "buffer",
-                 native_collectives: bool = False):
+                 native_collectives: bool = False, divide_factor: float | None = None):
         self.layout = layout
         self.name = name
         self.shard_group = shard_group
@@ -190,6 +190,7 @@ class DBuffer:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self._native_requested = native_collectives
         self._replicas = replicas
+        self.divide_factor = divide_factor  # None: the average over shard group x replicas
         # set by move_master_to_host (ZeRO-Offload): what all-gather sends, the host gradient
         # shard's state and the offload's byte counters
         self.compute = None
@@ -232,7 +233,7 @@ class DBuffer:
             collectives.tensor_backend(self.shard_group, self.master),
             None if self.replicate_group is None else
             collectives.tensor_backend(self.replicate_group, self.master),
-            exchange=not self.native)
+            exchange=not self.native, divide_factor=self.divide_factor)
 
     # -- deferred (meta-device) storage ---------------------------------------------------------
 
