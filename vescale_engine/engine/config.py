@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from config_schemas.validate import (ConfigError, offload_param_below_stage_3, read_config,
                                      validate_config)
 
-__all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "SaveOnSignal",
+__all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
+           "parallel_sizes", "SaveOnSignal",
            "EngineConfig", "build_config", "deepspeed_default", "default_gradient_clipping"]
 
 LOG = logging.getLogger("vescale_engine")
@@ -76,6 +77,80 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int) -> BatchSizes:
 
 
 @dataclass(frozen=True)
+class ParallelSizes:
+    """How the world's ranks are laid out (docs/parallelism.md). Dense layers: (replicate,
+    shard, tp) with TP innermost, so a TP group is `tp` consecutive ranks and the data-parallel
+    rank is rank // tp. Experts: (replicate, efsdp, ep) over the same data-parallel ranks (tp is
+    1 with EP): EP borrows ranks from the data-parallel shard dim, every rank stays a
+    data-parallel rank with its own micro-batch."""
+    world: int
+    tp: int = 1
+    ep: int = 1
+    replicate: int = 1  # HSDP replicas (stage 0: every data-parallel rank)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the batch arithmetic's and the sampler's size."""
+        return self.world // self.tp
+
+    @property
+    def shard(self) -> int:
+        return self.dp // self.replicate
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks one expert's shards spread over (per replica)."""
+        return self.shard // self.ep
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp > 1 or self.ep > 1
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+
+def parallel_sizes(config: dict, world_size: int) -> ParallelSizes:
+    """tensor_parallel.autotp_size, expert_parallel and vescale.hsdp_replicate_size checked
+    against the world size; each problem is one ConfigError line naming the keys."""
+    tp = config.get("tensor_parallel", {}).get("autotp_size", 0) or 1
+    section = config.get("expert_parallel", {})
+    ep = section.get("autoep_size", 1) if section.get("enabled", False) else 1
+    if section.get("autoep_size", 1) > 1 and ep == 1 and _rank() == 0:
+        LOG.warning("expert_parallel.autoep_size %d does nothing: expert_parallel.enabled is "
+                    "not true", section["autoep_size"])
+    ves = config.get("vescale", {})
+    if ves.get("tensor_parallel") and tp == 1:
+        raise ConfigError(["vescale.tensor_parallel is a tensor-parallel plan: it needs "
+                           "tensor_parallel.autotp_size > 1"])
+    if world_size % tp:
+        raise ConfigError([f"tensor_parallel.autotp_size {tp} does not divide the world size "
+                           f"{world_size}"])
+    if tp > 1 and ep > 1:
+        raise ConfigError([f"tensor_parallel.autotp_size {tp} with expert_parallel.autoep_size "
+                           f"{ep}: tensor and expert parallelism together are not supported "
+                           "yet; use one of them"])
+    dp = world_size // tp
+    stage = config.get("zero_optimization", {}).get("stage", 3)
+    replicas = ves.get("hsdp_replicate_size", 1)
+    where = f"the world size {world_size}" if tp == 1 else \
+        f"the data-parallel size {dp} (world {world_size} / autotp_size {tp})"
+    if dp % replicas:
+        raise ConfigError([f"vescale.hsdp_replicate_size {replicas} does not divide {where}"])
+    if stage == 0:  # replicate only: no shard dim for EP to borrow from
+        if ep > 1:
+            raise ConfigError([f"expert_parallel.autoep_size {ep} needs zero_optimization.stage "
+                               ">= 1: at stage 0 nothing is sharded for the experts to split"])
+        replicas = dp
+    shard = dp // replicas
+    if shard % ep:
+        raise ConfigError([f"expert_parallel.autoep_size {ep} does not divide the data-parallel "
+                           f"shard size {shard} (world {world_size} / hsdp_replicate_size "
+                           f"{replicas})"])
+    return ParallelSizes(world_size, tp, ep, replicas)
+
+
+@dataclass(frozen=True)
 class SaveOnSignal:
     """vescale.save_on_signal: the preemption save (engine/preemption.py acts on it)."""
     save_dir: str
@@ -130,6 +205,8 @@ class EngineConfig:
     local_grad_accumulation: bool = False
     native_collectives: bool = False
     hsdp_replicate_size: int = 1
+    parallel: ParallelSizes | None = None  # the rank layout (None: built without one)
+    tensor_parallel_plan: dict = field(default_factory=dict)  # vescale.tensor_parallel
     not_acted_on: tuple = ()
     ignored: tuple = ()  # "key (why)": top-level keys ignored as DeepSpeed ignores them
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
@@ -223,6 +300,28 @@ def _rank() -> int:
         return 0
 
 
+def _require_composable(config: dict, clipping: float, fp16: bool, offload) -> None:
+    """What does not compose with tensor or expert parallelism yet, refused in one line rather
+    than trained wrongly: the global norm (clipping, fp16's overflow check) sums squares over
+    each shard group only, so TP/EP ranks would disagree on it; Muon would orthogonalize
+    TP-local pieces; the host optimizer is untested on TP/EP shards."""
+    what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
+    if clipping > 0:
+        unset = "" if "gradient_clipping" in config else " (DeepSpeed's default when unset)"
+        raise ConfigError([f"gradient_clipping {clipping:g}{unset} {what}: the global gradient "
+                           "norm does not count tensor/expert-parallel shards yet; set "
+                           "gradient_clipping 0"])
+    if fp16:
+        raise ConfigError([f"fp16 {what}: the overflow check does not span the tensor/expert-"
+                           "parallel groups yet; use bf16 or fp32"])
+    if offload is not None:
+        raise ConfigError([f"zero_optimization.offload_optimizer {what} is not supported yet"])
+    name = (config.get("optimizer") or {}).get("type", "")
+    if isinstance(name, str) and name.lower() == "muon":
+        raise ConfigError([f"optimizer.type Muon {what}: Muon would orthogonalize each rank's "
+                           "piece of a split matrix, not the matrix; use AdamW"])
+
+
 def build_config(source, world_size: int) -> EngineConfig:
     """Validate `source` (path or dict) and resolve it for `world_size` ranks; every problem is
     a ConfigError raised before any collective starts, an "auto" that Hugging Face did not fill
@@ -237,10 +336,7 @@ def build_config(source, world_size: int) -> EngineConfig:
         LOG.warning("%sconfig keys ignored, as DeepSpeed ignores them: %s", prefix,
                     "; ".join(report.ignored))
     ves = config.get("vescale", {})
-    replicas = ves.get("hsdp_replicate_size", 1)
-    if world_size % replicas:
-        raise ConfigError([f"vescale.hsdp_replicate_size {replicas} does not divide the world "
-                           f"size {world_size}"])
+    sizes = parallel_sizes(config, world_size)
     bf16 = config.get("bf16", {}).get("enabled", False)  # both true: the validator's error
     fp16 = config.get("fp16", {}).get("enabled", False)
     zero = config.get("zero_optimization", {})
@@ -255,13 +351,16 @@ def build_config(source, world_size: int) -> EngineConfig:
         pin = (zero.get("offload_param") or {}).get("pin_memory", False)
         offload = {**offload, "offload_param": True,
                    "pin_memory": offload["pin_memory"] or bool(pin)}
+    clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
+        else default_gradient_clipping()
+    if sizes.enabled:
+        _require_composable(config, clipping, fp16, offload)
     return EngineConfig(
         raw=raw,
-        batch=resolve_batch_sizes(config, world_size),
+        batch=resolve_batch_sizes(config, sizes.dp),
         optimizer=config.get("optimizer"),
         scheduler=config.get("scheduler"),
-        gradient_clipping=float(config["gradient_clipping"]) if "gradient_clipping" in config
-        else default_gradient_clipping(),
+        gradient_clipping=clipping,
         steps_per_print=steps_per_print if steps_per_print == math.inf else int(steps_per_print),
         wall_clock_breakdown=config.get("wall_clock_breakdown", False),
         zero_stage=stage,
@@ -280,7 +379,9 @@ def build_config(source, world_size: int) -> EngineConfig:
         grads_in_place=ves.get("grads_in_place", True),
         local_grad_accumulation=ves.get("local_grad_accumulation", False),
         native_collectives=ves.get("native_collectives", False),
-        hsdp_replicate_size=replicas,
+        hsdp_replicate_size=ves.get("hsdp_replicate_size", 1),
+        parallel=sizes,
+        tensor_parallel_plan=dict(ves.get("tensor_parallel", {})),
         not_acted_on=tuple(report.not_acted_on),
         ignored=tuple(report.ignored),
         fp16=dict(config.get("fp16", {})) if fp16 else {},

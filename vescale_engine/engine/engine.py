@@ -28,13 +28,14 @@ from .from_config import (build_optimizer, build_scheduler, check_client_schedul
                           rebuild_for_offload, rebuild_optimizer,
                           resolve_named_parameters)
 from .monitor import Monitors, PendingScalars
+from .parallel_plan import apply_parallel_plan, build_meshes, check_plan, require_same_batch
 from .preemption import SignalSave
 from .progress import Progress
 from .rank_agreement import config_facts, require_same_config
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
-from .wrap import device_mesh, wrap_model
+from .wrap import ExpertUnits, device_mesh, wrap_model
 
 __all__ = ["VeScaleEngine", "initialize"]
 
@@ -53,7 +54,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     is_vescale_engine = True
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
-                 device: torch.device):
+                 device: torch.device, meshes=None):
         super().__init__()
         self.device = device  # this rank's device: batches go here (batch.to(engine.device))
         self.module = module
@@ -69,6 +70,14 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
+        # DeepSpeed's names: the data-parallel ranks (world / autotp_size) and this one's place
+        sizes = config.parallel
+        self.dp_world_size = sizes.dp if sizes is not None else self.world_size
+        self.dp_rank = sizes.dp_rank(self.global_rank) if sizes is not None else self.global_rank
+        self.meshes = meshes  # parallel_plan.Meshes with tensor/expert parallelism, else None
+        # the ranks of a TP group must get the same batch: checked on the first forward
+        self._tp_batch_group = meshes.tp.get_group() \
+            if meshes is not None and sizes.tp > 1 else None
         self.local_rank = discover().local_rank
         self.loss_scaler = scaling.from_config(config.fp16)  # None unless fp16
         self.timers = WallClockBreakdown(config.wall_clock_breakdown)
@@ -99,6 +108,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         first = args[0] if args else None  # token ids [batch, sequence] give tokens/s
         self._tokens = first.numel() if isinstance(first, torch.Tensor) and \
             not first.is_floating_point() else None
+        if self._tp_batch_group is not None:
+            group, self._tp_batch_group = self._tp_batch_group, None
+            require_same_batch(args, kwargs, group, self.device)
         if torch.is_grad_enabled():
             self._choose_gradient_sync()
         self.timers.start("forward")
@@ -156,8 +168,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         if loss is not None:
             self._window_losses.append(loss.float())
         # Counted per backward, not per step(): Accelerate calls step() once per window.
-        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.world_size,
-                                 self._tokens and self._tokens * self.world_size)
+        self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.dp_world_size,
+                                 self._tokens and self._tokens * self.dp_world_size)
         self.timers.start("backward")
         self._choose_gradient_sync()
 
@@ -237,8 +249,10 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                 LOG.info("step %d: %s", self.global_steps + 1, message)
         elif clip > 0:
             self._grad_norm = clip_grad_norm_(params, clip)
-        else:
+        elif self.meshes is None:
             self._grad_norm = global_grad_norm(params)
+        else:  # it would not count the tensor/expert-parallel shards: none, not a wrong one
+            self._grad_norm = None
         self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
@@ -402,7 +416,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if model is None:
         raise ValueError("initialize needs a model")
     if mpu is not None:
-        raise ValueError("model parallel units (mpu) are not supported")
+        raise ValueError("model parallel units (mpu) are not supported: set "
+                         "tensor_parallel.autotp_size or expert_parallel.autoep_size in the "
+                         "config and the engine builds the groups")
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
@@ -418,9 +434,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S,
         create=dist_init_required is not False,
         rendezvous_timeout_s=float(meet) if isinstance(meet, (int, float)) and meet > 0 else None)
-    error = None
+    error = plan = None
     try:  # every config error before wrapping
         cfg = build_config(raw, dist.get_world_size())
+        if cfg.parallel.enabled:  # the model's side of it, still before any collective
+            _require_parallel_model(model, cfg, optimizer)
+            plan = check_plan(model, cfg.parallel, cfg.tensor_parallel_plan)
     except Exception as err:  # the other ranks must hear of it, not wait in a collective
         error = err
     # The first collective: every rank's config the same (or every rank stops).
@@ -441,7 +460,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         None if model_parameters is None else named_model_parameters(model_parameters, model)
     model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
     on_meta = any(p.is_meta for p in model.parameters())
-    module = wrap_model(model, cfg, device_mesh(cfg, device))
+    meshes = experts = None
+    if plan is None:
+        mesh = device_mesh(cfg, device)
+    else:  # TP/EP first (DTensors on their meshes), then data-parallel sharding of the pieces
+        meshes = build_meshes(cfg.parallel, device.type)
+        apply_parallel_plan(model, plan, meshes)
+        mesh = meshes.dense_dp()
+        if plan.expert_modules:
+            experts = ExpertUnits(tuple(model.get_submodule(n) for n in plan.expert_modules),
+                                  meshes.expert_dp(), float(cfg.parallel.dp))
+    module = wrap_model(model, cfg, mesh, experts)
     guard_save_pretrained(module)  # its own state_dict() now holds flat pieces
     if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
         # random init draws from the generator as the caller left it (or, for a model built
@@ -464,14 +493,30 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         check_offloadable(opt)
         opt.offload_to_host(**cfg.offload_optimizer)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
-    engine = VeScaleEngine(module, cfg, opt, sched, device)
+    engine = VeScaleEngine(module, cfg, opt, sched, device, meshes)
     loader = None
-    if training_data is not None:
-        sampler = torch.utils.data.distributed.DistributedSampler(training_data)
+    if training_data is not None:  # one shard of the data per data-parallel rank: the ranks
+        # of a TP group get the same batches
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            training_data, num_replicas=engine.dp_world_size, rank=engine.dp_rank)
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.batch.micro_batch_per_gpu,
                                              sampler=sampler, collate_fn=collate_fn,
                                              pin_memory=device.type == "cuda")
     return engine, opt, loader, sched
+
+
+def _require_parallel_model(model, cfg, optimizer) -> None:
+    """With tensor or expert parallelism: what does not compose with it yet, one line each."""
+    what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"a model on the meta device (zero.Init, deferred init) {what} is not "
+                         "supported yet: build it with its weights")
+    if cfg.hf_checkpoint:
+        raise ValueError(f"vescale.hf_checkpoint {what} is not supported yet: load the weights "
+                         "into the model before initialize")
+    if type(optimizer).__name__ == "Muon":
+        raise ValueError(f"a Muon optimizer {what}: Muon would orthogonalize each rank's piece "
+                         "of a split matrix, not the matrix; use AdamW")
 
 
 def _seed_everything(seed: int):

@@ -15,7 +15,7 @@ from ..fsdp.api import fully_shard
 from ..fsdp.lookup import unit_of
 from ..fsdp.policy import MixedPrecisionPolicy
 
-__all__ = ["WrapChoice", "device_mesh", "wrap_model", "describe", "choose_units", "default_units",
+__all__ = ["WrapChoice", "ExpertUnits", "device_mesh", "wrap_model", "describe", "choose_units", "default_units",
            "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
 
 LOG = logging.getLogger("vescale_engine")
@@ -38,6 +38,17 @@ class WrapChoice:
     detail: str  # the classes or the threshold, for the log line
 
 
+@dataclass(frozen=True)
+class ExpertUnits:
+    """The experts modules split by expert parallelism, the mesh their units shard over (the
+    expert-data-parallel ranks) and what their summed gradients are divided by: the dense
+    data-parallel size, as each rank's loss is a mean over its own micro-batch (torchtitan's
+    and transformers' rule)."""
+    modules: tuple
+    mesh: object
+    divide_factor: float
+
+
 def device_mesh(cfg, device: torch.device):
     """A (replicate, shard) mesh on this rank's device type for HSDP and for stage 0
     (replicate only); None: shard over the whole world."""
@@ -50,9 +61,11 @@ def device_mesh(cfg, device: torch.device):
                             mesh_dim_names=("replicate", "shard"))
 
 
-def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
+def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) -> nn.Module:
     """Shard the units `choose_units` picks, innermost first, then the root; rank 0 logs the
-    choice in one line."""
+    choice in one line. With `experts` (expert parallelism) each experts module is a unit of
+    its own on the experts' mesh first; the router and shared experts stay in the enclosing
+    dense unit."""
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
@@ -65,6 +78,13 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
                       reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None))
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
+    if experts is not None:
+        for module in experts.modules:
+            fully_shard(module, **{**kwargs, "mesh": experts.mesh},
+                        gradient_divide_factor=experts.divide_factor)
+        split = {id(m) for m in experts.modules}
+        choice = WrapChoice(choice.rule, tuple(m for m in choice.modules if id(m) not in split),
+                            choice.detail)
     for module in choice.modules:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)

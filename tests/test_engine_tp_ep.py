@@ -1,0 +1,281 @@
+"""Tensor and expert parallelism through `initialize` (docs/parallelism.md): the config keys,
+the rank layout, the batch arithmetic on the data-parallel size, the plan checks that fail
+before any collective, and training on 4 gloo ranks equal to one process on the same global
+batch: (dp 2, tp 2) for a tiny Llama, (dp 4 with ep 2) for a tiny Mixtral."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config_schemas.validate import ConfigError
+from vescale_engine.engine.config import ParallelSizes, build_config
+
+WORLD = 4
+STEPS = 5
+LR = 1e-2
+
+
+# -- tiny models, built the same on every rank ---------------------------------------------------
+
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def tiny_mixtral(seed=0, experts=4):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+        num_experts_per_tok=2, max_position_embeddings=32))
+
+
+def config(**edits):
+    base = {"train_batch_size": 4, "gradient_clipping": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    return {**base, **edits}
+
+
+# -- config and batch arithmetic (no ranks) -----------------------------------------------------
+
+@pytest.mark.parametrize("keys,world,want", [
+    ({"tensor_parallel": {"autotp_size": 2}}, 4, ParallelSizes(4, tp=2)),
+    ({"tensor_parallel": {"autotp_size": 0}}, 4, ParallelSizes(4)),
+    ({"tensor_parallel": {"autotp_size": 2}, "vescale": {"hsdp_replicate_size": 2}}, 8,
+     ParallelSizes(8, tp=2, replicate=2)),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, 4, ParallelSizes(4, ep=2)),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2},
+      "vescale": {"hsdp_replicate_size": 2}}, 8, ParallelSizes(8, ep=2, replicate=2)),
+    ({"expert_parallel": {"enabled": False, "autoep_size": 2}}, 4, ParallelSizes(4)),
+])
+def test_rank_layout(keys, world, want):
+    sizes = build_config(config(train_batch_size=8, **keys), world).parallel
+    assert sizes == want
+    assert sizes.dp == world // want.tp and sizes.shard * sizes.replicate == sizes.dp
+    if want.ep > 1:
+        assert sizes.efsdp == sizes.shard // want.ep
+    # TP innermost: consecutive ranks share a TP group, the data-parallel rank is rank // tp
+    assert [sizes.dp_rank(r) for r in range(world)] == [r // want.tp for r in range(world)]
+
+
+def test_batch_arithmetic_uses_the_data_parallel_size():
+    tp = {"tensor_parallel": {"autotp_size": 2}}
+    # 4 ranks, tp 2: 2 data-parallel ranks
+    cfg = build_config(config(train_batch_size=8, **tp), 4)
+    assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
+            cfg.batch.gradient_accumulation_steps) == (8, 4, 1)
+    keys = config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3, **tp)
+    del keys["train_batch_size"]
+    cfg = build_config(keys, 8)
+    assert cfg.batch.train_batch_size == 2 * 3 * 4
+    cfg = build_config(config(train_batch_size=12, train_micro_batch_size_per_gpu=3, **tp), 4)
+    assert cfg.batch.gradient_accumulation_steps == 2
+    # experts borrow data-parallel ranks: every rank keeps its own micro-batch
+    ep = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
+    assert build_config(config(train_batch_size=8, **ep), 4).batch.micro_batch_per_gpu == 2
+    with pytest.raises(ConfigError, match="train_batch_size 6 is not a multiple of .* x 2 "
+                                          "data-parallel ranks"):
+        build_config(config(train_batch_size=6, train_micro_batch_size_per_gpu=2, **tp), 4)
+
+
+@pytest.mark.parametrize("keys,world,message", [
+    ({"tensor_parallel": {"autotp_size": 3}}, 4,
+     "tensor_parallel.autotp_size 3 does not divide the world size 4"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 3}}, 4,
+     r"expert_parallel.autoep_size 3 does not divide the data-parallel shard size 4"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 4},
+      "vescale": {"hsdp_replicate_size": 2}}, 4,
+     r"expert_parallel.autoep_size 4 does not divide the data-parallel shard size 2"),
+    ({"tensor_parallel": {"autotp_size": 2}, "vescale": {"hsdp_replicate_size": 4}}, 4,
+     r"vescale.hsdp_replicate_size 4 does not divide the data-parallel size 2 \(world 4 / "
+     r"autotp_size 2\)"),
+    ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
+                                                                 "autoep_size": 2}}, 4,
+     "tensor and expert parallelism together are not supported yet"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2},
+      "zero_optimization": {"stage": 0}}, 4, "needs zero_optimization.stage >= 1"),
+    ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
+     "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
+    ({"tensor_parallel": {"autotp_size": 2}, "gradient_clipping": 1.0}, 4,
+     "gradient_clipping 1 with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"),
+    ({"tensor_parallel": {"autotp_size": 2}, "fp16": {"enabled": True}}, 4, "fp16 with"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2},
+      "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4, "optimizer.type Muon with"),
+    ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
+                                                                 "autoep_siz": 2}}, 4,
+     "expert_parallel.autoep_siz: unknown key; did you mean 'autoep_size'"),
+    ({"tensor_parallel": {"autotp_size": 2}, "vescale": {"tensor_parallel": {"*.q": "col"}}},
+     4, r"vescale.tensor_parallel.\*.q: 'col' is not allowed"),
+])
+def test_config_errors_are_one_line(keys, world, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        build_config(config(train_batch_size=8, **keys), world)
+    assert "\n" not in str(err.value)
+
+
+def test_unset_clipping_says_it_is_deepspeeds_default():
+    keys = config(tensor_parallel={"autotp_size": 2})
+    del keys["gradient_clipping"]
+    with pytest.raises(ConfigError, match=r"gradient_clipping 1 \(DeepSpeed's default when "
+                                          r"unset\).*set gradient_clipping 0"):
+        build_config(keys, 4)
+
+
+# -- the model's side, checked before any collective (no ranks) ----------------------------------
+
+def test_plan_checks_need_no_collective():
+    from torch import nn
+    from vescale_engine.engine.parallel_plan import check_plan
+    tp2, ep2 = ParallelSizes(4, tp=2), ParallelSizes(4, ep=2)
+    plan = check_plan(tiny_llama(), tp2, {})
+    assert plan.tp_source == "the model's base_model_tp_plan"
+    assert plan.tp_plan["model.layers.1.self_attn.o_proj"] == "rowwise"
+    assert plan.tp_plan["model.layers.0.mlp.up_proj"] == "colwise"
+    ours = check_plan(tiny_llama(), tp2, {"model.layers.*.mlp.up_proj": "colwise"})
+    assert ours.tp_source == "vescale.tensor_parallel"
+    moe = check_plan(tiny_mixtral(), ep2, {})
+    assert moe.expert_modules == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert moe.ep_plan["model.layers.0.mlp.experts.gate_up_proj"] == "grouped_gemm"
+
+    def error(model, sizes, plan=None):
+        with pytest.raises(ValueError) as err:
+            check_plan(model, sizes, plan or {})
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    assert "expert_parallel.autoep_size 2 does not divide the 3 experts of " \
+           "model.layers.0.mlp.experts" in error(tiny_mixtral(experts=3), ep2)
+    assert "LlamaForCausalLM has no expert-parallel plan" in error(tiny_llama(), ep2)
+    assert "Sequential has no tensor-parallel plan" in error(nn.Sequential(nn.Linear(4, 4)), tp2)
+    assert "num_key_value_heads 2 is not divisible" in error(tiny_llama(), ParallelSizes(8, tp=4))
+    assert "vescale.tensor_parallel['layers.*.up']: matches no module" in error(
+        tiny_llama(), tp2, {"layers.*.up": "colwise"})
+    assert "model.norm is a LlamaRMSNorm; colwise splits nn.Linear" in error(
+        tiny_llama(), tp2, {"model.norm": "colwise"})
+    assert "in_features 3 is not divisible by tensor_parallel.autotp_size 2" in error(
+        nn.Sequential(nn.Linear(3, 4)), tp2, {"0": "rowwise"})
+
+
+# -- 4 gloo ranks ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool():
+    from dist_harness import RankPool
+    pool = RankPool(WORLD)
+    yield pool
+    pool.close()
+
+
+def meshes_and_plans(rank, world):
+    """The groups of each layout, the placements the plans give, the batch check."""
+    import torch.distributed as dist
+    from vescale_engine.engine.parallel_plan import (apply_parallel_plan, build_meshes,
+                                                     check_plan, require_same_batch)
+    ranks = dist.get_process_group_ranks
+    out = {}
+    tp = build_meshes(ParallelSizes(world, tp=2), "cpu")
+    out["tp"] = ranks(tp.tp.get_group())
+    out["dense_dp"] = ranks(tp.dense_dp().get_group())
+    hsdp = build_meshes(ParallelSizes(world, ep=2, replicate=2), "cpu")
+    out["hsdp_dense"] = hsdp.dense_dp().mesh.tolist()
+    out["hsdp_experts"] = hsdp.expert_dp().mesh.tolist()
+    ep = build_meshes(ParallelSizes(world, ep=2), "cpu")
+    out["ep"] = ranks(ep.ep.get_group())
+    out["efsdp"] = ranks(ep.expert_dp().get_group())
+    out["ep_dense_dp"] = ranks(ep.dense_dp().get_group())
+
+    model = tiny_llama()
+    apply_parallel_plan(model, check_plan(model, tp.sizes, {}), tp)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    o = model.model.layers[0].self_attn.o_proj.weight
+    out["q"] = (str(q.placements), tuple(q.to_local().shape))
+    out["o"] = (str(o.placements), tuple(o.to_local().shape))
+    ours = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    apply_parallel_plan(ours, check_plan(ours, tp.sizes, {"0": "colwise", "2": "rowwise"}), tp)
+    out["ours"] = (str(ours[0].weight.placements), str(ours[2].weight.placements))
+    moe = tiny_mixtral()
+    apply_parallel_plan(moe, check_plan(moe, ep.sizes, {}), ep)
+    experts = moe.model.layers[0].mlp.experts
+    out["experts"] = (str(experts.gate_up_proj.placements),
+                      tuple(experts.gate_up_proj.to_local().shape), experts.num_experts)
+
+    same = torch.arange(6).reshape(2, 3)
+    require_same_batch((same,), {"labels": same}, tp.tp.get_group(), torch.device("cpu"))
+    mine = same + (rank % 2)  # the two ranks of a TP group differ
+    try:
+        require_same_batch((mine,), {}, tp.tp.get_group(), torch.device("cpu"))
+        out["differ"] = None
+    except ValueError as err:
+        out["differ"] = str(err)
+    return out
+
+
+def test_meshes_plans_and_the_tp_batch_check(pool):
+    got = pool.run(meshes_and_plans)
+    for rank, out in enumerate(got):
+        assert out["tp"] == [rank - rank % 2, rank - rank % 2 + 1]  # consecutive ranks
+        assert out["dense_dp"] == [rank % 2, rank % 2 + 2]
+        assert out["ep"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert out["efsdp"] == [rank % 2, rank % 2 + 2]
+        assert out["ep_dense_dp"] == [0, 1, 2, 3]  # experts borrow: every rank is dp
+        assert out["hsdp_dense"] == [[0, 1], [2, 3]]  # (replicate 2, shard 2)
+        assert out["hsdp_experts"] == ([[0], [2]] if rank % 2 == 0 else [[1], [3]])
+        assert out["q"] == ("(Shard(dim=0),)", (8, 16))
+        assert out["o"] == ("(Shard(dim=1),)", (16, 8))
+        assert out["ours"] == ("(Shard(dim=0),)", "(Shard(dim=1),)")
+        assert out["experts"] == ("(Shard(dim=0),)", (2, 64, 16), 2)
+        group = [rank - rank % 2, rank - rank % 2 + 1]
+        assert out["differ"] == (
+            f"data inconsistency within the tensor-parallel group {group}: rank(s) "
+            f"[{group[1]}] got a different batch from rank {group[0]}; the ranks of a TP group "
+            "must get the same batch (data-parallel rank = rank // autotp_size, as the "
+            "dataloader initialize returns does)")
+
+
+def initialize_errors(rank, world):
+    """initialize's errors with tensor/expert parallelism: one line, every rank, and no mesh
+    built (the check runs before any collective but the config agreement)."""
+    from unittest import mock
+    import vescale_engine
+    from vescale_engine.engine import engine as engine_module
+    from dist_harness import value_errors
+    built = []
+    real = engine_module.build_meshes
+
+    def spy(*args):
+        built.append(args)
+        return real(*args)
+
+    def init(model, **keys):
+        return lambda: vescale_engine.initialize(model=model, config=config(**keys))
+    ep = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
+    with mock.patch.object(engine_module, "build_meshes", spy):
+        errors = value_errors([
+            init(tiny_mixtral(experts=6), expert_parallel={"enabled": True, "autoep_size": 4}),
+            init(tiny_llama(), **ep),
+            init(tiny_llama(), tensor_parallel={"autotp_size": 3}),
+            init(tiny_llama(), tensor_parallel={"autotp_size": 2},
+                 vescale={"tensor_parallel": {"nothing.*": "rowwise"}}),
+            lambda: vescale_engine.initialize(model=tiny_llama(), config=config(), mpu=object()),
+        ])
+    return errors, len(built)
+
+
+def test_initialize_errors_are_one_line_on_every_rank_before_any_mesh(pool):
+    got = pool.run(initialize_errors)
+    for errors, built in got:
+        assert built == 0
+        assert errors[0] == ("expert_parallel.autoep_size 4 does not divide the 6 experts of "
+                             "model.layers.0.mlp.experts")
+        assert errors[1].startswith("expert_parallel.autoep_size 2: LlamaForCausalLM has no "
+                                    "expert-parallel plan")
+        assert errors[2] == "tensor_parallel.autotp_size 3 does not divide the world size 4"
+        assert errors[3] == ("vescale.tensor_parallel['nothing.*']: matches no module of "
+                             "LlamaForCausalLM")
+        assert "tensor_parallel.autotp_size" in errors[4]
+        assert all("\n" not in e for e in errors)
+    assert got[0] == got[1] == got[2] == got[3]
