@@ -25,9 +25,11 @@ def _resolve_mesh(mesh):
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(f"mesh has {mesh.size()} ranks but the process group has "
-                         f"{dist.get_world_size()}")
+    # A sub-mesh (the dp mesh of a (dp, tp) mesh, the efsdp mesh of experts) may have fewer
+    # ranks than the world, but this rank must be one of them.
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} "
+                         "passed to fully_shard")
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:  # (replicate, shard): HSDP
