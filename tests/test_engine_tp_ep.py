@@ -12,7 +12,7 @@ from vescale_engine.engine.config import ParallelSizes, build_config
 
 WORLD = 4
 STEPS = 5
-LR = 1e-2
+LR = 1e-3
 
 
 # -- tiny models, built the same on every rank ---------------------------------------------------
@@ -279,3 +279,91 @@ def test_initialize_errors_are_one_line_on_every_rank_before_any_mesh(pool):
         assert "tensor_parallel.autotp_size" in errors[4]
         assert all("\n" not in e for e in errors)
     assert got[0] == got[1] == got[2] == got[3]
+
+
+# -- training through initialize equals one process on the same global batch ----------------------
+
+def global_batch(rows=4, seq=8, seed=1):
+    return torch.randint(0, 64, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_losses(model, ids, steps=STEPS):
+    """One process, the whole global batch, torch's AdamW with the config's hyperparameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def local_piece(sp, full):
+    """This rank's flat piece of the one-process tensor `full`: its TP/EP-local block, then the
+    RaggedShard range."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    t = full.detach()
+    spec = sp.dtensor_spec
+    if spec is not None:
+        shape, offset = compute_local_shape_and_global_offset(t.shape, spec.mesh, spec.placements)
+        for d, (n, o) in enumerate(zip(shape, offset)):
+            t = t.narrow(d, o, n)
+    begin, end = sp.flat_range
+    return t.reshape(-1)[begin:end]
+
+
+def train_against_one_process(rank, world, build, keys, micro_rows):
+    """(max |loss - reference|, max |parameter - reference|, what the engine reports) after
+    STEPS steps; each data-parallel rank trains on its rows of the global batch."""
+    import torch.distributed as dist
+    import vescale_engine
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    ids = global_batch()
+    reference = build()
+    want = reference_losses(reference, ids)
+    engine, _, _, _ = vescale_engine.initialize(model=build(), config=config(**keys))
+    dp = engine.dp_rank
+    mine = ids[dp * micro_rows:(dp + 1) * micro_rows]
+    losses = []
+    for _ in range(STEPS):
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # every rank's micro-batch loss (TP peers: the same one)
+        losses.append(mean.item() / world)
+    ref = dict(reference.named_parameters())
+    names = {}
+    for fqn, sp in sharded_parameters(engine.module):
+        names[fqn] = sp
+    worst = max((local_piece(sp, ref[fqn]) - sp.sharded.detach()).abs().max().item()
+                if sp.sharded.numel() else 0.0 for fqn, sp in names.items())
+    placements = sorted({str(sp.dtensor_spec.placements) for sp in names.values()
+                         if sp.dtensor_spec is not None})
+    report = dict(dp_world_size=engine.dp_world_size, dp_rank=dp, placements=placements,
+                  micro=engine.train_micro_batch_size_per_gpu(),
+                  norm=engine.get_global_grad_norm())
+    engine.destroy()
+    return max(abs(a - b) for a, b in zip(losses, want)), worst, report
+
+
+def test_dp2_tp2_llama_equals_one_process(pool):
+    got = pool.run(train_against_one_process, tiny_llama,
+                   {"tensor_parallel": {"autotp_size": 2}}, 2)
+    for rank, (loss_err, param_err, report) in enumerate(got):
+        assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert report["dp_world_size"] == 2 and report["dp_rank"] == rank // 2
+        assert report["micro"] == 2
+        assert "(Shard(dim=0),)" in report["placements"]  # colwise, vocab, lm_head
+        assert "(Shard(dim=1),)" in report["placements"]  # rowwise
+
+
+def test_dp2_ep2_mixtral_equals_one_process(pool):
+    got = pool.run(train_against_one_process, tiny_mixtral,
+                   {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)
+    for rank, (loss_err, param_err, report) in enumerate(got):
+        assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert report["dp_world_size"] == 4 and report["dp_rank"] == rank
+        assert report["placements"] == ["(Shard(dim=0),)"]  # the fused experts
