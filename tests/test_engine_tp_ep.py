@@ -100,8 +100,6 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
       "zero_optimization": {"stage": 0}}, 4, "needs zero_optimization.stage >= 1"),
     ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
      "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
-    ({"tensor_parallel": {"autotp_size": 2}, "gradient_clipping": 1.0}, 4,
-     "gradient_clipping 1 with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"),
     ({"tensor_parallel": {"autotp_size": 2}, "fp16": {"enabled": True}}, 4, "fp16 with"),
     ({"expert_parallel": {"enabled": True, "autoep_size": 2},
       "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4, "optimizer.type Muon with"),
@@ -115,14 +113,6 @@ def test_config_errors_are_one_line(keys, world, message):
     with pytest.raises(ConfigError, match=message) as err:
         build_config(config(train_batch_size=8, **keys), world)
     assert "\n" not in str(err.value)
-
-
-def test_unset_clipping_says_it_is_deepspeeds_default():
-    keys = config(tensor_parallel={"autotp_size": 2})
-    del keys["gradient_clipping"]
-    with pytest.raises(ConfigError, match=r"gradient_clipping 1 \(DeepSpeed's default when "
-                                          r"unset\).*set gradient_clipping 0"):
-        build_config(keys, 4)
 
 
 # -- the model's side, checked before any collective (no ranks) ----------------------------------
@@ -287,17 +277,20 @@ def global_batch(rows=4, seq=8, seed=1):
     return torch.randint(0, 64, (rows, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def reference_losses(model, ids, steps=STEPS):
-    """One process, the whole global batch, torch's AdamW with the config's hyperparameters."""
+def reference_run(model, ids, clip=0.0, steps=STEPS):
+    """One process, the whole global batch, torch's AdamW with the config's hyperparameters;
+    (losses, gradient norms)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                    clip if clip else float("inf")).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, norms
 
 
 def local_piece(sp, full):
@@ -315,22 +308,27 @@ def local_piece(sp, full):
 
 
 def train_against_one_process(rank, world, build, keys, micro_rows):
-    """(max |loss - reference|, max |parameter - reference|, what the engine reports) after
-    STEPS steps; each data-parallel rank trains on its rows of the global batch."""
+    """(max |loss - reference|, max |parameter - reference|, max relative |norm - reference|,
+    what the engine reports) after STEPS steps; each data-parallel rank trains on its rows of
+    the global batch."""
     import torch.distributed as dist
     import vescale_engine
     from vescale_engine.fsdp.lookup import sharded_parameters
     ids = global_batch()
     reference = build()
-    want = reference_losses(reference, ids)
-    engine, _, _, _ = vescale_engine.initialize(model=build(), config=config(**keys))
+    keys = config(**keys)
+    want, want_norms = reference_run(reference, ids, keys["gradient_clipping"])
+    rows = [ids[i] for i in range(ids.shape[0])]  # the loader initialize returns, checked too
+    engine, _, loader, _ = vescale_engine.initialize(model=build(), config=keys,
+                                                     training_data=rows)
     dp = engine.dp_rank
     mine = ids[dp * micro_rows:(dp + 1) * micro_rows]
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
+        norms.append(engine.get_global_grad_norm())
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # every rank's micro-batch loss (TP peers: the same one)
         losses.append(mean.item() / world)
@@ -344,26 +342,65 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
                          if sp.dtensor_spec is not None})
     report = dict(dp_world_size=engine.dp_world_size, dp_rank=dp, placements=placements,
                   micro=engine.train_micro_batch_size_per_gpu(),
-                  norm=engine.get_global_grad_norm())
+                  sampler=(loader.sampler.num_replicas, loader.sampler.rank),
+                  first_batch=next(iter(loader)).tolist())
     engine.destroy()
-    return max(abs(a - b) for a, b in zip(losses, want)), worst, report
+    norm_err = max(abs(a - b) / b for a, b in zip(norms, want_norms))
+    return max(abs(a - b) for a, b in zip(losses, want)), worst, norm_err, report
 
 
-def test_dp2_tp2_llama_equals_one_process(pool):
+@pytest.mark.parametrize("keys", [{"gradient_clipping": 0.05},
+                                  {"vescale": {"hsdp_replicate_size": 2}}],
+                         ids=["clipped", "hsdp"])
+def test_dp2_tp2_llama_equals_one_process(pool, keys):
     got = pool.run(train_against_one_process, tiny_llama,
-                   {"tensor_parallel": {"autotp_size": 2}}, 2)
-    for rank, (loss_err, param_err, report) in enumerate(got):
+                   {"tensor_parallel": {"autotp_size": 2}, **keys}, 2)
+    for rank, (loss_err, param_err, norm_err, report) in enumerate(got):
         assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert norm_err < 1e-5, (rank, norm_err)  # clipped: the coefficient is right too
         assert report["dp_world_size"] == 2 and report["dp_rank"] == rank // 2
-        assert report["micro"] == 2
+        assert report["micro"] == 2 and report["sampler"] == (2, rank // 2)
         assert "(Shard(dim=0),)" in report["placements"]  # colwise, vocab, lm_head
         assert "(Shard(dim=1),)" in report["placements"]  # rowwise
+    batches = [report["first_batch"] for *_, report in got]
+    assert batches[0] == batches[1] != batches[2] == batches[3]  # TP peers: one batch
 
 
-def test_dp2_ep2_mixtral_equals_one_process(pool):
+@pytest.mark.parametrize("keys", [{"gradient_clipping": 0.05},
+                                  {"vescale": {"hsdp_replicate_size": 2}}],
+                         ids=["clipped", "hsdp"])
+def test_dp4_ep2_mixtral_equals_one_process(pool, keys):
     got = pool.run(train_against_one_process, tiny_mixtral,
-                   {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)
-    for rank, (loss_err, param_err, report) in enumerate(got):
+                   {"expert_parallel": {"enabled": True, "autoep_size": 2}, **keys}, 1)
+    for rank, (loss_err, param_err, norm_err, report) in enumerate(got):
         assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert norm_err < 1e-5, (rank, norm_err)
         assert report["dp_world_size"] == 4 and report["dp_rank"] == rank
+        assert report["sampler"] == (4, rank) and report["micro"] == 1
         assert report["placements"] == ["(Shard(dim=0),)"]  # the fused experts
+    assert len({str(report["first_batch"]) for *_, report in got}) == 4
+
+
+def tp_batch_mismatch(rank, world):
+    """A loader of one's own that shards by the global rank: the first forward stops every
+    rank of each TP group, before the model runs."""
+    import vescale_engine
+    engine, _, _, _ = vescale_engine.initialize(
+        model=tiny_llama(), config=config(tensor_parallel={"autotp_size": 2}))
+    ids = global_batch()[rank:rank + 1].repeat(2, 1)  # by global rank: TP peers differ
+    try:
+        engine(input_ids=ids, labels=ids)
+        return None
+    except ValueError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+
+
+def test_tp_peers_given_different_batches_stop_at_the_first_forward(pool):
+    got = pool.run(tp_batch_mismatch)
+    for rank, message in enumerate(got):
+        group = [rank - rank % 2, rank - rank % 2 + 1]
+        assert message is not None and message.startswith(
+            f"data inconsistency within the tensor-parallel group {group}: rank(s) "
+            f"[{group[1]}] got a different batch from rank {group[0]}"), message

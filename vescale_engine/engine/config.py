@@ -300,17 +300,11 @@ def _rank() -> int:
         return 0
 
 
-def _require_composable(config: dict, clipping: float, fp16: bool, offload) -> None:
+def _require_composable(config: dict, fp16: bool, offload) -> None:
     """What does not compose with tensor or expert parallelism yet, refused in one line rather
-    than trained wrongly: the global norm (clipping, fp16's overflow check) sums squares over
-    each shard group only, so TP/EP ranks would disagree on it; Muon would orthogonalize
-    TP-local pieces; the host optimizer is untested on TP/EP shards."""
+    than trained wrongly: fp16's overflow check is not agreed over the TP/EP groups, Muon would
+    orthogonalize TP-local pieces, the host optimizer is untested on TP/EP shards."""
     what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
-    if clipping > 0:
-        unset = "" if "gradient_clipping" in config else " (DeepSpeed's default when unset)"
-        raise ConfigError([f"gradient_clipping {clipping:g}{unset} {what}: the global gradient "
-                           "norm does not count tensor/expert-parallel shards yet; set "
-                           "gradient_clipping 0"])
     if fp16:
         raise ConfigError([f"fp16 {what}: the overflow check does not span the tensor/expert-"
                            "parallel groups yet; use bf16 or fp32"])
@@ -354,7 +348,7 @@ def build_config(source, world_size: int) -> EngineConfig:
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
     if sizes.enabled:
-        _require_composable(config, clipping, fp16, offload)
+        _require_composable(config, fp16, offload)
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, sizes.dp),

@@ -249,10 +249,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                 LOG.info("step %d: %s", self.global_steps + 1, message)
         elif clip > 0:
             self._grad_norm = clip_grad_norm_(params, clip)
-        elif self.meshes is None:
+        else:
             self._grad_norm = global_grad_norm(params)
-        else:  # it would not count the tensor/expert-parallel shards: none, not a wrong one
-            self._grad_norm = None
         self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
