@@ -387,19 +387,31 @@ def tp_batch_mismatch(rank, world):
     import vescale_engine
     engine, _, _, _ = vescale_engine.initialize(
         model=tiny_llama(), config=config(tensor_parallel={"autotp_size": 2}))
+    refused = []
+    for call in (lambda: engine.save_checkpoint("/nonexistent"),
+                 lambda: engine.load_checkpoint("/nonexistent"),
+                 lambda: engine.save_hf_checkpoint("/nonexistent"),
+                 lambda: engine._zero3_consolidated_16bit_state_dict()):
+        try:
+            call()
+        except NotImplementedError as err:
+            refused.append(str(err).split(" with ")[0])
     ids = global_batch()[rank:rank + 1].repeat(2, 1)  # by global rank: TP peers differ
     try:
         engine(input_ids=ids, labels=ids)
-        return None
+        return None, refused
     except ValueError as err:
-        return str(err)
+        return str(err), refused
     finally:
         engine.destroy()
 
 
-def test_tp_peers_given_different_batches_stop_at_the_first_forward(pool):
+def test_tp_peers_given_different_batches_stop_at_the_first_forward_and_checkpoints_refused(pool):
     got = pool.run(tp_batch_mismatch)
-    for rank, message in enumerate(got):
+    for rank, (message, refused) in enumerate(got):
+        # not mapped to global shapes yet: refused, never written as if whole
+        assert refused == ["engine.save_checkpoint", "engine.load_checkpoint",
+                           "engine.save_hf_checkpoint", "the 16-bit state dict"]
         group = [rank - rank % 2, rank - rank % 2 + 1]
         assert message is not None and message.startswith(
             f"data inconsistency within the tensor-parallel group {group}: rank(s) "

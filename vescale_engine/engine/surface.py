@@ -50,6 +50,7 @@ class DeepSpeedSurface:
         the compute dtype (bf16/fp16 when enabled, else fp32), as DeepSpeed's. Collective: every
         rank calls it. One DBuffer is gathered at a time, so no rank ever holds the whole model
         on its device; rank 0 holds it on the host, as DeepSpeed's does."""
+        self.require_global_layout("the 16-bit state dict")
         out = OrderedDict()
         for names, source, value in gather_to_rank0(self.module, self._compute_dtype()):
             if exclude_frozen_parameters and isinstance(source, nn.Parameter) and \
