@@ -192,9 +192,9 @@ BAD = [
     ({"torch_autocast": {"enabled": True}},
      "torch_autocast.enabled: true is not allowed (allowed: false); the engine does not run "
      "the model under torch.autocast"),
-    ({"tensor_parallel": {"autotp_size": 2}},
-     "tensor_parallel.autotp_size: 2 is not allowed (allowed: 0, 1); veScale Engine shards "
-     "data-parallel only"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2}},
+     "expert_parallel.expert_tensor_parallel_size: 2 is not allowed (allowed: 1); no tensor "
+     "parallelism inside experts (as DeepSpeed AutoEP under ZeRO-3)"),
     ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled: true is not allowed"),
     # top-level keys the schema does not list: ignored as in DeepSpeed, except where that would
     # train differently from what the config says
