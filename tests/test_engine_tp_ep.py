@@ -341,6 +341,7 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
     placements = sorted({str(sp.dtensor_spec.placements) for sp in names.values()
                          if sp.dtensor_spec is not None})
     report = dict(dp_world_size=engine.dp_world_size, dp_rank=dp, placements=placements,
+                  split=sum(sp.dtensor_spec is not None for sp in names.values()),
                   micro=engine.train_micro_batch_size_per_gpu(),
                   sampler=(loader.sampler.num_replicas, loader.sampler.rank),
                   first_batch=next(iter(loader)).tolist())
@@ -349,9 +350,14 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
     return max(abs(a - b) for a, b in zip(losses, want)), worst, norm_err, report
 
 
+OUR_PLAN = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise"}
+
+
 @pytest.mark.parametrize("keys", [{"gradient_clipping": 0.05},
-                                  {"vescale": {"hsdp_replicate_size": 2}}],
-                         ids=["clipped", "hsdp"])
+                                  {"vescale": {"hsdp_replicate_size": 2}},
+                                  {"vescale": {"tensor_parallel": OUR_PLAN}}],
+                         ids=["clipped", "hsdp", "our_plan"])
 def test_dp2_tp2_llama_equals_one_process(pool, keys):
     got = pool.run(train_against_one_process, tiny_llama,
                    {"tensor_parallel": {"autotp_size": 2}, **keys}, 2)
@@ -360,8 +366,10 @@ def test_dp2_tp2_llama_equals_one_process(pool, keys):
         assert norm_err < 1e-5, (rank, norm_err)  # clipped: the coefficient is right too
         assert report["dp_world_size"] == 2 and report["dp_rank"] == rank // 2
         assert report["micro"] == 2 and report["sampler"] == (2, rank // 2)
-        assert "(Shard(dim=0),)" in report["placements"]  # colwise, vocab, lm_head
-        assert "(Shard(dim=1),)" in report["placements"]  # rowwise
+        assert report["placements"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"]  # col, row
+        # the model's plan splits attention, the vocabulary and the head too; ours the MLPs
+        assert report["split"] == (6 if "vescale" in keys and "tensor_parallel" in
+                                   keys["vescale"] else 16), report["split"]
     batches = [report["first_batch"] for *_, report in got]
     assert batches[0] == batches[1] != batches[2] == batches[3]  # TP peers: one batch
 
