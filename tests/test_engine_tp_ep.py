@@ -313,7 +313,7 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
     the global batch."""
     import torch.distributed as dist
     import vescale_engine
-    from vescale_engine.fsdp.lookup import sharded_parameters
+    from vescale_engine.fsdp.lookup import sharded_parameters, units_under
     ids = global_batch()
     reference = build()
     keys = config(**keys)
@@ -342,6 +342,12 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
                          if sp.dtensor_spec is not None})
     report = dict(dp_world_size=engine.dp_world_size, dp_rank=dp, placements=placements,
                   split=sum(sp.dtensor_spec is not None for sp in names.values()),
+                  units=sorted({(type(u.module).__name__,
+                                 tuple(dist.get_process_group_ranks(u.buffers[0].shard_group)),
+                                 u.gradient_divide_factor)
+                                for u in units_under(engine.module) if u.buffers}, key=str),
+                  router=type(names["model.layers.0.mlp.gate.weight"].unit.module).__name__
+                  if "model.layers.0.mlp.gate.weight" in names else None,
                   micro=engine.train_micro_batch_size_per_gpu(),
                   sampler=(loader.sampler.num_replicas, loader.sampler.rank),
                   first_batch=next(iter(loader)).tolist())
@@ -386,6 +392,12 @@ def test_dp4_ep2_mixtral_equals_one_process(pool, keys):
         assert report["dp_world_size"] == 4 and report["dp_rank"] == rank
         assert report["sampler"] == (4, rank) and report["micro"] == 1
         assert report["placements"] == ["(Shard(dim=0),)"]  # the fused experts
+        # experts: own units over efsdp (the dense dp size as divisor); the router: dense
+        assert report["router"] == "MixtralDecoderLayer"
+        if "vescale" not in keys:
+            efsdp = (rank % 2, rank % 2 + 2)
+            assert ("MixtralExperts", efsdp, 4.0) in report["units"], report["units"]
+            assert ("MixtralDecoderLayer", (0, 1, 2, 3), None) in report["units"]
     assert len({str(report["first_batch"]) for *_, report in got}) == 4
 
 
