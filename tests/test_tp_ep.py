@@ -42,6 +42,28 @@ def pool():
 _MESHES = {}
 
 
+def test_block_rule():
+    """Blocks never straddle a TP cut: lcm(policy block, prod(local_shape[d:])) for Shard(d>0)
+    (and _StridedShard), the policy's block for Shard(0), Replicate and plain tensors."""
+    from types import SimpleNamespace
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from vescale_engine.fsdp.dtensor_params import tp_block
+
+    def spec(*placements):
+        return SimpleNamespace(placements=placements)
+    assert tp_block(1, (8, 8), spec(Shard(1))) == 8
+    assert tp_block(1, (8, 8), spec(Shard(-1))) == 8
+    assert tp_block(3, (8, 8), spec(Shard(1))) == 24
+    assert tp_block(5, (8, 8), spec(Shard(0))) == 5
+    assert tp_block(5, (8, 8), spec(Replicate())) == 5
+    assert tp_block(5, (8, 8), None) == 5
+    assert tp_block(8, (2, 12, 8), spec(Shard(1))) == 96      # whole local experts
+    assert tp_block(8, (2, 12, 8), spec(Shard(2))) == 8
+    assert tp_block(1, (2, 12, 8), spec(Shard(0), Shard(2))) == 8  # EP x TP
+    assert tp_block(1, (2, 12, 8), spec(_StridedShard(1, split_factor=2))) == 96
+    assert tp_block(1, (0, 8), spec(Shard(1))) == 1
+
+
 def mesh(shape, names):
     """Meshes are made once per rank process (each makes process groups on every rank)."""
     if (shape, names) not in _MESHES:
@@ -273,6 +295,44 @@ def tp_forward_faces(rank, world):
                 sharded_shape=tuple(sp.shape), copied=STATS.bytes_copied,
                 gathers=STATS.all_gathers, scatters=STATS.reduce_scatters)
     return seen
+
+
+def blocks_of(unit):
+    return {p.fqn: (p.block, tuple(p.shape)) for p in unit.params}
+
+
+def tp_refusals(rank, world):
+    """What does not support TP/EP parameters yet says so (one line naming the parameter),
+    and the block rule as the planner got it."""
+    from vescale_engine.fsdp import full_state_dict, gathered_parameters, sharded_state_dict
+    from vescale_engine.optim.adamw8bit import AdamW8bit
+    from vescale_engine.optim.muon import Muon
+    _, _, _, model = tp_mlp(granularity="element")
+    out = {"blocks": blocks_of(unit_of(model.blocks[0]))}
+    attempts = {"muon": lambda: Muon(model.parameters()),
+                "adamw8bit": lambda: AdamW8bit(model.parameters()),
+                "full_state_dict": lambda: full_state_dict(model),
+                "sharded_state_dict": lambda: sharded_state_dict(model),
+                "gathered_parameters": lambda: gathered_parameters(model).__enter__()}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = None
+        except NotImplementedError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_refusals_and_block_rule(pool):
+    out = pool.run(tp_refusals)[0]
+    for name in ("muon", "adamw8bit", "full_state_dict", "sharded_state_dict",
+                 "gathered_parameters"):
+        assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
+        assert "\n" not in out[name] and ".weight" in out[name], out[name]
+    # element granularity: w1 (Colwise, Shard(0)) may be cut anywhere; w2 (Rowwise, local
+    # [8, 8] of [8, 16], Shard(1)) only between whole local rows; the Replicate bias anywhere
+    assert out["blocks"] == {"w1.weight": (1, (8, 8)), "w1.bias": (1, (8,)),
+                             "w2.weight": (8, (8, 8)), "w2.bias": (1, (8,))}, out["blocks"]
 
 
 def test_forward_parameter_is_dtensor_over_the_buffer(pool):
