@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 __all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
-           "dtensor_face", "grad_face", "grad_in_placements"]
+           "dtensor_face", "grad_face", "grad_in_placements", "refuse_tp_ep"]
 
 
 def _shard_dim(placement) -> int | None:
@@ -114,3 +114,15 @@ def _with_dtype(spec: DTensorSpec, dtype) -> DTensorSpec:
     if meta is None or meta.dtype == dtype:
         return spec
     return dataclasses.replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
+def refuse_tp_ep(params, who: str, why: str) -> None:
+    """One-line error for the first of `params` (managed parameters or ShardedParameters) that
+    is a TP/EP-sharded DTensor: the callers do not support them yet and would compute a wrong
+    result."""
+    for p in params:
+        sp = getattr(p, "_vescale", p)
+        if sharded_mesh_dims(getattr(sp, "dtensor_spec", None)):
+            raise NotImplementedError(
+                f"{who}: {sp.fqn} is a tensor/expert-parallel (TP/EP-sharded DTensor) "
+                f"parameter, which {who} does not support yet ({why})")
