@@ -303,7 +303,8 @@ def _rank() -> int:
 def _require_composable(config: dict, fp16: bool, offload) -> None:
     """What does not compose with tensor or expert parallelism yet, refused in one line rather
     than trained wrongly: fp16's overflow check is not agreed over the TP/EP groups, Muon would
-    orthogonalize TP-local pieces, the host optimizer is untested on TP/EP shards."""
+    orthogonalize TP-local pieces, AdamW8bit would quantize blocks of them, the host optimizer
+    is untested on TP/EP shards."""
     what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
     if fp16:
         raise ConfigError([f"fp16 {what}: the overflow check does not span the tensor/expert-"
@@ -314,6 +315,9 @@ def _require_composable(config: dict, fp16: bool, offload) -> None:
     if isinstance(name, str) and name.lower() == "muon":
         raise ConfigError([f"optimizer.type Muon {what}: Muon would orthogonalize each rank's "
                            "piece of a split matrix, not the matrix; use AdamW"])
+    if isinstance(name, str) and name.lower() == "adamw8bit":
+        raise ConfigError([f"optimizer.type AdamW8bit {what}: its quantization blocks would be "
+                           "cut from each rank's piece, not from the whole tensor; use AdamW"])
 
 
 def build_config(source, world_size: int) -> EngineConfig:

@@ -526,9 +526,9 @@ def _require_parallel_model(model, cfg, optimizer) -> None:
     if cfg.hf_checkpoint:
         raise ValueError(f"vescale.hf_checkpoint {what} is not supported yet: load the weights "
                          "into the model before initialize")
-    if type(optimizer).__name__ == "Muon":
-        raise ValueError(f"a Muon optimizer {what}: Muon would orthogonalize each rank's piece "
-                         "of a split matrix, not the matrix; use AdamW")
+    if type(optimizer).__name__ in ("Muon", "AdamW8bit"):
+        raise ValueError(f"a {type(optimizer).__name__} optimizer {what}: it would work on each "
+                         "rank's piece of a split tensor, not the tensor; use AdamW")
 
 
 def _seed_everything(seed: int):
