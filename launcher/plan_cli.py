@@ -278,7 +278,7 @@ def _alternatives(plan, digits: int = 2) -> tuple:
 
 
 def _mesh_line(mesh) -> str:
-    local = ([f"TP-sliced by the shapes file's tp_plan"] if mesh.tp > 1 else []) + \
+    local = (["TP-sliced by the shapes file's tp_plan"] if mesh.tp > 1 else []) + \
         ([f"E/{mesh.ep} experts per rank"] if mesh.ep > 1 else [])
     experts = (f", expert units over {mesh.efsdp} (efsdp = dp_shard x tp / ep)"
                if mesh.ep > 1 else "")
