@@ -1,9 +1,11 @@
 """`vescale plan`: RaggedShard layouts of a model's units from a shapes file, their padding
 against FSDP2's and ZeRO-3's, and with --memory each rank's bytes and traffic for one training
-step (vescale_engine.plan.capacity). Torch-free: the command starts at once."""
+step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each rank
+holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -55,6 +57,13 @@ def add_parser(sub):
                    help="check every plan against the layout invariants")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw padding against world size per granularity (needs matplotlib)")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel size: plan the TP-local tensors of the shapes file's "
+                        "'tp_plan' (default 1)")
+    p.add_argument("--ep", type=positive_int, default=1, metavar="N",
+                   help="expert-parallel size: each rank holds E/N experts of the tensors the "
+                        "shapes file's 'ep_plan' names, sharded over world/(tp x N) x tp ranks "
+                        "(efsdp); the rest over world/tp (default 1)")
     m = p.add_argument_group("memory and traffic (--memory)",
                              "Per-rank bytes of one training step for ours, PyTorch FSDP2 and "
                              "DeepSpeed ZeRO-3, and the bytes each rank all-gathers and "
@@ -92,12 +101,15 @@ def add_parser(sub):
                         "and host<->device bytes per step")
     m.add_argument("--offload-param", action="store_const", const=True, default=None,
                    help="keep the sharded parameters on the host between uses")
+    m.add_argument("--tokens", metavar="N",
+                   help="with --ep: tokens per data-parallel rank per micro-step, for the "
+                        "all-to-all dispatch bytes (default 4096)")
     p.set_defaults(run=_run_plan)
 
 
 _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp",
                  "reshard_after_forward", "root", "device_memory", "offload_optimizer",
-                 "offload_param")
+                 "offload_param", "tokens")
 
 
 def _flag_number(text, flag, kind):
@@ -142,6 +154,7 @@ def _capacity_setups(args, model) -> dict:
     args.grad_accum = _flag_number(args.grad_accum, "--grad-accum", int)
     args.hsdp = _flag_number(args.hsdp, "--hsdp", int)
     args.device_memory = _flag_number(args.device_memory, "--device-memory", float)
+    args.tokens = _flag_number(args.tokens, "--tokens", int)
     offload_ratio = _offload_ratio(args.offload_optimizer)
     root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
                                                  if r.strip())
@@ -155,10 +168,23 @@ def _capacity_setups(args, model) -> dict:
                 reshard_after_forward=args.reshard_after_forward is not False,
                 granularity=str(granularity), align_bytes=args.align_bytes,
                 max_buffers=args.max_buffers, root=root, offload_optimizer=offload_ratio,
-                offload_param=bool(args.offload_param))
+                offload_param=bool(args.offload_param), tp=args.tp, ep=args.ep,
+                tokens=args.tokens or 4096)
             capacity.check_setup(setup, model)
             setups[(str(granularity), world_size)] = setup
     return setups
+
+
+def _local(args, model) -> tuple:
+    """(the model the layouts are planned for, {world size: Mesh or None}): with --tp / --ep
+    the TP/EP-local model and each world size's mesh, checked before any planning."""
+    if args.tp == 1 and args.ep == 1:
+        return model, {w: None for w in args.world_size}
+    from vescale_engine.plan import parallel
+    meshes = {w: parallel.make_mesh(w, args.tp, args.ep) for w in args.world_size}
+    tp_plan, ep_plan, _ = parallel.read_plans(model.path)
+    local, _ = parallel.local_model(model, next(iter(meshes.values())), tp_plan, ep_plan)
+    return local, meshes
 
 
 def _run_plan(args) -> int:
@@ -169,13 +195,18 @@ def _run_plan(args) -> int:
         raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
     if args.plot:
         _require_matplotlib()
+    local, meshes = _local(args, model)
     setups = _capacity_setups(args, model)
     estimates = {}
     plans = []
     for granularity in args.granularity:
         for world_size in args.world_size:
-            plan = mp.plan_model(model, world_size, granularity, align_bytes=args.align_bytes,
-                                 dtype=args.dtype, max_buffers=args.max_buffers)
+            mesh = meshes[world_size]
+            plan = mp.plan_model(local, mesh.dp_shard if mesh else world_size, granularity,
+                                 align_bytes=args.align_bytes, dtype=args.dtype,
+                                 max_buffers=args.max_buffers,
+                                 expert_world_size=mesh.efsdp if mesh and mesh.ep > 1 else None)
+            plan = dataclasses.replace(plan, mesh=mesh)
             if args.verify:
                 plan.verify()
             plans.append(plan)
@@ -188,13 +219,13 @@ def _run_plan(args) -> int:
         cache = capacity.PlanCache()
         uses = capacity.tensor_uses(model.path)
         for plan in plans:
-            key = (str(plan.granularity), plan.world_size)
+            key = (str(plan.granularity), plan.world)
             estimates[key] = capacity.estimate(model, setups[key], uses, cache,
                                                args.device_memory)
     if args.json:
         out = [p.to_json() for p in plans]
         for obj, plan in zip(out, plans):
-            found = estimates.get((str(plan.granularity), plan.world_size))
+            found = estimates.get((str(plan.granularity), plan.world))
             if found:
                 obj.update(memory=found["memory"], traffic=found["traffic"],
                            memory_setup=found["setup"])
@@ -216,6 +247,9 @@ def _print_table_header(model, args):
     print(f"{model.name}: {model.numel / 1e9:.2f}B parameters, align {args.align_bytes} B "
           f"({args.dtype}), at most {args.max_buffers} buffers per unit; padding in % of "
           f"parameters")
+    if args.tp > 1 or args.ep > 1:
+        print(f"TP/EP-local shapes, tp {args.tp}, ep {args.ep}: dense units over world/tp ranks,"
+              f" expert units over world/ep (efsdp); padding of the local parameters")
     print(f"{'granularity':<12} {'world':>6} {'vescale':>8} {'buffers':>7} {'1-buffer':>9} "
           f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8} {'ZeRO-3':>8} {'plan s':>7}")
 
@@ -224,38 +258,60 @@ def _print_table_row(plan):
     from vescale_engine.plan import model_plan as mp
 
     buffers = max(len(p.buffers) for p in plan.plans)
-    print(f"{str(plan.granularity):<12} {plan.world_size:>6} {100 * plan.padding_ratio:>7.2f}% "
+    fsdp2, zero3 = _alternatives(plan)
+    print(f"{str(plan.granularity):<12} {plan.world:>6} {100 * plan.padding_ratio:>7.2f}% "
           f"{buffers:>7} {100 * mp.single_buffer_ratio(plan):>8.2f}% "
           f"{100 * mp.single_buffer_lower_bound_ratio(plan):>8.2f}% "
           f"{100 * mp.per_block_size_ratio(plan):>8.2f}% "
-          f"{100 * mp.fsdp2_padding_ratio(plan.model, plan.world_size):>7.2f}% "
-          f"{100 * mp.zero3_padding_ratio(plan.model, plan.world_size):>7.2f}% "
-          f"{plan.plan_seconds:>7.3f}", flush=True)
+          f"{fsdp2:>8} {zero3:>8} {plan.plan_seconds:>7.3f}", flush=True)
+
+
+def _alternatives(plan, digits: int = 2) -> tuple:
+    """FSDP2's and ZeRO-3's padding on the plan's (TP/EP-local) shapes, as text; n/a where
+    FSDP2 cannot shard them (an uneven Shard(1) of experts)."""
+    from vescale_engine.plan import model_plan as mp
+
+    worlds = (plan.model, plan.world_size, plan.expert_world_size)
+    fsdp2 = "n/a" if mp.fsdp2_unsupported(*worlds) else \
+        f"{100 * mp.fsdp2_padding_ratio(*worlds):.{digits}f}%"
+    return fsdp2, f"{100 * mp.zero3_padding_ratio(*worlds):.{digits}f}%"
+
+
+def _mesh_line(mesh) -> str:
+    local = (["TP-sliced by the shapes file's tp_plan"] if mesh.tp > 1 else []) + \
+        ([f"E/{mesh.ep} experts per rank"] if mesh.ep > 1 else [])
+    experts = (f", expert units over {mesh.efsdp} (efsdp = dp_shard x tp / ep)"
+               if mesh.ep > 1 else "")
+    return (f"mesh: tp {mesh.tp}, ep {mesh.ep}: dense units sharded over {mesh.dp_shard} ranks"
+            f" (dp_shard){experts}; local shapes: {', '.join(local)}")
 
 
 def _print_detail(plan):
     from vescale_engine.plan import model_plan as mp
 
-    m = plan.world_size
-    print(f"{plan.model.name} on {m} ranks, granularity {plan.granularity}, align "
+    print(f"{plan.model.name} on {plan.world} ranks, granularity {plan.granularity}, align "
           f"{plan.align_bytes} B ({plan.dtype}), at most {plan.max_buffers} buffers per unit")
+    if plan.mesh is not None:
+        print(_mesh_line(plan.mesh))
     for group, unit in zip(plan.model.groups, plan.plans):
-        print(f"  unit {group.name} x{group.repeat}: {len(unit.buffers)} buffer(s), "
+        over = f" over {plan.group_world(group)} ranks" if plan.mesh is not None else ""
+        print(f"  unit {group.name} x{group.repeat}{over}: {len(unit.buffers)} buffer(s), "
               f"padding {100 * unit.padding_ratio:.3f}%")
         for i, buf in enumerate(unit.buffers):
             print(f"    buffer {i}: shard {buf.shard_size:,} elements/rank, "
                   f"{len(buf.placements)} tensors, padding {buf.padding:,}")
-    print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} parameters "
-          f"(FSDP2 {100 * mp.fsdp2_padding_ratio(plan.model, m):.3f}%, "
-          f"ZeRO-3 {100 * mp.zero3_padding_ratio(plan.model, m):.3f}%), "
-          f"planned in {plan.plan_seconds:.3f} s")
+    fsdp2, zero3 = _alternatives(plan, 3)
+    what = ("TP/EP-local parameters (the tensors of one tp x ep coordinate)"
+            if plan.mesh is not None else "parameters")
+    print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} {what} "
+          f"(FSDP2 {fsdp2}, ZeRO-3 {zero3}), planned in {plan.plan_seconds:.3f} s")
 
 
 def _print_memory(model, plans, estimates, device_memory):
     """One block per plan: per-rank GB of each system's parts and peak, and the traffic."""
     gb = 1e9
     for plan in plans:
-        est = estimates[(str(plan.granularity), plan.world_size)]
+        est = estimates[(str(plan.granularity), plan.world)]
         s = est["setup"]
         shard = (f"{s['shard_group_size']} x {s['hsdp']} replicas" if s["hsdp"] > 1
                  else f"{s['world_size']} ranks")
@@ -263,25 +319,37 @@ def _print_memory(model, plans, estimates, device_memory):
               f"{s['param_dtype']}, reduce {s['reduce_dtype']}, {s['grad_accum']} micro-step(s), "
               f"{'reshard' if s['reshard_after_forward'] else 'no reshard'} after forward, "
               f"granularity {s['granularity']}, root {'+'.join(s['root']) or '(none)'}")
+        ep = s.get("ep", 1) > 1
+        if plan.mesh is not None:
+            print(_mesh_line(plan.mesh) + (
+                f"; all-to-all: {s['tokens']:,} tokens per data-parallel rank per micro-step, "
+                f"uniform routing; FSDP2: torchtitan's FSDP2+EP, ZeRO-3: DeepSpeed AutoEP"
+                if ep else ""))
+        a2a = " / sends (all-to-all)" if ep else ""
         print(f"GB (10^9 bytes) per rank, {est['activations']}; traffic: GB each rank "
-              f"receives (all-gather) / sends (reduce-scatter) per optimizer step")
+              f"receives (all-gather) / sends (reduce-scatter){a2a} per optimizer step")
         left = f" {'left':>7}" if device_memory else ""
         print(f"{'system':<7} {'master':>8} {'grad':>8} {'optim':>8} {'gathered':>9} "
-              f"{'peak':>8}{left} {'padding':>8} {'gather':>8} {'scatter':>8}")
+              f"{'peak':>8}{left} {'padding':>8} {'gather':>8} {'scatter':>8}"
+              + (f" {'all2all':>8}" if ep else ""))
         for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
             m = est["memory"][name]
             t = est["traffic"] if name == "ours" else est["traffic"][name]
+            if "unsupported" in m:
+                print(f"{label:<7} n/a: {m['unsupported']}")
+                continue
             room = f" {m['headroom'] / gb:>7.2f}" if device_memory else ""
             print(f"{label:<7} {m['master'] / gb:>8.2f} {m['grad'] / gb:>8.2f} "
                   f"{m['optimizer'] / gb:>8.2f} {m['gathered_peak'] / gb:>9.2f} "
                   f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
-                  f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}")
+                  f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}"
+                  + (f" {t['all_to_all'] / gb:>8.1f}" if ep else ""))
         if "pcie" in est["traffic"]:
             _print_offload(est)
         if device_memory:
             fits = [label for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"),
                                                ("zero3", "ZeRO-3"))
-                    if est["memory"][name]["headroom"] > 0]
+                    if est["memory"][name].get("headroom", 0) > 0]
             print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
                   f"(left: what remains for activations and the collectives' own buffers)")
 
@@ -327,7 +395,7 @@ def _plot(plans, model, path):
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for granularity in dict.fromkeys(str(p.granularity) for p in plans):
-        points = [(p.world_size, 100 * p.padding_ratio) for p in plans
+        points = [(p.world, 100 * p.padding_ratio) for p in plans
                   if str(p.granularity) == granularity]
         ax.plot(*zip(*points), marker="o", label=granularity)
     ax.set_xscale("log", base=2)

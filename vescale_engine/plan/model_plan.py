@@ -18,7 +18,8 @@ from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, Tenso
                       plan_buffer, plan_unit, shard_lower_bound)
 
 __all__ = ["ShapesError", "Group", "ModelShapes", "load_shapes", "model_specs", "ModelPlan",
-           "plan_model", "fsdp2_padding_ratio", "zero3_padding_ratio", "single_buffer_ratio",
+           "plan_model", "fsdp2_padding_ratio", "fsdp2_shard_dim", "fsdp2_unsupported",
+           "zero3_padding_ratio", "single_buffer_ratio",
            "single_buffer_lower_bound_ratio", "per_block_size_ratio", "DTYPE_BYTES",
            "DEFAULT_MAX_BUFFERS"]
 
@@ -34,14 +35,21 @@ class Group:
     name: str
     repeat: int
     tensors: tuple  # ((name, shape), ...)
+    # TP/EP-local groups only (parallel.local_model): per tensor, the elements a block must be
+    # a multiple of (a TP cut on a dim > 0: the slice of the dims from it on; else 1) ...
+    cuts: tuple = ()
+    expert: bool = False        # ... whether it is an expert unit (sharded over efsdp) ...
+    within: str | None = None   # ... and the group whose layer it sits in (forward order)
 
     def specs(self, granularity: Granularity, where: str) -> list:
         specs = []
-        for name, shape in self.tensors:
+        for i, (name, shape) in enumerate(self.tensors):
             try:
-                specs.append(TensorSpec(name, shape, granularity.block_size(shape)))
+                block = granularity.block_size(shape)
             except ValueError as err:
                 raise ShapesError(f"{where}: group {self.name!r}, tensor {name!r}: {err}") from None
+            specs.append(TensorSpec(name, shape, math.lcm(block, self.cuts[i]) if self.cuts
+                                    else block))
         return specs
 
     @property
@@ -115,6 +123,17 @@ class ModelPlan:
     plans: tuple          # one UnitPlan per group
     specs: tuple          # one spec list per group
     plan_seconds: float
+    expert_world_size: int | None = None   # expert groups' shard group (EP: efsdp)
+    mesh: object = None   # with TP/EP, the parallel.Mesh: world_size is then its dp_shard
+
+    @property
+    def world(self) -> int:
+        """All ranks (world_size is the dense units' shard group)."""
+        return self.mesh.world if self.mesh is not None else self.world_size
+
+    def group_world(self, group: Group) -> int:
+        return self.expert_world_size if group.expert and self.expert_world_size \
+            else self.world_size
 
     @property
     def padding(self) -> int:
@@ -132,10 +151,14 @@ class ModelPlan:
                 raise PlanError(f"group {group.name!r}: {err}") from None
 
     def to_json(self) -> dict:
-        m = self.world_size
+        parallel = any(g.cuts for g in self.model.groups)   # a TP/EP-local model
+        mesh = {} if self.mesh is None else {"mesh": {
+            "tp": self.mesh.tp, "ep": self.mesh.ep, "dp": self.mesh.dp,
+            "dp_shard": self.mesh.dp_shard, "efsdp": self.mesh.efsdp}}
         return {
             "model": self.model.name,
-            "world_size": m,
+            "world_size": self.world,
+            **mesh,
             "granularity": str(self.granularity),
             "align_bytes": self.align_bytes,
             "dtype": self.dtype,
@@ -145,11 +168,15 @@ class ModelPlan:
             "groups": [{
                 "name": group.name,
                 "repeat": group.repeat,
+                **({"expert": group.expert, "shard_group_size": self.group_world(group)}
+                   if parallel else {}),
                 "buffers": [{
                     "shard_size": buf.shard_size,
                     "padding": buf.padding,
                     "tensors": [{"name": p.name, "offset": p.offset, "numel": p.numel,
-                                 "block": p.block, "local_units": p.local_units(m)}
+                                 "block": p.block,
+                                 "local_units": p.local_units(self.group_world(group)),
+                                 **({"shape": list(p.spec.shape)} if parallel else {})}
                                 for p in buf.placements],
                 } for buf in plan.buffers],
             } for group, plan in zip(self.model.groups, self.plans)],
@@ -171,56 +198,86 @@ def model_specs(model: ModelShapes, granularity) -> list:
 
 def plan_model(model: ModelShapes, world_size: int, granularity, *,
                align_bytes: int = DEFAULT_ALIGN_BYTES, dtype: str = "bf16",
-               max_buffers: int = DEFAULT_MAX_BUFFERS) -> ModelPlan:
+               max_buffers: int = DEFAULT_MAX_BUFFERS,
+               expert_world_size: int | None = None) -> ModelPlan:
     """Plan every group of the model once, and groups with identical tensors (names, shapes and
     blocks: the same layer listed as several groups) once between them; the clock covers the
-    planning of all of them."""
-    if world_size < 1:
+    planning of all of them. Expert groups (a TP/EP-local model's) are planned over
+    `expert_world_size` ranks when it is given."""
+    if world_size < 1 or (expert_world_size is not None and expert_world_size < 1):
         raise ShapesError(f"world size must be positive, got {world_size}")
     granularity = parse_granularity(granularity)
     align = align_elements(align_bytes, dtype)
     all_specs = model_specs(model, granularity)
     t0 = time.perf_counter()
     planned, plans = {}, []
-    for specs in all_specs:
-        key = tuple(specs)
+    for group, specs in zip(model.groups, all_specs):
+        m = expert_world_size if group.expert and expert_world_size else world_size
+        key = (tuple(specs), m)
         if key not in planned:
-            planned[key] = plan_unit(specs, world_size, align, max_buffers)
+            planned[key] = plan_unit(specs, m, align, max_buffers)
         plans.append(planned[key])
     seconds = time.perf_counter() - t0
     return ModelPlan(model, granularity, world_size, align_bytes, dtype, max_buffers,
-                     tuple(plans), tuple(all_specs), seconds)
+                     tuple(plans), tuple(all_specs), seconds, expert_world_size)
 
 
 # --------------------------------------------------------------------------------------------
 # What the alternatives would pad, on the same shapes (padded elements over model elements).
 
-def fsdp2_padding_ratio(model: ModelShapes, world_size: int) -> float:
-    """PyTorch FSDP2: every parameter is Shard(0), dim 0 padded to a multiple of world size."""
+def fsdp2_shard_dim(group: Group, shape: tuple, world_size: int) -> int:
+    """The dim FSDP2 shards a tensor on: 0, except an expert unit's when its shard group is
+    larger than its local experts (efsdp x ep > E): torchtitan's apply_fsdp shards those on
+    dim 1 (`Shard(1)`), which FSDP2 requires to divide evenly."""
+    return 1 if group.expert and world_size > shape[0] else 0
+
+
+def fsdp2_unsupported(model: ModelShapes, world_size: int,
+                      expert_world_size: int | None = None) -> str | None:
+    """Why FSDP2 cannot shard the model this way (an uneven Shard(1)), or None."""
+    for group in model.groups:
+        m = expert_world_size if group.expert and expert_world_size else world_size
+        for name, shape in group.tensors:
+            if fsdp2_shard_dim(group, shape, m) == 1 and shape[1] % m:
+                return (f"FSDP2 does not support uneven sharding on dim 1: {name} "
+                        f"{list(shape)} over {m} ranks")
+    return None
+
+
+def fsdp2_padding_ratio(model: ModelShapes, world_size: int,
+                        expert_world_size: int | None = None) -> float:
+    """PyTorch FSDP2: every parameter is Shard(0), dim 0 padded to a multiple of world size
+    (expert units over their own shard group, on the dim fsdp2_shard_dim says)."""
     pad = 0
     for group in model.groups:
+        m = expert_world_size if group.expert and expert_world_size else world_size
         for _, shape in group.tensors:
-            rest = math.prod(shape[1:])
-            pad += group.repeat * (-(-shape[0] // world_size) * world_size - shape[0]) * rest
+            dim = fsdp2_shard_dim(group, shape, m)
+            rest = math.prod(shape) // shape[dim]
+            pad += group.repeat * (-(-shape[dim] // m) * m - shape[dim]) * rest
     return pad / model.numel
 
 
-def zero3_padding_ratio(model: ModelShapes, world_size: int) -> float:
-    """DeepSpeed ZeRO-3: every parameter's numel is padded to a multiple of world size."""
+def zero3_padding_ratio(model: ModelShapes, world_size: int,
+                        expert_world_size: int | None = None) -> float:
+    """DeepSpeed ZeRO-3: every parameter's numel is padded to a multiple of world size
+    (AutoEP's experts: of their expert-data-parallel group)."""
     pad = 0
     for group in model.groups:
+        m = expert_world_size if group.expert and expert_world_size else world_size
         for _, shape in group.tensors:
             n = math.prod(shape)
-            pad += group.repeat * (-(-n // world_size) * world_size - n)
+            pad += group.repeat * (-(-n // m) * m - n)
     return pad / model.numel
 
 
 def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:
     """Padding no single-buffer plan can beat: S >= total / world size, and S a multiple of the
     block of every tensor longer than 2S (PAPER.md, the lcm trap)."""
-    m, align = model_plan.world_size, align_elements(model_plan.align_bytes, model_plan.dtype)
+    align = align_elements(model_plan.align_bytes, model_plan.dtype)
     pad = 0
     for group, specs in zip(model_plan.model.groups, model_plan.specs):
+        m = model_plan.group_world(group)
         S = shard_lower_bound([(s.numel, s.block, 1) for s in specs], m, align)
         pad += group.repeat * (m * S - sum(s.numel for s in specs))
     return pad / model_plan.model.numel
@@ -228,9 +285,10 @@ def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:
 
 def per_block_size_ratio(model_plan: ModelPlan) -> float:
     """The simple alternative: one buffer for each distinct block size in a unit."""
-    m, align = model_plan.world_size, align_elements(model_plan.align_bytes, model_plan.dtype)
+    align = align_elements(model_plan.align_bytes, model_plan.dtype)
     pad = 0
     for group, specs in zip(model_plan.model.groups, model_plan.specs):
+        m = model_plan.group_world(group)
         classes = {}
         for s in specs:
             classes.setdefault(s.block, []).append(s)
@@ -241,6 +299,7 @@ def per_block_size_ratio(model_plan: ModelPlan) -> float:
 def single_buffer_ratio(model_plan: ModelPlan) -> float:
     """Our heuristic restricted to one buffer per unit (the paper's setting)."""
     plan = plan_model(model_plan.model, model_plan.world_size, model_plan.granularity,
-                      align_bytes=model_plan.align_bytes, dtype=model_plan.dtype, max_buffers=1)
+                      align_bytes=model_plan.align_bytes, dtype=model_plan.dtype, max_buffers=1,
+                      expert_world_size=model_plan.expert_world_size)
     return plan.padding_ratio
 

@@ -22,26 +22,32 @@ import math
 
 from ..model_plan import DTYPE_BYTES
 from ..optim_spec import is_muon_matrix
-from .request import MASTER_BYTES, Setup
+from .request import MASTER_BYTES, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
 
 __all__ = ["simulate_fsdp2", "traffic_fsdp2", "pcie_fsdp2"]
 
 
-def _dim0_shard(shape, world: int) -> int:
-    """Elements of rank 0's padded dim-0 shard (every rank stores the padded size)."""
-    return -(-shape[0] // world) * math.prod(shape[1:])
+def _dim0_shard(shape, world: int, dim: int = 0) -> int:
+    """Elements of rank 0's padded shard on `dim` (every rank stores the padded size)."""
+    return -(-shape[dim] // world) * (math.prod(shape) // shape[dim])
 
 
-def _fsdp2_optimizer(unit: Unit, setup: Setup, world: int) -> tuple:
+def _shard(t, unit: Unit, setup: Setup) -> int:
+    """Rank 0's padded shard of tensor `t` of `unit`, over the unit's shard group."""
+    world = setup.group_size(unit)
+    return _dim0_shard(t.shape, world, 1 if unit.expert and world > t.shape[0] else 0)
+
+
+def _fsdp2_optimizer(unit: Unit, setup: Setup) -> tuple:
     """torch.optim.AdamW (fused): two moments and a step per parameter over rank 0's local
     shard (the full chunk). AdamW8bit/Muon have no FSDP2 implementation: the estimate is an
     element-wise 8-bit optimizer over the same shards (codes plus one fp32 scale per 256
     elements, per moment), and Muon with fp32 momentum that gathers one whole matrix."""
     state = largest = 0
     for t in unit.tensors:
-        local = _dim0_shard(t.shape, world)
+        local = _shard(t, unit, setup)
         if setup.optimizer == "AdamW":
             state += 2 * MASTER_BYTES * local + 4
         elif setup.optimizer == "AdamW8bit":
@@ -55,7 +61,6 @@ def _fsdp2_optimizer(unit: Unit, setup: Setup, world: int) -> tuple:
 
 
 def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
-    M = setup.shard_size
     pb = DTYPE_BYTES[setup.param_dtype]
     rb = DTYPE_BYTES[setup.reduce]
     mixed = setup.param_dtype not in ("fp32", "float32")
@@ -63,14 +68,15 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
     tl = Timeline()
     units = ([root] if root.tensors else []) + list(others)
     repeat = {u.name: u.repeat for u in units}
-    S = {u.name: sum(_dim0_shard(t.shape, M) for t in u.tensors) for u in units}
+    W = {u.name: setup.group_size(u) for u in units}   # each unit's shard group
+    S = {u.name: sum(_shard(t, u, setup) for t in u.tensors) for u in units}
     master = sum(S[u.name] * repeat[u.name] for u in units) * MASTER_BYTES
     state, step_peak = 0, 0
     for u in units:
-        s, peak = _fsdp2_optimizer(u, setup, M)
+        s, peak = _fsdp2_optimizer(u, setup)
         state += s * repeat[u.name]
         step_peak = max(step_peak, peak)
-    largest_shard = max((_dim0_shard(t.shape, M) for u in units for t in u.tensors), default=0)
+    largest_shard = max((_shard(t, u, setup) for u in units for t in u.tensors), default=0)
     host = {}
     if offload:
         # torch.optim.AdamW over CPU tensors: neither fused nor foreach by default
@@ -94,9 +100,9 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
         """unshard(): the all-gather output (and, with a compute dtype, its cast input)."""
         if name("unsharded", key) in tl.live or name("ag", key) in tl.live:
             return
-        tl.alloc(name("ag", key), M * S[key[0].name] * pb)
+        tl.alloc(name("ag", key), W[key[0].name] * S[key[0].name] * pb)
         if offload:   # the cast inputs, and the fp32 device copy of the one being cast
-            tl.spike(S[key[0].name] * pb + (max(_dim0_shard(t.shape, M) for t in key[0].tensors)
+            tl.spike(S[key[0].name] * pb + (max(_shard(t, key[0], setup) for t in key[0].tensors)
                                             * MASTER_BYTES if mixed else 0))
         elif mixed:
             tl.spike(S[key[0].name] * pb)
@@ -104,7 +110,7 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
     def copy_out(key, keep_output):
         if name("unsharded", key) in tl.live:
             return
-        tl.alloc(name("unsharded", key), M * S[key[0].name] * pb)
+        tl.alloc(name("unsharded", key), W[key[0].name] * S[key[0].name] * pb)
         if not keep_output:
             tl.free(name("ag", key))
 
@@ -138,7 +144,7 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
                 all_gather(order[k - 1])
             numel = key[0].numel
             tl.alloc(name("grads", key), numel * pb)     # autograd's unsharded gradients
-            rs_state = _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate or offload,
+            rs_state = _fsdp2_reduce(tl, key, name, S, W, rb, rs_state, accumulate or offload,
                                      grad_kind)
         if rkey:
             for t in root.tensors:
@@ -150,28 +156,32 @@ def simulate_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
                     tl.spike(t.numel * pb)
                     tl.free(("rootgrad", "new", t.name))
             rootgrads = [k for k in tl.live if k[0] == "rootgrad"]
-            rs_state = _fsdp2_reduce(tl, rkey, name, S, M, rb, rs_state, accumulate or offload,
+            rs_state = _fsdp2_reduce(tl, rkey, name, S, W, rb, rs_state, accumulate or offload,
                                      grad_kind, extra=rootgrads)
         if rs_state:
             tl.free(rs_state)
     tl.phase = "optimizer_step"
     tl.spike(step_peak)
     numel = sum(u.numel * u.repeat for u in units)
-    padding = sum((M * S[u.name] - u.numel) * u.repeat for u in units)
-    result = tl.summary(master, padding / M * MASTER_BYTES, padding / max(1, numel))
+    padding = {}   # padded elements of all ranks, by shard group size
+    for u in units:
+        padding[W[u.name]] = padding.get(W[u.name], 0) + \
+            (W[u.name] * S[u.name] - u.numel) * u.repeat
+    result = tl.summary(master, sum(pad / M for M, pad in padding.items()) * MASTER_BYTES,
+                        sum(padding.values()) / max(1, numel))
     if offload:
         result.update(param_shard=0, offloaded_ratio=1.0,
                       host={**host, "total": sum(host.values())})
     return result
 
 
-def _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate, grad_kind, extra=()):
+def _fsdp2_reduce(tl, key, name, S, W, rb, rs_state, accumulate, grad_kind, extra=()):
     """post_backward: reshard, free the previous reduce-scatter input, copy the gradients into
     this one's input, free them, reduce into a shard, cast it to fp32 if needed."""
     tl.free(name("unsharded", key))
     if rs_state:
         tl.free(rs_state)
-    tl.alloc(name("rs_in", key), M * S[key[0].name] * rb)
+    tl.alloc(name("rs_in", key), W[key[0].name] * S[key[0].name] * rb)
     tl.free(name("grads", key))
     for k in extra:
         tl.free(k)
@@ -188,22 +198,25 @@ def _fsdp2_reduce(tl, key, name, S, M, rb, rs_state, accumulate, grad_kind, extr
     return name("rs_in", key)
 
 
-def _gathered_and_reduced(root: Unit, others: list, setup: Setup) -> tuple:
-    """(shard elements all-gathered, reduce-scattered) per micro-step: every unit gathered in
-    forward, the non-root ones again in backward when resharded (the last one too), the dim-0
-    padded shard; one reduce-scatter per unit."""
-    M = setup.shard_size
-    gathered = reduced = 0
+def _gathered_and_reduced(root: Unit, others: list, setup: Setup) -> dict:
+    """{shard group size: [shard elements all-gathered, reduce-scattered]} per micro-step:
+    every unit gathered in forward, the non-root ones again in backward when resharded (the
+    last one too), the padded shard; one reduce-scatter per unit."""
+    by_group = {}
     for unit, is_root in ([(root, True)] if root.tensors else []) + [(u, False) for u in others]:
-        shard = sum(_dim0_shard(t.shape, M) for t in unit.tensors) * unit.repeat
-        gathered += shard * (2 if setup.reshard_after_forward and not is_root else 1)
-        reduced += shard
-    return gathered, reduced
+        shard = sum(_shard(t, unit, setup) for t in unit.tensors) * unit.repeat
+        moved = by_group.setdefault(setup.group_size(unit), [0, 0])
+        moved[0] += shard * (2 if setup.reshard_after_forward and not is_root else 1)
+        moved[1] += shard
+    return by_group
 
 
 def traffic_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
-    """FSDP2's collectives: W x each gathered shard, one reduce-scatter per unit."""
-    return setup.traffic(*_gathered_and_reduced(root, others, setup))
+    """FSDP2's collectives: W x each gathered shard, one reduce-scatter per unit, each over
+    the unit's shard group."""
+    return add_traffic(setup.traffic(0, 0), *(
+        setup.traffic(g, r, M)
+        for M, (g, r) in sorted(_gathered_and_reduced(root, others, setup).items())))
 
 
 def pcie_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
@@ -212,6 +225,7 @@ def pcie_fsdp2(root: Unit, others: list, setup: Setup) -> dict:
     before the cast, FSDPParam.all_gather_inputs), as often as traffic_fsdp2 gathers;
     `device_to_host`: each reduce-scatter's output cast to fp32 (foreach_reduce), every
     micro-step. Nothing comes back after the step: the parameters are the host's."""
-    h2d, d2h = _gathered_and_reduced(root, others, setup)
+    moved = _gathered_and_reduced(root, others, setup).values()
+    h2d, d2h = sum(g for g, _ in moved), sum(r for _, r in moved)
     n = setup.grad_accum
     return {"host_to_device": n * h2d * MASTER_BYTES, "device_to_host": n * d2h * MASTER_BYTES}

@@ -26,6 +26,7 @@ without offload_optimizer is refused by initialize: ours is estimated without of
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..granularity import parse_granularity
@@ -33,7 +34,7 @@ from ..model_plan import DTYPE_BYTES
 from ..optim_spec import (ADAMW8BIT_BLOCK, MUON_ROUNDS_IN_FLIGHT, QUANT_CHUNK_ELEMENTS,
                           is_muon_matrix)
 from ..planner import TensorSpec, plan_unit
-from .request import MASTER_BYTES, CapacityError, Setup
+from .request import MASTER_BYTES, CapacityError, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
 
@@ -60,6 +61,7 @@ class _Planned:
     numel: int
     buffers: list         # BufferLayout
     rank0: dict = field(default_factory=dict)  # tensor name -> rank 0's elements of it
+    world: int = 1        # the ranks it is sharded over (its shard group)
 
 
 class PlanCache:
@@ -71,14 +73,16 @@ class PlanCache:
                                         else setup.granularity)
         itemsize = min(MASTER_BYTES, DTYPE_BYTES[setup.param_dtype])
         align = max(1, setup.align_bytes // itemsize)   # fully_shard's alignment rule
+        M = setup.group_size(unit)
         try:
-            specs = tuple(TensorSpec(t.name, t.shape, granularity.block_size(t.shape))
+            specs = tuple(TensorSpec(t.name, t.shape, math.lcm(granularity.block_size(t.shape),
+                                                               t.cut))
                           for t in unit.tensors)
         except ValueError as err:
             raise CapacityError(f"unit {unit.name!r}: {err}") from None
-        key = (specs, setup.shard_size, align, setup.max_buffers)
+        key = (specs, M, align, setup.max_buffers)
         if key not in self.plans:
-            self.plans[key] = plan_unit(list(specs), setup.shard_size, align, setup.max_buffers)
+            self.plans[key] = plan_unit(list(specs), M, align, setup.max_buffers)
         layout = self.plans[key]
         rank0 = {}
         for buf in layout.buffers:
@@ -86,8 +90,7 @@ class PlanCache:
                 rank0[p.name] = max(0, min(p.offset + p.numel, buf.shard_size) - p.offset) \
                     if p.offset < buf.shard_size else 0
         shard = sum(b.shard_size for b in layout.buffers)
-        return _Planned(unit, shard, shard * setup.shard_size, unit.numel, list(layout.buffers),
-                        rank0)
+        return _Planned(unit, shard, shard * M, unit.numel, list(layout.buffers), rank0, M)
 
 
 def _segments_rank0(buf) -> int:
@@ -170,7 +173,6 @@ def _offloaded(key, chosen) -> int:
 
 def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
-    M = setup.shard_size
     root_key, order, planned = _units(root, others, setup, cache)
     root_plan = root_key[0] if root_key else None
     repeats = {id(p): p.unit.repeat for p in planned}
@@ -294,9 +296,12 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
             finish(reducing)
     tl.phase = "optimizer_step"
     tl.spike(step_peak)
-    padding = sum((p.full - p.numel) * repeats[id(p)] for p in planned)
-    result = tl.summary(master, padding / M * MASTER_BYTES,
-                        padding / max(1, sum(p.numel * repeats[id(p)] for p in planned)))
+    padding = {}   # padded elements of all ranks, by shard group size
+    for p in planned:
+        padding[p.world] = padding.get(p.world, 0) + (p.full - p.numel) * repeats[id(p)]
+    result = tl.summary(master, sum(pad / M for M, pad in padding.items()) * MASTER_BYTES,
+                        sum(padding.values()) / max(1, sum(p.numel * repeats[id(p)]
+                                                           for p in planned)))
     if setup.offloads:
         # host "param": the compute shard (offload_param) or the staging tensor its refresh
         # casts into, in the buffer's allocation; neither with fp32 compute (the master serves)
@@ -314,17 +319,20 @@ def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     shards of every reduced buffer, in the reduce dtype); a unit is gathered in forward and
     again in backward when it is resharded after forward (not the root, nor the last unit,
     which backward starts with); `all_reduce` (HSDP) what a ring all-reduce of the gradient
-    shard over the replicas sends. Gradient accumulation repeats all of it per micro-step."""
+    shard over the replicas sends. Gradient accumulation repeats all of it per micro-step.
+    Each unit's collectives run over its own shard group (experts: efsdp)."""
     plans = {u.name: cache.plan(u, setup) for u in others}
     order = [plans[u.name] for u, _ in expand(others)]
-    gathered = reduced = 0
+    by_group = {}   # shard group size -> [gathered, reduced]
     units = ([(cache.plan(root, setup), 1)] if root.tensors else []) + \
         [(p, 2 if setup.reshard_after_forward and k + 1 < len(order) else 1)
          for k, p in enumerate(order)]
     for p, gathers in units:
-        gathered += gathers * p.shard
-        reduced += p.shard
-    return setup.traffic(gathered, reduced)
+        moved = by_group.setdefault(p.world, [0, 0])
+        moved[0] += gathers * p.shard
+        moved[1] += p.shard
+    return add_traffic(setup.traffic(0, 0), *(setup.traffic(g, r, M)
+                                              for M, (g, r) in sorted(by_group.items())))
 
 
 def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:

@@ -3,7 +3,12 @@ any planning (`check_setup`, `CapacityError`), and the bytes per step each rank'
 move for a given number of gathered and reduced elements under it (`Setup.traffic`).
 
 Offload (`offload_optimizer`, `offload_param`) is part of the setup: each system's simulation
-reads it and moves its own terms to the host (ours.py, fsdp2.py, zero3.py say which)."""
+reads it and moves its own terms to the host (ours.py, fsdp2.py, zero3.py say which).
+
+Tensor and expert parallelism (`tp`, `ep`) are part of it too: the model is then the TP/EP-local
+one (plan/parallel.py), its dense units sharded over `shard_size` = world / (hsdp x tp) ranks
+and its expert units over `expert_shard_size` = shard_size x tp / ep (efsdp), each unit's
+collectives over its own group (`group_size`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +16,10 @@ from dataclasses import dataclass
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES, ModelShapes
 from ..optim_spec import OPTIMIZERS
+from ..parallel import Mesh, make_mesh
 from ..planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 
-__all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup"]
+__all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup", "add_traffic"]
 
 MASTER_BYTES = 4             # master weights, gradient shards and optimizer moments are fp32
 
@@ -40,30 +46,57 @@ class Setup:
     # whether the sharded parameters live on the host between uses
     offload_optimizer: float = 0.0
     offload_param: bool = False
+    tp: int = 1                        # tensor-parallel size (TP innermost)
+    ep: int = 1                        # expert-parallel size (borrowed from dp_shard x tp)
+    tokens: int = 4096                 # tokens per data-parallel rank per micro-step (EP)
 
     @property
     def offloads(self) -> bool:
         return self.offload_optimizer > 0 or self.offload_param
 
     @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.world_size, self.tp, self.ep, self.hsdp)
+
+    @property
     def shard_size(self) -> int:
-        return self.world_size // self.hsdp
+        """Ranks a dense unit is sharded over (dp_shard)."""
+        return self.world_size // (self.hsdp * self.tp)
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks an expert unit is sharded over (efsdp)."""
+        return self.mesh.efsdp
+
+    def group_size(self, unit) -> int:
+        return self.expert_shard_size if unit.expert else self.shard_size
 
     @property
     def reduce(self) -> str:
         return self.reduce_dtype or self.param_dtype
 
-    def traffic(self, gathered: int, reduced: int) -> dict:
+    def traffic(self, gathered: int, reduced: int, group_size: int | None = None) -> dict:
         """Bytes per rank per optimizer step when each micro-step all-gathers `gathered` and
-        reduce-scatters `reduced` elements of a rank's shards: `all_gather` is what each rank
+        reduce-scatters `reduced` elements of a rank's shards over M = `group_size` ranks
+        (default: the dense shard group): `all_gather` is what each rank
         receives ((M-1) of M shards, in the param dtype), `reduce_scatter` what it sends ((M-1)
         shards, in the reduce dtype), `all_reduce` (HSDP) what a ring all-reduce of the reduced
         shards over the replicas sends."""
-        M, R, n = self.shard_size, self.hsdp, self.grad_accum
+        M = self.shard_size if group_size is None else group_size
+        R, n = self.hsdp, self.grad_accum
         pb, rb = DTYPE_BYTES[self.param_dtype], DTYPE_BYTES[self.reduce]
         return {"all_gather": n * (M - 1) * gathered * pb,
                 "reduce_scatter": n * (M - 1) * reduced * rb,
                 "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+
+
+def add_traffic(*parts: dict) -> dict:
+    """The key-wise sum of traffic dicts (one per shard group)."""
+    out = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out
 
 
 def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
@@ -83,6 +116,18 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
     if setup.world_size % setup.hsdp:
         raise CapacityError(f"HSDP replicate size {setup.hsdp} does not divide the world size "
                             f"{setup.world_size}")
+    for what, value in (("--tp", setup.tp), ("--ep", setup.ep), ("--tokens", setup.tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CapacityError(f"{what} must be a positive integer, got {value!r}")
+    try:
+        make_mesh(setup.world_size, setup.tp, setup.ep, setup.hsdp)
+    except ValueError as err:
+        raise CapacityError(str(err)) from None
+    if (setup.tp > 1 or setup.ep > 1) and setup.offloads:
+        raise CapacityError("offload is not estimated with --tp or --ep")
+    if setup.tp > 1 and setup.optimizer == "Muon":
+        raise CapacityError("Muon is not estimated with --tp (it orthogonalizes the TP-global "
+                            "matrix: its gathers over the TP group are not modelled)")
     ratio = setup.offload_optimizer
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise CapacityError(f"offload_optimizer ratio must be a number in [0, 1] (0: no "

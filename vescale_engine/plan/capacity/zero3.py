@@ -13,12 +13,16 @@ partition (`grad_partitions_flat_buffer` on `self.device`, which is the CPU). Th
 partitions in the compute dtype stay on the device, unless offload_param keeps them on the host
 (`param_groups_fp16_flat_cpu_memory`, pinned) and copies each to the device for its all-gather
 (`ds_tensor.to(device)`, partition_parameters.py).
+
+With expert parallelism (DeepSpeed AutoEP), the expert tensors are partitioned over their
+expert-data-parallel group (engine.py: `groups._get_expert_data_parallel_group`): here each
+tensor's partition is ceil(numel / M) over its unit's shard group (Setup.group_size).
 """
 from __future__ import annotations
 
 from ..model_plan import DTYPE_BYTES
 from ..optim_spec import is_muon_matrix
-from .request import MASTER_BYTES, Setup
+from .request import MASTER_BYTES, Setup, add_traffic
 from .units import Unit, expand
 
 __all__ = ["ZERO3_DEFAULTS", "estimate_zero3", "traffic_zero3", "pcie_zero3", "sub_groups"]
@@ -34,13 +38,14 @@ def sub_groups(root: Unit, others: list, setup: Setup) -> list:
     packed in the model's parameter order until one reaches sub_group_size
     (stage3._create_fp16_sub_groups), the last `ratio` of them on the host when the optimizer
     is offloaded."""
-    M, limit = setup.shard_size, ZERO3_DEFAULTS["sub_group_size"]
+    limit = ZERO3_DEFAULTS["sub_group_size"]
     groups, numel, state = [], 0, 0
     late = set(root.late)   # the model's order: embeddings, the layers, then the head
-    tensors = [t for t in root.tensors if t.name not in late] + \
-        [t for u in others for _ in range(u.repeat) for t in u.tensors] + \
-        [t for t in root.tensors if t.name in late]
-    for k, t in enumerate(tensors):
+    M0 = setup.group_size(root)
+    tensors = [(t, M0) for t in root.tensors if t.name not in late] + \
+        [(t, setup.group_size(u)) for u, _ in expand(others) for t in u.tensors] + \
+        [(t, M0) for t in root.tensors if t.name in late]
+    for k, (t, M) in enumerate(tensors):
         part = -(-t.numel // M)
         numel += part
         state += _state(t, part, setup)
@@ -62,16 +67,18 @@ def _state(t, part: int, setup: Setup) -> int:
 
 
 def estimate_zero3(root: Unit, others: list, setup: Setup) -> dict:
-    M = setup.shard_size
     pb = DTYPE_BYTES[setup.param_dtype]
     d = ZERO3_DEFAULTS
     units = ([root] if root.tensors else []) + list(others)
     partition = persistent = numel = largest_tensor = 0
     state = 0
+    padding = {}   # padded elements of all ranks, by shard group size
     for u in units:
+        M = setup.group_size(u)
         for t in u.tensors:
             n = t.numel
             part = -(-n // M)
+            padding[M] = padding.get(M, 0) + (part * M - n) * u.repeat
             partition += part * u.repeat
             numel += n * u.repeat
             largest_tensor = max(largest_tensor, n)
@@ -102,12 +109,12 @@ def estimate_zero3(root: Unit, others: list, setup: Setup) -> dict:
         master, grad, state, step, gathered, host = _offload_zero3(
             root, others, setup, partition, persistent, gathered, largest_tensor)
     total = master + grad + state + max(gathered, step)
-    padding = partition * M - numel
     result = {"master": int(master), "grad": int(grad), "optimizer": int(state),
               "gathered_peak": int(gathered), "optimizer_step_peak": int(step),
               "total": int(total), "peak_phase": "forward_backward" if gathered >= step
-              else "optimizer_step", "padding": int(round(padding / M * MASTER_BYTES)),
-              "padding_ratio": padding / max(1, numel)}
+              else "optimizer_step",
+              "padding": int(round(sum(pad / M for M, pad in padding.items()) * MASTER_BYTES)),
+              "padding_ratio": sum(padding.values()) / max(1, numel)}
     if host is not None:
         result.update(host)
     return result
@@ -129,7 +136,7 @@ def _offload_zero3(root, others, setup, partition, persistent, gathered, largest
         master = MASTER_BYTES * dev_numel
         grad = MASTER_BYTES * dev_numel
         step = MASTER_BYTES * max((g[0] for g in on_device), default=0)
-        gathered += MASTER_BYTES * -(-largest_tensor // setup.shard_size)
+        gathered += MASTER_BYTES * -(-largest_tensor // setup.shard_size)   # no EP here
         host = {"master": MASTER_BYTES * host_numel,
                 "grad": MASTER_BYTES * partition + MASTER_BYTES * host_numel,
                 "optimizer": host_state}
@@ -150,31 +157,36 @@ def _offload_zero3(root, others, setup, partition, persistent, gathered, largest
 def traffic_zero3(root: Unit, others: list, setup: Setup) -> dict:
     """ZeRO-3: every parameter above the persistence threshold gathered in forward and, unless
     the reuse distance keeps it, again in backward; every gradient reduce-scattered, per
-    micro-step; flat partitions of ceil(numel / W)."""
-    M = setup.shard_size
-    reduced = sum(-(-t.numel // M) * unit.repeat
-                  for unit in ([root] if root.tensors else []) + list(others)
-                  for t in unit.tensors)
-    return setup.traffic(_gathered_partitions(root, others, setup), reduced)
+    micro-step; flat partitions of ceil(numel / W), each over its unit's shard group."""
+    gathered = _gathered_partitions(root, others, setup)
+    by_group = {}
+    for unit in ([root] if root.tensors else []) + list(others):
+        M = setup.group_size(unit)
+        by_group[M] = by_group.get(M, 0) + sum(-(-t.numel // M) * unit.repeat
+                                               for t in unit.tensors)
+    return add_traffic(setup.traffic(0, 0), *(setup.traffic(gathered.get(M, 0), r, M)
+                                              for M, r in sorted(by_group.items())))
 
 
-def _gathered_partitions(root: Unit, others: list, setup: Setup) -> int:
-    """Partition elements ZeRO-3 all-gathers per micro-step (traffic_zero3)."""
-    M = setup.shard_size
+def _gathered_partitions(root: Unit, others: list, setup: Setup) -> dict:
+    """{shard group size: partition elements ZeRO-3 all-gathers per micro-step}
+    (traffic_zero3)."""
     d = ZERO3_DEFAULTS
-    gathered = kept = later = 0
+    gathered, later = {}, 0
     for u, _ in reversed(expand(others)):
         if 2 * later >= d["max_reuse_distance"]:
             break
-        kept += sum(-(-t.numel // M) for t in u.tensors if t.numel >= d[
+        M = setup.group_size(u)
+        gathered[M] = gathered.get(M, 0) - sum(-(-t.numel // M) for t in u.tensors if t.numel >= d[
             "param_persistence_threshold"])
         later += u.numel
     for unit in ([root] if root.tensors else []) + list(others):
+        M = setup.group_size(unit)
         for t in unit.tensors:
             part = -(-t.numel // M) * unit.repeat
             if t.numel >= d["param_persistence_threshold"]:
-                gathered += 2 * part
-    return gathered - kept
+                gathered[M] = gathered.get(M, 0) + 2 * part
+    return gathered
 
 
 def pcie_zero3(root: Unit, others: list, setup: Setup) -> dict:
@@ -201,7 +213,7 @@ def pcie_zero3(root: Unit, others: list, setup: Setup) -> dict:
         if not setup.offload_param:
             h2d += pb * host_numel
     if setup.offload_param:
-        gathered = _gathered_partitions(root, others, setup)
+        gathered = sum(_gathered_partitions(root, others, setup).values())
         persistent = sum(-(-t.numel // M) * u.repeat
                          for u in ([root] if root.tensors else []) + list(others)
                          for t in u.tensors
