@@ -321,7 +321,6 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         self._colocation.require_on_device("engine.save_checkpoint")
-        self.require_global_layout("engine.save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
@@ -329,7 +328,6 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         self._colocation.require_on_device("engine.load_checkpoint")
-        self.require_global_layout("engine.load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
@@ -346,14 +344,15 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def require_global_layout(self, what: str) -> None:
-        """Checkpoints and full state dicts store global shapes; under tensor or expert
-        parallelism a rank's pieces are not mapped to them yet, so refuse rather than write
-        (or read) pieces as whole tensors."""
+        """Hugging Face files and full state dicts store global shapes; under tensor or expert
+        parallelism their writers and readers do not map a rank's pieces to them yet, so refuse
+        rather than write (or read) pieces as whole tensors. (save_checkpoint/load_checkpoint
+        do map them: DCP boxes of the global shapes.)"""
         if self.meshes is not None:
             raise NotImplementedError(f"{what} with tensor_parallel.autotp_size or "
                                       "expert_parallel.autoep_size > 1 is not supported yet: "
-                                      "TP/EP pieces are not mapped to global shapes "
-                                      "(docs/parallelism.md)")
+                                      "TP/EP pieces are not mapped to global shapes there; "
+                                      "save_checkpoint/load_checkpoint are (docs/parallelism.md)")
 
     # -- RL colocation (colocation.py) ---------------------------------------------------------
 
