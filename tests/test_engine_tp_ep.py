@@ -541,9 +541,10 @@ def _steps(engine, ids, micro_rows, n):
 
 def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
     """Train 2 steps at (dp, tp/ep) = `parallel`, save, train 2 more; load that checkpoint at
-    (dp 4, tp/ep 1), compare every piece bitwise with the checkpoint read by one process, and
-    train the same 2 steps. For experts, also into FSDP2+EP (torch's fully_shard) through
-    dcp.load. (saved bytes per rank, coverage, errors, losses after the save at each layout)"""
+    (dp 4, tp/ep 1), compare every piece (parameters, AdamW state) bitwise with the checkpoint
+    read by one process alone, and train the same 2 steps; save there and load back at
+    `parallel` (bitwise, the next step's loss). For experts, also into FSDP2+EP (torch's
+    fully_shard) through plain dcp.load. (coverage, errors, losses at each layout)"""
     import torch.distributed as dist
     import vescale_engine
     ids = global_batch()
@@ -561,9 +562,19 @@ def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
     plain.load_checkpoint(path, tag="t")
     loaded_err, loaded_n = _state_errors(plain, full)
     resumed = _steps(plain, ids, 1, 2)
+    plain.save_checkpoint(path, tag="u")  # and back: a dp-4 checkpoint into TP/EP pieces
+    plain_next = _steps(plain, ids, 1, 1)
     plain.destroy()
+    dist.barrier()
+    full_u, _ = _full_checkpoint(f"{path}/u")
+    split, *_ = vescale_engine.initialize(model=build(seed=9), config=config(**parallel))
+    split.load_checkpoint(path, tag="u")
+    back_err, back_n = _state_errors(split, full_u)
+    split_next = _steps(split, ids, micro_rows, 1)
+    split.destroy()
     out = dict(coverage=coverage, saved=(saved_err, saved_n), loaded=(loaded_err, loaded_n),
-               after=after, resumed=resumed)
+               after=after, resumed=resumed, back=(back_err, back_n),
+               next=(plain_next[0], split_next[0]))
     if "expert_parallel" in parallel:
         out["fsdp2"] = _fsdp2_ep_load(build, f"{path}/t", full)
     return out
@@ -582,7 +593,7 @@ def _fsdp2_ep_load(build, path, full):
         fully_shard(layer.mlp.experts, mesh=meshes.expert_dp())
     fully_shard(model, mesh=meshes.dense_dp())
     sd = {f"model.{k}": v for k, v in model.state_dict().items()}
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=path)  # torch's own planner and reader
     worst = 0.0
     for k, v in model.state_dict().items():
         whole = v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -602,5 +613,7 @@ def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, 
         assert out["saved"][0] == 0.0 and out["saved"][1] > 20, (rank, out["saved"])
         assert out["loaded"][0] == 0.0 and out["loaded"][1] > 20, (rank, out["loaded"])
         assert max(abs(a - b) for a, b in zip(out["after"], out["resumed"])) < 1e-6, out
+        assert out["back"][0] == 0.0 and out["back"][1] > 20, (rank, out["back"])
+        assert abs(out["next"][0] - out["next"][1]) < 1e-6, (rank, out["next"])
         if "fsdp2" in out:
             assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
