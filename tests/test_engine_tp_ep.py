@@ -414,7 +414,6 @@ def tp_batch_mismatch(rank, world):
         model=tiny_llama(), config=config(tensor_parallel={"autotp_size": 2}))
     refused = []
     for call in (lambda: engine.save_hf_checkpoint("/nonexistent"),
-                 lambda: engine.load_hf_checkpoint("/nonexistent"),
                  lambda: engine._zero3_consolidated_16bit_state_dict()):
         try:
             call()
@@ -434,8 +433,7 @@ def test_tp_peers_given_different_batches_stop_at_the_first_forward_and_hf_files
     got = pool.run(tp_batch_mismatch)
     for rank, (message, refused) in enumerate(got):
         # not mapped to global shapes yet: refused, never written as if whole
-        assert refused == ["engine.save_hf_checkpoint", "engine.load_hf_checkpoint",
-                           "the 16-bit state dict"]
+        assert refused == ["engine.save_hf_checkpoint", "the 16-bit state dict"]
         group = [rank - rank % 2, rank - rank % 2 + 1]
         assert message is not None and message.startswith(
             f"data inconsistency within the tensor-parallel group {group}: rank(s) "
@@ -506,7 +504,7 @@ def _full_checkpoint(path):
     return sd, {k: (n, math.prod(md.state_dict_metadata[k].size)) for k, n in coverage.items()}
 
 
-def _state_errors(engine, full):
+def _state_errors(engine, full, params_only=False):
     """Max |piece - the checkpoint's global tensor| over the engine's parameters and optimizer
     state on this rank (0.0: bitwise), and how many entries were compared."""
     from vescale_engine.checkpoint.entries import optimizer_state
@@ -515,7 +513,7 @@ def _state_errors(engine, full):
     state = optimizer_state(engine.optimizer, create=False)
     for fqn, sp in sharded_parameters(engine.module):
         pairs = [(sp.sharded.detach(), full[f"model.{fqn}"])]
-        for name, t in state.get(sp.sharded, {}).items():
+        for name, t in ({} if params_only else state.get(sp.sharded, {})).items():
             if t.dim():
                 pairs.append((t, full[f"optim.state.{fqn}.{name}"]))
         for mine, whole in pairs:
@@ -545,8 +543,10 @@ def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
     read by one process alone, and train the same 2 steps; save there and load back at
     `parallel` (bitwise, the next step's loss). For experts, also into FSDP2+EP (torch's
     fully_shard) through plain dcp.load. (coverage, errors, losses at each layout)"""
+    import os
     import torch.distributed as dist
     import vescale_engine
+    from vescale_engine.fsdp.lookup import sharded_parameters
     ids = global_batch()
     engine, *_ = vescale_engine.initialize(model=build(), config=config(**parallel))
     _steps(engine, ids, micro_rows, 2)
@@ -567,14 +567,24 @@ def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
     plain.destroy()
     dist.barrier()
     full_u, _ = _full_checkpoint(f"{path}/u")
+    if dist.get_rank() == 0:  # the same weights as a Hugging Face file, global shapes
+        from vescale_engine.checkpoint.safetensors_format import save_file
+        os.makedirs(f"{path}/hf")
+        save_file({k[6:]: v for k, v in full_u.items() if k.startswith("model.")},
+                  f"{path}/hf/model.safetensors")
+    dist.barrier()
     split, *_ = vescale_engine.initialize(model=build(seed=9), config=config(**parallel))
+    hf = split.load_hf_checkpoint(f"{path}/hf")  # this rank's bytes only
+    hf_err, _ = _state_errors(split, full_u, params_only=True)
+    own = sum(sp.sharded.numel() * sp.sharded.element_size()
+              for _, sp in sharded_parameters(split.module))
     split.load_checkpoint(path, tag="u")
     back_err, back_n = _state_errors(split, full_u)
     split_next = _steps(split, ids, micro_rows, 1)
     split.destroy()
     out = dict(coverage=coverage, saved=(saved_err, saved_n), loaded=(loaded_err, loaded_n),
                after=after, resumed=resumed, back=(back_err, back_n),
-               next=(plain_next[0], split_next[0]))
+               next=(plain_next[0], split_next[0]), hf=(hf_err, hf.bytes_read, own))
     if "expert_parallel" in parallel:
         out["fsdp2"] = _fsdp2_ep_load(build, f"{path}/t", full)
     return out
@@ -615,5 +625,7 @@ def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, 
         assert max(abs(a - b) for a, b in zip(out["after"], out["resumed"])) < 1e-6, out
         assert out["back"][0] == 0.0 and out["back"][1] > 20, (rank, out["back"])
         assert abs(out["next"][0] - out["next"][1]) < 1e-6, (rank, out["next"])
+        hf_err, read, own = out["hf"]
+        assert hf_err == 0.0 and read == own, (rank, out["hf"])  # exact, only its own bytes
         if "fsdp2" in out:
             assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])

@@ -334,7 +334,6 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
         self._colocation.require_on_device("engine.load_hf_checkpoint")
-        self.require_global_layout("engine.load_hf_checkpoint")
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
     def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
@@ -344,15 +343,16 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def require_global_layout(self, what: str) -> None:
-        """Hugging Face files and full state dicts store global shapes; under tensor or expert
-        parallelism their writers and readers do not map a rank's pieces to them yet, so refuse
-        rather than write (or read) pieces as whole tensors. (save_checkpoint/load_checkpoint
-        do map them: DCP boxes of the global shapes.)"""
+        """Saved Hugging Face files and full state dicts hold global shapes; under tensor or
+        expert parallelism their writers do not gather a rank's TP/EP pieces into them yet, so
+        refuse rather than write pieces as whole tensors. (save_checkpoint, load_checkpoint and
+        load_hf_checkpoint do map them to the global shapes.)"""
         if self.meshes is not None:
             raise NotImplementedError(f"{what} with tensor_parallel.autotp_size or "
                                       "expert_parallel.autoep_size > 1 is not supported yet: "
-                                      "TP/EP pieces are not mapped to global shapes there; "
-                                      "save_checkpoint/load_checkpoint are (docs/parallelism.md)")
+                                      "TP/EP pieces are not gathered into global shapes there "
+                                      "(save_checkpoint/load_checkpoint/load_hf_checkpoint map "
+                                      "them; docs/parallelism.md)")
 
     # -- RL colocation (colocation.py) ---------------------------------------------------------
 
