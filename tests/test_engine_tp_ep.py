@@ -629,3 +629,21 @@ def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, 
         assert hf_err == 0.0 and read == own, (rank, out["hf"])  # exact, only its own bytes
         if "fsdp2" in out:
             assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
+
+
+def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
+    """State an optimizer places in its own global shape (a RaggedPiece, e.g. per-block scales)
+    is not mapped through the TP/EP offsets: one line, never written as if global (no ranks)."""
+    from types import SimpleNamespace
+    from torch.distributed.tensor import Shard
+    from vescale_engine.checkpoint.dcp import CheckpointError, RaggedPiece
+    from vescale_engine.checkpoint.entries import optimizer_entries
+    p = torch.zeros(4)
+    p._vescale = SimpleNamespace(dtensor_spec=SimpleNamespace(placements=(Shard(0),)))
+    state = {p: {"scales": RaggedPiece(torch.zeros(2), (4,), 0)}}
+    with pytest.raises(CheckpointError, match=r"optimizer state optim.state.w.scales: state in "
+                                              "the optimizer's own shape is not mapped"):
+        optimizer_entries(None, {id(p): ["w"]}, state)
+    del p._vescale  # a plain parameter: its own-shape state is written as it is
+    assert optimizer_entries(None, {id(p): ["w"]}, state)["optim.state.w.scales"] is \
+        state[p]["scales"]
