@@ -34,6 +34,7 @@ from .rank_agreement import config_facts, require_same_config
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
+from .deepspeed_moe import refuse_with_experts
 from .wrap import device_mesh, wrap_model
 
 __all__ = ["VeScaleEngine", "initialize"]
@@ -309,6 +310,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         self._colocation.require_on_device("engine.save_checkpoint")
+        refuse_with_experts(self.module, "engine.save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
@@ -316,17 +318,20 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         self._colocation.require_on_device("engine.load_checkpoint")
+        refuse_with_experts(self.module, "engine.load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
         self._colocation.require_on_device("engine.load_hf_checkpoint")
+        refuse_with_experts(self.module, "engine.load_hf_checkpoint")
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
     def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
         """The model as a Hugging Face checkpoint (checkpoint.hf.save_hf_checkpoint)."""
         self._colocation.require_on_device("engine.save_hf_checkpoint")
+        refuse_with_experts(self.module, "engine.save_hf_checkpoint")
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     # -- RL colocation (colocation.py) ---------------------------------------------------------

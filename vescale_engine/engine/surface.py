@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..fsdp.state_dict import gather_to_rank0
+from .deepspeed_moe import refuse_with_experts
 
 __all__ = ["DeepSpeedSurface"]
 
@@ -50,6 +51,7 @@ class DeepSpeedSurface:
         the compute dtype (bf16/fp16 when enabled, else fp32), as DeepSpeed's. Collective: every
         rank calls it. One DBuffer is gathered at a time, so no rank ever holds the whole model
         on its device; rank 0 holds it on the host, as DeepSpeed's does."""
+        refuse_with_experts(self.module, "the consolidated 16-bit state dict")
         out = OrderedDict()
         for names, source, value in gather_to_rank0(self.module, self._compute_dtype()):
             if exclude_frozen_parameters and isinstance(source, nn.Parameter) and \

@@ -14,6 +14,7 @@ from .. import optim
 from ..fsdp.api import fully_shard
 from ..fsdp.lookup import unit_of
 from ..fsdp.policy import MixedPrecisionPolicy
+from .deepspeed_moe import expert_sharding
 
 __all__ = ["WrapChoice", "device_mesh", "wrap_model", "describe", "choose_units", "default_units",
            "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
@@ -52,7 +53,9 @@ def device_mesh(cfg, device: torch.device):
 
 def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
     """Shard the units `choose_units` picks, innermost first, then the root; rank 0 logs the
-    choice in one line."""
+    choice in one line. DeepSpeed MoE experts get units of their own over their
+    expert-data-parallel group (deepspeed_moe.py)."""
+    experts = expert_sharding(model, cfg, mesh)  # its errors before any of our collectives
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
@@ -65,9 +68,16 @@ def wrap_model(model: nn.Module, cfg, mesh) -> nn.Module:
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
                       reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None))
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
+    if experts is not None:
+        choice = WrapChoice(choice.rule, experts.units(model, choice.modules), choice.detail)
     for module in choice.modules:
-        fully_shard(module, **kwargs)
+        expert = experts.sharding(module) if experts else {}
+        fully_shard(module, **{**kwargs, **expert})
+        for buf in unit_of(module).buffers if expert else ():
+            buf.norm_group = None  # the norm counts every expert-parallel rank's experts once
     fully_shard(model, **kwargs)
+    if experts is not None:  # what checkpoints refuse (deepspeed_moe.refuse_with_experts)
+        model._vescale_expert_units = tuple(m for m in choice.modules if experts.sharding(m))
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
     return model

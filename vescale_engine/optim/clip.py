@@ -53,7 +53,8 @@ def _sum_of_squares(tensors, device) -> torch.Tensor:
 
 def global_grad_norm(parameters) -> torch.Tensor:
     """The 2-norm of all gradients as if unsharded, as a 0-d fp32 tensor on the gradients'
-    device: one fused norm per shard group, one all-reduce over each shard group. Plain
+    device: one fused norm per norm group (a buffer's shard group unless it says otherwise),
+    one all-reduce over each. Plain
     (unsharded) parameters count once, in the same fused kernel, without a sync each."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
@@ -62,7 +63,7 @@ def global_grad_norm(parameters) -> torch.Tensor:
     device = _device_of(buffers, plain, parameters)
     by_group = {}
     for buf in buffers:
-        grads = by_group.setdefault(buf.shard_group, [])
+        grads = by_group.setdefault(buf.norm_group, [])
         if buf.has_grad:  # a buffer whose gradient storage is released adds nothing
             grads.append(buf.grad)
     total = _sum_of_squares([p.grad.detach() for p in plain], device)
