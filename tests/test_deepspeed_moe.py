@@ -93,15 +93,32 @@ def _relative(a, ref):
     return (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
 
 
-def deepspeed_vs_vescale_rank(rank, world, default_divisor=False):
-    """DeepSpeed ZeRO-2, then our one line (patch_deepspeed + "vescale": {}), on the same
-    script: per-step losses and global norms, this rank's final parameters (its own experts
-    included), and which process group each expert parameter's unit shards over."""
+def _ours(rank, world, default_divisor=False):
+    """The same script after the one-line migration (patch_deepspeed + "vescale": {});
+    default_divisor: the negative control, fully_shard's default divisor (the group's size)."""
     import deepspeed
     import vescale_engine
-    from deepspeed.utils import groups
     from vescale_engine.engine import deepspeed_moe
     from vescale_engine.engine.engine import VeScaleEngine
+    original, sharding = deepspeed.initialize, deepspeed_moe.ExpertSharding.sharding
+    vescale_engine.patch_deepspeed()
+    if default_divisor:
+        deepspeed_moe.ExpertSharding.sharding = \
+            lambda self, m: {k: v for k, v in sharding(self, m).items()
+                             if k != "gradient_divide_factor"}
+    try:
+        losses, norms, engine = _train(rank, world, VESCALE_CONFIG)
+    finally:
+        deepspeed.initialize, deepspeed_moe.ExpertSharding.sharding = original, sharding
+    assert isinstance(engine, VeScaleEngine)
+    return losses, norms, engine
+
+
+def deepspeed_vs_vescale_rank(rank, world, save_dir, control=False):
+    """DeepSpeed ZeRO-2, then ours, on the same script: per-step losses and global norms,
+    this rank's final parameters (its own experts included), the process group each unit
+    shards over, what save_checkpoint says; with `control`, ours with the default divisor."""
+    from deepspeed.utils import groups
     from vescale_engine.fsdp import full_state_dict
     from vescale_engine.fsdp.lookup import units_under
     ds_losses, ds_norms, ds_engine = _train(rank, world, DEEPSPEED_CONFIG)
@@ -110,30 +127,29 @@ def deepspeed_vs_vescale_rank(rank, world, default_divisor=False):
     ds_state = _ds_state(ds_engine)
     ds_engine.destroy()
 
-    original, factor = deepspeed.initialize, deepspeed_moe.ExpertSharding.sharding
-    vescale_engine.patch_deepspeed()  # the one-line migration
-    if default_divisor:  # the negative control: fully_shard's default (the group's size)
-        deepspeed_moe.ExpertSharding.sharding = \
-            lambda self, m: {k: v for k, v in factor(self, m).items()
-                             if k != "gradient_divide_factor"}
-    try:
-        losses, norms, engine = _train(rank, world, VESCALE_CONFIG)
-    finally:
-        deepspeed.initialize, deepspeed_moe.ExpertSharding.sharding = original, factor
-    assert isinstance(engine, VeScaleEngine)
+    losses, norms, engine = _ours(rank, world)
     experts = engine.module.moe.deepspeed_moe.experts
     edp = groups._get_expert_data_parallel_group("ep_size_2")
     expert_bufs = [b for u in units_under(experts) for b in u.buffers]
     dense_bufs = [b for u in units_under(engine.module) for b in u.buffers
                   if b not in expert_bufs]
     dense_unit = engine.module._vescale_unit
-    return dict(ds_losses=ds_losses, ds_norms=ds_norms, losses=losses, norms=norms,
-                vs_ds=_relative(full_state_dict(engine.module), ds_state),
-                expert_group=all(b.shard_group is edp for b in expert_bufs),
-                expert_group_size={b.world_size for b in expert_bufs},
-                dense_group_size={b.world_size for b in dense_bufs},
-                gate_in_dense=any(p is engine.module.moe.deepspeed_moe.gate.wg.weight
-                                  for p in dense_unit.module.parameters()))
+    try:
+        engine.save_checkpoint(save_dir)
+        refusal = None
+    except NotImplementedError as err:
+        refusal = str(err)
+    result = dict(ds_losses=ds_losses, ds_norms=ds_norms, losses=losses, norms=norms,
+                  vs_ds=_relative(full_state_dict(engine.module), ds_state),
+                  expert_group=all(b.shard_group is edp for b in expert_bufs),
+                  expert_group_size={b.world_size for b in expert_bufs},
+                  dense_group_size={b.world_size for b in dense_bufs},
+                  gate_in_dense=any(p is engine.module.moe.deepspeed_moe.gate.wg.weight
+                                    for p in dense_unit.module.parameters()),
+                  refusal=refusal, saved=os.path.exists(save_dir))
+    if control:
+        result["control_losses"], result["control_norms"], _ = _ours(rank, world, True)
+    return result
 
 
 def _close(a, b):
@@ -148,6 +164,7 @@ def _check_parity(results, world, edp):
         assert _close(r["norms"], r["ds_norms"]), (rank, r["norms"], r["ds_norms"])
         assert min(r["ds_norms"]) > CLIP, r["ds_norms"]  # clipping acted every step
         assert r["vs_ds"] < TOLERANCE, (rank, r["vs_ds"])
+        assert r["refusal"] and "save_checkpoint" in r["refusal"] and not r["saved"], r
     # every rank's norm is the same global one (each EP rank's experts counted once)
     assert all(r["norms"] == results[0]["norms"] for r in results), [r["norms"] for r in results]
     assert results[0]["losses"] != results[1]["losses"]  # each rank its own micro-batch
@@ -167,12 +184,18 @@ def pool4():
     pool.close()
 
 
-def test_ep2_on_2_ranks_trains_as_deepspeed_zero2(pool2):
-    _check_parity(pool2.run(deepspeed_vs_vescale_rank, timeout=300), world=2, edp=1)
+def test_ep2_on_2_ranks_trains_as_deepspeed_zero2(pool2, tmp_path):
+    _check_parity(pool2.run(deepspeed_vs_vescale_rank, str(tmp_path / "ckpt"), timeout=300),
+                  world=2, edp=1)
 
 
-def test_ep2_expert_dp2_on_4_ranks_trains_as_deepspeed_zero2(pool4):
-    _check_parity(pool4.run(deepspeed_vs_vescale_rank, timeout=300), world=4, edp=2)
+def test_ep2_expert_dp2_on_4_ranks_trains_as_deepspeed_zero2(pool4, tmp_path):
+    results = pool4.run(deepspeed_vs_vescale_rank, str(tmp_path / "ckpt"), True, timeout=300)
+    _check_parity(results, world=4, edp=2)
+    # The divisor matters here: with fully_shard's default (the expert-dp group's 2 ranks,
+    # not the world's 4) the expert gradients are 2x too large, and the norms show it.
+    for rank, r in enumerate(results):
+        assert not _close(r["control_norms"], r["ds_norms"]), (rank, r["control_norms"])
 
 
 class MixedExpert(nn.Module):
@@ -228,7 +251,7 @@ EXPECTED_REFUSALS = {
     "ep4": "ep_size 4 does not divide the world size 2",
     "hsdp": "hsdp_replicate_size 2",
     "stage0": "zero_optimization.stage 0",
-    "topology": "use_data_before_expert_parallelism: true is not supported",
+    "topology": "use_data_before_expert_parallelism: not supported",  # the config says it
     "mixed": "expert parameter lin.weight (allreduce=False) is in a module that also holds dense",
 }
 

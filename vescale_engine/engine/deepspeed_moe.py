@@ -15,8 +15,7 @@ the world group.
 
 Refused at initialize, with one line and before any collective of ours: expert tensor
 parallelism, an ep_size that does not divide the world, HSDP or ZeRO stage 0 (a replicated
-mesh), `use_data_before_expert_parallelism`, and expert parameters in a module that also
-holds dense ones (no unit could take them alone). Checkpoints and gathered state dicts are
+mesh), and expert parameters in a module that also holds dense ones (no unit could take them alone). Checkpoints and gathered state dicts are
 refused when they are asked for (`refuse_with_experts`): every expert-parallel rank's experts
 have the same names, so a file would keep one rank's and silently lose the others'.
 """
@@ -90,9 +89,6 @@ def expert_sharding(model: nn.Module, cfg, mesh) -> ExpertSharding | None:
                          "expert-data-parallel group); this config replicates "
                          f"(zero_optimization.stage {cfg.zero_stage}, hsdp_replicate_size "
                          f"{cfg.hsdp_replicate_size})")
-    if cfg.canonical.get("use_data_before_expert_parallelism"):
-        raise ValueError("use_data_before_expert_parallelism: true is not supported with "
-                         "DeepSpeed MoE layers by veScale Engine (set it false or remove it)")
     modules = _expert_modules(model, experts)
     names = sorted({_group_name(n, p) for n, p in experts.items()})
     from deepspeed import comm as ds_comm
