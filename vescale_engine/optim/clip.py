@@ -54,8 +54,8 @@ def _sum_of_squares(tensors, device) -> torch.Tensor:
 def global_grad_norm(parameters) -> torch.Tensor:
     """The 2-norm of all gradients as if unsharded, as a 0-d fp32 tensor on the gradients'
     device: one fused norm per norm group (a buffer's shard group unless it says otherwise),
-    one all-reduce over each. Plain
-    (unsharded) parameters count once, in the same fused kernel, without a sync each."""
+    one all-reduce over each. Plain (unsharded) parameters count once, in the same fused
+    kernel, without a sync each."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     parameters = list(parameters)
