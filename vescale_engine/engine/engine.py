@@ -35,6 +35,7 @@ from .rank_agreement import config_facts, require_same_config
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
+from .deepspeed_moe import refuse_with_experts
 from .wrap import ExpertUnits, device_mesh, wrap_model
 
 __all__ = ["VeScaleEngine", "initialize"]
@@ -348,7 +349,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     def require_global_layout(self, what: str) -> None:
         """Checkpoints and full state dicts store global shapes; under tensor or expert
         parallelism a rank's pieces are not mapped to them yet, so refuse rather than write
-        (or read) pieces as whole tensors."""
+        (or read) pieces as whole tensors. The same for DeepSpeed MoE experts, whose
+        expert-parallel ranks hold different experts under the same names."""
+        refuse_with_experts(self.module, what)
         if self.meshes is not None:
             raise NotImplementedError(f"{what} with tensor_parallel.autotp_size or "
                                       "expert_parallel.autoep_size > 1 is not supported yet: "
