@@ -168,9 +168,9 @@ class Net(nn.Module):
     """Two residual TP blocks, a sequence-parallel-like scale and a plain head (replicated on
     the TP peers) in the root unit."""
 
-    def __init__(self):
+    def __init__(self, hidden=16):
         super().__init__()
-        self.blocks = nn.ModuleList([MLP(), MLP()])
+        self.blocks = nn.ModuleList([MLP(h=hidden), MLP(h=hidden)])
         self.scale = Scale()
         self.head = nn.Linear(8, 8)
 
@@ -190,19 +190,24 @@ def tp_meshes(hsdp=False):
     return m["dp"], m["tp"], m["dp"].get_local_rank()
 
 
-def tp_mlp(grads_in_place=True, granularity="rows:1", hsdp=False):
+def tp_mlp(grads_in_place=True, granularity="rows:1", hsdp=False, hidden=16, mp_policy=None):
     dp, tp, dp_rank = tp_meshes(hsdp)
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net(hidden)
     model = copy.deepcopy(ref)
+    # An uneven hidden size needs w1's output as a DTensor (from_local of the local output
+    # would assume even pieces)
+    colwise = ColwiseParallel(use_local_output=hidden % tp.size() == 0)
     for b in model.blocks:
-        parallelize_module(b, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        parallelize_module(b, tp, {"w1": colwise, "w2": RowwiseParallel()})
     model.scale.weight = nn.Parameter(distribute_tensor(model.scale.weight.data, tp,
                                                         [Replicate()]))
     model.scale.tp_mesh = tp
+    kwargs = dict(mesh=dp, grads_in_place=grads_in_place, granularity=granularity,
+                  mp_policy=mp_policy)
     for b in model.blocks:
-        fully_shard(b, mesh=dp, grads_in_place=grads_in_place, granularity=granularity)
-    fully_shard(model, mesh=dp, grads_in_place=grads_in_place, granularity=granularity)
+        fully_shard(b, **kwargs)
+    fully_shard(model, **kwargs)
     return tp, dp_rank, ref, model
 
 
@@ -214,8 +219,9 @@ def make_optimizers(model, ref, optimizer):
             torch.optim.AdamW(ref.parameters(), lr=1e-2))
 
 
-def tp_mlp_parity(rank, world, grads_in_place, optimizer, granularity, max_norm, hsdp=False):
-    _, dp_rank, ref, model = tp_mlp(grads_in_place, granularity, hsdp)
+def tp_mlp_parity(rank, world, grads_in_place, optimizer, granularity, max_norm, hsdp=False,
+                  hidden=16):
+    _, dp_rank, ref, model = tp_mlp(grads_in_place, granularity, hsdp, hidden)
     opt, ref_opt = make_optimizers(model, ref, optimizer)
     g = torch.Generator().manual_seed(1)
     loss_err, norm_err = 0.0, 0.0
@@ -239,7 +245,8 @@ def tp_mlp_parity(rank, world, grads_in_place, optimizer, granularity, max_norm,
 
 
 CASES = [(True, "vescale", "rows:1", None), (False, "vescale", "element", None),
-         (True, "sgd", "element", 0.05), (False, "sgd", "rows:1", 0.05, True)]
+         (True, "sgd", "element", 0.05), (False, "sgd", "rows:1", 0.05, True),
+         (True, "sgd", "element", 0.05, False, 15)]  # uneven: TP-local hidden 8 and 7
 
 
 def tp_mlp_cases(rank, world):
@@ -248,7 +255,7 @@ def tp_mlp_cases(rank, world):
 
 def test_tp_mlp_equals_one_process(pool):
     """(dp 2, tp 2): grads in place and preset .grad, our AdamW and torch SGD with clipping;
-    HSDP (replicate 2, shard 1) beside tp 2, clipped."""
+    HSDP (replicate 2, shard 1) beside tp 2, clipped; a hidden size tp does not divide."""
     for case, (loss_err, (param_err, _), norm_err) in zip(CASES, pool.run(tp_mlp_cases)[0]):
         assert loss_err < TOL, (case, "loss", loss_err)
         assert param_err < TOL, (case, "parameters", param_err)
@@ -294,7 +301,27 @@ def tp_forward_faces(rank, world):
                 spec_mesh=spec.mesh == tp, spec_shape=tuple(spec.shape),
                 sharded_shape=tuple(sp.shape), copied=STATS.bytes_copied,
                 gathers=STATS.all_gathers, scatters=STATS.reduce_scatters)
+    seen["bf16"] = bf16_faces()
     return seen
+
+
+def bf16_faces():
+    """With a bf16 compute dtype the DTensor face is bf16 (its spec too) over the bf16 full
+    buffer, and a step stays close to fp32's."""
+    from vescale_engine.fsdp import MixedPrecisionPolicy
+    _, dp_rank, ref, model = tp_mlp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    w = {}
+    model.blocks[0].w2.register_forward_pre_hook(lambda mod, args: w.update(
+        dtype=mod.weight.dtype, local=mod.weight._local_tensor.dtype,
+        spec=mod.weight._spec.tensor_meta.dtype))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    loss = model(x[4 * dp_rank:4 * dp_rank + 4].bfloat16()).float().square().mean()
+    loss.backward()
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward()
+    w["loss"] = abs(mean_over_ranks(loss) - ref_loss.item()) / ref_loss.item()
+    w["grad"] = max(abs(r - 1) for r in gradient_ratios(model, ref).values())
+    return w
 
 
 def blocks_of(unit):
@@ -347,6 +374,9 @@ def test_forward_parameter_is_dtensor_over_the_buffer(pool):
         # scale.weight's gradient comes Partial: in the parameter's placements (all-reduced
         # over tp) before it is accumulated, FSDP2's rule
         assert seen["arrived"] == [True], seen
+        bf16 = seen["bf16"]
+        assert bf16["dtype"] == bf16["local"] == bf16["spec"] == torch.bfloat16, bf16
+        assert bf16["loss"] < 2e-2 and bf16["grad"] < 5e-2, bf16
 
 
 # ---------------------------------------------------------------------------- (efsdp 2, ep 2)

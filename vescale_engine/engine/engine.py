@@ -35,6 +35,7 @@ from .rank_agreement import config_facts, require_same_config
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
+from .deepspeed_moe import refuse_with_experts
 from .wrap import ExpertUnits, device_mesh, wrap_model
 
 __all__ = ["VeScaleEngine", "initialize"]
@@ -321,6 +322,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         self._colocation.require_on_device("engine.save_checkpoint")
+        refuse_with_experts(self.module, "engine.save_checkpoint")  # TP/EP pieces: mapped
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
@@ -328,12 +330,14 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         self._colocation.require_on_device("engine.load_checkpoint")
+        refuse_with_experts(self.module, "engine.load_checkpoint")  # TP/EP pieces: mapped
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
         self._colocation.require_on_device("engine.load_hf_checkpoint")
+        refuse_with_experts(self.module, "engine.load_hf_checkpoint")  # TP/EP pieces: mapped
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
     def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
@@ -345,8 +349,10 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     def require_global_layout(self, what: str) -> None:
         """Saved Hugging Face files and full state dicts hold global shapes; under tensor or
         expert parallelism their writers do not gather a rank's TP/EP pieces into them yet, so
-        refuse rather than write pieces as whole tensors. (save_checkpoint, load_checkpoint and
-        load_hf_checkpoint do map them to the global shapes.)"""
+        refuse rather than write pieces as whole tensors (save_checkpoint, load_checkpoint and
+        load_hf_checkpoint map them to the global shapes). DeepSpeed MoE experts are refused
+        everywhere (refuse_with_experts)."""
+        refuse_with_experts(self.module, what)
         if self.meshes is not None:
             raise NotImplementedError(f"{what} with tensor_parallel.autotp_size or "
                                       "expert_parallel.autoep_size > 1 is not supported yet: "

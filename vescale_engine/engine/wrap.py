@@ -14,9 +14,10 @@ from .. import optim
 from ..fsdp.api import fully_shard
 from ..fsdp.lookup import unit_of
 from ..fsdp.policy import MixedPrecisionPolicy
+from .deepspeed_moe import expert_sharding
 
-__all__ = ["WrapChoice", "ExpertUnits", "device_mesh", "wrap_model", "describe", "choose_units", "default_units",
-           "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
+__all__ = ["WrapChoice", "ExpertUnits", "device_mesh", "wrap_model", "describe", "choose_units",
+           "default_units", "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -65,7 +66,12 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     """Shard the units `choose_units` picks, innermost first, then the root; rank 0 logs the
     choice in one line. With `experts` (expert parallelism) each experts module is a unit of
     its own on the experts' mesh first; the router and shared experts stay in the enclosing
-    dense unit."""
+    dense unit. DeepSpeed MoE experts get units of their own over their expert-data-parallel
+    group (deepspeed_moe.py)."""
+    ds_experts = expert_sharding(model, cfg, mesh)  # its errors before any of our collectives
+    if ds_experts is not None and experts is not None:
+        raise ValueError("a model with deepspeed.moe.layer.MoE layers cannot also use "
+                         "expert_parallel.autoep_size (the layer splits its experts itself)")
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
@@ -85,9 +91,16 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
         split = {id(m) for m in experts.modules}
         choice = WrapChoice(choice.rule, tuple(m for m in choice.modules if id(m) not in split),
                             choice.detail)
+    if ds_experts is not None:
+        choice = WrapChoice(choice.rule, ds_experts.units(model, choice.modules), choice.detail)
     for module in choice.modules:
-        fully_shard(module, **kwargs)
+        expert = ds_experts.sharding(module) if ds_experts else {}
+        fully_shard(module, **{**kwargs, **expert})
+        for buf in unit_of(module).buffers if expert else ():
+            buf.norm_group = None  # the norm counts every expert-parallel rank's experts once
     fully_shard(model, **kwargs)
+    if ds_experts is not None:  # what checkpoints refuse (deepspeed_moe.refuse_with_experts)
+        model._vescale_expert_units = tuple(m for m in choice.modules if ds_experts.sharding(m))
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
     return model

@@ -176,6 +176,10 @@ class DBuffer:
         self.name = name
         self.shard_group = shard_group
         self.replicate_group = replicate_group
+        # The group over which the gradient norm sums this buffer's shards: its shard group,
+        # unless other groups hold different tensors under the same layout (DeepSpeed MoE
+        # experts: set to None, the world, which spans every expert-parallel rank's experts)
+        self.norm_group = shard_group
         self.device = torch.device(device)
         self.rank = dist.get_rank(shard_group)
         self.world_size = layout.world_size
