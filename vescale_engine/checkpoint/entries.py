@@ -12,6 +12,7 @@ import zlib
 
 import torch
 
+from ..fsdp.dtensor_params import refuse_tp_ep
 from ..shard.ragged import RaggedShard
 from .dcp import CheckpointError, RaggedPiece, write_error
 
@@ -48,6 +49,8 @@ def _local_start(p) -> int:
 
 def _global_shape(p):
     sp = getattr(p, "_vescale", None)
+    refuse_tp_ep([p], "checkpoints", "the entry would record the TP/EP-local shape as the "
+                 "global one")
     return tuple(sp.shape) if sp is not None else tuple(p.shape)
 
 

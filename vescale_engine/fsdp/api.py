@@ -25,9 +25,11 @@ def _resolve_mesh(mesh):
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(f"mesh has {mesh.size()} ranks but the process group has "
-                         f"{dist.get_world_size()}")
+    # A sub-mesh (the dp mesh of a (dp, tp) mesh, the efsdp mesh of experts) may have fewer
+    # ranks than the world, but this rank must be one of them.
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} "
+                         "passed to fully_shard")
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:  # (replicate, shard): HSDP
@@ -61,8 +63,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     of ranks of `mesh`, the average). Experts sharded over their expert-data-parallel group
     (a part of the data-parallel world) set the whole data-parallel size, as torchtitan does:
     every rank's loss is a mean over its own micro-batch.
-    Errors (no parameters, mixed devices, a mesh that does not match the process group, a
-    second call on the same module) are raised here, before any collective.
+    `mesh`: the data-parallel ranks (a 1-D mesh or process group; a 2-D (replicate, shard)
+    mesh for HSDP), possibly a sub-mesh of the world: the dp mesh of a (dp, tp) mesh, the efsdp
+    mesh of experts. Parameters may be DTensors on a TP or EP mesh (TP/EP applied first, e.g.
+    `parallelize_module` or `distribute_tensor(w, ep_mesh, [Shard(0)])`): their local tensor is
+    what is sharded over `mesh`; in forward the module holds a DTensor with the original mesh
+    and placements over the gathered buffer (docs/architecture.md, "DTensor parameters").
+    Errors (no parameters, mixed devices, a mesh this rank is not in, a DTensor that is not
+    Shard/Replicate or is on meta, a second call on the same module) are raised here, before
+    any collective.
     """
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group "

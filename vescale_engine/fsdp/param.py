@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dtensor_params import dtensor_face, grad_face, grad_in_placements
+
 __all__ = ["ShardedParameter"]
 
 
@@ -16,13 +18,17 @@ class ShardedParameter:
     `requires_grad` reads the flag as last set on either face and puts it on both, so every
     swap (`register`) and every decision about gradients sees one flag."""
 
-    def __init__(self, unit, fqn, registrations, buffer, index, requires_grad):
+    def __init__(self, unit, fqn, registrations, buffer, index, requires_grad,
+                 dtensor_spec=None):
         self.unit = unit
         self.fqn = fqn
         self.registrations = registrations          # [(module, attribute name)], >1 when tied
         self.buffer = buffer
         self.index = index
         spec = buffer.layout.placements[index].spec
+        # A DTensor parameter (TP/EP): its spec (mesh, placements, global shape and stride);
+        # `shape` is then the local tensor's, the one the buffer holds. None for a plain one.
+        self.dtensor_spec = dtensor_spec
         self.shape = spec.shape
         self.block = spec.block
         self.sharded = nn.Parameter(buffer.master_view(index), requires_grad=requires_grad)
@@ -42,8 +48,11 @@ class ShardedParameter:
         """The full-shape parameter the module holds while unsharded (made at first unshard)."""
         if self._unsharded is None:
             with torch.inference_mode(False):  # made once, for training too
-                self._unsharded = nn.Parameter(self.buffer.full_view(self.index),
-                                               requires_grad=self.requires_grad)
+                view = self.buffer.full_view(self.index)
+                if self.dtensor_spec is None:
+                    self._unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
+                else:  # its local tensor is the view itself
+                    self._unsharded = dtensor_face(view, self.dtensor_spec, self.requires_grad)
             self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
             self._hook_when_trainable()
         return self._unsharded
@@ -77,9 +86,20 @@ class ShardedParameter:
 
     def _grad_arrived(self, grad):
         """Runs once all of this parameter's gradient is summed, just before autograd adds it
-        into the preset `.grad` view."""
+        into the preset `.grad` view. A DTensor gradient in other placements (Partial) is
+        redistributed to the parameter's first, so what lands in the buffer is the gradient of
+        this rank's local piece."""
+        if self.dtensor_spec is not None:
+            grad = grad_in_placements(grad, self.dtensor_spec)
         self.buffer.grad_arrived(self.index, self._unsharded)
         return grad
+
+    def preset_grad(self) -> None:
+        """Point the full-shape face's `.grad` at its slot of the buffer backward accumulates
+        into (a DTensor over that slot for a DTensor parameter), so autograd adds in place."""
+        view = self.buffer.backward_grad_view(self.index)
+        self.unsharded.grad = view if self.dtensor_spec is None else \
+            grad_face(view, self.dtensor_spec)
 
     @property
     def flat_range(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from torch import nn
 from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
 from ..shard.ragged import RaggedShard
+from .dtensor_params import refuse_tp_ep
 from .guards import require_materialized
 from .lookup import sharded_parameters, units_under
 
@@ -128,6 +129,8 @@ def gathered_buffers(params):
     selected = {}
     for p in params:
         selected.setdefault(p.buffer, {})[p] = None
+    refuse_tp_ep(params, "gathering full parameter values", "it would give each rank's "
+                 "TP/EP-local tensor, not the global one")
     for buf, members in selected.items():
         full = torch.empty(buf.world_size * buf.shard_size, dtype=buf.master.dtype,
                            device=buf.device)  # (an offloaded master is in host memory)
@@ -213,6 +216,8 @@ def sharded_state_dict(module: nn.Module) -> dict:
     """{fqn: (local 1-D piece of the fp32 master, its RaggedShard)} for every managed parameter:
     what each rank checkpoints, with no communication."""
     out = {}
+    refuse_tp_ep([p for _, p in sharded_parameters(module)], "sharded_state_dict",
+                 "its RaggedShard would describe the TP/EP-local tensor as the global one")
     for fqn, p in sharded_parameters(module):
         placement = p.buffer.layout.placements[p.index]
         spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))

@@ -28,6 +28,7 @@ from ..launch.collective_timeout import explain_timeout
 from ..plan.planner import TensorSpec, plan_unit
 from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
 from .guards import is_deferred, require_materialized
+from .dtensor_params import dtensor_spec_of, layout_key, local_tensor, tp_block
 from .param import ShardedParameter
 from .policy import MixedPrecisionPolicy, granularity_of
 
@@ -129,15 +130,21 @@ class FSDPUnit:
                              f"{sorted(map(str, devices))}")
         self.device = devices.pop()
         world_size = dist.get_world_size(group)
-        by_dtype = {}
+        dtensor_specs = {i: dtensor_spec_of(found[i][0], found[i][1]) for i in order}
+        local = {i: local_tensor(found[i][1]) for i in order}
+        # One buffer never mixes tensors of different TP/EP layouts: the gradient norm and the
+        # optimizers treat a buffer's gradient as a whole (what it is a piece of).
+        by_kind = {}
         for i in order:
-            by_dtype.setdefault(found[i][1].dtype, []).append(i)
-        for dtype, ids in by_dtype.items():
+            key = (found[i][1].dtype, layout_key(dtensor_specs[i]))
+            by_kind.setdefault(key, []).append(i)
+        for (dtype, _), ids in by_kind.items():
             param_dtype = self.mp_policy.param_dtype or dtype
             itemsize = min(torch.empty(0, dtype=dtype).element_size(),
                            torch.empty(0, dtype=param_dtype).element_size())
-            specs = tuple(TensorSpec(found[i][0], tuple(found[i][1].shape),
-                                     granularity(found[i][0]).block_size(found[i][1].shape))
+            specs = tuple(TensorSpec(found[i][0], tuple(local[i].shape),
+                                     tp_block(granularity(found[i][0]).block_size(local[i].shape),
+                                              local[i].shape, dtensor_specs[i]))
                           for i in ids)
             plan = _cached_plan(specs, world_size, max(1, align_bytes // itemsize), max_buffers)
             position = {found[i][0]: i for i in ids}
@@ -151,12 +158,14 @@ class FSDPUnit:
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]
-                    sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad)
+                    i = position[placement.name]
+                    sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad,
+                                          dtensor_specs[i])
                     if not param.is_meta:  # a meta model gets its values at materialize
                         if buf.is_meta:
-                            sp.initial = param.detach()  # written at allocate
+                            sp.initial = local[i].detach()  # written at allocate
                         else:
-                            buf.load_full_tensor(k, param)
+                            buf.load_full_tensor(k, local[i])
                     sp.register(sp.sharded)
                     self.params.append(sp)
 
@@ -383,7 +392,7 @@ class FSDPUnit:
         for buf in {id(p.buffer): p.buffer for p in trainable}.values():
             buf.begin_backward(grads_in_place=self.grads_in_place and ctx.require_sync)
         for p in trainable:
-            p.unsharded.grad = p.buffer.backward_grad_view(p.index)
+            p.preset_grad()
         order = ctx.order
         if self.is_root:  # backward reaches the last unit of the forward first
             if order and order[-1] is not self:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.dcp import CheckpointError, RaggedPiece
+from ..fsdp.dtensor_params import refuse_tp_ep
 from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
@@ -46,6 +47,9 @@ class AdamW8bit(torch.optim.Optimizer):
         self.granularity = quantization_granularity(block)
         self.quant_map = quant_map
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        refuse_tp_ep([p for g in self.param_groups for p in g["params"]], "AdamW8bit",
+                     "its quantization blocks would be cut from each rank's TP/EP-local piece, "
+                     "not from the whole tensor as in one process")
         self._buffers = self._index_buffers()
         self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
 

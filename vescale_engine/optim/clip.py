@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..fsdp.dtensor_params import sharded_mesh_dims
 from ..launch.collective_timeout import explain_timeout
 
 __all__ = ["clip_grad_norm_", "global_grad_norm", "clip_coefficient", "scale_gradients_"]
 
 
-def _buffers_and_plain(parameters):
-    buffers, plain, seen = [], [], set()
+def _buffers_and_plain(parameters, with_specs=False):
+    buffers, plain, specs, seen = [], [], [], set()
     for p in parameters:
         sp = getattr(p, "_vescale", None)
         if sp is None:
@@ -24,7 +25,17 @@ def _buffers_and_plain(parameters):
         elif id(sp.buffer) not in seen:
             seen.add(id(sp.buffer))
             buffers.append(sp.buffer)
-    return buffers, plain
+            specs.append(sp.dtensor_spec)  # one TP/EP layout per buffer (fsdp/dtensor_params)
+    return (buffers, plain, specs) if with_specs else (buffers, plain)
+
+
+def _piece_groups(buf, spec) -> tuple:
+    """The groups whose ranks hold different pieces of this buffer's tensors: its shard group,
+    then the TP/EP mesh dims that split them. Replicas (HSDP's replicate group, TP peers of a
+    replicated tensor) hold copies and are left out, so every element counts once."""
+    if spec is None:
+        return (buf.shard_group,)
+    return (buf.shard_group, *(spec.mesh.get_group(d) for d in sharded_mesh_dims(spec)))
 
 
 def _device_of(buffers, plain, parameters) -> torch.device:
@@ -53,23 +64,26 @@ def _sum_of_squares(tensors, device) -> torch.Tensor:
 
 def global_grad_norm(parameters) -> torch.Tensor:
     """The 2-norm of all gradients as if unsharded, as a 0-d fp32 tensor on the gradients'
-    device: one fused norm per shard group, one all-reduce over each shard group. Plain
-    (unsharded) parameters count once, in the same fused kernel, without a sync each."""
+    device: one fused norm per shard group, one all-reduce over each shard group (and over
+    each TP/EP mesh dim that splits a DTensor parameter: those pieces differ; replicas are
+    counted once). Plain (unsharded) parameters count once, in the same fused kernel, without
+    a sync each."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     parameters = list(parameters)
-    buffers, plain = _buffers_and_plain(parameters)
+    buffers, plain, specs = _buffers_and_plain(parameters, with_specs=True)
     device = _device_of(buffers, plain, parameters)
-    by_group = {}
-    for buf in buffers:
-        grads = by_group.setdefault(buf.shard_group, [])
+    by_groups = {}
+    for buf, spec in zip(buffers, specs):
+        grads = by_groups.setdefault(_piece_groups(buf, spec), [])
         if buf.has_grad:  # a buffer whose gradient storage is released adds nothing
             grads.append(buf.grad)
     total = _sum_of_squares([p.grad.detach() for p in plain], device)
-    for group, grads in by_group.items():
+    for groups, grads in by_groups.items():
         local = _sum_of_squares(grads, device)
-        with explain_timeout("the all-reduce of the gradient norm"):
-            dist.all_reduce(local, group=group)  # every rank of the group joins, grads or none
+        for group in groups:  # every rank of the group joins, grads or none
+            with explain_timeout("the all-reduce of the gradient norm"):
+                dist.all_reduce(local, group=group)
         total = total + local
     return total.sqrt()
 

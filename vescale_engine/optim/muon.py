@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..fsdp.dtensor_params import refuse_tp_ep
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
 from ..shard.ragged import RaggedShard
 from .adamw import adamw_update, new_adamw_state
@@ -122,6 +123,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("vescale_engine.optim.Muon needs parameters sharded by "
                              "vescale_engine.fully_shard; use torch.optim.Muon for a plain "
                              f"parameter of shape {list(shared[0].shape)}")
+        refuse_tp_ep(params, "Muon", "it would orthogonalize each rank's TP/EP-local piece, "
+                     "not the whole matrix")
         self.mode = mode
         self.ns_dtype = NS_DTYPES[ns_dtype]
         self.adamw_patterns = tuple(adamw_patterns)

@@ -1,0 +1,128 @@
+"""Parameters that are DTensors on a tensor- or expert-parallel mesh (TP/EP ran first).
+
+RaggedShard shards such a parameter's *local* tensor over the data-parallel group exactly as a
+plain one; what this module adds is the bookkeeping around it: the DTensor spec each sharded
+parameter remembers (mesh, placements, global shape and stride), the block rule that keeps data-
+parallel cuts out of a TP-split dimension, the key that keeps different TP/EP layouts out of one
+buffer, and the full-shape DTensor face the module sees in forward, built over the buffer's view
+without a copy or an autograd edge (as FSDP2's `_from_local_no_grad`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+__all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
+           "dtensor_face", "grad_face", "grad_in_placements", "refuse_tp_ep"]
+
+
+def _shard_dim(placement) -> int | None:
+    """The tensor dim a placement cuts (`Shard` or `_StridedShard`), None for `Replicate`."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None
+
+
+def dtensor_spec_of(fqn: str, param) -> DTensorSpec | None:
+    """The DTensor spec of `param` (None for a plain tensor), after checking that we can shard
+    it: placements are Shard, _StridedShard or Replicate, and it has real storage."""
+    if not isinstance(param, DTensor):
+        return None
+    spec = param._spec
+    for placement in spec.placements:
+        if _shard_dim(placement) is None and not isinstance(placement, Replicate):
+            raise ValueError(f"fully_shard: {fqn} is a DTensor with placement {placement}; "
+                             "only Shard, _StridedShard and Replicate parameters can be sharded")
+    if param.is_meta:
+        raise ValueError(f"fully_shard: {fqn} is a DTensor on the meta device; DTensor (TP/EP) "
+                         "parameters must have storage when they are sharded (materialize is "
+                         "not TP/EP-aware yet)")
+    return spec
+
+
+def local_tensor(param) -> torch.Tensor:
+    """What RaggedShard shards: a DTensor's local (TP/EP) tensor, a plain tensor itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def sharded_mesh_dims(spec: DTensorSpec | None) -> tuple[int, ...]:
+    """The mesh dims over which the ranks hold different pieces (not replicas)."""
+    if spec is None:
+        return ()
+    return tuple(d for d, p in enumerate(spec.placements) if _shard_dim(p) is not None)
+
+
+def layout_key(spec: DTensorSpec | None):
+    """Tensors with the same key may share a buffer: plain tensors and fully replicated
+    DTensors (copies on every TP peer) together; sharded ones per (mesh, sharded mesh dims), so
+    a buffer's gradient is one kind of piece for the norm's reduction."""
+    dims = sharded_mesh_dims(spec)
+    if not dims:
+        return None
+    mesh = spec.mesh
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), dims)
+
+
+def tp_block(policy_block: int, local_shape, spec: DTensorSpec | None) -> int:
+    """Blocks never straddle a TP cut: lcm(policy block, c) with c = prod(local_shape[d:]) for
+    each tensor dim d > 0 that TP/EP splits (1 for dim 0), so a data-parallel cut falls only in
+    the dims before it and the 2-D placement stays expressible (RaggedShard over dims < d,
+    Shard(d))."""
+    numel = math.prod(int(n) for n in local_shape)
+    if spec is None or numel == 0:
+        return policy_block
+    ndim = len(local_shape)
+    block = policy_block
+    for placement in spec.placements:
+        d = _shard_dim(placement)
+        if d is not None and d % ndim > 0:
+            block = math.lcm(block, math.prod(int(n) for n in local_shape[d % ndim:]))
+    return min(block, numel)
+
+
+def dtensor_face(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
+    """A full-shape DTensor Parameter whose local tensor IS `local` (a view of the all-gathered
+    buffer): the original mesh and placements, the compute dtype. Not differentiable: the
+    Parameter is a leaf over the buffer, nothing is copied."""
+    face = DTensor(local, _with_dtype(spec, local.dtype), requires_grad=False)
+    return nn.Parameter(face, requires_grad=requires_grad)
+
+
+def grad_in_placements(grad, spec: DTensorSpec):
+    """A DTensor gradient in the parameter's placements (a Partial one is reduced over its mesh
+    dim first, FSDP2's rule), so its local tensor is the gradient of this rank's local piece."""
+    if not isinstance(grad, DTensor):
+        raise RuntimeError(f"a DTensor parameter got a {type(grad).__name__} gradient")
+    if tuple(grad.placements) != tuple(spec.placements):
+        grad = grad.redistribute(spec.mesh, spec.placements)
+    return grad
+
+
+def grad_face(view: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """The DTensor `.grad` preset over a gradient view (the parameter's placements)."""
+    return DTensor(view, _with_dtype(spec, view.dtype), requires_grad=False)
+
+
+def _with_dtype(spec: DTensorSpec, dtype) -> DTensorSpec:
+    meta = spec.tensor_meta
+    if meta is None or meta.dtype == dtype:
+        return spec
+    return dataclasses.replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
+def refuse_tp_ep(params, who: str, why: str) -> None:
+    """One-line error for the first of `params` (managed parameters or ShardedParameters) that
+    is a TP/EP-sharded DTensor: the callers do not support them yet and would compute a wrong
+    result."""
+    for p in params:
+        sp = getattr(p, "_vescale", p)
+        if sharded_mesh_dims(getattr(sp, "dtensor_spec", None)):
+            raise NotImplementedError(
+                f"{who}: {sp.fqn} is a tensor/expert-parallel (TP/EP-sharded DTensor) "
+                f"parameter, which {who} does not support yet ({why})")
