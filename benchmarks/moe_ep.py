@@ -68,7 +68,8 @@ class ByteCounter:
             return a[i] if len(a) > i else k.get(name, default)
 
         def gather(a, k, gi):
-            return "all_gather", nbytes(arg(a, k, 1, "input_tensor")) * (size(arg(a, k, gi, "group")) - 1)
+            g = arg(a, k, gi, "group")
+            return "all_gather", nbytes(arg(a, k, 1, "input_tensor")) * (size(g) - 1)
 
         def scatter(a, k, gi):
             g = arg(a, k, gi, "group")

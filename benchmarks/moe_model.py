@@ -44,8 +44,9 @@ class Experts(nn.Module):
     """E fused SwiGLU experts: w1 [E, 2I, H], w2 [E, H, I]. After `distribute` each rank's
     tensors are DTensors Shard(0) on the ep mesh; forward reads their local experts."""
 
-    def __init__(self, experts, hidden, inter, local=None):
+    def __init__(self, experts, hidden, inter, local=None, padded_bmm=False):
         super().__init__()
+        self.padded_bmm = padded_bmm
         n = experts if local is None else local
         self.w1 = nn.Parameter(torch.randn(n, 2 * inter, hidden) * hidden ** -0.5)
         self.w2 = nn.Parameter(torch.randn(n, hidden, inter) * inter ** -0.5)
@@ -53,6 +54,8 @@ class Experts(nn.Module):
     def forward(self, tokens, counts):
         """tokens [T, H] grouped by local expert, counts [E_local] (a list of ints)."""
         w1, w2 = self.w1.to_local(), self.w2.to_local()
+        if self.padded_bmm:
+            return self._padded_bmm(tokens, counts, w1, w2)
         outs = []
         for e, piece in enumerate(tokens.split(counts)):
             gate, up = (piece @ w1[e].t()).chunk(2, dim=-1)
@@ -60,13 +63,30 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+    @staticmethod
+    def _padded_bmm(tokens, counts, w1, w2):
+        """All local experts in one bmm over [E_local, C, H] (C = the largest count, the rest
+        zeros): the weight gradients come out whole, once (the loop's w1[e] gives each expert
+        a full-size zero-filled gradient to add up: time and memory that would swamp the
+        memory benchmark)."""
+        n, width = len(counts), max(max(counts), 1)
+        sizes = torch.tensor(counts)
+        expert = torch.repeat_interleave(torch.arange(n), sizes)
+        starts = torch.cumsum(sizes, 0) - sizes
+        slot = expert * width + torch.arange(len(expert)) - starts[expert]
+        grid = tokens.new_zeros(n * width, tokens.shape[1]).index_copy(0, slot, tokens)
+        gate, up = torch.bmm(grid.view(n, width, -1), w1.transpose(1, 2)).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
+        return out.reshape(n * width, -1)[slot]
+
+
 class MoE(nn.Module):
     """Router (top-k of a softmax) and the experts, tokens dispatched over the ep group."""
 
-    def __init__(self, experts, hidden, inter, top_k, local=None):
+    def __init__(self, experts, hidden, inter, top_k, local=None, padded_bmm=False):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.experts = Experts(experts, hidden, inter, local)
+        self.experts = Experts(experts, hidden, inter, local, padded_bmm)
         self.num_experts, self.top_k = experts, top_k
         self.ep_group = None
 
@@ -102,13 +122,13 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """A dense MLP (standing in for attention and shared experts) and an MoE layer."""
 
-    def __init__(self, hidden, dense, experts, inter, top_k, local=None):
+    def __init__(self, hidden, dense, experts, inter, top_k, local=None, padded_bmm=False):
         super().__init__()
         self.norm1 = nn.RMSNorm(hidden)
         self.fc1 = nn.Linear(hidden, dense)
         self.fc2 = nn.Linear(dense, hidden)
         self.norm2 = nn.RMSNorm(hidden)
-        self.moe = MoE(experts, hidden, inter, top_k, local)
+        self.moe = MoE(experts, hidden, inter, top_k, local, padded_bmm)
 
     def forward(self, x):
         x = x + self.fc2(F.gelu(self.fc1(self.norm1(x))))
