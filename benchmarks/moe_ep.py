@@ -12,8 +12,8 @@ The world is a (efsdp 2, ep 2) mesh for the experts and a 4-rank dense mesh for 
          set_gradient_divide_factor(4), set_force_sum_reduction_for_comms(True) (gloo has no
          PREMUL_SUM), each block and the root on the dense mesh; torch.optim.AdamW.
 
-Same seed, init and data (every rank its own micro-batch); the losses of the two systems must
-agree. Each run is 4 fresh processes; systems alternate over rounds; medians are reported.
+Same seed, init and data (every rank its own micro-batch); the losses and the gradient norms
+before each optimizer step of the two systems must agree (the script exits non-zero otherwise). Each run is 4 fresh processes; systems alternate over rounds; medians are reported.
 Bytes: what one rank sends, counted by wrapping torch.distributed's collectives before either
 system is imported (ring all-gather / reduce-scatter: (w-1)/w of the full buffer; all-reduce
 twice that; all-to-all everything not addressed to itself; ours on gloo exchanges shards
@@ -124,6 +124,16 @@ def model_kwargs(args):
                 inter=args.inter, top_k=args.top_k, layers=args.layers)
 
 
+def local_grad_squares(model) -> float:
+    """Sum of squares of this rank's gradient shards (DTensors: their local tensors)."""
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            total += g.double().square().sum().item()
+    return total
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -148,23 +158,31 @@ def worker(args):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + args.rank)
-    times, losses, sent = [], [], []
+    times, losses, sent, squares = [], [], [], []
     for step in range(args.warmup + args.steps):
         idx = torch.randint(0, args.vocab, (args.tokens + 1,), generator=gen)
         before = dict(counter.sent)
         t0 = time.perf_counter()
         loss = model(idx[:-1], idx[1:])
         loss.backward()
+        t_norm = time.perf_counter()
+        squares.append(local_grad_squares(model))
+        t_norm = time.perf_counter() - t_norm
         opt.step()
         opt.zero_grad()
         t1 = time.perf_counter()
         if step >= args.warmup:
-            times.append(t1 - t0)
+            times.append(t1 - t0 - t_norm)
             sent.append({k: counter.sent[k] - before[k] for k in KINDS})
         losses.append(loss.item())
+    # the gradient norm per step (AdamW hides a wrong gradient scale from the losses): every
+    # rank's gradient shards are disjoint pieces of the model, so their squares sum to it
+    norms = torch.tensor(squares, dtype=torch.float64)
+    dist.all_reduce(norms)
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps({"rank": args.rank, "step_s": statistics.median(times), "losses": losses,
+                      "grad_norms": norms.sqrt().tolist(),
                       "sent": {k: statistics.median(s[k] for s in sent) for k in KINDS},
                       "params": params}), flush=True)
 
@@ -179,7 +197,7 @@ def launch(system, args):
             "sent": {k: statistics.mean(r["sent"][k] for r in ranks) for k in KINDS},
             "losses": [statistics.mean(r["losses"][i] for r in ranks)
                        for i in range(len(ranks[0]["losses"]))],
-            "params": ranks[0]["params"]}
+            "grad_norms": ranks[0]["grad_norms"], "params": ranks[0]["params"]}
 
 
 def loadavg() -> str:
@@ -223,6 +241,8 @@ def main():
     ours, theirs = runs["ours"][0]["losses"], runs["fsdp2"][0]["losses"]
     gap = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
     same_losses = all(r["losses"] == ours for r in runs["ours"])
+    norm_gap = max(abs(a - b) / b for a, b in zip(runs["ours"][0]["grad_norms"],
+                                                   runs["fsdp2"][0]["grad_norms"]))
     ratio = med["ours"] / med["fsdp2"]
     lines = ["# MoE with expert parallelism: step time and bytes per step, ours vs FSDP2+EP", "",
              f"Produced by `{command_line(__file__)}` (code {git_describe()}) on {cpu_model()} "
@@ -253,10 +273,14 @@ def main():
               f"- Losses (mean over ranks, {len(ours)} steps) agree to {gap:.1e} relative "
               f"(bound {LOSS_RTOL:.0e}: {'ok' if gap <= LOSS_RTOL else 'DISAGREE'}); our runs "
               f"{'give identical losses' if same_losses else 'differ between rounds'}. "
-              f"Ours: {[round(v, 6) for v in ours]}; FSDP2+EP: {[round(v, 6) for v in theirs]}."]
+              f"Ours: {[round(v, 6) for v in ours]}; FSDP2+EP: {[round(v, 6) for v in theirs]}.",
+              f"- Gradient norms before each optimizer step agree to {norm_gap:.1e} relative "
+              f"(bound {LOSS_RTOL:.0e}: {'ok' if norm_gap <= LOSS_RTOL else 'DISAGREE'}; AdamW "
+              "would hide a wrong expert divisor from the losses, the norm does not)."]
     write_report(args.out, lines)
-    if gap > LOSS_RTOL:
-        raise SystemExit(f"the losses disagree: {gap:.2e} relative > {LOSS_RTOL:.0e}")
+    if gap > LOSS_RTOL or norm_gap > LOSS_RTOL:
+        raise SystemExit(f"the systems disagree: losses {gap:.2e}, gradient norms "
+                         f"{norm_gap:.2e} relative (bound {LOSS_RTOL:.0e})")
 
 
 if __name__ == "__main__":

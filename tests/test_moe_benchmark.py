@@ -1,6 +1,6 @@
 """benchmarks/moe_ep.py at its smoke size (2 tiny MoE blocks, 4 gloo ranks, one round), so
 the script cannot rot: both systems train with the experts Shard(0) over ep 2 and sharded over
-efsdp 2, the script's own loss check passes (it exits non-zero otherwise), and the report
+efsdp 2, the script's own loss and gradient-norm checks pass (it exits non-zero otherwise), and the report
 counts every kind of traffic the recipe must produce, the same all-to-all and reduce-scatter
 bytes for both (same routing, same gradients)."""
 import os
@@ -34,3 +34,5 @@ def test_moe_ep_benchmark_smoke_run(tmp_path):
     assert rows["vescale_engine fully_shard"] == rows["FSDP2+EP"], rows
     gap = float(re.search(r"agree to ([0-9.e+-]+) relative \(bound", report).group(1))
     assert gap <= 1e-5, report
+    norms = float(re.search(r"Gradient norms .* agree to ([0-9.e+-]+) relative", report).group(1))
+    assert norms <= 1e-5, report  # a wrong expert divisor shows here, not in AdamW's losses
