@@ -412,28 +412,19 @@ def tp_batch_mismatch(rank, world):
     import vescale_engine
     engine, _, _, _ = vescale_engine.initialize(
         model=tiny_llama(), config=config(tensor_parallel={"autotp_size": 2}))
-    refused = []
-    for call in (lambda: engine.save_hf_checkpoint("/nonexistent"),
-                 lambda: engine._zero3_consolidated_16bit_state_dict()):
-        try:
-            call()
-        except NotImplementedError as err:
-            refused.append(str(err).split(" with ")[0])
     ids = global_batch()[rank:rank + 1].repeat(2, 1)  # by global rank: TP peers differ
     try:
         engine(input_ids=ids, labels=ids)
-        return None, refused
+        return None
     except ValueError as err:
-        return str(err), refused
+        return str(err)
     finally:
         engine.destroy()
 
 
-def test_tp_peers_given_different_batches_stop_at_the_first_forward_and_hf_files_refused(pool):
+def test_tp_peers_given_different_batches_stop_at_the_first_forward(pool):
     got = pool.run(tp_batch_mismatch)
-    for rank, (message, refused) in enumerate(got):
-        # not mapped to global shapes yet: refused, never written as if whole
-        assert refused == ["engine.save_hf_checkpoint", "the 16-bit state dict"]
+    for rank, message in enumerate(got):
         group = [rank - rank % 2, rank - rank % 2 + 1]
         assert message is not None and message.startswith(
             f"data inconsistency within the tensor-parallel group {group}: rank(s) "
@@ -647,3 +638,63 @@ def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
     del p._vescale  # a plain parameter: its own-shape state is written as it is
     assert optimizer_entries(None, {id(p): ["w"]}, state)["optim.state.w.scales"] is \
         state[p]["scales"]
+
+
+# -- Hugging Face files and the 16-bit state dict: the global tensors, gathered to rank 0 ----------
+
+def hf_files_at_tp_ep(rank, world, build, parallel, micro_rows, path):
+    """save_hf_checkpoint and the 16-bit state dict at (dp, tp/ep) = `parallel`: right after
+    initialize they must equal the one-process model bitwise; after a step, every rank's own
+    pieces must be in the file (the module-level saver) bitwise, transformers' from_pretrained
+    loads it, and a dp-4 engine without TP/EP loads it back bitwise. (max |errors|, facts)"""
+    import torch.distributed as dist
+    import vescale_engine
+    from safetensors.torch import load_file
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    reference = build().state_dict()
+    keys = config(**parallel, zero_optimization={
+        "stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
+    engine, *_ = vescale_engine.initialize(model=build(), config=keys)
+    engine.save_hf_checkpoint(f"{path}/init", dtype="fp32")
+    state = engine._zero3_consolidated_16bit_state_dict()
+    out = {}
+    if rank == 0:
+        saved = load_file(f"{path}/init/model.safetensors")
+        out["keys"] = (sorted(saved) == sorted(reference), sorted(state) == sorted(reference))
+        out["init"] = max(max((saved[k] - v).abs().max().item(), (state[k] - v).abs().max().item())
+                          for k, v in reference.items())
+        out["shapes"] = all(saved[k].shape == v.shape for k, v in reference.items())
+    else:
+        out["state"] = state  # {} off rank 0
+    _steps(engine, global_batch(), micro_rows, 1)
+    vescale_engine.save_hf_checkpoint(engine.module, f"{path}/step", dtype="fp32")
+    dist.barrier()
+    stepped = load_file(f"{path}/step/model.safetensors")
+    out["own"] = max((local_piece(sp, stepped[fqn]) - sp.sharded.detach()).abs().max().item()
+                     for fqn, sp in sharded_parameters(engine.module) if sp.sharded.numel())
+    engine.destroy()
+    if rank == 0:
+        hf = type(build()).from_pretrained(f"{path}/step", dtype=torch.float32)
+        out["from_pretrained"] = max((v - stepped[k]).abs().max().item()
+                                     for k, v in hf.state_dict().items())
+    plain, *_ = vescale_engine.initialize(model=build(seed=7), config=config())
+    plain.load_hf_checkpoint(f"{path}/step")
+    out["dp4"] = max((local_piece(sp, stepped[fqn]) - sp.sharded.detach()).abs().max().item()
+                     for fqn, sp in sharded_parameters(plain.module) if sp.sharded.numel())
+    plain.destroy()
+    return out
+
+
+@pytest.mark.parametrize("build,parallel,micro_rows", [
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1),
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2)], ids=["dp4_ep2", "dp2_tp2"])
+def test_hf_files_and_16bit_state_dict_hold_the_global_tensors(pool, tmp_path, build, parallel,
+                                                                 micro_rows):
+    got = pool.run(hf_files_at_tp_ep, build, parallel, micro_rows, str(tmp_path))
+    assert got[0]["keys"] == (True, True) and got[0]["shapes"], got[0]
+    assert got[0]["init"] == 0.0, got[0]  # the one-process model, bitwise
+    assert got[0]["from_pretrained"] == 0.0, got[0]
+    for rank, out in enumerate(got):
+        assert out["own"] == 0.0 and out["dp4"] == 0.0, (rank, out)
+        if rank:
+            assert out["state"] == {}

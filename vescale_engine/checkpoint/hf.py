@@ -13,8 +13,9 @@ No full tensor is built and no file is mapped whole; no collective runs, every r
 decides alone (all see the same headers, so all raise the same error). Module buffers and
 parameters that no unit manages are small: every rank reads them whole.
 
-Save: one DBuffer at a time is all-gathered; global rank 0 casts its parameters to the save
-dtype and adds them to the shard being filled, writes a shard file once the next tensor would
+Save: one DBuffer at a time is all-gathered (under TP/EP: every rank's pieces gathered to
+rank 0 and placed on the global tensors, fsdp.state_dict.gather_to_rank0); global rank 0 casts
+its parameters to the save dtype and adds them to the shard being filled, writes a shard file once the next tensor would
 overflow `max_shard_size`, and at the end renames the files to HF's names and writes the
 index last (a crash never leaves an index naming missing files). Rank 0 holds at most one
 shard plus one gathered buffer.
@@ -568,6 +569,11 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     it and the bytes it needed; before the renames at the end, the earlier save in `path` is
     left whole."""
     module = _module_of(module_or_engine)
+    if getattr(module, "_vescale_expert_units", ()):  # as engine/deepspeed_moe refuses them
+        raise NotImplementedError(
+            "save_hf_checkpoint: not supported yet for models with DeepSpeed MoE layers (each "
+            "expert-parallel rank holds different experts under the same names, and the file "
+            "would keep only one rank's)")
     out_dtype = _save_dtype(dtype)
     limit = parse_size(max_shard_size)
     path = os.fspath(path)

@@ -347,18 +347,10 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def require_global_layout(self, what: str) -> None:
-        """Saved Hugging Face files and full state dicts hold global shapes; under tensor or
-        expert parallelism their writers do not gather a rank's TP/EP pieces into them yet, so
-        refuse rather than write pieces as whole tensors (save_checkpoint, load_checkpoint and
-        load_hf_checkpoint map them to the global shapes). DeepSpeed MoE experts are refused
+        """Saved Hugging Face files and full state dicts hold global shapes: TP/EP pieces are
+        gathered into them (fsdp/state_dict.gather_to_rank0); DeepSpeed MoE experts are refused
         everywhere (refuse_with_experts)."""
         refuse_with_experts(self.module, what)
-        if self.meshes is not None:
-            raise NotImplementedError(f"{what} with tensor_parallel.autotp_size or "
-                                      "expert_parallel.autoep_size > 1 is not supported yet: "
-                                      "TP/EP pieces are not gathered into global shapes there "
-                                      "(save_checkpoint/load_checkpoint/load_hf_checkpoint map "
-                                      "them; docs/parallelism.md)")
 
     # -- RL colocation (colocation.py) ---------------------------------------------------------
 

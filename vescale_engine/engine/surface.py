@@ -49,7 +49,8 @@ class DeepSpeedSurface:
         `module.state_dict()` (tied names share one tensor), on the host, floating tensors in
         the compute dtype (bf16/fp16 when enabled, else fp32), as DeepSpeed's. Collective: every
         rank calls it. One DBuffer is gathered at a time, so no rank ever holds the whole model
-        on its device; rank 0 holds it on the host, as DeepSpeed's does."""
+        on its device; rank 0 holds it on the host, as DeepSpeed's does. Under TP/EP the values
+        are the global tensors (every rank's pieces placed on them: gather_to_rank0)."""
         self.require_global_layout("the 16-bit state dict")
         out = OrderedDict()
         for names, source, value in gather_to_rank0(self.module, self._compute_dtype()):

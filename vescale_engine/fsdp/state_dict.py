@@ -1,9 +1,11 @@
 """State-dict utilities over sharded modules: full parameters for a while
 (`gathered_parameters`), full and sharded state dicts, and the one per-DBuffer gather every
-saver uses (`gathered_buffers`; `gather_to_rank0` for the HF saver)."""
+saver uses (`gathered_buffers`; `gather_to_rank0` for the HF saver and the 16-bit state dict,
+which under TP/EP gathers every rank's pieces to rank 0 as boxes of the global tensors)."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -11,8 +13,8 @@ from torch import nn
 
 from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
-from ..shard.ragged import RaggedShard
-from .dtensor_params import refuse_tp_ep
+from ..shard.ragged import RaggedShard, box_decomposition, map_box
+from .dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from .guards import require_materialized
 from .lookup import sharded_parameters, units_under
 
@@ -167,28 +169,137 @@ def gather_to_rank0(module, dtype=None):
     global rank 0: `names` as `state_dict` gives them (a tied parameter once, with all its
     names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
     tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
-    all-gathered at a time and dropped before the next. The other ranks yield nothing, but every
-    rank must run the generator to its end (one collective per DBuffer)."""
+    gathered at a time and dropped before the next. Under tensor/expert parallelism `value` is
+    the GLOBAL tensor: every rank's piece of its TP/EP-local tensor goes to rank 0, placed
+    there by the rank's TP/EP offsets (`_pieces_to_rank0`). The other ranks yield nothing, but
+    every rank must run the generator to its end (one collective per DBuffer)."""
     rank0 = dist.get_rank() == 0
 
     def copied(value):
         value = value.detach()
-        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        return value.to(device="cpu", dtype=cast, copy=True)
+        return value.to(device="cpu", dtype=_cast(value.dtype, dtype), copy=True)
 
     entries = named_entries(module)
     names_of = {id(t): names for names, t in entries}
     params = [p for unit in units_under(module) for p in unit.params]
-    for gathered in gathered_buffers(params):
-        if rank0:
-            for p in gathered.members:
-                names = names_of.get(id(p.sharded))
-                if names is not None:
-                    yield names, p.sharded, copied(gathered.value(p))
+    if any(sharded_mesh_dims(p.dtensor_spec) for p in params):
+        for p, value in _pieces_to_rank0(params, dtype):
+            names = names_of.get(id(p.sharded))
+            if names is not None:
+                yield names, p.sharded, value
+    else:
+        for gathered in gathered_buffers(params):
+            if rank0:
+                for p in gathered.members:
+                    names = names_of.get(id(p.sharded))
+                    if names is not None:
+                        yield names, p.sharded, copied(gathered.value(p))
     if rank0:
         for names, tensor in entries:
             if getattr(tensor, "_vescale", None) is None:
                 yield names, tensor, copied(tensor)
+
+
+def _cast(have, dtype):
+    return dtype if dtype is not None and have.is_floating_point else have
+
+
+def _piece_record(p):
+    """What rank 0 needs to place this rank's piece of `p`: (fqn, [begin, end) in the master
+    shard, flat begin in the TP/EP-local tensor, coordinate on the TP/EP mesh or None)."""
+    start, end = p.buffer.local_ranges[p.index]
+    spec = p.dtensor_spec
+    coordinate = spec.mesh.get_coordinate() if sharded_mesh_dims(spec) else None
+    return p.fqn, start, end, p.flat_range[0], coordinate
+
+
+def _pieces_to_rank0(params, dtype):
+    """Yield (ShardedParameter, global host tensor) on rank 0, one DBuffer at a time: every
+    rank's master shard of the buffer is gathered (over the world) to rank 0, which places
+    each piece as boxes of the global tensor (`_place`). Pieces that replicas hold alike
+    (TP-replicated tensors, HSDP replicas) give identical boxes, written once; a global tensor
+    the boxes do not cover exactly is an error. Rank 0 holds one buffer's shards plus its
+    members' global tensors; the other ranks send their shard and hold nothing more."""
+    rank0, world = dist.get_rank() == 0, dist.get_world_size()
+    buffers = {}
+    for p in params:
+        buffers.setdefault(p.buffer, []).append(p)
+    mine = [(buf.shard_size, [_piece_record(p) for p in members])
+            for buf, members in buffers.items()]
+    records = [None] * world if rank0 else None
+    with explain_timeout("the gather of every rank's buffer layout to rank 0 (full values)"):
+        dist.gather_object(mine, records, dst=0)
+    agreed = [None, None]  # (rank 0's problem, every buffer's largest shard)
+    if rank0:
+        agreed = [_layout_problem(records, mine),
+                  [max(r[i][0] for r in records) for i in range(len(mine))]]
+    dist.broadcast_object_list(agreed, src=0)
+    if agreed[0] is not None:
+        raise RuntimeError(agreed[0])
+    for i, (buf, members) in enumerate(buffers.items()):
+        source = buf.master if buf.master.device == buf.device else buf.master.to(buf.device)
+        send = torch.zeros(agreed[1][i], dtype=source.dtype, device=buf.device)
+        send[:buf.shard_size].copy_(source)  # padded: the ranks' shards may differ in size
+        shards = [torch.empty_like(send) for _ in range(world)] if rank0 else None
+        with explain_timeout(f"the gather of {buf.name}'s master shards to rank 0 (full "
+                             "values)"):
+            dist.gather(send, shards, dst=0)
+        del send
+        if rank0:
+            shards = [s.cpu() for s in shards]
+            pieces = [{rec[0]: rec for rec in records[r][i][1]} for r in range(world)]
+            for p in members:
+                yield p, _place(p, [(shards[r], pieces[r][p.fqn]) for r in range(world)],
+                                _cast(buf.master.dtype, dtype))
+            del shards
+
+
+def _place(p, pieces, dtype) -> torch.Tensor:
+    """`p`'s global tensor from every rank's (shard, record): each piece is a flat range of
+    that rank's TP/EP-local tensor (box_decomposition), mapped to boxes of the global tensor
+    by the rank's index maps (map_box)."""
+    spec = p.dtensor_spec
+    shape = tuple(spec.shape) if spec is not None else tuple(p.shape)
+    out = torch.empty(shape, dtype=dtype)
+    placed, covered = set(), 0
+    for shard, (_, start, end, flat_begin, coordinate) in pieces:
+        if end == start:
+            continue
+        maps = local_index_maps(spec, coordinate) if coordinate is not None \
+            else [None] * len(shape)
+        local_shape = [len(m) if m is not None else n for m, n in zip(maps, shape)]
+        at = start
+        for offsets, sizes in box_decomposition(local_shape, flat_begin,
+                                                flat_begin + end - start):
+            local_box = shard[at:at + math.prod(sizes)].view(sizes)
+            at += math.prod(sizes)
+            for inner, part, global_offsets in map_box(offsets, sizes, maps):
+                if (global_offsets, part) in placed:  # a replica's copy, already placed
+                    continue
+                placed.add((global_offsets, part))
+                covered += math.prod(part)
+                src = local_box
+                for d, (o, n, lo) in enumerate(zip(inner, part, offsets)):
+                    src = src.narrow(d, o - lo, n)
+                out[tuple(slice(o, o + n) for o, n in zip(global_offsets, part))].copy_(src)
+    if covered != out.numel():
+        raise RuntimeError(f"gathering {p.fqn} to rank 0: its pieces cover {covered} of the "
+                           f"{out.numel()} elements of its global shape {list(shape)}")
+    return out
+
+
+def _layout_problem(records, mine):
+    """One line when the ranks' buffers do not line up (the same buffers, the same
+    parameters in each), else None: the gathers pair buffer i of every rank."""
+    for r, theirs in enumerate(records):
+        if len(theirs) != len(mine):
+            return (f"gathering full values to rank 0: rank {r} has {len(theirs)} buffers, "
+                    f"rank 0 has {len(mine)}")
+        for i, ((_, a), (_, b)) in enumerate(zip(theirs, mine)):
+            if [x[0] for x in a] != [x[0] for x in b]:
+                return (f"gathering full values to rank 0: buffer {i} of rank {r} holds other "
+                        "parameters than rank 0's")
+    return None
 
 
 def _pinned_staging(device) -> bool:
