@@ -211,7 +211,26 @@ def tp_mlp(grads_in_place=True, granularity="rows:1", hsdp=False, hidden=16, mp_
     return tp, dp_rank, ref, model
 
 
+class MuonReference:
+    """tests/test_muon.py's one-process Muon (torch.optim.Muon, stacked experts matrix by
+    matrix, fp32 Newton-Schulz) as an optimizer."""
+
+    def __init__(self, ref):
+        from test_muon import HYPER, Reference
+        self.ref = Reference(ref, "fp32", dict(HYPER))
+
+    def step(self):
+        self.ref.step()
+
+    def zero_grad(self):
+        self.ref.model.zero_grad()
+
+
 def make_optimizers(model, ref, optimizer):
+    if optimizer == "muon":
+        from test_muon import HYPER, OURS_ADAMW
+        return (vopt.Muon(model.parameters(), **HYPER, ns_dtype="fp32", **OURS_ADAMW),
+                MuonReference(ref))
     if optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(),
                                                                               lr=0.1)
@@ -498,7 +517,8 @@ def ep_parity(rank, world, divide_factor, optimizer, max_norm):
     return ratios, loss_err, worst_relative(model, ref), norm_err
 
 
-EP_CASES = [(4.0, "sgd", None), (4.0, "vescale", 0.05), (None, "sgd", None)]
+EP_CASES = [(4.0, "sgd", None), (4.0, "vescale", 0.05), (None, "sgd", None),
+            (4.0, "muon", 0.05)]  # Muon: whole local experts, exchanged over efsdp only
 
 
 def ep_cases(rank, world):
