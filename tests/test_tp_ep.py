@@ -492,10 +492,9 @@ def ep_moe(world, divide_factor, granularity=None):
         ex.register_parameter(name, nn.Parameter(
             distribute_tensor(getattr(ex, name).data, ep2d["ep"], [Shard(0)])))
     ex.ep_group = ep2d["ep"].get_group()
-    fully_shard(ex, mesh=ep2d["efsdp"], gradient_divide_factor=divide_factor,
-                granularity=granularity)
-    # router and dense layers: every rank
-    fully_shard(model, mesh=mesh((world,), ("dp",)), granularity=granularity)
+    kwargs = {} if granularity is None else dict(granularity=granularity)
+    fully_shard(ex, mesh=ep2d["efsdp"], gradient_divide_factor=divide_factor, **kwargs)
+    fully_shard(model, mesh=mesh((world,), ("dp",)), **kwargs)  # router, dense: every rank
     return ref, model
 
 
