@@ -17,6 +17,13 @@ comes back to the host the same way, once the scatter has brought it (2 bytes pe
 Per step and offloaded matrix element: the gradient to the host as it is reduced (4 bytes,
 counted by the offload), these 2 + 2, and the compute shard's refresh.
 
+Each buffer's matrices move over that buffer's shard group, one group after another (in the
+order the parameters first use them, the same on every rank). TP/EP (DTensor) parameters: an
+expert tensor that EP split on a stacked dim (Shard(0)) holds whole matrices on each EP rank,
+so orthogonalizing its local experts over their shard group (efsdp) is exact, with no EP-group
+communication; a matrix TP split in its last two dims is refused (it would need the TP-global
+matrix gathered over the dp x tp ranks holding it).
+
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
 
