@@ -12,7 +12,10 @@
 #   (4) step time and peak memory against FSDP2 on a ~1B-parameter bf16 model (world size 1);
 #   (5) benchmarks/gpu_offload.py: offload, peak device memory and step time of ~1B and ~3B
 #       bf16 Llamas, ours vs DeepSpeed ZeRO-3 offload vs FSDP2 CPUOffloadPolicy (world size 1;
-#       a variant the engine refuses is skipped with its reason).
+#       a variant the engine refuses is skipped with its reason);
+#   (6) benchmarks/moe_ep_memory.py: one Kimi K2 / DeepSeek-V3 MoE layer with expert
+#       parallelism (EP 8 and 64) as rank 0 of W = 256 and 1,024 (fake process group), peak
+#       CUDA memory of a training step, ours vs FSDP2+EP, full-size layers.
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine
 #   DEVICE=cpu bash benchmarks/gpu_check.sh       # dry run on CPU (gloo, small sizes; in CI)
@@ -32,11 +35,13 @@ if [ "$DEVICE" = cpu ]; then
   STEPS=${STEPS:-20}
   STEP_TIME_FLAGS="--layers 2 --dim 64 --vocab 256 --seq 64 --batch 2 --steps 2 --warmup 1 --rounds 1"
   OFFLOAD_FLAGS="--smoke"
+  MOE_FLAGS="--smoke"
 else
   WORLD_SIZES=${WORLD_SIZES:-64 256 1024}
   STEPS=${STEPS:-300}
   STEP_TIME_FLAGS=""
   OFFLOAD_FLAGS=""
+  MOE_FLAGS="--scale 1 --tokens 1024"
 fi
 
 declare -A RC
@@ -70,6 +75,9 @@ run() {  # run NAME TIMEOUT_S COMMAND...: log it, time it, keep its exit status
   run step_time 300 "$PY" benchmarks/gpu_step_time.py --device "$DEVICE" $STEP_TIME_FLAGS --out "$DIR"
   # shellcheck disable=SC2086  # flags
   run offload 600 "$PY" benchmarks/gpu_offload.py --device "$DEVICE" $OFFLOAD_FLAGS --out "$DIR"
+  # shellcheck disable=SC2086  # flags
+  run moe_ep_memory 600 "$PY" benchmarks/moe_ep_memory.py --device "$DEVICE" $MOE_FLAGS \
+    --out "$DIR/moe_ep_memory_$DEVICE.md"
 
   echo; echo "== summary (exit status per part; 0 = passed)"
   failed=0

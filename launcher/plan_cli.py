@@ -287,8 +287,6 @@ def _mesh_line(mesh) -> str:
 
 
 def _print_detail(plan):
-    from vescale_engine.plan import model_plan as mp
-
     print(f"{plan.model.name} on {plan.world} ranks, granularity {plan.granularity}, align "
           f"{plan.align_bytes} B ({plan.dtype}), at most {plan.max_buffers} buffers per unit")
     if plan.mesh is not None:

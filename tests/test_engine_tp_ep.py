@@ -4,6 +4,8 @@ before any collective, and training on 4 gloo ranks equal to one process on the 
 batch: (dp 2, tp 2) for a tiny Llama, (dp 4 with ep 2) for a tiny Mixtral."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -456,9 +458,7 @@ def tp_batch_mismatch(rank, world):
     engine, _, _, _ = vescale_engine.initialize(
         model=tiny_llama(), config=config(tensor_parallel={"autotp_size": 2}))
     refused = []
-    for call in (lambda: engine.save_checkpoint("/nonexistent"),
-                 lambda: engine.load_checkpoint("/nonexistent"),
-                 lambda: engine.save_hf_checkpoint("/nonexistent"),
+    for call in (lambda: engine.save_hf_checkpoint("/nonexistent"),
                  lambda: engine._zero3_consolidated_16bit_state_dict()):
         try:
             call()
@@ -474,13 +474,221 @@ def tp_batch_mismatch(rank, world):
         engine.destroy()
 
 
-def test_tp_peers_given_different_batches_stop_at_the_first_forward_and_checkpoints_refused(pool):
+def test_tp_peers_given_different_batches_stop_at_the_first_forward_and_hf_files_refused(pool):
     got = pool.run(tp_batch_mismatch)
     for rank, (message, refused) in enumerate(got):
         # not mapped to global shapes yet: refused, never written as if whole
-        assert refused == ["engine.save_checkpoint", "engine.load_checkpoint",
-                           "engine.save_hf_checkpoint", "the 16-bit state dict"]
+        assert refused == ["engine.save_hf_checkpoint", "the 16-bit state dict"]
         group = [rank - rank % 2, rank - rank % 2 + 1]
         assert message is not None and message.startswith(
             f"data inconsistency within the tensor-parallel group {group}: rank(s) "
             f"[{group[1]}] got a different batch from rank {group[0]}"), message
+
+
+# -- checkpoints: true global shapes, loaded at another layout --------------------------------------
+
+def strided_boxes(rank, world):
+    """Each rank's RaggedPiece boxes of DTensors of an arange, for TP/EP placements (Shard on
+    dim 0 and 1, _StridedShard as transformers' packed gate/up, FSDP2's 2-D expert placement):
+    [(placements, global shape, [(offsets, values)])]."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from vescale_engine.checkpoint.dcp import RaggedPiece
+    from vescale_engine.fsdp.dtensor_params import local_index_maps
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
+    out = []
+    for sub, placements in ((mesh["tp"], [Shard(0)]), (mesh["tp"], [Shard(1)]),
+                            (mesh["tp"], [_StridedShard(0, split_factor=2)]),
+                            (mesh["tp"], [_StridedShard(1, split_factor=2)]),
+                            (mesh, [_StridedShard(0, split_factor=2), Shard(0)])):
+        d = distribute_tensor(full, sub, placements)
+        local = d.to_local().reshape(-1)
+        n = local.numel()
+        start = (rank // 2) * (n // 2) if len(placements) == 1 else 0  # dp row's half
+        end = start + n // 2 if len(placements) == 1 else n
+        piece = RaggedPiece(local[start:end], full.shape, start, local_shape=d.to_local().shape,
+                            index_maps=local_index_maps(d._spec))
+        out.append((str(placements), [(tuple(o), piece.box(o).clone()) for o in piece.boxes]))
+    return out
+
+
+def test_pieces_of_tp_ep_local_tensors_are_boxes_of_the_global_tensor(pool):
+    """The local->global box map (Shard, _StridedShard, 2-D): the boxes of every rank cover the
+    global tensor exactly once and hold its values."""
+    full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
+    got = pool.run(strided_boxes)
+    for case in range(len(got[0])):
+        seen = torch.zeros_like(full)
+        covered = {}
+        for rank_boxes in got:
+            name, boxes = rank_boxes[case]
+            for offsets, values in boxes:
+                where = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape))
+                assert torch.equal(full[where], values), (name, offsets)
+                covered.setdefault(offsets, values.shape)
+                seen[where] += 1
+        if "Strided" in name and "Shard(dim=0)" not in name.split("),")[-1]:
+            assert len(covered) > 2, (name, covered)  # gate and up segments: split boxes
+        # the two dp rows hold halves of each TP-local tensor: every element exactly once
+        assert torch.equal(seen, torch.ones_like(full)), (name, seen)
+
+
+def _full_checkpoint(path):
+    """The checkpoint's model and optimizer tensors at their global shapes, read by this one
+    process alone (no process group: one rank's load, as a plain model would)."""
+    import torch.distributed.checkpoint as dcp
+    from vescale_engine.checkpoint.sharded import read_metadata
+    md = read_metadata(path)
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in
+          md.state_dict_metadata.items() if k.startswith(("model.", "optim.state."))}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    coverage = {k: sum(math.prod(c.sizes) for c in m.chunks)
+                for k, m in md.state_dict_metadata.items() if k.startswith("model.")}
+    return sd, {k: (n, math.prod(md.state_dict_metadata[k].size)) for k, n in coverage.items()}
+
+
+def _state_errors(engine, full, params_only=False):
+    """Max |piece - the checkpoint's global tensor| over the engine's parameters and optimizer
+    state on this rank (0.0: bitwise), and how many entries were compared."""
+    from vescale_engine.checkpoint.entries import optimizer_state
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    worst, compared = 0.0, 0
+    state = optimizer_state(engine.optimizer, create=False)
+    for fqn, sp in sharded_parameters(engine.module):
+        pairs = [(sp.sharded.detach(), full[f"model.{fqn}"])]
+        for name, t in ({} if params_only else state.get(sp.sharded, {})).items():
+            if t.dim():
+                pairs.append((t, full[f"optim.state.{fqn}.{name}"]))
+        for mine, whole in pairs:
+            if mine.numel():
+                worst = max(worst, (local_piece(sp, whole) - mine).abs().max().item())
+            compared += 1
+    return worst, compared
+
+
+def _steps(engine, ids, micro_rows, n):
+    import torch.distributed as dist
+    losses = []
+    for _ in range(n):
+        mine = ids[engine.dp_rank * micro_rows:(engine.dp_rank + 1) * micro_rows]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
+    """Train 2 steps at (dp, tp/ep) = `parallel`, save, train 2 more; load that checkpoint at
+    (dp 4, tp/ep 1), compare every piece (parameters, AdamW state) bitwise with the checkpoint
+    read by one process alone, and train the same 2 steps; save there and load back at
+    `parallel` (bitwise, the next step's loss). For experts, also into FSDP2+EP (torch's
+    fully_shard) through plain dcp.load. (coverage, errors, losses at each layout)"""
+    import os
+    import torch.distributed as dist
+    import vescale_engine
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    ids = global_batch()
+    engine, *_ = vescale_engine.initialize(model=build(), config=config(**parallel))
+    _steps(engine, ids, micro_rows, 2)
+    engine.save_checkpoint(path, tag="t")
+    saved_err, saved_n = None, 0
+    dist.barrier()
+    full, coverage = _full_checkpoint(f"{path}/t")
+    saved_err, saved_n = _state_errors(engine, full)
+    after = _steps(engine, ids, micro_rows, 2)
+    engine.destroy()
+
+    plain, *_ = vescale_engine.initialize(model=build(seed=7), config=config())
+    plain.load_checkpoint(path, tag="t")
+    loaded_err, loaded_n = _state_errors(plain, full)
+    resumed = _steps(plain, ids, 1, 2)
+    plain.save_checkpoint(path, tag="u")  # and back: a dp-4 checkpoint into TP/EP pieces
+    plain_next = _steps(plain, ids, 1, 1)
+    plain.destroy()
+    dist.barrier()
+    full_u, _ = _full_checkpoint(f"{path}/u")
+    if dist.get_rank() == 0:  # the same weights as a Hugging Face file, global shapes
+        from vescale_engine.checkpoint.safetensors_format import save_file
+        os.makedirs(f"{path}/hf")
+        save_file({k[6:]: v for k, v in full_u.items() if k.startswith("model.")},
+                  f"{path}/hf/model.safetensors")
+    dist.barrier()
+    split, *_ = vescale_engine.initialize(model=build(seed=9), config=config(**parallel))
+    hf = split.load_hf_checkpoint(f"{path}/hf")  # this rank's bytes only
+    hf_err, _ = _state_errors(split, full_u, params_only=True)
+    own = sum(sp.sharded.numel() * sp.sharded.element_size()
+              for _, sp in sharded_parameters(split.module))
+    split.load_checkpoint(path, tag="u")
+    back_err, back_n = _state_errors(split, full_u)
+    split_next = _steps(split, ids, micro_rows, 1)
+    split.destroy()
+    out = dict(coverage=coverage, saved=(saved_err, saved_n), loaded=(loaded_err, loaded_n),
+               after=after, resumed=resumed, back=(back_err, back_n),
+               next=(plain_next[0], split_next[0]), hf=(hf_err, hf.bytes_read, own))
+    if "expert_parallel" in parallel:
+        out["fsdp2"] = _fsdp2_ep_load(build, f"{path}/t", full)
+    return out
+
+
+def _fsdp2_ep_load(build, path, full):
+    """Our checkpoint into torch's FSDP2 + EP (experts Shard(0) on ep, fully_shard over efsdp;
+    the rest over all 4 ranks) by plain dcp.load of its DTensor state dict: max |error|."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    from vescale_engine.engine.parallel_plan import apply_parallel_plan, build_meshes, check_plan
+    meshes = build_meshes(ParallelSizes(WORLD, ep=2), "cpu")
+    model = build(seed=7)
+    apply_parallel_plan(model, check_plan(model, meshes.sizes, {}), meshes)
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=meshes.expert_dp())
+    fully_shard(model, mesh=meshes.dense_dp())
+    sd = {f"model.{k}": v for k, v in model.state_dict().items()}
+    dcp.load(sd, checkpoint_id=path)  # torch's own planner and reader
+    worst = 0.0
+    for k, v in model.state_dict().items():
+        whole = v.full_tensor() if hasattr(v, "full_tensor") else v
+        worst = max(worst, (whole - full[f"model.{k}"]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("build,parallel,micro_rows", [
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1),
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2)], ids=["dp2_ep2", "dp2_tp2"])
+def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, build, parallel,
+                                                                  micro_rows):
+    got = pool.run(checkpoint_across_layouts, build, parallel, micro_rows, str(tmp_path))
+    for rank, out in enumerate(got):
+        # true global shapes, every element once (TP-replicated pieces deduplicated by DCP)
+        assert all(n == numel for n, numel in out["coverage"].values()), out["coverage"]
+        assert out["saved"][0] == 0.0 and out["saved"][1] > 20, (rank, out["saved"])
+        assert out["loaded"][0] == 0.0 and out["loaded"][1] > 20, (rank, out["loaded"])
+        assert max(abs(a - b) for a, b in zip(out["after"], out["resumed"])) < 1e-6, out
+        assert out["back"][0] == 0.0 and out["back"][1] > 20, (rank, out["back"])
+        assert abs(out["next"][0] - out["next"][1]) < 1e-6, (rank, out["next"])
+        hf_err, read, own = out["hf"]
+        assert hf_err == 0.0 and read == own, (rank, out["hf"])  # exact, only its own bytes
+        if "fsdp2" in out:
+            assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
+
+
+def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
+    """State an optimizer places in its own global shape (a RaggedPiece, e.g. per-block scales)
+    is not mapped through the TP/EP offsets: one line, never written as if global (no ranks)."""
+    from types import SimpleNamespace
+    from torch.distributed.tensor import Shard
+    from vescale_engine.checkpoint.dcp import CheckpointError, RaggedPiece
+    from vescale_engine.checkpoint.entries import optimizer_entries
+    p = torch.zeros(4)
+    p._vescale = SimpleNamespace(dtensor_spec=SimpleNamespace(placements=(Shard(0),)))
+    state = {p: {"scales": RaggedPiece(torch.zeros(2), (4,), 0)}}
+    with pytest.raises(CheckpointError, match=r"optimizer state optim.state.w.scales: state in "
+                                              "the optimizer's own shape is not mapped"):
+        optimizer_entries(None, {id(p): ["w"]}, state)
+    del p._vescale  # a plain parameter: its own-shape state is written as it is
+    assert optimizer_entries(None, {id(p): ["w"]}, state)["optim.state.w.scales"] is \
+        state[p]["scales"]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    StorageMeta, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..shard.ragged import box_decomposition
+from ..shard.ragged import box_decomposition, map_box
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "RaggedPiece", "SavePlanner",
            "LoadPlanner", "SafeReader", "CrcWriter", "write_error"]
@@ -72,30 +72,44 @@ def _free_bytes(path) -> str:
 class RaggedPiece:
     """This rank's flat range [start, start + numel) of a tensor of `shape`, as the boxes DCP
     reads and writes. Every box of `box_decomposition` covers a contiguous flat range, so each
-    box is a view of `local` and loading writes straight into it."""
+    box is a view of `local` and loading writes straight into it.
 
-    def __init__(self, local: torch.Tensor, shape, start: int):
+    Under tensor/expert parallelism the range is one of a TP/EP-local tensor of `local_shape`,
+    and `index_maps` (fsdp.dtensor_params.local_index_maps) place its boxes on the global
+    `shape`: shifted by the rank's TP/EP offset, split where the local dim is not one run of
+    global indices (`_StridedShard`); such a box is a strided view of `local`."""
+
+    def __init__(self, local: torch.Tensor, shape, start: int, local_shape=None,
+                 index_maps=None):
         self.local = local
         self.shape = torch.Size(shape)
-        self.boxes = {}  # offsets -> (sizes, flat begin in local)
+        local_shape = self.shape if local_shape is None else torch.Size(local_shape)
+        maps = index_maps or [None] * len(local_shape)
+        self.boxes = {}  # global offsets -> (sizes, flat begin in local, local box, offsets in it)
         at = 0
-        for offsets, sizes in box_decomposition(self.shape, start, start + local.numel()):
-            self.boxes[torch.Size(offsets)] = (torch.Size(sizes), at)
+        for offsets, sizes in box_decomposition(local_shape, start, start + local.numel()):
+            for inner, part, global_offsets in map_box(offsets, sizes, maps):
+                within = tuple(i - o for i, o in zip(inner, offsets))
+                self.boxes[torch.Size(global_offsets)] = (torch.Size(part), at, sizes, within)
             at += math.prod(sizes)
 
     def chunks(self):
-        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, (s, _) in self.boxes.items()]
+        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, (s, *_) in self.boxes.items()]
 
     def write_items(self, fqn):
         props = TensorProperties.create_from_tensor(self.local)
         return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(o, s),
                                                       properties=props, size=self.shape))
-                for o, (s, _) in self.boxes.items()]
+                for o, (s, *_) in self.boxes.items()]
 
     def box(self, offsets) -> torch.Tensor:
-        sizes, at = self.boxes[torch.Size(offsets)]
-        return self.local[at:at + math.prod(sizes)].view(sizes)
+        part, at, sizes, within = self.boxes[torch.Size(offsets)]
+        view = self.local[at:at + math.prod(sizes)].view(sizes)
+        for d, (o, n) in enumerate(zip(within, part)):
+            if n != view.shape[d]:
+                view = view.narrow(d, o, n)
+        return view
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -116,7 +130,9 @@ class SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index):
         obj = self.state_dict[index.fqn]
-        return obj.box(index.offset) if isinstance(obj, RaggedPiece) else super().lookup_object(index)
+        if isinstance(obj, RaggedPiece):  # a strided (TP segment) box is written contiguous
+            return obj.box(index.offset).contiguous()
+        return super().lookup_object(index)
 
     def planned_bytes(self) -> int | None:
         """The tensor bytes every rank writes (the coordinator knows, once it has planned)."""

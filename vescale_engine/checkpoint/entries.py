@@ -12,7 +12,7 @@ import zlib
 
 import torch
 
-from ..fsdp.dtensor_params import refuse_tp_ep
+from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..shard.ragged import RaggedShard
 from .dcp import CheckpointError, RaggedPiece, write_error
 
@@ -47,18 +47,17 @@ def _local_start(p) -> int:
     return start
 
 
-def _global_shape(p):
-    sp = getattr(p, "_vescale", None)
-    refuse_tp_ep([p], "checkpoints", "the entry would record the TP/EP-local shape as the "
-                 "global one")
-    return tuple(sp.shape) if sp is not None else tuple(p.shape)
-
-
 def piece(p, local):
-    """A parameter-shaped entry: RaggedPiece over the local range, or the plain tensor."""
-    if getattr(p, "_vescale", None) is None:
+    """A parameter-shaped entry: RaggedPiece over the local range, or the plain tensor. A
+    TP/EP parameter's range is one of its TP/EP-local tensor, placed on the global shape."""
+    sp = getattr(p, "_vescale", None)
+    if sp is None:
         return local.view(p.shape) if local.dim() else local
-    return RaggedPiece(local, _global_shape(p), _local_start(p))
+    spec = sp.dtensor_spec
+    if not sharded_mesh_dims(spec):  # plain, or replicated on every TP peer: local is global
+        return RaggedPiece(local, sp.shape, _local_start(p))
+    return RaggedPiece(local, spec.shape, _local_start(p), local_shape=sp.shape,
+                       index_maps=local_index_maps(spec))
 
 
 def persistent_buffers(module):
@@ -99,6 +98,9 @@ def optimizer_entries(optimizer, names_of, state):
         for name, t in named.items():
             key = f"optim.state.{names_of[id(p)][0]}.{name}"
             if isinstance(t, RaggedPiece):  # the optimizer placed it in its own global shape
+                if sharded_mesh_dims(getattr(getattr(p, "_vescale", None), "dtensor_spec", None)):
+                    raise CheckpointError(f"optimizer state {key}: state in the optimizer's "
+                                          "own shape is not mapped to TP/EP global shapes")
                 entries[key] = t
             elif t.dim() == 0:
                 entries[key] = t

@@ -7,7 +7,9 @@ then reads ONLY the bytes of its own pieces. A RaggedShard piece is one row-majo
 [b, e) of the flattened tensor, so it is one contiguous byte range of the file: read straight
 into the fp32 master shard when the file holds the master's dtype (CPU), through one staging
 buffer of at most 64 MiB otherwise (bf16 file, or a CUDA master: pinned host memory, then a
-copy). No full tensor is built and no file is mapped whole; no collective runs, every rank
+copy). A TP/EP parameter's piece is a range of its TP/EP-local tensor: its boxes on the
+global tensor (checkpoint.dcp.RaggedPiece) are read one run of consecutive bytes at a time.
+No full tensor is built and no file is mapped whole; no collective runs, every rank
 decides alone (all see the same headers, so all raise the same error). Module buffers and
 parameters that no unit manages are small: every rank reads them whole.
 
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -30,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from ..fsdp.state_dict import gather_to_rank0, named_entries
-from .dcp import CheckpointWriteError, write_error
+from .dcp import CheckpointWriteError, RaggedPiece, write_error
 from .entries import fsync_dir, write_atomically
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
@@ -157,7 +162,38 @@ def _module_of(module_or_engine) -> nn.Module:
 
 def _global_shape(tensor) -> tuple:
     sp = getattr(tensor, "_vescale", None)
+    if sp is not None and sp.dtensor_spec is not None:  # TP/EP: the DTensor's global shape
+        return tuple(sp.dtensor_spec.shape)
     return tuple(sp.shape) if sp is not None else tuple(tensor.shape)
+
+
+def _tp_ep_piece(sp):
+    """A TP/EP parameter's shard as boxes of its global tensor (None for other parameters)."""
+    if not sharded_mesh_dims(sp.dtensor_spec):
+        return None
+    return RaggedPiece(sp.sharded.detach(), sp.dtensor_spec.shape, sp.flat_range[0],
+                       local_shape=sp.shape, index_maps=local_index_maps(sp.dtensor_spec))
+
+
+def _read_box(reader, entry, offsets, view):
+    """A box (`offsets`, view.shape) of the stored tensor into `view`: one read per run of
+    consecutive stored elements (the dims after the run's are whole)."""
+    shape = entry.shape
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    j = len(shape) - 1
+    while j > 0 and view.shape[j] == shape[j]:
+        j -= 1
+    n = view.shape[j] * strides[j]
+    for lead in itertools.product(*(range(k) for k in view.shape[:j])):
+        begin = sum((o + i) * st for o, i, st in zip(offsets, lead, strides)) + \
+            offsets[j] * strides[j]
+        dst = view[lead]
+        if dst.is_contiguous():
+            reader.read(entry, begin, begin + n, dst.view(-1))
+        else:  # a _StridedShard segment's box: through a temporary
+            tmp = torch.empty(n, dtype=view.dtype, device=view.device)
+            reader.read(entry, begin, begin + n, tmp)
+            dst.copy_(tmp.view(dst.shape))
 
 
 def _rename(stored: dict, key_map) -> dict:
@@ -302,6 +338,11 @@ def _load(module, plan, result):
             for name, entry in plan:
                 tensor = targets[name]
                 sp = getattr(tensor, "_vescale", None)
+                piece = _tp_ep_piece(sp) if sp is not None else None
+                if piece is not None:  # this rank's bytes only, from the global tensor
+                    for offsets in piece.boxes:
+                        _read_box(reader, entry, offsets, piece.box(offsets))
+                    continue
                 if sp is not None:
                     begin, end = sp.flat_range
                     if end > begin:

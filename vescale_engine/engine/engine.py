@@ -322,7 +322,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         """DeepSpeed's save_checkpoint; exclude_frozen_parameters leaves out the parameters
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         self._colocation.require_on_device("engine.save_checkpoint")
-        self.require_global_layout("engine.save_checkpoint")
+        refuse_with_experts(self.module, "engine.save_checkpoint")  # TP/EP pieces: mapped
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
@@ -330,14 +330,14 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         self._colocation.require_on_device("engine.load_checkpoint")
-        self.require_global_layout("engine.load_checkpoint")
+        refuse_with_experts(self.module, "engine.load_checkpoint")  # TP/EP pieces: mapped
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
         self._colocation.require_on_device("engine.load_hf_checkpoint")
-        self.require_global_layout("engine.load_hf_checkpoint")
+        refuse_with_experts(self.module, "engine.load_hf_checkpoint")  # TP/EP pieces: mapped
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
     def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
@@ -347,16 +347,18 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def require_global_layout(self, what: str) -> None:
-        """Checkpoints and full state dicts store global shapes; under tensor or expert
-        parallelism a rank's pieces are not mapped to them yet, so refuse rather than write
-        (or read) pieces as whole tensors. The same for DeepSpeed MoE experts, whose
-        expert-parallel ranks hold different experts under the same names."""
+        """Saved Hugging Face files and full state dicts hold global shapes; under tensor or
+        expert parallelism their writers do not gather a rank's TP/EP pieces into them yet, so
+        refuse rather than write pieces as whole tensors (save_checkpoint, load_checkpoint and
+        load_hf_checkpoint map them to the global shapes). DeepSpeed MoE experts are refused
+        everywhere (refuse_with_experts)."""
         refuse_with_experts(self.module, what)
         if self.meshes is not None:
             raise NotImplementedError(f"{what} with tensor_parallel.autotp_size or "
                                       "expert_parallel.autoep_size > 1 is not supported yet: "
-                                      "TP/EP pieces are not mapped to global shapes "
-                                      "(docs/parallelism.md)")
+                                      "TP/EP pieces are not gathered into global shapes there "
+                                      "(save_checkpoint/load_checkpoint/load_hf_checkpoint map "
+                                      "them; docs/parallelism.md)")
 
     # -- RL colocation (colocation.py) ---------------------------------------------------------
 

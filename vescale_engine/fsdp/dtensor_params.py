@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 __all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
-           "dtensor_face", "grad_face", "grad_in_placements", "refuse_tp_ep"]
+           "dtensor_face", "grad_face", "grad_in_placements", "local_index_maps", "refuse_tp_ep"]
 
 
 def _shard_dim(placement) -> int | None:
@@ -114,6 +114,30 @@ def _with_dtype(spec: DTensorSpec, dtype) -> DTensorSpec:
     if meta is None or meta.dtype == dtype:
         return spec
     return dataclasses.replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
+def local_index_maps(spec: DTensorSpec, coordinate=None) -> list:
+    """Per tensor dim, the global index of each index of this rank's local tensor (None where
+    the dim is not split): the map that places the pieces of a TP/EP-local tensor on the
+    global one. Shard gives one run at the rank's offset; `_StridedShard` (transformers'
+    packed gate/up) one run per segment. torch's own offset helper, applied mesh dim by mesh
+    dim from the left as DTensor shards. `coordinate`: this rank's on spec.mesh by default."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    shape = list(spec.shape)
+    if coordinate is None:
+        coordinate = spec.mesh.get_coordinate()
+    maps: dict[int, torch.Tensor] = {}
+    for mesh_dim, placement in enumerate(spec.placements):
+        d = _shard_dim(placement)
+        if d is None:
+            continue
+        d %= len(shape)
+        size, index = _get_shard_size_and_offsets(
+            shape[d], spec.mesh.size(mesh_dim), coordinate[mesh_dim], placement,
+            maps.get(d), spec.shape[d], False)
+        shape[d] = size
+        maps[d] = index[:size]  # an empty piece's index is a sentinel, not an index
+    return [maps[d].tolist() if d in maps else None for d in range(len(shape))]
 
 
 def refuse_tp_ep(params, who: str, why: str) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import collectives
 
 __all__ = [
-    "RaggedShard", "box_decomposition", "shard_tensor", "Redistribution", "ragged_to_replicate",
+    "RaggedShard", "box_decomposition", "map_box", "shard_tensor", "Redistribution", "ragged_to_replicate",
     "ragged_to_ragged", "ragged_to_root", "root_to_ragged",
 ]
 
@@ -146,6 +146,31 @@ def box_decomposition(shape, start: int, end: int) -> list[tuple[tuple[int, ...]
     if last_off:
         boxes += in_row(last, 0, last_off)
     return boxes
+
+
+def _runs(index_map, begin: int, size: int) -> list[tuple[int, int, int]]:
+    """[local begin, length, global begin] of the runs of consecutive global indices in
+    index_map[begin:begin + size] (identity when index_map is None)."""
+    if index_map is None:
+        return [(begin, size, begin)]
+    runs = []
+    for i in range(begin, begin + size):
+        g = int(index_map[i])
+        if runs and runs[-1][2] + runs[-1][1] == g:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1, g])
+    return [tuple(r) for r in runs]
+
+
+def map_box(offsets, sizes, index_maps) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """A box (offsets, sizes) of a local tensor as boxes of the global tensor it is a piece of:
+    [(local offsets, sizes, global offsets)]. `index_maps[d]` lists the global index of each
+    local index along dim d (None: the same index). A dim whose local indices are not one run
+    of global ones (TP's `_StridedShard`: a gate and an up segment) splits the box."""
+    per_dim = [_runs(m, o, s) for m, o, s in zip(index_maps, offsets, sizes)]
+    return [(tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
+            for combo in itertools.product(*per_dim)]
 
 
 def shard_tensor(full: torch.Tensor, spec: RaggedShard, rank: int) -> torch.Tensor:
