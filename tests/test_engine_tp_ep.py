@@ -103,11 +103,9 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
     ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
      "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
     ({"tensor_parallel": {"autotp_size": 2}, "fp16": {"enabled": True}}, 4, "fp16 with"),
-    ({"expert_parallel": {"enabled": True, "autoep_size": 2},
-      "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4, "optimizer.type Muon with"),
-    ({"tensor_parallel": {"autotp_size": 2},
-      "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-3}}}, 4,
-     "optimizer.type AdamW8bit with"),
+    ({"tensor_parallel": {"autotp_size": 2},  # EP: whole local experts, accepted
+      "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4,
+     "optimizer.type Muon with tensor_parallel.autotp_size 2"),
     ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
                                                                  "autoep_siz": 2}}, 4,
      "expert_parallel.autoep_siz: unknown key; did you mean 'autoep_size'"),
@@ -298,6 +296,28 @@ def reference_run(model, ids, clip=0.0, steps=STEPS):
     return losses, norms
 
 
+def ours_alone_run(model, ids, optimizer, steps=STEPS):
+    """One process with our optimizer `optimizer` (a config "optimizer" section): the model
+    sharded over this rank alone, the whole global batch; (losses, gradient norms, full
+    parameters)."""
+    import torch.distributed as dist
+    from vescale_engine.fsdp import full_state_dict, fully_shard
+    from vescale_engine.optim import build_optimizer, sharding_granularity
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank, all
+    fully_shard(model, mesh=groups[dist.get_rank()],
+                granularity=sharding_granularity(optimizer, {"default": "rows:1"}, model))
+    opt = build_optimizer(optimizer["type"], model.parameters(), optimizer["params"])
+    losses, norms = [], []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, full_state_dict(model)
+
+
 def local_piece(sp, full):
     """This rank's flat piece of the one-process tensor `full`: its TP/EP-local block, then the
     RaggedShard range."""
@@ -315,14 +335,19 @@ def local_piece(sp, full):
 def train_against_one_process(rank, world, build, keys, micro_rows):
     """(max |loss - reference|, max |parameter - reference|, max relative |norm - reference|,
     what the engine reports) after STEPS steps; each data-parallel rank trains on its rows of
-    the global batch."""
+    the global batch. The reference: torch's AdamW, or with keys["optimizer"] ours (Muon,
+    AdamW8bit) on one process."""
     import torch.distributed as dist
     import vescale_engine
     from vescale_engine.fsdp.lookup import sharded_parameters, units_under
     ids = global_batch()
     reference = build()
     keys = config(**keys)
-    want, want_norms = reference_run(reference, ids, keys["gradient_clipping"])
+    if "optimizer" in keys and keys["optimizer"]["type"] != "AdamW":
+        want, want_norms, ref = ours_alone_run(reference, ids, keys["optimizer"])
+    else:
+        want, want_norms = reference_run(reference, ids, keys["gradient_clipping"])
+        ref = dict(reference.named_parameters())
     rows = [ids[i] for i in range(ids.shape[0])]  # the loader initialize returns, checked too
     engine, _, loader, _ = vescale_engine.initialize(model=build(), config=keys,
                                                      training_data=rows)
@@ -337,7 +362,6 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # every rank's micro-batch loss (TP peers: the same one)
         losses.append(mean.item() / world)
-    ref = dict(reference.named_parameters())
     names = {}
     for fqn, sp in sharded_parameters(engine.module):
         names[fqn] = sp
@@ -404,6 +428,27 @@ def test_dp4_ep2_mixtral_equals_one_process(pool, keys):
             assert ("MixtralExperts", efsdp, 4.0) in report["units"], report["units"]
             assert ("MixtralDecoderLayer", (0, 1, 2, 3), None) in report["units"]
     assert len({str(report["first_batch"]) for *_, report in got}) == 4
+
+
+MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": "fp32",
+                                   "adamw_lr": LR, "adamw_weight_decay": 0.0}}
+ADAMW8BIT = {"type": "AdamW8bit", "params": {"lr": LR, "weight_decay": 0.0, "block": "block:8"}}
+
+
+@pytest.mark.parametrize("build,keys,micro_rows", [
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}, "optimizer": MUON},
+     1),
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}, "optimizer": ADAMW8BIT}, 2)],
+    ids=["dp4_ep2_mixtral_muon", "dp2_tp2_llama_adamw8bit"])
+def test_muon_under_ep_and_adamw8bit_under_tp_equal_one_process(pool, build, keys, micro_rows):
+    """Muon orthogonalizes whole local experts over efsdp; AdamW8bit's block:8 divides every
+    TP piece of the tiny Llama, so its blocks are one process's: both equal our optimizer on
+    one process over the same global batch."""
+    got = pool.run(train_against_one_process, build, keys, micro_rows)
+    for rank, (loss_err, param_err, norm_err, report) in enumerate(got):
+        assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert norm_err < 1e-5, (rank, norm_err)
+        assert report["split"] > 0, report
 
 
 def tp_batch_mismatch(rank, world):

@@ -300,11 +300,12 @@ def _rank() -> int:
         return 0
 
 
-def _require_composable(config: dict, fp16: bool, offload) -> None:
+def _require_composable(config: dict, fp16: bool, offload, tp: int) -> None:
     """What does not compose with tensor or expert parallelism yet, refused in one line rather
     than trained wrongly: fp16's overflow check is not agreed over the TP/EP groups, Muon would
-    orthogonalize TP-local pieces, AdamW8bit would quantize blocks of them, the host optimizer
-    is untested on TP/EP shards."""
+    orthogonalize TP-local pieces of matrices (EP's whole local experts are exact), the host
+    optimizer is untested on TP/EP shards. AdamW8bit checks its blocks per parameter when it is
+    built (optim/adamw8bit.py: refused where they are not one process's)."""
     what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
     if fp16:
         raise ConfigError([f"fp16 {what}: the overflow check does not span the tensor/expert-"
@@ -312,12 +313,10 @@ def _require_composable(config: dict, fp16: bool, offload) -> None:
     if offload is not None:
         raise ConfigError([f"zero_optimization.offload_optimizer {what} is not supported yet"])
     name = (config.get("optimizer") or {}).get("type", "")
-    if isinstance(name, str) and name.lower() == "muon":
-        raise ConfigError([f"optimizer.type Muon {what}: Muon would orthogonalize each rank's "
-                           "piece of a split matrix, not the matrix; use AdamW"])
-    if isinstance(name, str) and name.lower() == "adamw8bit":
-        raise ConfigError([f"optimizer.type AdamW8bit {what}: its quantization blocks would be "
-                           "cut from each rank's piece, not from the whole tensor; use AdamW"])
+    if tp > 1 and isinstance(name, str) and name.lower() == "muon":
+        raise ConfigError([f"optimizer.type Muon with tensor_parallel.autotp_size {tp}: Muon "
+                           "would orthogonalize each rank's piece of a split matrix, not the "
+                           "matrix; use AdamW (Muon works with expert_parallel)"])
 
 
 def build_config(source, world_size: int) -> EngineConfig:
@@ -352,7 +351,7 @@ def build_config(source, world_size: int) -> EngineConfig:
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
     if sizes.enabled:
-        _require_composable(config, fp16, offload)
+        _require_composable(config, fp16, offload, sizes.tp)
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, sizes.dp),

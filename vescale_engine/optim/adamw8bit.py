@@ -6,16 +6,25 @@ The planner never cuts a block with a shard boundary, so every rank owns whole b
 computes their scales alone: no collective for scales, ever, and the same blocks (hence the same
 numbers, bit for bit) on any number of ranks. Master weights stay fp32.
 
+A TP/EP (DTensor) parameter is quantized in blocks of its TP/EP-local tensor (still no
+collective for scales). That equals one process only where those blocks are one process's
+blocks of the global tensor (e.g. EP Shard(0) with block:N dividing one expert, TP Shard(0)
+with N dividing the local numel, Shard(1) with N dividing the local last dim; its RaggedShard
+block is then a multiple of N); anything else is refused in one line.
+
 One step per buffer: restore both moments from their codes (one pass), AdamW's update on the
 flat shard (torch's math), quantize both moments again (one pass). Padding between tensors is
 its own segment: zero gradients, zero moments, zero scales.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from ..checkpoint.dcp import CheckpointError, RaggedPiece
-from ..fsdp.dtensor_params import refuse_tp_ep
+from ..fsdp.dtensor_params import sharded_mesh_dims
 from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
@@ -47,9 +56,6 @@ class AdamW8bit(torch.optim.Optimizer):
         self.granularity = quantization_granularity(block)
         self.quant_map = quant_map
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        refuse_tp_ep([p for g in self.param_groups for p in g["params"]], "AdamW8bit",
-                     "its quantization blocks would be cut from each rank's TP/EP-local piece, "
-                     "not from the whole tensor as in one process")
         self._buffers = self._index_buffers()
         self.offload = None  # OptimizerOffload once `offload_to_host` chose buffers
 
@@ -72,7 +78,8 @@ class AdamW8bit(torch.optim.Optimizer):
             faces_of=faces_in([p for g in self.param_groups for p in g["params"]]))
         self._buffers = [
             (b, g, d.cpu() if isinstance(d, torch.Tensor) and self.offload.offloads(b) else d,
-             m, BlockQuantizer(shard_segments(b), self.quant_map, device="cpu")
+             m, BlockQuantizer(shard_segments(b, self._buffer_blocks(b)), self.quant_map,
+                               device="cpu")
              if self.offload.offloads(b) else q) for b, g, d, m, q in self._buffers]
         return self.offload
 
@@ -93,14 +100,36 @@ class AdamW8bit(torch.optim.Optimizer):
         """Per DBuffer: its group, weight decay, its given parameters, and the quantizer of its
         shard's blocks."""
         self._ever_stepped = set()  # ids of the ShardedParameters a step has updated
+        self._quant_blocks = {}  # (id(buffer), index): a TP/EP tensor's quantization block
         return [(buf, group, decay, members, BlockQuantizer(
-                    shard_segments(buf), self.quant_map, device=buf.master.device))
+                    shard_segments(buf, self._buffer_blocks(buf)), self.quant_map,
+                    device=buf.master.device))
                 for buf, group, decay, members in flat_buffers(
                     self.param_groups, "AdamW8bit", self._check_block)
                 if buf.shard_size]
 
+    def _buffer_blocks(self, buf) -> list:
+        """The quantization block of each tensor in `buf` (its RaggedShard block unless TP/EP
+        made that a multiple of the quantization block)."""
+        return [self._quant_blocks.get((id(buf), k), placement.block)
+                for k, placement in enumerate(buf.layout.placements)]
+
     def _check_block(self, sp):
         want = self._block_of(sp)
+        if sp.dtensor_spec is not None and sharded_mesh_dims(sp.dtensor_spec):
+            why = _inexact_tp_ep_blocks(sp, want, self.granularity)
+            if why:
+                raise NotImplementedError(
+                    f"AdamW8bit: {sp.fqn} is a tensor/expert-parallel (TP/EP-sharded DTensor) "
+                    f"parameter whose {self.granularity} blocks of its local piece are not one "
+                    f"process's blocks ({why}); use AdamW or a block that divides the pieces")
+            if sp.block % want:
+                raise ValueError(
+                    f"parameter {sp.fqn}: sharded in blocks of {sp.block} elements, not a "
+                    f"multiple of the {want} AdamW8bit quantizes it in ({self.granularity}): "
+                    f"shard it with granularity {self.granularity}")
+            self._quant_blocks[(id(sp.buffer), sp.index)] = want
+            return
         if sp.block != want:
             raise ValueError(
                 f"parameter {sp.fqn}: sharded in blocks of {sp.block} elements but "
@@ -232,12 +261,13 @@ class AdamW8bit(torch.optim.Optimizer):
                                  exp_avg_sq_codes=state["exp_avg_sq_codes"][start:end])
                     first = _local_first_element(sp)  # of the tensor, at `start`
                     saved_block = _saved_block(saved_granularity, sp)
-                    if saved_block == sp.block and saved["quant_map"] == self.quant_map:
+                    block = self._quant_blocks.get((id(buf), sp.index), sp.block)
+                    if saved_block == block and saved["quant_map"] == self.quant_map:
                         # this tensor's segments: those starting inside its piece, in order
                         lo, hi = quantizer.segment_range(start, end)
                         for name in ("exp_avg_scales", "exp_avg_sq_scales"):
-                            entry[name] = RaggedPiece(state[name][lo:hi], (_blocks(sp, sp.block),),
-                                                      first // sp.block if end > start else 0)
+                            entry[name] = RaggedPiece(state[name][lo:hi], (_blocks(sp, block),),
+                                                      first // block if end > start else 0)
                     else:
                         entry.update(self._codes_scratch(buf, sp, start, end, first, saved_block,
                                                          saved["quant_map"]))
@@ -344,26 +374,69 @@ def _saved_block(granularity, sp) -> int:
                               f"{granularity}: {err}") from None
 
 
-def shard_segments(buf) -> torch.Tensor:
+def shard_segments(buf, blocks=None) -> torch.Tensor:
     """Lengths of consecutive segments covering this rank's shard of `buf`: each tensor's piece
     cut into its blocks (the last one shorter at the tensor's end), gaps as segments of their
-    own. A piece starts on a block edge: the planner never puts a shard boundary inside one."""
+    own. A piece starts on a block edge: the planner never puts a shard boundary inside one.
+    `blocks` (one per tensor, each dividing its RaggedShard block) cuts finer than the
+    RaggedShard blocks; default: those."""
     lengths, cursor = [], 0
     lo = buf.rank * buf.shard_size
-    for placement, (start, end) in zip(buf.layout.placements, buf.local_ranges):
+    blocks = blocks or [p.block for p in buf.layout.placements]
+    for placement, block, (start, end) in zip(buf.layout.placements, blocks, buf.local_ranges):
         if end <= start:
             continue
         first = lo + start - placement.offset  # element of the tensor where the piece starts
-        if first % placement.block:
+        if first % block or placement.block % block:
             raise AssertionError(f"{placement.name}: shard starts inside a block (planner bug)")
         if start > cursor:
             lengths.append(start - cursor)
-        whole, rest = divmod(end - start, placement.block)
-        lengths += [placement.block] * whole + ([rest] if rest else [])
+        whole, rest = divmod(end - start, block)
+        lengths += [block] * whole + ([rest] if rest else [])
         cursor = end
     if buf.shard_size > cursor:
         lengths.append(buf.shard_size - cursor)
     return torch.tensor(lengths, dtype=torch.int64, device="cpu")  # planned on the host
+
+
+def _inexact_tp_ep_blocks(sp, block: int, granularity) -> str | None:
+    """Why quantizing the TP/EP-local tensor of `sp` in blocks of `block` elements would not
+    reproduce one process's blocks of the global tensor, on any rank (None: it does).
+
+    One TP/EP split of dim d (prod of the dims before it: `outer` runs per piece, each of
+    `inner` = prod(dims after d) elements per index of d). A piece's local blocks are the
+    global ones iff every run starts on a global block edge and, when the piece has several
+    runs, each run is whole blocks; a single run may end in the tensor's last, shorter block."""
+    spec = sp.dtensor_spec
+    shape = tuple(spec.shape)
+    cuts = [(m, p) for m, p in enumerate(spec.placements) if not isinstance(p, Replicate)]
+    if len(cuts) != 1 or type(cuts[0][1]) is not Shard:
+        return f"placements {list(spec.placements)}: only one Shard split is supported"
+    mesh_dim, placement = cuts[0]
+    d = placement.dim % len(shape)
+    try:
+        if granularity.block_size(shape) != block:
+            return (f"blocks of {block} elements of the local {list(sp.shape)} but "
+                    f"{granularity.block_size(shape)} of the global {list(shape)}")
+    except ValueError as err:
+        return str(err)
+    outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1:])
+    pieces = spec.mesh.size(mesh_dim)
+    for index in range(pieces):
+        size, offset = Shard.local_shard_size_and_offset(shape[d], pieces, index)
+        if size == 0:
+            continue
+        run = size * inner
+        if (offset * inner) % block:
+            return (f"TP/EP piece {index} of dim {d} starts at element {offset * inner}, not a "
+                    f"multiple of {block}")
+        if outer > 1 and (run % block or (shape[d] * inner) % block):
+            return (f"TP/EP piece {index} of dim {d} has {outer} runs of {run} elements, not "
+                    f"whole blocks of {block} in a tensor of rows of {shape[d] * inner}")
+        if outer == 1 and run % block and offset + size != shape[d]:
+            return (f"TP/EP piece {index} of dim {d} ({run} elements) ends inside a block of "
+                    f"{block}")
+    return None
 
 
 def fp32_adamw_state_bytes(shard_numel: int) -> int:

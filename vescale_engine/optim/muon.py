@@ -17,6 +17,13 @@ comes back to the host the same way, once the scatter has brought it (2 bytes pe
 Per step and offloaded matrix element: the gradient to the host as it is reduced (4 bytes,
 counted by the offload), these 2 + 2, and the compute shard's refresh.
 
+Each buffer's matrices move over that buffer's shard group, one group after another (in the
+order the parameters first use them, the same on every rank). TP/EP (DTensor) parameters: an
+expert tensor that EP split on a stacked dim (Shard(0)) holds whole matrices on each EP rank,
+so orthogonalizing its local experts over their shard group (efsdp) is exact, with no EP-group
+communication; a matrix TP split in its last two dims is refused (it would need the TP-global
+matrix gathered over the dp x tp ranks holding it).
+
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
 
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
 from ..fsdp.dtensor_params import refuse_tp_ep
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
@@ -100,6 +108,7 @@ class _Matrix:
     spec: RaggedShard     # the matrix's element layout over ranks
     root: int
     one_hot: bool         # already whole on `root`: no communication
+    group: int = 0        # index into Muon._groups: the buffers' shard group it moves over
 
     @property
     def numel(self) -> int:
@@ -123,13 +132,16 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("vescale_engine.optim.Muon needs parameters sharded by "
                              "vescale_engine.fully_shard; use torch.optim.Muon for a plain "
                              f"parameter of shape {list(shared[0].shape)}")
-        refuse_tp_ep(params, "Muon", "it would orthogonalize each rank's TP/EP-local piece, "
-                     "not the whole matrix")
         self.mode = mode
         self.ns_dtype = NS_DTYPES[ns_dtype]
         self.adamw_patterns = tuple(adamw_patterns)
         matrices = [p for p in params if is_muon_matrix(p._vescale.fqn, p._vescale.shape,
                                                         self.adamw_patterns)]
+        # AdamW is element-wise: any TP/EP piece steps as one process. A matrix is orthogonalized
+        # from its TP/EP-local tensor, which is exact only where that holds whole matrices.
+        refuse_tp_ep([p for p in matrices if _splits_a_matrix(p._vescale)], "Muon",
+                     "it would orthogonalize each rank's TP-local piece of the matrix, not the "
+                     "matrix; only a split of the stacked dims of experts (EP Shard(0)) is exact")
         chosen = {id(p) for p in matrices}
         others = [p for p in params if id(p) not in chosen]
         if not matrices:
@@ -199,8 +211,15 @@ class Muon(torch.optim.Optimizer):
         others go, largest first, to the least-loaded rank (ties: the rank holding most of it,
         then the lowest rank), so every rank computes the same assignment."""
         matrices = []
+        # One exchange group per distinct shard group, in first-use order (the same on every
+        # rank): with EP the experts' buffers shard over efsdp, the dense ones over dp.
+        self._groups = []
         for index, sp in enumerate(self._sharded):
             buf = sp.buffer
+            known = [k for k, b in enumerate(self._groups) if b.shard_group is buf.shard_group]
+            if not known:
+                self._groups.append(buf)
+            group = known[0] if known else len(self._groups) - 1
             placement = buf.layout.placements[sp.index]
             world = buf.world_size
             spec = RaggedShard(sp.shape, sp.block, placement.local_units(world))
@@ -214,18 +233,22 @@ class Muon(torch.optim.Optimizer):
                 owner = [r for r, u in enumerate(units) if u == rows * cols]
                 matrices.append(_Matrix(index, rows, cols, lo, max(lo, hi),
                                         RaggedShard((rows, cols), 1, units),
-                                        owner[0] if owner else -1, bool(owner)))
-        world = self._sharded[0].buffer.world_size
-        load = [0] * world
-        for m in matrices:
-            if m.one_hot:
+                                        owner[0] if owner else -1, bool(owner), group))
+        self.ns_loads = []  # per exchange group: Newton-Schulz FLOPs of each of its ranks
+        for group, buf in enumerate(self._groups):
+            load = [0] * buf.world_size
+            mine = [m for m in matrices if m.group == group]
+            for m in mine:
+                if m.one_hot:
+                    load[m.root] += ns_flops(m.rows, m.cols, ns_steps)
+            pending = sorted((m for m in mine if not m.one_hot),
+                             key=lambda m: -ns_flops(m.rows, m.cols, ns_steps))
+            for m in pending:
+                m.root = min(range(buf.world_size),
+                             key=lambda r: (load[r], -m.spec.local_units[r], r))
                 load[m.root] += ns_flops(m.rows, m.cols, ns_steps)
-        pending = sorted((m for m in matrices if not m.one_hot),
-                         key=lambda m: -ns_flops(m.rows, m.cols, ns_steps))
-        for m in pending:
-            m.root = min(range(world), key=lambda r: (load[r], -m.spec.local_units[r], r))
-            load[m.root] += ns_flops(m.rows, m.cols, ns_steps)
-        self.ns_load = load
+            self.ns_loads.append(load)
+        self.ns_load = self.ns_loads[0]
         return matrices
 
     # -- the step ------------------------------------------------------------------------------
@@ -262,7 +285,13 @@ class Muon(torch.optim.Optimizer):
         updates = dict(zip(with_grad, [g.lerp(b, momentum) for g, b in zip(grads, bufs)]
                            if group["nesterov"] else bufs))
         todo = [m for m in self._matrices if m.param in updates]
-        results = self._orthogonalize(todo, updates, group)
+        self.bytes_sent = 0
+        results = [None] * len(todo)
+        for g, buf in enumerate(self._groups):  # one group after another, in the same order
+            picked = [k for k, m in enumerate(todo) if m.group == g]
+            for k, out in zip(picked, self._orthogonalize([todo[k] for k in picked], updates,
+                                                          group, buf)):
+                results[k] = out
         lr, decay = group["lr"], group["weight_decay"]
         for i in with_grad:
             params[i].mul_(1 - lr * decay)
@@ -274,7 +303,7 @@ class Muon(torch.optim.Optimizer):
                 self._count_pcie(m.param, local.numel() * local.element_size(), to_host=True)
                 target.add_(local, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
 
-    def _orthogonalize(self, todo, updates, group):
+    def _orthogonalize(self, todo, updates, group, buf):
         """This rank's piece of every matrix's Newton-Schulz result.
 
         Matrices move in rounds: round j holds every rank's j-th matrix to orthogonalize
@@ -289,12 +318,10 @@ class Muon(torch.optim.Optimizer):
         changes nothing but halves the bytes for bf16."""
         if not todo:
             return []
-        buf = self._sharded[0].buffer
         rank, world, pg = buf.rank, buf.world_size, buf.shard_group
         device, dtype = buf.device, self.ns_dtype  # the compute device (masters may be on the host)
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
                   eps=group["eps"], dtype=dtype)
-        self.bytes_sent = 0
         cost = [-ns_flops(m.rows, m.cols, group["ns_steps"]) for m in todo]
         by_root = [sorted((k for k, m in enumerate(todo) if m.root == r and not m.one_hot),
                           key=lambda k: (cost[k], k)) for r in range(world)]
@@ -406,6 +433,18 @@ class Muon(torch.optim.Optimizer):
                      [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"])
+
+
+def _splits_a_matrix(sp) -> bool:
+    """Whether TP/EP cut this parameter inside its matrices (one of its last two dims), so
+    that its local tensor holds pieces of matrices, not whole ones."""
+    spec = sp.dtensor_spec
+    if spec is None:
+        return False
+    ndim = len(sp.shape)
+    return any(d is not None and d % ndim >= ndim - 2
+               for d in (getattr(p, "dim", None) for p in spec.placements
+                         if not isinstance(p, Replicate)))
 
 
 def _check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn,
