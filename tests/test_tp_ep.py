@@ -99,6 +99,21 @@ def managed(model):
     return out
 
 
+def step_both(model, ref, opt, ref_opt, max_norm):
+    """Clip (when `max_norm` is set) and step the sharded model and its one-process reference;
+    the relative error of the sharded norm (0 unclipped)."""
+    err = 0.0
+    if max_norm is not None:
+        norm = clip_grad_norm_(model.parameters(), max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        err = abs(norm.item() - ref_norm.item()) / ref_norm.item()
+    opt.step()
+    opt.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return err
+
+
 def worst_relative(model, reference):
     """Parameters against the one process: (max over tensors and ranks of |ours - reference| /
     max|reference|, and |ours - reference| / |reference| over all pieces together)."""
@@ -252,14 +267,7 @@ def tp_mlp_parity(rank, world, grads_in_place, optimizer, granularity, max_norm,
         loss.backward()
         ref_loss = F.mse_loss(ref(x), y)
         ref_loss.backward()
-        if max_norm is not None:
-            norm = clip_grad_norm_(model.parameters(), max_norm)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-            norm_err = max(norm_err, abs(norm.item() - ref_norm.item()) / ref_norm.item())
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        norm_err = max(norm_err, step_both(model, ref, opt, ref_opt, max_norm))
         loss_err = max(loss_err, abs(mean_over_ranks(loss) - ref_loss.item()))
     return loss_err, worst_relative(model, ref), norm_err
 
@@ -513,14 +521,7 @@ def ep_parity(rank, world, divide_factor, optimizer, max_norm):
         ref_loss.backward()
         if ratios is None:
             ratios = gradient_ratios(model, ref)
-        if max_norm is not None:
-            norm = clip_grad_norm_(model.parameters(), max_norm)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-            norm_err = max(norm_err, abs(norm.item() - ref_norm.item()) / ref_norm.item())
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        norm_err = max(norm_err, step_both(model, ref, opt, ref_opt, max_norm))
         loss_err = max(loss_err, abs(mean_over_ranks(loss) - ref_loss.item()))
     return ratios, loss_err, worst_relative(model, ref), norm_err
 
