@@ -517,12 +517,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 def _require_parallel_model(model, cfg, optimizer) -> None:
     """With tensor or expert parallelism: what does not compose with it yet, one line each."""
     what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(f"a model on the meta device (zero.Init, deferred init) {what} is not "
-                         "supported yet: build it with its weights")
-    if cfg.hf_checkpoint:
-        raise ValueError(f"vescale.hf_checkpoint {what} is not supported yet: load the weights "
-                         "into the model before initialize")
     if type(optimizer).__name__ in ("Muon", "AdamW8bit"):
         raise ValueError(f"a {type(optimizer).__name__} optimizer {what}: it would work on each "
                          "rank's piece of a split tensor, not the tensor; use AdamW")

@@ -164,14 +164,19 @@ def _matches(pattern: str, name: str) -> bool:
 
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, meshes: Meshes) -> None:
     """Split the model's weights into DTensors on the tp / ep meshes (each rank keeps its own
-    piece of the weights it was built with: every rank must build the same model) and hook
-    the forwards that move activations between the ranks."""
+    piece of the weights it was built with: every rank must build the same model; a model on
+    meta gets DTensors on meta, their values come after wrapping) and hook the forwards that
+    move activations between the ranks."""
     if plan.tp_source == "vescale.tensor_parallel":
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        # a meta model has no values to scatter from rank 0: each rank just keeps its slice
+        # (materialize or the checkpoint fills it); a real one takes rank 0's, as torch does
+        source = None if any(p.is_meta for p in model.parameters()) else 0
         parallelize_module(model, meshes.tp,
-                           {pattern: styles[style]() for pattern, style in plan.tp_plan.items()})
+                           {pattern: styles[style]() for pattern, style in plan.tp_plan.items()},
+                           src_data_rank=source)
     elif plan.tp_source is not None:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
         apply_tensor_parallelism(model, meshes.tp, plan.tp_plan)
