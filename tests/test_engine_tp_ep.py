@@ -743,3 +743,157 @@ def test_hf_files_and_16bit_state_dict_hold_the_global_tensors(pool, tmp_path, b
         assert out["own"] == 0.0 and out["dp4"] == 0.0, (rank, out)
         if rank:
             assert out["state"] == {}
+
+
+# --- meta-device models and HF weights under TP/EP (s4-meta)
+
+META_STEPS = 3
+
+
+def on_meta(build, seed):
+    """`build(seed)` on the meta device: no storage, no draws (the generator is left seeded)."""
+    with torch.device("meta"):
+        return build(seed)
+
+
+def _piece_errors(engine, want):
+    """(max |piece - want's local piece| over the engine's parameters, pieces compared, pieces
+    of TP/EP-split tensors among them, this rank's own parameter bytes)."""
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    worst, compared, split, own = 0.0, 0, 0, 0
+    for fqn, sp in sharded_parameters(engine.module):
+        own += sp.sharded.numel() * sp.sharded.element_size()
+        if sp.sharded.numel():
+            worst = max(worst, (local_piece(sp, want[fqn]) - sp.sharded.detach()).abs().max()
+                        .item())
+            compared += 1
+            split += sp.dtensor_spec is not None
+    return worst, compared, split, own
+
+
+def _sent_to_rank0(fn):
+    """Run `fn()` counting the tensor bytes this rank sends to rank 0 through dist.gather (its
+    contribution) and dist.send: what gather_to_rank0 moves."""
+    from unittest import mock
+    import torch.distributed as dist
+    sent = [0]
+    gather, send = dist.gather, dist.send
+
+    def counting_gather(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return gather(tensor, *args, **kwargs)
+
+    def counting_send(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return send(tensor, *args, **kwargs)
+    with mock.patch.object(dist, "gather", counting_gather), \
+            mock.patch.object(dist, "send", counting_send):
+        fn()
+    return sent[0]
+
+
+def meta_models_and_hf_weights(rank, world, build, parallel, micro_rows, path):
+    """At (dp, tp/ep) = `parallel`, through initialize:
+    - a model built on meta: every piece bitwise the one-process build's with the same seed,
+      then META_STEPS steps against one process on the same global batch;
+    - vescale.hf_checkpoint into a model built on meta (another seed), and from_pretrained under
+      a vescale ZeRO-3 HfDeepSpeedConfig: bitwise the file, each rank reading its own bytes;
+    - save_hf_checkpoint with HSDP (replicate 2): the file bitwise the one-process model, and
+      only one replica's bytes sent to rank 0."""
+    from unittest import mock
+    import torch.distributed as dist
+    import vescale_engine
+    from safetensors.torch import load_file
+    from vescale_engine.engine import weights
+    from vescale_engine.fsdp.lookup import units_under
+    from test_hf_zero_init import hf_config, record_of
+    out = {}
+    ids = global_batch()
+    reference = build(3)
+    want = {k: v.detach().clone() for k, v in reference.named_parameters()}
+    want_losses, _ = reference_run(reference, ids, steps=META_STEPS)
+    trained = dict(reference.named_parameters())
+
+    engine, *_ = vescale_engine.initialize(model=on_meta(build, 3), config=config(**parallel))
+    out["init"] = _piece_errors(engine, want)
+    losses = _steps(engine, ids, micro_rows, META_STEPS)
+    out["train"] = (max(abs(a - b) for a, b in zip(losses, want_losses)),
+                    _piece_errors(engine, trained)[0])
+    engine.destroy()
+    if build is tiny_llama:  # our own plan (torch's parallelize_module) on meta too
+        torch.manual_seed(3)
+        engine, *_ = vescale_engine.initialize(model=on_meta(build, 3), config=config(
+            **parallel, vescale={"tensor_parallel": OUR_PLAN}))
+        out["our_plan"] = _piece_errors(engine, want)
+        engine.destroy()
+
+    files = f"{path}/hf"
+    if rank == 0:
+        build(3).save_pretrained(files, save_original_format=False)
+    dist.barrier()
+    stored = load_file(f"{files}/model.safetensors")
+    loads = []
+
+    def spy(*args, **kwargs):
+        loads.append(weights_load_into(*args, **kwargs))
+        return loads[-1]
+    weights_load_into = weights.load_into
+    with mock.patch.object(weights, "load_into", spy):
+        engine, *_ = vescale_engine.initialize(model=on_meta(build, 5), config=config(
+            **parallel, vescale={"hf_checkpoint": files}))
+    worst, compared, _, own = _piece_errors(engine, stored)
+    out["hf_checkpoint"] = (worst, compared, loads[0].bytes_read, own)
+    engine.destroy()
+
+    vescale_engine.patch_deepspeed()
+    zero3 = config(**parallel, zero_optimization={"stage": 3}, vescale={})
+    with hf_config(zero3):
+        model = type(reference).from_pretrained(files, dtype=torch.float32)
+    on = {p.device.type for p in model.parameters()}
+    engine, *_ = vescale_engine.initialize(model=model, config=zero3)
+    worst, compared, _, own = _piece_errors(engine, stored)
+    out["from_pretrained"] = (on, worst, compared,
+                              record_of(engine.module).loaded.bytes_read, own)
+    engine.destroy()
+
+    hsdp = config(**parallel, vescale={"hsdp_replicate_size": 2})
+    engine, *_ = vescale_engine.initialize(model=build(3), config=hsdp)
+    sent = _sent_to_rank0(lambda: engine.save_hf_checkpoint(f"{path}/hsdp", dtype="fp32"))
+    replica = engine.meshes.dense["dp_replicate"].get_local_rank()
+    master = sum(b.master.numel() * b.master.element_size()
+                 for u in units_under(engine.module) for b in u.buffers)
+    engine.destroy()
+    dist.barrier()
+    saved = load_file(f"{path}/hsdp/model.safetensors")
+    one_process = build(3).state_dict()
+    out["hsdp"] = (sorted(saved) == sorted(one_process),
+                   max((saved[k] - v).abs().max().item() for k, v in one_process.items()),
+                   sent, master, replica)
+    return out
+
+
+@pytest.mark.parametrize("build,parallel,micro_rows", [
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)],
+    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+def test_meta_models_random_init_hf_weights_and_hsdp_save_under_tp_ep(pool, tmp_path, build,
+                                                                     parallel, micro_rows):
+    got = pool.run(meta_models_and_hf_weights, build, parallel, micro_rows, str(tmp_path))
+    for rank, out in enumerate(got):
+        worst, compared, split, own = out["init"]
+        # materialize: each tensor drawn at its global shape, this rank's TP/EP piece kept
+        assert worst == 0.0 and compared >= 8 and split > 0, (rank, out["init"])
+        assert out["train"][0] < 1e-6 and out["train"][1] < 1e-6, (rank, out["train"])
+        if "our_plan" in out:
+            assert out["our_plan"][0] == 0.0 and out["our_plan"][2] > 0, (rank, out["our_plan"])
+        worst, compared, read, own = out["hf_checkpoint"]
+        assert worst == 0.0 and compared >= 8 and read == own, (rank, out["hf_checkpoint"])
+        on, worst, compared, read, own = out["from_pretrained"]
+        assert on == {"meta"} and worst == 0.0 and compared >= 8 and read == own, (rank, out)
+        same_keys, err, *_ = out["hsdp"]
+        assert same_keys and err == 0.0, (rank, out["hsdp"])
+    # HSDP: the second replica sends nothing; the first sends at most its own shards
+    replica0 = sum(out["hsdp"][3] for out in got[1:] if out["hsdp"][4] == 0)
+    sent = [out["hsdp"][2] for out in got]
+    assert all(s == 0 for out, s in zip(got, sent) if out["hsdp"][4] == 1), sent
+    assert 0 < sum(sent[1:]) <= replica0, (sent, replica0)

@@ -1,7 +1,7 @@
 """State-dict utilities over sharded modules: full parameters for a while
 (`gathered_parameters`), full and sharded state dicts, and the one per-DBuffer gather every
 saver uses (`gathered_buffers`; `gather_to_rank0` for the HF saver and the 16-bit state dict,
-which under TP/EP gathers every rank's pieces to rank 0 as boxes of the global tensors)."""
+which under TP/EP gathers one copy of every piece to rank 0 as boxes of the global tensors)."""
 from __future__ import annotations
 
 import contextlib
@@ -170,8 +170,8 @@ def gather_to_rank0(module, dtype=None):
     names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
     tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
     gathered at a time and dropped before the next. Under tensor/expert parallelism `value` is
-    the GLOBAL tensor: every rank's piece of its TP/EP-local tensor goes to rank 0, placed
-    there by the rank's TP/EP offsets (`_pieces_to_rank0`). The other ranks yield nothing, but
+    the GLOBAL tensor: one copy of every piece of the TP/EP-local tensors goes to rank 0
+    (replicas send nothing), placed there by the rank's TP/EP offsets (`_pieces_to_rank0`). The other ranks yield nothing, but
     every rank must run the generator to its end (one collective per DBuffer)."""
     rank0 = dist.get_rank() == 0
 
@@ -214,44 +214,75 @@ def _piece_record(p):
 
 
 def _pieces_to_rank0(params, dtype):
-    """Yield (ShardedParameter, global host tensor) on rank 0, one DBuffer at a time: every
-    rank's master shard of the buffer is gathered (over the world) to rank 0, which places
-    each piece as boxes of the global tensor (`_place`). Pieces that replicas hold alike
-    (TP-replicated tensors, HSDP replicas) give identical boxes, written once; a global tensor
-    the boxes do not cover exactly is an error. Rank 0 holds one buffer's shards plus its
-    members' global tensors; the other ranks send their shard and hold nothing more."""
-    rank0, world = dist.get_rank() == 0, dist.get_world_size()
+    """Yield (ShardedParameter, global host tensor) on rank 0, one DBuffer at a time: the ranks
+    holding distinct pieces of the buffer send their master shard to rank 0 (point to point),
+    which places each piece as boxes of the global tensor (`_place`). A rank whose pieces
+    another, lower rank holds alike (an HSDP replica, a TP peer of a buffer of replicated
+    tensors: the same ranges, the same TP/EP coordinate) sends nothing (`_senders`), so rank 0
+    receives one replica's bytes, never the world's; a global tensor the boxes do not cover
+    exactly is an error. Rank 0 holds one buffer's received shards plus its members' global
+    tensors; the other ranks send their shard and hold nothing more."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     buffers = {}
     for p in params:
         buffers.setdefault(p.buffer, []).append(p)
     mine = [(buf.shard_size, [_piece_record(p) for p in members])
             for buf, members in buffers.items()]
-    records = [None] * world if rank0 else None
+    records = [None] * world if rank == 0 else None
     with explain_timeout("the gather of every rank's buffer layout to rank 0 (full values)"):
         dist.gather_object(mine, records, dst=0)
-    agreed = [None, None]  # (rank 0's problem, every buffer's largest shard)
-    if rank0:
+    agreed = [None, None]  # (rank 0's problem, every buffer's sending ranks)
+    if rank == 0:
         agreed = [_layout_problem(records, mine),
-                  [max(r[i][0] for r in records) for i in range(len(mine))]]
+                  [_senders([r[i] for r in records]) for i in range(len(mine))]]
     dist.broadcast_object_list(agreed, src=0)
     if agreed[0] is not None:
         raise RuntimeError(agreed[0])
     for i, (buf, members) in enumerate(buffers.items()):
-        source = buf.master if buf.master.device == buf.device else buf.master.to(buf.device)
-        send = torch.zeros(agreed[1][i], dtype=source.dtype, device=buf.device)
-        send[:buf.shard_size].copy_(source)  # padded: the ranks' shards may differ in size
-        shards = [torch.empty_like(send) for _ in range(world)] if rank0 else None
-        with explain_timeout(f"the gather of {buf.name}'s master shards to rank 0 (full "
+        senders = agreed[1][i]
+        sizes = [records[r][i][0] for r in senders] if rank == 0 else None
+        with explain_timeout(f"the sends of {buf.name}'s master shards to rank 0 (full "
                              "values)"):
-            dist.gather(send, shards, dst=0)
-        del send
-        if rank0:
-            shards = [s.cpu() for s in shards]
-            pieces = [{rec[0]: rec for rec in records[r][i][1]} for r in range(world)]
+            shards = _send_to_rank0(buf, senders, sizes)
+        if rank == 0:
+            pieces = [{rec[0]: rec for rec in records[r][i][1]} for r in senders]
             for p in members:
-                yield p, _place(p, [(shards[r], pieces[r][p.fqn]) for r in range(world)],
+                yield p, _place(p, [(shards[k], pieces[k][p.fqn]) for k in range(len(senders))],
                                 _cast(buf.master.dtype, dtype))
             del shards
+
+
+def _senders(buffer_records) -> list:
+    """The ranks whose shard of one buffer rank 0 needs: the first rank of each distinct
+    (shard size, pieces) record, so replicas are received once. Rank 0 is always first."""
+    seen, out = set(), []
+    for r, (size, pieces) in enumerate(buffer_records):
+        key = (size, tuple(map(str, pieces)))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _send_to_rank0(buf, senders, sizes):
+    """Each sender's master shard of `buf` on rank 0 (host tensors, in `senders` order; None
+    elsewhere): rank 0 posts one receive per other sender, each sender one send."""
+    rank = dist.get_rank()
+    source = buf.master if buf.master.device == buf.device else buf.master.to(buf.device)
+    if rank != 0:
+        if rank in senders:
+            dist.send(source.contiguous(), dst=0)
+        return None
+    shards, waits = [], []
+    for r, size in zip(senders, sizes):
+        if r == 0:
+            shards.append(source.detach().clone())
+            continue
+        shards.append(torch.empty(size, dtype=source.dtype, device=buf.device))
+        waits.append(dist.irecv(shards[-1], src=r))
+    for work in waits:
+        work.wait()
+    return [s.cpu() for s in shards]
 
 
 def _place(p, pieces, dtype) -> torch.Tensor:
