@@ -171,12 +171,8 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, meshes: Meshes) ->
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        # a meta model has no values to scatter from rank 0: each rank just keeps its slice
-        # (materialize or the checkpoint fills it); a real one takes rank 0's, as torch does
-        source = None if any(p.is_meta for p in model.parameters()) else 0
         parallelize_module(model, meshes.tp,
-                           {pattern: styles[style]() for pattern, style in plan.tp_plan.items()},
-                           src_data_rank=source)
+                           {pattern: styles[style]() for pattern, style in plan.tp_plan.items()})
     elif plan.tp_source is not None:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
         apply_tensor_parallelism(model, meshes.tp, plan.tp_plan)
