@@ -814,8 +814,20 @@ def meta_models_and_hf_weights(rank, world, build, parallel, micro_rows, path):
     want_losses, _ = reference_run(reference, ids, steps=META_STEPS)
     trained = dict(reference.named_parameters())
 
-    engine, *_ = vescale_engine.initialize(model=on_meta(build, 3), config=config(**parallel))
+    from vescale_engine.fsdp import materialize
+    scratch, make = [], materialize._Initializer._make_scratch
+
+    def recorded(self):  # the full-size tensors materialize inits into, one module at a time
+        made = make(self)
+        scratch.append(sum(t.numel() for t in made.values()))
+        return made
+    with mock.patch.object(materialize._Initializer, "_make_scratch", recorded):
+        engine, *_ = vescale_engine.initialize(model=on_meta(build, 3),
+                                               config=config(**parallel))
     out["init"] = _piece_errors(engine, want)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False))
+                  for m in reference.modules())
+    out["scratch"] = (scratch, largest, sum(p.numel() for p in reference.parameters()))
     losses = _steps(engine, ids, micro_rows, META_STEPS)
     out["train"] = (max(abs(a - b) for a, b in zip(losses, want_losses)),
                     _piece_errors(engine, trained)[0])
@@ -883,6 +895,9 @@ def test_meta_models_random_init_hf_weights_and_hsdp_save_under_tp_ep(pool, tmp_
     assert all(out["init"][0] == 0.0 and out["init"][1] >= 8 and out["init"][2] > 0
                for out in got), [out["init"] for out in got]
     for rank, out in enumerate(got):
+        # peak: one module's own tensors at their global shape, never the model's
+        scratch, largest, total = out["scratch"]
+        assert scratch == [largest] and largest < total / 2, out["scratch"]
         assert out["train"][0] < 1e-6 and out["train"][1] < 1e-6, (rank, out["train"])
         if "our_plan" in out:
             assert out["our_plan"][0] == 0.0 and out["our_plan"][2] > 0, (rank, out["our_plan"])
