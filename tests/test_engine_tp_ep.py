@@ -798,6 +798,7 @@ def meta_models_and_hf_weights(rank, world, build, parallel, micro_rows, path):
       then META_STEPS steps against one process on the same global batch;
     - vescale.hf_checkpoint into a model built on meta (another seed), and from_pretrained under
       a vescale ZeRO-3 HfDeepSpeedConfig: bitwise the file, each rank reading its own bytes;
+      from_config there: bitwise transformers' initialize_weights in one process;
     - save_hf_checkpoint with HSDP (replicate 2): the file bitwise the one-process model, and
       only one replica's bytes sent to rank 0."""
     from unittest import mock
@@ -867,6 +868,19 @@ def meta_models_and_hf_weights(rank, world, build, parallel, micro_rows, path):
     out["from_pretrained"] = (on, worst, compared,
                               record_of(engine.module).loaded.bytes_read, own)
     engine.destroy()
+    # from_config: transformers' initialize_weights (DeepSpeed's from_config), one process
+    from transformers import AutoModelForCausalLM, initialization
+    torch.manual_seed(11)
+    with torch.device("meta"), initialization.no_init_weights():
+        one = type(reference)(reference.config)
+    one.to_empty(device="cpu")
+    one.initialize_weights()
+    torch.manual_seed(11)
+    with hf_config(zero3):
+        model = AutoModelForCausalLM.from_config(reference.config)
+    engine, *_ = vescale_engine.initialize(model=model, config=zero3)
+    out["from_config"] = _piece_errors(engine, dict(one.named_parameters()))
+    engine.destroy()
 
     hsdp = config(**parallel, vescale={"hsdp_replicate_size": 2})
     engine, *_ = vescale_engine.initialize(model=build(3), config=hsdp)
@@ -905,6 +919,8 @@ def test_meta_models_random_init_hf_weights_and_hsdp_save_under_tp_ep(pool, tmp_
         assert worst == 0.0 and compared >= 8 and read == own, (rank, out["hf_checkpoint"])
         on, worst, compared, read, own = out["from_pretrained"]
         assert on == {"meta"} and worst == 0.0 and compared >= 8 and read == own, (rank, out)
+        worst, compared, split, _ = out["from_config"]
+        assert worst == 0.0 and compared >= 8 and split > 0, (rank, out["from_config"])
         same_keys, err, *_ = out["hsdp"]
         assert same_keys and err == 0.0, (rank, out["hsdp"])
     # HSDP: the second replica sends nothing; the first sends at most its own shards
