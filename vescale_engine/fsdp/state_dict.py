@@ -171,8 +171,9 @@ def gather_to_rank0(module, dtype=None):
     tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
     gathered at a time and dropped before the next. Under tensor/expert parallelism `value` is
     the GLOBAL tensor: one copy of every piece of the TP/EP-local tensors goes to rank 0
-    (replicas send nothing), placed there by the rank's TP/EP offsets (`_pieces_to_rank0`). The other ranks yield nothing, but
-    every rank must run the generator to its end (one collective per DBuffer)."""
+    (replicas send nothing), placed there by the rank's TP/EP offsets (`_pieces_to_rank0`).
+    The other ranks yield nothing, but every rank must run the generator to its end (one
+    collective per DBuffer)."""
     rank0 = dist.get_rank() == 0
 
     def copied(value):
@@ -275,8 +276,8 @@ def _send_to_rank0(buf, senders, sizes):
         return None
     shards, waits = [], []
     for r, size in zip(senders, sizes):
-        if r == 0:
-            shards.append(source.detach().clone())
+        if r == 0:  # its own: read in place (the save changes nothing)
+            shards.append(source.detach())
             continue
         shards.append(torch.empty(size, dtype=source.dtype, device=buf.device))
         waits.append(dist.irecv(shards[-1], src=r))
