@@ -928,3 +928,32 @@ def test_meta_models_random_init_hf_weights_and_hsdp_save_under_tp_ep(pool, tmp_
     sent = [out["hsdp"][2] for out in got]
     assert all(s == 0 for out, s in zip(got, sent) if out["hsdp"][4] == 1), sent
     assert 0 < sum(sent[1:]) <= replica0, (sent, replica0)
+
+
+def local_pieces_of_global(rank, world):
+    """dtensor_params.local_of_global (what materialize keeps of a global init) against
+    DTensor's own local tensors, for Shard on dims 0 and 1, _StridedShard (transformers' packed
+    gate/up) and FSDP2's 2-D expert placement: [(placements, equal, a view)]."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from vescale_engine.fsdp.dtensor_params import local_of_global
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
+    out = []
+    for sub, placements in ((mesh["tp"], [Shard(0)]), (mesh["tp"], [Shard(1)]),
+                            (mesh["tp"], [_StridedShard(0, split_factor=2)]),
+                            (mesh["tp"], [_StridedShard(1, split_factor=2)]),
+                            (mesh, [_StridedShard(0, split_factor=2), Shard(0)])):
+        mine = local_of_global(full, distribute_tensor(full, sub, placements)._spec)
+        out.append((str(placements), torch.equal(mine, distribute_tensor(
+            full, sub, placements).to_local()),
+            mine.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()))
+    return out
+
+
+def test_local_piece_of_a_global_tensor_is_dtensors_local_tensor(pool):
+    for out in pool.run(local_pieces_of_global):
+        assert all(equal for _, equal, _ in out), out
+        assert [view for *_, view in out][:4] == [True, True, False, False], out  # Shard:
+        # a view of the global tensor; _StridedShard: a copy of its segments
