@@ -134,8 +134,9 @@ PARITY_NATIVE = [case for case in PARITY if case[3] != "rows:16"]
 def test_parity_cases_cover_every_pair_of_settings():
     settings = [("gpt", "moe"), ("torch", "vescale"), ((1, False), (2, False), (2, True)),
                 ("rows:1", "rows:16", "tile:32x32")]
+    pairwise = [case for case in PARITY if case[1] != "vescale-unfused"]
     for x, y in itertools.combinations(range(4), 2):
-        assert {(case[x], case[y]) for case in PARITY} == \
+        assert {(case[x], case[y]) for case in pairwise} == \
             set(itertools.product(settings[x], settings[y])), (x, y)
     for y in (1, 2):
         assert {(case[0], case[y]) for case in PARITY_NATIVE if case[1] != "vescale-unfused"} \
