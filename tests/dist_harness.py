@@ -25,18 +25,20 @@ import traceback
 from datetime import timedelta
 
 DEFAULT_TIMEOUT_S = 180
-# What the fork server imports before it forks ranks: torch and the transformers models most
-# pools build. Not deepspeed (it reads DS_ACCELERATOR, which a pool may set, when imported) and nothing of ours
-# (a test may edit the library's modules or its environment between pools).
+# What the fork server imports before it forks ranks: torch, the transformers models most pools
+# build, Trainer, PEFT and Accelerate (none of them imports deepspeed). Not deepspeed: it fixes
+# its accelerator when imported, from DS_ACCELERATOR, which a pool may set. Nothing of ours: the
+# ranks must import the library as it is when their pool starts.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.testing",
             "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-            "transformers.models.mixtral.modeling_mixtral"]
+            "transformers.models.mixtral.modeling_mixtral", "transformers.trainer", "peft",
+            "accelerate"]
 _CONTEXT = None
 
 
 def _context():
     """The forkserver context, its preload set on first use (ranks start from a process that
-    already holds torch: about 4 s of CPU saved per rank on this machine)."""
+    already holds torch and transformers: 5 to 10 s of CPU saved per rank on this machine)."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
