@@ -274,7 +274,10 @@ def tp_mlp_parity(rank, world, grads_in_place, optimizer, granularity, max_norm,
 
 CASES = [(True, "vescale", "rows:1", None), (False, "vescale", "element", None),
          (True, "sgd", "element", 0.05), (False, "sgd", "rows:1", 0.05, True),
-         (True, "sgd", "element", 0.05, False, 15)]  # uneven: TP-local hidden 8 and 7
+         (True, "sgd", "element", 0.05, False, 15),  # uneven: TP-local hidden 8 and 7
+         # Muon on the TP-global matrices (w1 Shard(0), w2 Shard(1)): dp x tp, HSDP, uneven
+         (True, "muon", "rows:1", None), (False, "muon", "element", 0.05, True),
+         (True, "muon", "element", None, False, 15)]
 
 
 def tp_mlp_cases(rank, world):
@@ -282,8 +285,9 @@ def tp_mlp_cases(rank, world):
 
 
 def test_tp_mlp_equals_one_process(pool):
-    """(dp 2, tp 2): grads in place and preset .grad, our AdamW and torch SGD with clipping;
-    HSDP (replicate 2, shard 1) beside tp 2, clipped; a hidden size tp does not divide."""
+    """(dp 2, tp 2): grads in place and preset .grad, our AdamW, torch SGD with clipping and
+    our Muon (TP-split matrices orthogonalized whole); HSDP (replicate 2, shard 1) beside
+    tp 2, clipped; a hidden size tp does not divide."""
     for case, (loss_err, (param_err, _), norm_err) in zip(CASES, pool.run(tp_mlp_cases)[0]):
         assert loss_err < TOL, (case, "loss", loss_err)
         assert param_err < TOL, (case, "parameters", param_err)
@@ -361,11 +365,9 @@ def tp_refusals(rank, world):
     and the block rule as the planner got it."""
     from vescale_engine.fsdp import full_state_dict, gathered_parameters, sharded_state_dict
     from vescale_engine.optim.adamw8bit import AdamW8bit
-    from vescale_engine.optim.muon import Muon
     _, _, _, model = tp_mlp(granularity="element")
     out = {"blocks": blocks_of(unit_of(model.blocks[0]))}
-    attempts = {"muon": lambda: Muon(model.parameters()),
-                "adamw8bit": lambda: AdamW8bit(model.parameters()),
+    attempts = {"adamw8bit": lambda: AdamW8bit(model.parameters()),
                 "full_state_dict": lambda: full_state_dict(model),
                 "sharded_state_dict": lambda: sharded_state_dict(model),
                 "gathered_parameters": lambda: gathered_parameters(model).__enter__()}
@@ -380,7 +382,7 @@ def tp_refusals(rank, world):
 
 def test_refusals_and_block_rule(pool):
     out = pool.run(tp_refusals)[0]
-    for name in ("muon", "adamw8bit", "full_state_dict", "sharded_state_dict",
+    for name in ("adamw8bit", "full_state_dict", "sharded_state_dict",
                  "gathered_parameters"):
         assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
         assert "\n" not in out[name] and ".weight" in out[name], out[name]
