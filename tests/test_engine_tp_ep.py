@@ -103,9 +103,6 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
     ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
      "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
     ({"tensor_parallel": {"autotp_size": 2}, "fp16": {"enabled": True}}, 4, "fp16 with"),
-    ({"tensor_parallel": {"autotp_size": 2},  # EP: whole local experts, accepted
-      "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4,
-     "optimizer.type Muon with tensor_parallel.autotp_size 2"),
     ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
                                                                  "autoep_siz": 2}}, 4,
      "expert_parallel.autoep_siz: unknown key; did you mean 'autoep_size'"),

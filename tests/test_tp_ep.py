@@ -733,3 +733,25 @@ def test_adamw8bit_on_tp_and_ep_pieces_equals_one_process(pool):
                 assert "\n" not in err and "not one process's blocks" in err, err
             continue
         assert max(per_rank) < ADAMW8BIT_TOL, (case, per_rank)
+
+
+# ---------------------------------------------------------------------------- through initialize
+
+def engine_muon_cases(rank, world):
+    """Muon through `initialize` on the (dp 2, tp 2) tiny Llama of tests/test_engine_tp_ep.py
+    (the model's TP plan: attention and MLP colwise/rowwise), plain and HSDP (replicate 2 x
+    shard 1 x tp 2), against our Muon on one process over the same global batch (unclipped:
+    that reference does not clip)."""
+    import test_engine_tp_ep as e
+    tp = {"tensor_parallel": {"autotp_size": 2}, "optimizer": e.MUON}
+    return [e.train_against_one_process(rank, world, e.tiny_llama, {**tp, **keys}, 2)
+            for keys in ({}, {"vescale": {"hsdp_replicate_size": 2}})]
+
+
+def test_muon_on_tp_split_matrices_through_initialize_equals_one_process(pool):
+    for rank, cases in enumerate(pool.run(engine_muon_cases)):
+        for case, (loss_err, param_err, norm_err, report) in zip(("dp2_tp2", "hsdp"), cases):
+            assert loss_err < TOL and param_err < TOL, (rank, case, loss_err, param_err)
+            assert norm_err < 1e-5, (rank, case, norm_err)
+            assert report["placements"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], report
+            assert report["split"] == 16 and report["dp_rank"] == rank // 2, report

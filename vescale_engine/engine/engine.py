@@ -523,9 +523,14 @@ def _require_parallel_model(model, cfg, optimizer) -> None:
     if cfg.hf_checkpoint:
         raise ValueError(f"vescale.hf_checkpoint {what} is not supported yet: load the weights "
                          "into the model before initialize")
-    if type(optimizer).__name__ in ("Muon", "AdamW8bit"):
-        raise ValueError(f"a {type(optimizer).__name__} optimizer {what}: it would work on each "
-                         "rank's piece of a split tensor, not the tensor; use AdamW")
+    # An instance is rebuilt over the pieces with its class (from_config.rebuild_optimizer):
+    # element-wise ones are exact, torch's Muon refuses 1-D pieces in one line; a third-party
+    # 8-bit one would quantize each rank's piece in blocks one process does not have.
+    if isinstance(optimizer, torch.optim.Optimizer) and "8bit" in type(optimizer).__name__.lower():
+        raise ValueError(f"a {type(optimizer).__name__} optimizer instance {what}: rebuilt over "
+                         "the tensor/expert-parallel pieces it would quantize each rank's piece "
+                         "in its own blocks, not the tensor's; use optimizer.type AdamW8bit in "
+                         "the config or pass vescale_engine.optim.AdamW8bit (the class)")
 
 
 def _seed_everything(seed: int):

@@ -21,8 +21,15 @@ Each buffer's matrices move over that buffer's shard group, one group after anot
 order the parameters first use them, the same on every rank). TP/EP (DTensor) parameters: an
 expert tensor that EP split on a stacked dim (Shard(0)) holds whole matrices on each EP rank,
 so orthogonalizing its local experts over their shard group (efsdp) is exact, with no EP-group
-communication; a matrix TP split in its last two dims is refused (it would need the TP-global
-matrix gathered over the dp x tp ranks holding it).
+communication. A matrix TP split in its last two dims (colwise Shard(0), rowwise Shard(1),
+_StridedShard) is orthogonalized as one process does, on the global matrix: its pieces (each
+dp shard of each TP piece) move over the dp x tp ranks that hold them (the world at (dp, tp);
+the TP group under HSDP, whose dp shard is one rank), the root places them by their TP index
+maps, and Muon's lr scale uses the global shape. Traffic per step and TP-split R x C matrix,
+in Newton-Schulz dtype bytes b: 2 R C b (1 - 1/(dp tp)) in all (each piece to the root and
+back), where orthogonalizing each TP-local piece over dp (wrong) would move 2 R C b (1 - 1/dp);
+the extra 2 R C b (1/dp - 1/(dp tp)) is the other TP coordinates' pieces. Roots are balanced
+over the dp x tp ranks, so no rank carries more than its share of Newton-Schulz.
 
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
