@@ -755,3 +755,94 @@ def test_muon_on_tp_split_matrices_through_initialize_equals_one_process(pool):
             assert norm_err < 1e-5, (rank, case, norm_err)
             assert report["placements"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], report
             assert report["split"] == 16 and report["dp_rank"] == rank // 2, report
+
+
+def _state_vs_checkpoint(engine, full):
+    """Max |this rank's optimizer state - the checkpoint's global tensors| (0.0: bitwise) and
+    how many entries were compared: element-wise state (momentum, 8-bit codes) by its TP/EP
+    piece of the global tensor, own-shape state (per-block scales) by its boxes, steps."""
+    from test_engine_tp_ep import local_piece
+    from vescale_engine.checkpoint.dcp import RaggedPiece
+    from vescale_engine.checkpoint.entries import optimizer_state
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    state = optimizer_state(engine.optimizer, create=False)
+    worst, compared = 0.0, 0
+    for fqn, sp in sharded_parameters(engine.module):
+        for name, t in state.get(sp.sharded, {}).items():
+            whole = full[f"optim.state.{fqn}.{name}"]
+            if isinstance(t, RaggedPiece):
+                pairs = [(t.box(o), whole[tuple(slice(a, a + n) for a, n in zip(o, s))])
+                         for o, (s, *_) in t.boxes.items()]
+            else:
+                pairs = [(t, local_piece(sp, whole) if t.dim() else whole)]
+            for mine, theirs in pairs:
+                if mine.numel():
+                    worst = max(worst, (mine.double() - theirs.double()).abs().max().item())
+            compared += 1
+    return worst, compared
+
+
+def optimizer_checkpoint_across_layouts(rank, world, build, parallel, micro_rows, optimizer,
+                                        path):
+    """Muon's momentum / AdamW8bit's codes and scales saved at (dp, tp/ep) = `parallel`, loaded
+    at dp 4 and back: every piece bitwise the checkpoint's global tensors (read by one
+    process alone), and the losses of the steps after each load those of the run that saved."""
+    import test_engine_tp_ep as e
+    import torch.distributed as dist
+    import vescale_engine
+    ids = e.global_batch()
+    keys = {"optimizer": optimizer}
+    engine, *_ = vescale_engine.initialize(model=build(), config=e.config(**parallel, **keys))
+    e._steps(engine, ids, micro_rows, 2)
+    engine.save_checkpoint(path, tag="t")
+    dist.barrier()
+    full, _ = e._full_checkpoint(f"{path}/t")
+    saved = _state_vs_checkpoint(engine, full)
+    after = e._steps(engine, ids, micro_rows, 2)
+    engine.destroy()
+    plain, *_ = vescale_engine.initialize(model=build(seed=7), config=e.config(**keys))
+    plain.load_checkpoint(path, tag="t")
+    loaded = _state_vs_checkpoint(plain, full)
+    resumed = e._steps(plain, ids, 1, 2)
+    plain.save_checkpoint(path, tag="u")
+    plain_next = e._steps(plain, ids, 1, 1)
+    plain.destroy()
+    dist.barrier()
+    full_u, _ = e._full_checkpoint(f"{path}/u")
+    split, *_ = vescale_engine.initialize(model=build(seed=9),
+                                          config=e.config(**parallel, **keys))
+    split.load_checkpoint(path, tag="u")
+    back = _state_vs_checkpoint(split, full_u)
+    split_next = e._steps(split, ids, micro_rows, 1)
+    split.destroy()
+    return dict(saved=saved, loaded=loaded, back=back,
+                resumed=max(abs(a - b) for a, b in zip(after, resumed)),
+                next=abs(plain_next[0] - split_next[0]),
+                scales=sorted({k.rsplit(".", 1)[-1] for k in full if k.startswith("optim.")}))
+
+
+TP2 = {"tensor_parallel": {"autotp_size": 2}}
+EP2 = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
+STATE_CASES = [("tiny_llama", TP2, 2, "MUON"), ("tiny_llama", TP2, 2, "ADAMW8BIT"),
+               ("tiny_mixtral", EP2, 1, "MUON"), ("tiny_mixtral", EP2, 1, "ADAMW8BIT")]
+
+
+def state_checkpoint_cases(rank, world, path):
+    import test_engine_tp_ep as e
+    return [optimizer_checkpoint_across_layouts(rank, world, getattr(e, build), parallel, rows,
+                                                getattr(e, optimizer), f"{path}/{k}")
+            for k, (build, parallel, rows, optimizer) in enumerate(STATE_CASES)]
+
+
+def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
+    """(dp 2, tp 2) and (dp 2, ep 2) -> dp 4 -> back: Muon's momentum and AdamW8bit's codes
+    and per-block scales are the global tensors' pieces, bitwise, at every layout."""
+    for rank, cases in enumerate(pool.run(state_checkpoint_cases, str(tmp_path))):
+        for case, out in zip(STATE_CASES, cases):
+            for stage in ("saved", "loaded", "back"):
+                worst, compared = out[stage]
+                assert worst == 0.0 and compared > 20, (rank, case, stage, out[stage])
+            assert out["resumed"] < 1e-6 and out["next"] < 1e-6, (rank, case, out)
+            want = ["momentum_buffer"] if case[3] == "MUON" else \
+                ["exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"]
+            assert set(want) <= set(out["scales"]), (case, out["scales"])
