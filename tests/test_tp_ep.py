@@ -815,7 +815,23 @@ def optimizer_checkpoint_across_layouts(rank, world, build, parallel, micro_rows
     back = _state_vs_checkpoint(split, full_u)
     split_next = e._steps(split, ids, micro_rows, 1)
     split.destroy()
-    return dict(saved=saved, loaded=loaded, back=back,
+    converted = None
+    if "block" in optimizer["params"]:  # the dp-4 checkpoint into other blocks (block:4):
+        # converted at dp 4 and at `parallel` alike, bitwise (the same global blocks)
+        other = {**optimizer, "params": {**optimizer["params"], "block": "block:4"}}
+        for tag, layout in (("v", {}), ("w", parallel)):
+            eng, *_ = vescale_engine.initialize(model=build(seed=11),
+                                                config=e.config(**layout, optimizer=other))
+            eng.load_checkpoint(path, tag="u")
+            eng.save_checkpoint(path, tag=tag)
+            eng.destroy()
+        dist.barrier()
+        (v, _), (w, _) = e._full_checkpoint(f"{path}/v"), e._full_checkpoint(f"{path}/w")
+        state = [k for k in v if k.startswith("optim.state.") and v[k].dim()]
+        converted = (max((v[k].double() - w[k].double()).abs().max().item() for k in state),
+                     len(state), max((v[k].double() - full_u[k].double()).abs().max().item()
+                                     for k in state if k.endswith("codes")))
+    return dict(saved=saved, loaded=loaded, back=back, converted=converted,
                 resumed=max(abs(a - b) for a, b in zip(after, resumed)),
                 next=abs(plain_next[0] - split_next[0]),
                 scales=sorted({k.rsplit(".", 1)[-1] for k in full if k.startswith("optim.")}))
@@ -836,7 +852,8 @@ def state_checkpoint_cases(rank, world, path):
 
 def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
     """(dp 2, tp 2) and (dp 2, ep 2) -> dp 4 -> back: Muon's momentum and AdamW8bit's codes
-    and per-block scales are the global tensors' pieces, bitwise, at every layout."""
+    and per-block scales are the global tensors' pieces, bitwise, at every layout. AdamW8bit
+    state loaded into other blocks (block:4) converts the same at (dp, tp/ep) as at dp 4."""
     for rank, cases in enumerate(pool.run(state_checkpoint_cases, str(tmp_path))):
         for case, out in zip(STATE_CASES, cases):
             for stage in ("saved", "loaded", "back"):
@@ -846,3 +863,6 @@ def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
             want = ["momentum_buffer"] if case[3] == "MUON" else \
                 ["exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"]
             assert set(want) <= set(out["scales"]), (case, out["scales"])
+            if out["converted"] is not None:  # other blocks: converted the same at both
+                worst, compared, changed = out["converted"]
+                assert worst == 0.0 and compared > 20 and changed > 0, (case, out["converted"])
