@@ -866,3 +866,29 @@ def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
             if out["converted"] is not None:  # other blocks: converted the same at both
                 worst, compared, changed = out["converted"]
                 assert worst == 0.0 and compared > 20 and changed > 0, (case, out["converted"])
+
+
+def test_tp_pieces_assemble_and_split_the_global_matrix():
+    """Muon's placement of TP pieces (no ranks): two TP coordinates, each local matrix held by
+    two data-parallel ranks, placed by runs (Shard) or index tensors (_StridedShard), rows or
+    columns or both; assemble then split gives every piece back, at its global place."""
+    from vescale_engine.optim.muon import _selector, _TPPieces
+    full = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+    rows, cols = list(range(6)), list(range(8))
+    layouts = {  # per TP coordinate: (row map, column map), the global indices of its matrix
+        "rows": [([0, 1, 2], cols), ([3, 4, 5], cols)],
+        "strided rows": [([0, 1, 3, 4], cols), ([2, 5], cols)],
+        "strided cols": [(rows, [0, 1, 2, 6]), (rows, [3, 4, 5, 7])],
+        "both": [(r, c) for r in ([0, 2, 4], [1, 3, 5]) for c in ([0, 1, 4, 5], [2, 3, 6, 7])]}
+    for name, maps in layouts.items():
+        coordinates = [(_selector(r, len(r)), _selector(c, len(c)), len(r), len(c))
+                       for r, c in maps]
+        locals_ = [full[torch.tensor(r)[:, None], torch.tensor(c)].reshape(-1) for r, c in maps]
+        pieces, sent = [], []
+        for k, local in enumerate(locals_):  # two dp shards of each local matrix
+            half = local.numel() // 2 + 1
+            pieces += [(k, 0, half), (k, half, local.numel() - half)]
+            sent += [local[:half], local[half:]]
+        tp = _TPPieces(pieces, coordinates)
+        assert torch.equal(tp.assemble(sent, 6, 8), full), name
+        assert all(torch.equal(x, y) for x, y in zip(tp.split(full), sent)), name

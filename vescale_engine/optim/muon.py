@@ -166,18 +166,20 @@ class _TPPieces:
             mine = sorted(((at, k) for k, (coord, at, n) in enumerate(self.pieces)
                            if coord == c and n), key=lambda x: x[0])
             local = torch.cat([pieces[k] for _, k in mine]) if mine else pieces[0][:0]
-            out[_rows(rsel), csel] = local.view(lr, lc)
+            out[_block(rsel, csel)] = local.view(lr, lc)
         return out
 
     def split(self, out) -> list:
-        local = [out[_rows(rsel), csel].reshape(-1) for rsel, csel, _, _ in self.coordinates]
+        local = [out[_block(rsel, csel)].reshape(-1) for rsel, csel, _, _ in self.coordinates]
         return [local[c][at:at + n] for c, at, n in self.pieces]
 
 
-def _rows(selector):
-    """A row selector for indexing with a column selector beside it (a tensor of rows becomes
-    a column so that two index tensors select the rows x columns block)."""
-    return selector if isinstance(selector, slice) else selector[:, None]
+def _block(rows, cols) -> tuple:
+    """The index of the rows x cols block of a matrix (each a slice or an index tensor): two
+    index tensors broadcast as a column of rows against a row of columns."""
+    if isinstance(rows, torch.Tensor) and isinstance(cols, torch.Tensor):
+        return rows[:, None], cols
+    return rows, cols
 
 
 def _selector(index_map, size: int):
