@@ -743,13 +743,34 @@ def engine_muon_cases(rank, world):
     shard 1 x tp 2), against our Muon on one process over the same global batch (unclipped:
     that reference does not clip)."""
     import test_engine_tp_ep as e
+    import vescale_engine
+    from dist_harness import value_errors
     tp = {"tensor_parallel": {"autotp_size": 2}, "optimizer": e.MUON}
-    return [e.train_against_one_process(rank, world, e.tiny_llama, {**tp, **keys}, 2)
-            for keys in ({}, {"vescale": {"hsdp_replicate_size": 2}})]
+    cases = [e.train_against_one_process(rank, world, e.tiny_llama, {**tp, **keys}, 2)
+             for keys in ({}, {"vescale": {"hsdp_replicate_size": 2}})]
+
+    def client(make):  # an optimizer instance over the plain model, as Trainer passes one
+        model = e.tiny_llama()
+        keys = e.config(tensor_parallel={"autotp_size": 2})
+        return lambda: vescale_engine.initialize(model=model, optimizer=make(model), config=keys)
+    errors = value_errors([
+        client(lambda m: torch.optim.Muon([p for p in m.parameters() if p.ndim == 2])),
+        client(lambda m: Paged8bit(m.parameters(), lr=0.1))])
+    return cases, errors
+
+
+class Paged8bit(torch.optim.SGD):
+    """Stands for another library's 8-bit optimizer (bitsandbytes' PagedAdamW8bit)."""
 
 
 def test_muon_on_tp_split_matrices_through_initialize_equals_one_process(pool):
-    for rank, cases in enumerate(pool.run(engine_muon_cases)):
+    for rank, (cases, errors) in enumerate(pool.run(engine_muon_cases)):
+        # instances: torch's Muon cannot be rebuilt over flat pieces (its class can: ours);
+        # another library's 8-bit one would quantize pieces in their own blocks
+        assert errors[0].startswith("cannot rebuild the Muon passed to initialize"), errors
+        assert errors[1].startswith("a Paged8bit optimizer instance with tensor_parallel"), \
+            errors
+        assert all("\n" not in err for err in errors), errors
         for case, (loss_err, param_err, norm_err, report) in zip(("dp2_tp2", "hsdp"), cases):
             assert loss_err < TOL and param_err < TOL, (rank, case, loss_err, param_err)
             assert norm_err < 1e-5, (rank, case, norm_err)

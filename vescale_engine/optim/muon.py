@@ -394,7 +394,7 @@ class Muon(torch.optim.Optimizer):
         if not todo:
             return []
         rank, world, pg = exchange.rank, exchange.world_size, exchange.pg
-        device, dtype = exchange.device, self.ns_dtype  # the compute device (masters may be on the host)
+        device, dtype = exchange.device, self.ns_dtype  # compute device (masters: maybe host)
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
                   eps=group["eps"], dtype=dtype)
         cost = [-ns_flops(m.rows, m.cols, group["ns_steps"]) for m in todo]
