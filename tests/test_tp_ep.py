@@ -1,8 +1,10 @@
 """fully_shard over DTensor (TP/EP) parameters on 4 gloo ranks: (dp 2, tp 2) Colwise/Rowwise
 MLPs and a tiny transformers Llama, fused experts over (efsdp 2, ep 2) with the expert divisor,
 each against one process on the same global batch; the forward parameter is a DTensor over the
-DBuffer (zero copies); the gradient norm counts every piece once. The references are built as
-in /work/shared/reference/fsdp2_tp_ep_check.py."""
+DBuffer (zero copies); the gradient norm counts every piece once; Muon orthogonalizes TP-split
+matrices whole (fsdp level and through `initialize`), and Muon / AdamW8bit state checkpoints
+load across TP/EP layouts bitwise. The references are built as in
+/work/shared/reference/fsdp2_tp_ep_check.py."""
 import copy
 import zlib
 
