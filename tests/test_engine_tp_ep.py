@@ -103,9 +103,6 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
     ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
      "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
     ({"tensor_parallel": {"autotp_size": 2}, "fp16": {"enabled": True}}, 4, "fp16 with"),
-    ({"tensor_parallel": {"autotp_size": 2},  # EP: whole local experts, accepted
-      "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4,
-     "optimizer.type Muon with tensor_parallel.autotp_size 2"),
     ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
                                                                  "autoep_siz": 2}}, 4,
      "expert_parallel.autoep_siz: unknown key; did you mean 'autoep_size'"),
@@ -667,9 +664,10 @@ def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, 
             assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
 
 
-def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
+def test_optimizer_state_in_its_own_shape_must_be_mapped_for_tp_ep_parameters():
     """State an optimizer places in its own global shape (a RaggedPiece, e.g. per-block scales)
-    is not mapped through the TP/EP offsets: one line, never written as if global (no ranks)."""
+    of a TP/EP parameter is written only when the optimizer mapped it through the pieces'
+    index maps (AdamW8bit does); an unmapped one is one line, never written as if global."""
     from types import SimpleNamespace
     from torch.distributed.tensor import Shard
     from vescale_engine.checkpoint.dcp import CheckpointError, RaggedPiece
@@ -680,6 +678,10 @@ def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
     with pytest.raises(CheckpointError, match=r"optimizer state optim.state.w.scales: state in "
                                               "the optimizer's own shape is not mapped"):
         optimizer_entries(None, {id(p): ["w"]}, state)
+    mapped = {p: {"scales": RaggedPiece(torch.zeros(2), (4,), 0, local_shape=(2,),
+                                        index_maps=[[2, 3]])}}
+    entry = optimizer_entries(None, {id(p): ["w"]}, mapped)["optim.state.w.scales"]
+    assert entry is mapped[p]["scales"] and [c.offsets for c in entry.chunks()] == [(2,)]
     del p._vescale  # a plain parameter: its own-shape state is written as it is
     assert optimizer_entries(None, {id(p): ["w"]}, state)["optim.state.w.scales"] is \
         state[p]["scales"]

@@ -302,9 +302,9 @@ def _rank() -> int:
 
 def _require_composable(config: dict, fp16: bool, offload, tp: int) -> None:
     """What does not compose with tensor or expert parallelism yet, refused in one line rather
-    than trained wrongly: fp16's overflow check is not agreed over the TP/EP groups, Muon would
-    orthogonalize TP-local pieces of matrices (EP's whole local experts are exact), the host
-    optimizer is untested on TP/EP shards. AdamW8bit checks its blocks per parameter when it is
+    than trained wrongly: fp16's overflow check is not agreed over the TP/EP groups, the host
+    optimizer is untested on TP/EP shards. (Muon orthogonalizes TP-split matrices whole:
+    optim/muon.py.) AdamW8bit checks its blocks per parameter when it is
     built (optim/adamw8bit.py: refused where they are not one process's)."""
     what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
     if fp16:
@@ -312,11 +312,6 @@ def _require_composable(config: dict, fp16: bool, offload, tp: int) -> None:
                            "parallel groups yet; use bf16 or fp32"])
     if offload is not None:
         raise ConfigError([f"zero_optimization.offload_optimizer {what} is not supported yet"])
-    name = (config.get("optimizer") or {}).get("type", "")
-    if tp > 1 and isinstance(name, str) and name.lower() == "muon":
-        raise ConfigError([f"optimizer.type Muon with tensor_parallel.autotp_size {tp}: Muon "
-                           "would orthogonalize each rank's piece of a split matrix, not the "
-                           "matrix; use AdamW (Muon works with expert_parallel)"])
 
 
 def build_config(source, world_size: int) -> EngineConfig:
