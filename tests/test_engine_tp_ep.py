@@ -36,6 +36,27 @@ def tiny_mixtral(seed=0, experts=4):
         num_experts_per_tok=2, max_position_embeddings=32))
 
 
+def tiny_qwen3_moe(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+
+
+def tiny_deepseek_v3(seed=0):
+    """Multi-head latent attention, one dense layer first, then routed plus shared experts."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=32))
+
+
 def config(**edits):
     base = {"train_batch_size": 4, "gradient_clipping": 0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
@@ -425,6 +446,24 @@ def test_dp4_ep2_mixtral_equals_one_process(pool, keys):
             assert ("MixtralExperts", efsdp, 4.0) in report["units"], report["units"]
             assert ("MixtralDecoderLayer", (0, 1, 2, 3), None) in report["units"]
     assert len({str(report["first_batch"]) for *_, report in got}) == 4
+
+
+@pytest.mark.parametrize("build,experts,layer", [(tiny_qwen3_moe, "Qwen3MoeExperts",
+                                                   "Qwen3MoeDecoderLayer"),
+                                                  (tiny_deepseek_v3, "DeepseekV3Experts",
+                                                   "DeepseekV3DecoderLayer")],
+                         ids=["qwen3_moe", "deepseek_v3"])
+def test_dp4_ep2_qwen3_moe_and_deepseek_v3_equal_one_process(pool, build, experts, layer):
+    """The models' own EP plans (fused experts split on dim 0, all-to-all dispatch), clipped."""
+    got = pool.run(train_against_one_process, build,
+                   {"expert_parallel": {"enabled": True, "autoep_size": 2},
+                    "gradient_clipping": 0.05}, 1)
+    for rank, (loss_err, param_err, norm_err, report) in enumerate(got):
+        assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert norm_err < 1e-5, (rank, norm_err)
+        assert report["placements"] == ["(Shard(dim=0),)"]
+        assert (experts, (rank % 2, rank % 2 + 2), 4.0) in report["units"], report["units"]
+        assert (layer, (0, 1, 2, 3), None) in report["units"], report["units"]
 
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": "fp32",
