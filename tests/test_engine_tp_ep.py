@@ -744,6 +744,11 @@ def hf_files_at_tp_ep(rank, world, build, parallel, micro_rows, path):
     engine.save_hf_checkpoint(f"{path}/init", dtype="fp32")
     state = engine._zero3_consolidated_16bit_state_dict()
     out = {}
+    full = vescale_engine.full_state_dict(engine.module)  # the global tensors on every rank
+    alone = vescale_engine.full_state_dict(engine.module, rank0_only=True, cpu_offload=True)
+    out["full"] = (sorted(full) == sorted(reference),
+                   max((full[k] - v).abs().max().item() for k, v in reference.items()),
+                   sorted(alone) == (sorted(reference) if rank == 0 else []))
     if rank == 0:
         saved = load_file(f"{path}/init/model.safetensors")
         out["keys"] = (sorted(saved) == sorted(reference), sorted(state) == sorted(reference))
@@ -779,6 +784,7 @@ def test_hf_files_and_16bit_state_dict_hold_the_global_tensors(pool, tmp_path, b
     got = pool.run(hf_files_at_tp_ep, build, parallel, micro_rows, str(tmp_path))
     assert got[0]["keys"] == (True, True) and got[0]["shapes"], got[0]
     assert got[0]["init"] == 0.0, got[0]  # the one-process model, bitwise
+    assert [r["full"] for r in got] == [(True, 0.0, True)] * WORLD  # full_state_dict too
     assert got[0]["from_pretrained"] == 0.0, got[0]
     for rank, out in enumerate(got):
         assert out["own"] == 0.0 and out["dp4"] == 0.0, (rank, out)

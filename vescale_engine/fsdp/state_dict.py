@@ -60,8 +60,11 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
     their parameters copied out (to CPU with `cpu_offload`, pinned when the source is CUDA)
     before the next is gathered: the device holds the result plus at most one full buffer, or
     just one full buffer with `cpu_offload`. With `rank0_only` only global rank 0 gets the
-    values; the other ranks take part in the gathers and get {}."""
+    values; the other ranks take part in the gathers and get {}. Under tensor/expert
+    parallelism the values are the global tensors (`_global_state_dict`)."""
     keep = not rank0_only or dist.get_rank() == 0
+    if any(sharded_mesh_dims(p.dtensor_spec) for unit in units_under(module) for p in unit.params):
+        return _global_state_dict(module, keep, rank0_only, cpu_offload)
     full = gather_full(module, keep, "host" if cpu_offload else "clone")
     if not keep:
         return {}
@@ -81,6 +84,35 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
         else:  # a module buffer: a copy, as for the parameters
             out[key] = _copy_out(value.detach(), "host" if cpu_offload else "clone")
             _finish_host_copies(value.device, "host" if cpu_offload else "clone")
+    return out
+
+
+def _global_state_dict(module, keep, rank0_only, cpu_offload) -> dict:
+    """full_state_dict under tensor/expert parallelism: the GLOBAL tensors, gathered to rank 0
+    one DBuffer at a time (`gather_to_rank0`), then, unless `rank0_only`, broadcast from rank 0
+    one tensor at a time (its names, shape and dtype first, as one object)."""
+    require_materialized(module, "gathering full parameters")
+    device = next(b.device for unit in units_under(module) for b in unit.buffers)
+    rank0 = dist.get_rank() == 0
+    out, order = {}, []
+    for names, _, value in gather_to_rank0(module):  # rank 0 only: host copies
+        value = value if cpu_offload else value.to(device)
+        order.append((names, tuple(value.shape), value.dtype, value.device.type))
+        for name in names:
+            out[name] = value
+    if rank0_only:
+        return out if keep else {}
+    shared = [order]
+    with explain_timeout("the broadcast of the state dict's names and shapes (full values)"):
+        dist.broadcast_object_list(shared, src=0)
+    for names, shape, dtype, _ in shared[0]:
+        value = out[names[0]].to(device) if rank0 else torch.empty(shape, dtype=dtype,
+                                                                    device=device)
+        with explain_timeout(f"the broadcast of {names[0]} (full values)"):
+            dist.broadcast(value, src=0)
+        value = value.cpu() if cpu_offload else value
+        for name in names:
+            out[name] = value
     return out
 
 
