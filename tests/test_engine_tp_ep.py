@@ -103,6 +103,16 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
     with pytest.raises(ConfigError, match="train_batch_size 6 is not a multiple of .* x 2 "
                                           "data-parallel ranks"):
         build_config(config(train_batch_size=6, train_micro_batch_size_per_gpu=2, **tp), 4)
+    # all three given may count every rank, as DeepSpeed AutoTP checks them (and Hugging
+    # Face's "auto" fills them): what trains is the micro-batch and the accumulation
+    both = dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3, **tp)
+    for total in (2 * 3 * 2, 2 * 3 * 4):
+        cfg = build_config(config(**{**both, "train_batch_size": total}), 4)
+        assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
+                cfg.batch.gradient_accumulation_steps) == (total, 2, 3)
+    with pytest.raises(ConfigError, match=r"train_batch_size 18 != .* = 12 \(or x 4 ranks = 24, "
+                                          "as DeepSpeed AutoTP counts\)"):
+        build_config(config(**{**both, "train_batch_size": 18}), 4)
 
 
 @pytest.mark.parametrize("keys,world,message", [

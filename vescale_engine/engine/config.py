@@ -43,9 +43,13 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
-def resolve_batch_sizes(config: dict, data_parallel_size: int) -> BatchSizes:
+def resolve_batch_sizes(config: dict, data_parallel_size: int,
+                        world_size: int | None = None) -> BatchSizes:
     """train_batch_size = micro_batch x accumulation x data-parallel ranks; any two of the three
-    keys determine the third (accumulation defaults to 1), and all three must agree."""
+    keys determine the third (accumulation defaults to 1), and all three must agree. With
+    tensor parallelism (`world_size` > `data_parallel_size`) the three given together may also
+    count every rank, as DeepSpeed's AutoTP checks them (and Hugging Face fills "auto"): the
+    micro-batch and the accumulation say what trains, the TP peers of a rank share its batch."""
     total = config.get("train_batch_size")
     micro = config.get("train_micro_batch_size_per_gpu")
     accum = config.get("gradient_accumulation_steps")
@@ -53,10 +57,17 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int) -> BatchSizes:
     if total is None and micro is None:
         raise ConfigError(["set train_batch_size or train_micro_batch_size_per_gpu (or both)"])
     if total is not None and micro is not None and accum is not None:
-        if total != micro * accum * dp:
+        if world_size and world_size != dp and total == micro * accum * world_size:
+            if _rank() == 0:
+                LOG.info("train_batch_size %d counts every rank, as DeepSpeed AutoTP does; the "
+                         "%d tensor-parallel peers of a rank share its batch: %d samples per "
+                         "step", total, world_size // dp, micro * accum * dp)
+        elif total != micro * accum * dp:
+            every = f" (or x {world_size} ranks = {micro * accum * world_size}, as DeepSpeed " \
+                "AutoTP counts)" if world_size and world_size != dp else ""
             raise ConfigError([f"train_batch_size {total} != train_micro_batch_size_per_gpu "
                                f"{micro} x gradient_accumulation_steps {accum} x {dp} "
-                               f"data-parallel ranks = {micro * accum * dp}"])
+                               f"data-parallel ranks = {micro * accum * dp}{every}"])
     elif total is not None and micro is not None:
         if total % (micro * dp):
             raise ConfigError([f"train_batch_size {total} is not a multiple of "
@@ -349,7 +360,7 @@ def build_config(source, world_size: int) -> EngineConfig:
         _require_composable(config, fp16, offload, sizes.tp)
     return EngineConfig(
         raw=raw,
-        batch=resolve_batch_sizes(config, sizes.dp),
+        batch=resolve_batch_sizes(config, sizes.dp, world_size),
         optimizer=config.get("optimizer"),
         scheduler=config.get("scheduler"),
         gradient_clipping=clipping,
