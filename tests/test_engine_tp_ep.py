@@ -914,3 +914,54 @@ def test_accumulation_and_bf16_under_tp_ep_equal_one_process(pool, build, keys, 
         # and a near-zero gradient's sign differs by rounding (measured up to 2 lr).
         assert (acc["compute"], bf16["compute"]) == (None, "bfloat16"), out
         assert bf16["norm"] < 2.0 ** -7 and bf16["rel_loss"] < 1e-4, (rank, bf16)
+
+
+def offload_against_device(rank, world, build, keys, micro_rows):
+    """The same 3 clipped steps without offload, with offload_optimizer (ratio 1) and with half
+    the buffers offloaded (ratio 0.5: host and device buffers in one norm): per variant the
+    losses, norms, final shards and how many buffers stepped on the host."""
+    import vescale_engine
+    ids = global_batch()
+    out = {}
+    for name, offload in (("device", None), ("host", {"ratio": 1.0}),
+                          ("half", {"ratio": 0.5})):
+        zero = {} if offload is None else {"zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", **offload}}}
+        engine, *_ = vescale_engine.initialize(
+            model=build(), config=config(gradient_clipping=0.05, **keys, **zero))
+        losses, norms = [], []
+        for _ in range(3):
+            losses += _steps(engine, ids, micro_rows, 1)
+            norms.append(engine.get_global_grad_norm())
+        off = getattr(engine.optimizer, "offload", None)
+        buffers = {id(p._vescale.buffer): p._vescale.buffer
+                   for p in engine.module.parameters()}.values()
+        out[name] = dict(losses=losses, norms=norms,
+                         shards={n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                         host=None if off is None else sum(off.offloads(b) for b in buffers),
+                         buffers=len(buffers), host_steps=None if off is None else
+                         off.stats.host_steps)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("build,keys,micro_rows", [
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)],
+    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+def test_offload_under_tp_ep_matches_no_offload_bitwise(pool, build, keys, micro_rows):
+    """ZeRO-Offload steps TP/EP pieces on the host with the device path's kernel, and the
+    clipping norm reads host and device gradient shards over the same TP/EP-aware groups: the
+    losses, norms and every parameter shard equal the run without offload bitwise."""
+    got = pool.run(offload_against_device, build, keys, micro_rows)
+    for rank, out in enumerate(got):
+        want = out["device"]
+        assert out["host"]["host"] == want["buffers"], (rank, out["host"]["host"])
+        assert 0 < out["half"]["host"] < want["buffers"], (rank, out["half"]["host"])
+        for variant in ("host", "half"):
+            got_v = out[variant]
+            assert got_v["losses"] == want["losses"], (rank, variant, got_v["losses"])
+            assert got_v["norms"] == want["norms"], (rank, variant, got_v["norms"])
+            assert got_v["host_steps"] == 3 * got_v["host"], (rank, variant)
+            for n, v in want["shards"].items():
+                assert torch.equal(got_v["shards"][n], v), (rank, variant, n)

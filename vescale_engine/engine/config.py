@@ -300,15 +300,13 @@ def _rank() -> int:
         return 0
 
 
-def _require_composable(config: dict, offload, tp: int) -> None:
+def _require_composable(config: dict, tp: int) -> None:
     """What does not compose with tensor or expert parallelism yet, refused in one line rather
     than trained wrongly: Muon would orthogonalize TP-local pieces of matrices (EP's whole local
-    experts are exact), the host optimizer is untested on TP/EP shards. (fp16 composes: the
-    overflow decision is agreed over the world, engine/loss_scaler.py.) AdamW8bit checks its blocks per parameter when it is
-    built (optim/adamw8bit.py: refused where they are not one process's)."""
-    what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
-    if offload is not None:
-        raise ConfigError([f"zero_optimization.offload_optimizer {what} is not supported yet"])
+    experts are exact). fp16 and offload compose (the overflow decision is agreed over the
+    world: engine/loss_scaler.py; the host step works on the flat TP/EP-local shards). AdamW8bit
+    checks its blocks per parameter when it is built (optim/adamw8bit.py: refused where they
+    are not one process's)."""
     name = (config.get("optimizer") or {}).get("type", "")
     if tp > 1 and isinstance(name, str) and name.lower() == "muon":
         raise ConfigError([f"optimizer.type Muon with tensor_parallel.autotp_size {tp}: Muon "
@@ -348,7 +346,7 @@ def build_config(source, world_size: int) -> EngineConfig:
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
     if sizes.enabled:
-        _require_composable(config, offload, sizes.tp)
+        _require_composable(config, sizes.tp)
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, sizes.dp),
