@@ -796,8 +796,8 @@ def _poisoned_step(engine, ids, micro_rows, pick):
 
 def fp16_against_one_process(rank, world, build, keys, micro_rows, pick):
     """3 fp16 steps at a TP/EP layout against one process's fp16 on the same global batch
-    (max relative loss error, max relative gradient-norm error, skipped steps), then a step with an inf planted
-    on rank 0's piece that `pick` chooses: skipped everywhere, the scale halved everywhere."""
+    (max relative loss error, max relative gradient-norm error, skipped steps), then a step
+    with an inf planted on rank 0's piece that `pick` chooses: skipped everywhere, the scale halved everywhere."""
     import torch.distributed as dist
     import vescale_engine
     ids = global_batch()
@@ -937,7 +937,8 @@ def offload_against_device(rank, world, build, keys, micro_rows):
         buffers = {id(p._vescale.buffer): p._vescale.buffer
                    for p in engine.module.parameters()}.values()
         out[name] = dict(losses=losses, norms=norms,
-                         shards={n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                         shards={n: p.detach().clone()
+                                 for n, p in engine.module.named_parameters()},
                          host=None if off is None else sum(off.offloads(b) for b in buffers),
                          buffers=len(buffers), host_steps=None if off is None else
                          off.stats.host_steps)
@@ -965,3 +966,75 @@ def test_offload_under_tp_ep_matches_no_offload_bitwise(pool, build, keys, micro
             assert got_v["host_steps"] == 3 * got_v["host"], (rank, variant)
             for n, v in want["shards"].items():
                 assert torch.equal(got_v["shards"][n], v), (rank, variant, n)
+
+
+class _LocalExperts(torch.nn.Module):
+    """Fused experts that call to_local() on their DTensor weights at the top of forward, as
+    transformers' EP kernels and torchtitan's grouped experts do; `note` hears when the
+    gradient reaches the first matmul's output (after the second matmul's backward)."""
+
+    def __init__(self, experts, note):
+        super().__init__()
+        torch.manual_seed(3)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, 8, 4))
+        self.w2 = torch.nn.Parameter(torch.randn(experts, 4, 4))
+        self.note = note
+
+    def forward(self, x):
+        w1, w2 = self.w1.to_local(), self.w2.to_local()
+        h = torch.bmm(x, w1.transpose(1, 2))
+        if h.requires_grad:
+            h.register_hook(lambda g: self.note.append("gradient at h"))
+        gate, up = h.chunk(2, dim=-1)
+        return torch.bmm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2))
+
+
+def expert_gradients_land_early(rank, world):
+    """Experts Shard(0) over ep 2, fully_shard over efsdp 2: the order of events in backward
+    (each weight's gradient landing in the buffer, the gradient reaching h) and the gradients
+    against plain autograd on the same local experts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from vescale_engine.fsdp import fully_shard
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    events = []
+    model = _LocalExperts(4, events)
+    plain = _LocalExperts(4, [])
+    for m in (model, plain):
+        for name in ("w1", "w2"):
+            full = getattr(m, name).detach()
+            setattr(m, name, torch.nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
+    fully_shard(model, mesh=mesh["efsdp"].get_group())
+    for fqn, sp in sharded_parameters(model):
+        real = sp.buffer.grad_arrived
+
+        def landed(i, t, _fqn=fqn, _real=real, _index=sp.index):
+            if i == _index and _fqn not in events:
+                events.append(_fqn)
+            return _real(i, t)
+        sp.buffer.grad_arrived = landed
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(5 + rank))
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    errors = {}
+    for fqn, sp in sharded_parameters(model):
+        want = getattr(plain, fqn).grad.to_local()
+        summed = want.clone()
+        dist.all_reduce(summed, group=mesh["efsdp"].get_group())  # over efsdp, then / 2
+        begin, end = sp.flat_range
+        if end > begin:
+            errors[fqn] = (sp.sharded.grad - (summed / 2).reshape(-1)[begin:end]).abs().max().item()
+    return events, errors
+
+
+def test_expert_gradients_land_in_the_buffer_before_the_next_is_computed(pool):
+    """to_local() of a DTensor face hands out a leaf over the buffer view (fsdp/dtensor_params
+    LocalLeafRoute): w2's gradient lands in the buffer before the first matmul's backward
+    computes w1's, so the two never live at once beside the gathered experts (the memory
+    benchmark's peak); with DTensor's own to_local both landed after the last matmul."""
+    got = pool.run(expert_gradients_land_early)
+    for rank, (events, errors) in enumerate(got):
+        assert events == ["w2", "gradient at h", "w1"], (rank, events)
+        assert errors and max(errors.values()) < 1e-6, (rank, errors)
