@@ -36,6 +36,27 @@ def tiny_mixtral(seed=0, experts=4):
         num_experts_per_tok=2, max_position_embeddings=32))
 
 
+def tiny_qwen3_moe(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+
+
+def tiny_deepseek_v3(seed=0):
+    """Multi-head latent attention, one dense layer first, then routed plus shared experts."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=32))
+
+
 def config(**edits):
     base = {"train_batch_size": 4, "gradient_clipping": 0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
@@ -102,9 +123,6 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
       "zero_optimization": {"stage": 0}}, 4, "needs zero_optimization.stage >= 1"),
     ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
      "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
-    ({"tensor_parallel": {"autotp_size": 2},  # EP: whole local experts, accepted
-      "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}, 4,
-     "optimizer.type Muon with tensor_parallel.autotp_size 2"),
     ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
                                                                  "autoep_siz": 2}}, 4,
      "expert_parallel.autoep_siz: unknown key; did you mean 'autoep_size'"),
@@ -429,6 +447,24 @@ def test_dp4_ep2_mixtral_equals_one_process(pool, keys):
     assert len({str(report["first_batch"]) for *_, report in got}) == 4
 
 
+@pytest.mark.parametrize("build,experts,layer", [(tiny_qwen3_moe, "Qwen3MoeExperts",
+                                                   "Qwen3MoeDecoderLayer"),
+                                                  (tiny_deepseek_v3, "DeepseekV3Experts",
+                                                   "DeepseekV3DecoderLayer")],
+                         ids=["qwen3_moe", "deepseek_v3"])
+def test_dp4_ep2_qwen3_moe_and_deepseek_v3_equal_one_process(pool, build, experts, layer):
+    """The models' own EP plans (fused experts split on dim 0, all-to-all dispatch), clipped."""
+    got = pool.run(train_against_one_process, build,
+                   {"expert_parallel": {"enabled": True, "autoep_size": 2},
+                    "gradient_clipping": 0.05}, 1)
+    for rank, (loss_err, param_err, norm_err, report) in enumerate(got):
+        assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)
+        assert norm_err < 1e-5, (rank, norm_err)
+        assert report["placements"] == ["(Shard(dim=0),)"]
+        assert (experts, (rank % 2, rank % 2 + 2), 4.0) in report["units"], report["units"]
+        assert (layer, (0, 1, 2, 3), None) in report["units"], report["units"]
+
+
 MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": "fp32",
                                    "adamw_lr": LR, "adamw_weight_decay": 0.0}}
 ADAMW8BIT = {"type": "AdamW8bit", "params": {"lr": LR, "weight_decay": 0.0, "block": "block:8"}}
@@ -666,9 +702,10 @@ def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, 
             assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
 
 
-def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
+def test_optimizer_state_in_its_own_shape_must_be_mapped_for_tp_ep_parameters():
     """State an optimizer places in its own global shape (a RaggedPiece, e.g. per-block scales)
-    is not mapped through the TP/EP offsets: one line, never written as if global (no ranks)."""
+    of a TP/EP parameter is written only when the optimizer mapped it through the pieces'
+    index maps (AdamW8bit does); an unmapped one is one line, never written as if global."""
     from types import SimpleNamespace
     from torch.distributed.tensor import Shard
     from vescale_engine.checkpoint.dcp import CheckpointError, RaggedPiece
@@ -679,6 +716,10 @@ def test_optimizer_state_in_its_own_shape_is_refused_for_tp_ep_parameters():
     with pytest.raises(CheckpointError, match=r"optimizer state optim.state.w.scales: state in "
                                               "the optimizer's own shape is not mapped"):
         optimizer_entries(None, {id(p): ["w"]}, state)
+    mapped = {p: {"scales": RaggedPiece(torch.zeros(2), (4,), 0, local_shape=(2,),
+                                        index_maps=[[2, 3]])}}
+    entry = optimizer_entries(None, {id(p): ["w"]}, mapped)["optim.state.w.scales"]
+    assert entry is mapped[p]["scales"] and [c.offsets for c in entry.chunks()] == [(2,)]
     del p._vescale  # a plain parameter: its own-shape state is written as it is
     assert optimizer_entries(None, {id(p): ["w"]}, state)["optim.state.w.scales"] is \
         state[p]["scales"]
@@ -702,6 +743,11 @@ def hf_files_at_tp_ep(rank, world, build, parallel, micro_rows, path):
     engine.save_hf_checkpoint(f"{path}/init", dtype="fp32")
     state = engine._zero3_consolidated_16bit_state_dict()
     out = {}
+    full = vescale_engine.full_state_dict(engine.module)  # the global tensors on every rank
+    alone = vescale_engine.full_state_dict(engine.module, rank0_only=True, cpu_offload=True)
+    out["full"] = (sorted(full) == sorted(reference),
+                   max((full[k] - v).abs().max().item() for k, v in reference.items()),
+                   sorted(alone) == (sorted(reference) if rank == 0 else []))
     if rank == 0:
         saved = load_file(f"{path}/init/model.safetensors")
         out["keys"] = (sorted(saved) == sorted(reference), sorted(state) == sorted(reference))
@@ -737,6 +783,7 @@ def test_hf_files_and_16bit_state_dict_hold_the_global_tensors(pool, tmp_path, b
     got = pool.run(hf_files_at_tp_ep, build, parallel, micro_rows, str(tmp_path))
     assert got[0]["keys"] == (True, True) and got[0]["shapes"], got[0]
     assert got[0]["init"] == 0.0, got[0]  # the one-process model, bitwise
+    assert [r["full"] for r in got] == [(True, 0.0, True)] * WORLD  # full_state_dict too
     assert got[0]["from_pretrained"] == 0.0, got[0]
     for rank, out in enumerate(got):
         assert out["own"] == 0.0 and out["dp4"] == 0.0, (rank, out)
@@ -1038,3 +1085,216 @@ def test_expert_gradients_land_in_the_buffer_before_the_next_is_computed(pool):
     for rank, (events, errors) in enumerate(got):
         assert events == ["w2", "gradient at h", "w1"], (rank, events)
         assert errors and max(errors.values()) < 1e-6, (rank, errors)
+
+# --- meta-device models and HF weights under TP/EP (s4-meta)
+
+META_STEPS = 3
+
+
+def on_meta(build, seed):
+    """`build(seed)` on the meta device: no storage, no draws (the generator is left seeded)."""
+    with torch.device("meta"):
+        return build(seed)
+
+
+def _piece_errors(engine, want):
+    """(max |piece - want's local piece| over the engine's parameters, pieces compared, pieces
+    of TP/EP-split tensors among them, this rank's own parameter bytes)."""
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    worst, compared, split, own = 0.0, 0, 0, 0
+    for fqn, sp in sharded_parameters(engine.module):
+        own += sp.sharded.numel() * sp.sharded.element_size()
+        if sp.sharded.numel():
+            worst = max(worst, (local_piece(sp, want[fqn]) - sp.sharded.detach()).abs().max()
+                        .item())
+            compared += 1
+            split += sp.dtensor_spec is not None
+    return worst, compared, split, own
+
+
+def _sent_to_rank0(fn):
+    """Run `fn()` counting the tensor bytes this rank sends to rank 0 through dist.gather (its
+    contribution) and dist.send: what gather_to_rank0 moves."""
+    from unittest import mock
+    import torch.distributed as dist
+    sent = [0]
+    gather, send = dist.gather, dist.send
+
+    def counting_gather(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return gather(tensor, *args, **kwargs)
+
+    def counting_send(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return send(tensor, *args, **kwargs)
+    with mock.patch.object(dist, "gather", counting_gather), \
+            mock.patch.object(dist, "send", counting_send):
+        fn()
+    return sent[0]
+
+
+def meta_models_and_hf_weights(rank, world, build, parallel, micro_rows, path):
+    """At (dp, tp/ep) = `parallel`, through initialize:
+    - a model built on meta: every piece bitwise the one-process build's with the same seed,
+      then META_STEPS steps against one process on the same global batch;
+    - vescale.hf_checkpoint into a model built on meta (another seed), and from_pretrained under
+      a vescale ZeRO-3 HfDeepSpeedConfig: bitwise the file, each rank reading its own bytes;
+      from_config there: bitwise transformers' initialize_weights in one process;
+    - save_hf_checkpoint with HSDP (replicate 2): the file bitwise the one-process model, and
+      only one replica's bytes sent to rank 0."""
+    from unittest import mock
+    import torch.distributed as dist
+    import vescale_engine
+    from safetensors.torch import load_file
+    from vescale_engine.engine import weights
+    from vescale_engine.fsdp.lookup import units_under
+    from test_hf_zero_init import hf_config, record_of
+    out = {}
+    ids = global_batch()
+    reference = build(3)
+    want = {k: v.detach().clone() for k, v in reference.named_parameters()}
+    want_losses, _ = reference_run(reference, ids, steps=META_STEPS)
+    trained = dict(reference.named_parameters())
+
+    from vescale_engine.fsdp import materialize
+    scratch, make = [], materialize._Initializer._make_scratch
+
+    def recorded(self):  # the full-size tensors materialize inits into, one module at a time
+        made = make(self)
+        scratch.append(sum(t.numel() for t in made.values()))
+        return made
+    with mock.patch.object(materialize._Initializer, "_make_scratch", recorded):
+        engine, *_ = vescale_engine.initialize(model=on_meta(build, 3),
+                                               config=config(**parallel))
+    out["init"] = _piece_errors(engine, want)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False))
+                  for m in reference.modules())
+    out["scratch"] = (scratch, largest, sum(p.numel() for p in reference.parameters()))
+    losses = _steps(engine, ids, micro_rows, META_STEPS)
+    out["train"] = (max(abs(a - b) for a, b in zip(losses, want_losses)),
+                    _piece_errors(engine, trained)[0])
+    engine.destroy()
+    if build is tiny_llama:  # our own plan (torch's parallelize_module) on meta too
+        torch.manual_seed(3)
+        engine, *_ = vescale_engine.initialize(model=on_meta(build, 3), config=config(
+            **parallel, vescale={"tensor_parallel": OUR_PLAN}))
+        out["our_plan"] = _piece_errors(engine, want)
+        engine.destroy()
+
+    files = f"{path}/hf"
+    if rank == 0:
+        build(3).save_pretrained(files, save_original_format=False)
+    dist.barrier()
+    stored = load_file(f"{files}/model.safetensors")
+    loads = []
+
+    def spy(*args, **kwargs):
+        loads.append(weights_load_into(*args, **kwargs))
+        return loads[-1]
+    weights_load_into = weights.load_into
+    with mock.patch.object(weights, "load_into", spy):
+        engine, *_ = vescale_engine.initialize(model=on_meta(build, 5), config=config(
+            **parallel, vescale={"hf_checkpoint": files}))
+    worst, compared, _, own = _piece_errors(engine, stored)
+    out["hf_checkpoint"] = (worst, compared, loads[0].bytes_read, own)
+    engine.destroy()
+
+    vescale_engine.patch_deepspeed()
+    zero3 = config(**parallel, zero_optimization={"stage": 3}, vescale={})
+    with hf_config(zero3):
+        model = type(reference).from_pretrained(files, dtype=torch.float32)
+    on = {p.device.type for p in model.parameters()}
+    engine, *_ = vescale_engine.initialize(model=model, config=zero3)
+    worst, compared, _, own = _piece_errors(engine, stored)
+    out["from_pretrained"] = (on, worst, compared,
+                              record_of(engine.module).loaded.bytes_read, own)
+    engine.destroy()
+    # from_config: transformers' initialize_weights (DeepSpeed's from_config), one process
+    from transformers import AutoModelForCausalLM, initialization
+    torch.manual_seed(11)
+    with torch.device("meta"), initialization.no_init_weights():
+        one = type(reference)(reference.config)
+    one.to_empty(device="cpu")
+    one.initialize_weights()
+    torch.manual_seed(11)
+    with hf_config(zero3):
+        model = AutoModelForCausalLM.from_config(reference.config)
+    engine, *_ = vescale_engine.initialize(model=model, config=zero3)
+    out["from_config"] = _piece_errors(engine, dict(one.named_parameters()))
+    engine.destroy()
+
+    hsdp = config(**parallel, vescale={"hsdp_replicate_size": 2})
+    engine, *_ = vescale_engine.initialize(model=build(3), config=hsdp)
+    sent = _sent_to_rank0(lambda: engine.save_hf_checkpoint(f"{path}/hsdp", dtype="fp32"))
+    replica = engine.meshes.dense["dp_replicate"].get_local_rank()
+    master = sum(b.master.numel() * b.master.element_size()
+                 for u in units_under(engine.module) for b in u.buffers)
+    engine.destroy()
+    dist.barrier()
+    saved = load_file(f"{path}/hsdp/model.safetensors")
+    one_process = build(3).state_dict()
+    out["hsdp"] = (sorted(saved) == sorted(one_process),
+                   max((saved[k] - v).abs().max().item() for k, v in one_process.items()),
+                   sent, master, replica)
+    return out
+
+
+@pytest.mark.parametrize("build,parallel,micro_rows", [
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)],
+    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+def test_meta_models_random_init_hf_weights_and_hsdp_save_under_tp_ep(pool, tmp_path, build,
+                                                                     parallel, micro_rows):
+    got = pool.run(meta_models_and_hf_weights, build, parallel, micro_rows, str(tmp_path))
+    # materialize: each tensor drawn at its global shape, this rank's TP/EP piece kept
+    assert all(out["init"][0] == 0.0 and out["init"][1] >= 8 and out["init"][2] > 0
+               for out in got), [out["init"] for out in got]
+    for rank, out in enumerate(got):
+        # peak: one module's own tensors at their global shape, never the model's
+        scratch, largest, total = out["scratch"]
+        assert scratch == [largest] and largest < total / 2, out["scratch"]
+        assert out["train"][0] < 1e-6 and out["train"][1] < 1e-6, (rank, out["train"])
+        if "our_plan" in out:
+            assert out["our_plan"][0] == 0.0 and out["our_plan"][2] > 0, (rank, out["our_plan"])
+        worst, compared, read, own = out["hf_checkpoint"]
+        assert worst == 0.0 and compared >= 8 and read == own, (rank, out["hf_checkpoint"])
+        on, worst, compared, read, own = out["from_pretrained"]
+        assert on == {"meta"} and worst == 0.0 and compared >= 8 and read == own, (rank, out)
+        worst, compared, split, _ = out["from_config"]
+        assert worst == 0.0 and compared >= 8 and split > 0, (rank, out["from_config"])
+        same_keys, err, *_ = out["hsdp"]
+        assert same_keys and err == 0.0, (rank, out["hsdp"])
+    # HSDP: the second replica sends nothing; the first sends at most its own shards
+    replica0 = sum(out["hsdp"][3] for out in got[1:] if out["hsdp"][4] == 0)
+    sent = [out["hsdp"][2] for out in got]
+    assert all(s == 0 for out, s in zip(got, sent) if out["hsdp"][4] == 1), sent
+    assert 0 < sum(sent[1:]) <= replica0, (sent, replica0)
+
+
+def local_pieces_of_global(rank, world):
+    """dtensor_params.local_of_global (what materialize keeps of a global init) against
+    DTensor's own local tensors, for Shard on dims 0 and 1, _StridedShard (transformers' packed
+    gate/up) and FSDP2's 2-D expert placement: [(placements, equal, a view)]."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from vescale_engine.fsdp.dtensor_params import local_of_global
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
+    out = []
+    for sub, placements in ((mesh["tp"], [Shard(0)]), (mesh["tp"], [Shard(1)]),
+                            (mesh["tp"], [_StridedShard(0, split_factor=2)]),
+                            (mesh["tp"], [_StridedShard(1, split_factor=2)]),
+                            (mesh, [_StridedShard(0, split_factor=2), Shard(0)])):
+        mine = local_of_global(full, distribute_tensor(full, sub, placements)._spec)
+        out.append((str(placements), torch.equal(mine, distribute_tensor(
+            full, sub, placements).to_local()),
+            mine.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()))
+    return out
+
+
+def test_local_piece_of_a_global_tensor_is_dtensors_local_tensor(pool):
+    for out in pool.run(local_pieces_of_global):
+        assert all(equal for _, equal, _ in out), out
+        assert [view for *_, view in out][:4] == [True, True, False, False], out  # Shard:
+        # a view of the global tensor; _StridedShard: a copy of its segments

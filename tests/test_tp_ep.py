@@ -1,8 +1,10 @@
 """fully_shard over DTensor (TP/EP) parameters on 4 gloo ranks: (dp 2, tp 2) Colwise/Rowwise
 MLPs and a tiny transformers Llama, fused experts over (efsdp 2, ep 2) with the expert divisor,
 each against one process on the same global batch; the forward parameter is a DTensor over the
-DBuffer (zero copies); the gradient norm counts every piece once. The references are built as
-in /work/shared/reference/fsdp2_tp_ep_check.py."""
+DBuffer (zero copies); the gradient norm counts every piece once; Muon orthogonalizes TP-split
+matrices whole (fsdp level and through `initialize`), and Muon / AdamW8bit state checkpoints
+load across TP/EP layouts bitwise. The references are built as in
+/work/shared/reference/fsdp2_tp_ep_check.py."""
 import copy
 import zlib
 
@@ -274,7 +276,10 @@ def tp_mlp_parity(rank, world, grads_in_place, optimizer, granularity, max_norm,
 
 CASES = [(True, "vescale", "rows:1", None), (False, "vescale", "element", None),
          (True, "sgd", "element", 0.05), (False, "sgd", "rows:1", 0.05, True),
-         (True, "sgd", "element", 0.05, False, 15)]  # uneven: TP-local hidden 8 and 7
+         (True, "sgd", "element", 0.05, False, 15),  # uneven: TP-local hidden 8 and 7
+         # Muon on the TP-global matrices (w1 Shard(0), w2 Shard(1)): dp x tp, HSDP, uneven
+         (True, "muon", "rows:1", None), (False, "muon", "element", 0.05, True),
+         (True, "muon", "element", None, False, 15)]
 
 
 def tp_mlp_cases(rank, world):
@@ -282,8 +287,9 @@ def tp_mlp_cases(rank, world):
 
 
 def test_tp_mlp_equals_one_process(pool):
-    """(dp 2, tp 2): grads in place and preset .grad, our AdamW and torch SGD with clipping;
-    HSDP (replicate 2, shard 1) beside tp 2, clipped; a hidden size tp does not divide."""
+    """(dp 2, tp 2): grads in place and preset .grad, our AdamW, torch SGD with clipping and
+    our Muon (TP-split matrices orthogonalized whole); HSDP (replicate 2, shard 1) beside
+    tp 2, clipped; a hidden size tp does not divide."""
     for case, (loss_err, (param_err, _), norm_err) in zip(CASES, pool.run(tp_mlp_cases)[0]):
         assert loss_err < TOL, (case, "loss", loss_err)
         assert param_err < TOL, (case, "parameters", param_err)
@@ -361,12 +367,9 @@ def tp_refusals(rank, world):
     and the block rule as the planner got it."""
     from vescale_engine.fsdp import full_state_dict, gathered_parameters, sharded_state_dict
     from vescale_engine.optim.adamw8bit import AdamW8bit
-    from vescale_engine.optim.muon import Muon
     _, _, _, model = tp_mlp(granularity="element")
     out = {"blocks": blocks_of(unit_of(model.blocks[0]))}
-    attempts = {"muon": lambda: Muon(model.parameters()),
-                "adamw8bit": lambda: AdamW8bit(model.parameters()),
-                "full_state_dict": lambda: full_state_dict(model),
+    attempts = {"adamw8bit": lambda: AdamW8bit(model.parameters()),
                 "sharded_state_dict": lambda: sharded_state_dict(model),
                 "gathered_parameters": lambda: gathered_parameters(model).__enter__()}
     for name, attempt in attempts.items():
@@ -375,19 +378,24 @@ def tp_refusals(rank, world):
             out[name] = None
         except NotImplementedError as err:
             out[name] = str(err)
+    out["full_shapes"] = {k: tuple(v.shape) for k, v in full_state_dict(model).items()
+                          if k.startswith("blocks.0.")}
     return out
 
 
 def test_refusals_and_block_rule(pool):
     out = pool.run(tp_refusals)[0]
-    for name in ("muon", "adamw8bit", "full_state_dict", "sharded_state_dict",
-                 "gathered_parameters"):
+    for name in ("adamw8bit", "sharded_state_dict", "gathered_parameters"):
         assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
         assert "\n" not in out[name] and ".weight" in out[name], out[name]
     # element granularity: w1 (Colwise, Shard(0)) may be cut anywhere; w2 (Rowwise, local
     # [8, 8] of [8, 16], Shard(1)) only between whole local rows; the Replicate bias anywhere
     assert out["blocks"] == {"w1.weight": (1, (8, 8)), "w1.bias": (1, (8,)),
                              "w2.weight": (8, (8, 8)), "w2.bias": (1, (8,))}, out["blocks"]
+    # full_state_dict gives the global tensors (values: tests/test_engine_tp_ep.py)
+    assert out["full_shapes"] == {"blocks.0.w1.weight": (16, 8), "blocks.0.w1.bias": (16,),
+                                  "blocks.0.w2.weight": (8, 16), "blocks.0.w2.bias": (8,)}, \
+        out["full_shapes"]
 
 
 def test_forward_parameter_is_dtensor_over_the_buffer(pool):
@@ -731,3 +739,183 @@ def test_adamw8bit_on_tp_and_ep_pieces_equals_one_process(pool):
                 assert "\n" not in err and "not one process's blocks" in err, err
             continue
         assert max(per_rank) < ADAMW8BIT_TOL, (case, per_rank)
+
+
+# ---------------------------------------------------------------------------- through initialize
+
+def engine_muon_cases(rank, world):
+    """Muon through `initialize` on the (dp 2, tp 2) tiny Llama of tests/test_engine_tp_ep.py
+    (the model's TP plan: attention and MLP colwise/rowwise), plain and HSDP (replicate 2 x
+    shard 1 x tp 2), against our Muon on one process over the same global batch (unclipped:
+    that reference does not clip)."""
+    import test_engine_tp_ep as e
+    import vescale_engine
+    from dist_harness import value_errors
+    tp = {"tensor_parallel": {"autotp_size": 2}, "optimizer": e.MUON}
+    cases = [e.train_against_one_process(rank, world, e.tiny_llama, {**tp, **keys}, 2)
+             for keys in ({}, {"vescale": {"hsdp_replicate_size": 2}})]
+
+    def client(make):  # an optimizer instance over the plain model, as Trainer passes one
+        model = e.tiny_llama()
+        keys = e.config(tensor_parallel={"autotp_size": 2})
+        return lambda: vescale_engine.initialize(model=model, optimizer=make(model), config=keys)
+    errors = value_errors([
+        client(lambda m: torch.optim.Muon([p for p in m.parameters() if p.ndim == 2])),
+        client(lambda m: Paged8bit(m.parameters(), lr=0.1))])
+    return cases, errors
+
+
+class Paged8bit(torch.optim.SGD):
+    """Stands for another library's 8-bit optimizer (bitsandbytes' PagedAdamW8bit)."""
+
+
+def test_muon_on_tp_split_matrices_through_initialize_equals_one_process(pool):
+    for rank, (cases, errors) in enumerate(pool.run(engine_muon_cases)):
+        # instances: torch's Muon cannot be rebuilt over flat pieces (its class can: ours);
+        # another library's 8-bit one would quantize pieces in their own blocks
+        assert errors[0].startswith("cannot rebuild the Muon passed to initialize"), errors
+        assert errors[1].startswith("a Paged8bit optimizer instance with tensor_parallel"), \
+            errors
+        assert all("\n" not in err for err in errors), errors
+        for case, (loss_err, param_err, norm_err, report) in zip(("dp2_tp2", "hsdp"), cases):
+            assert loss_err < TOL and param_err < TOL, (rank, case, loss_err, param_err)
+            assert norm_err < 1e-5, (rank, case, norm_err)
+            assert report["placements"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], report
+            assert report["split"] == 16 and report["dp_rank"] == rank // 2, report
+
+
+def _state_vs_checkpoint(engine, full):
+    """Max |this rank's optimizer state - the checkpoint's global tensors| (0.0: bitwise) and
+    how many entries were compared: element-wise state (momentum, 8-bit codes) by its TP/EP
+    piece of the global tensor, own-shape state (per-block scales) by its boxes, steps."""
+    from test_engine_tp_ep import local_piece
+    from vescale_engine.checkpoint.dcp import RaggedPiece
+    from vescale_engine.checkpoint.entries import optimizer_state
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    state = optimizer_state(engine.optimizer, create=False)
+    worst, compared = 0.0, 0
+    for fqn, sp in sharded_parameters(engine.module):
+        for name, t in state.get(sp.sharded, {}).items():
+            whole = full[f"optim.state.{fqn}.{name}"]
+            if isinstance(t, RaggedPiece):
+                pairs = [(t.box(o), whole[tuple(slice(a, a + n) for a, n in zip(o, s))])
+                         for o, (s, *_) in t.boxes.items()]
+            else:
+                pairs = [(t, local_piece(sp, whole) if t.dim() else whole)]
+            for mine, theirs in pairs:
+                if mine.numel():
+                    worst = max(worst, (mine.double() - theirs.double()).abs().max().item())
+            compared += 1
+    return worst, compared
+
+
+def optimizer_checkpoint_across_layouts(rank, world, build, parallel, micro_rows, optimizer,
+                                        path):
+    """Muon's momentum / AdamW8bit's codes and scales saved at (dp, tp/ep) = `parallel`, loaded
+    at dp 4 and back: every piece bitwise the checkpoint's global tensors (read by one
+    process alone), and the losses of the steps after each load those of the run that saved."""
+    import test_engine_tp_ep as e
+    import torch.distributed as dist
+    import vescale_engine
+    ids = e.global_batch()
+    keys = {"optimizer": optimizer}
+    engine, *_ = vescale_engine.initialize(model=build(), config=e.config(**parallel, **keys))
+    e._steps(engine, ids, micro_rows, 2)
+    engine.save_checkpoint(path, tag="t")
+    dist.barrier()
+    full, _ = e._full_checkpoint(f"{path}/t")
+    saved = _state_vs_checkpoint(engine, full)
+    after = e._steps(engine, ids, micro_rows, 2)
+    engine.destroy()
+    plain, *_ = vescale_engine.initialize(model=build(seed=7), config=e.config(**keys))
+    plain.load_checkpoint(path, tag="t")
+    loaded = _state_vs_checkpoint(plain, full)
+    resumed = e._steps(plain, ids, 1, 2)
+    plain.save_checkpoint(path, tag="u")
+    plain_next = e._steps(plain, ids, 1, 1)
+    plain.destroy()
+    dist.barrier()
+    full_u, _ = e._full_checkpoint(f"{path}/u")
+    split, *_ = vescale_engine.initialize(model=build(seed=9),
+                                          config=e.config(**parallel, **keys))
+    split.load_checkpoint(path, tag="u")
+    back = _state_vs_checkpoint(split, full_u)
+    split_next = e._steps(split, ids, micro_rows, 1)
+    split.destroy()
+    converted = None
+    if "block" in optimizer["params"]:  # the dp-4 checkpoint into other blocks (block:4):
+        # converted at dp 4 and at `parallel` alike, bitwise (the same global blocks)
+        other = {**optimizer, "params": {**optimizer["params"], "block": "block:4"}}
+        for tag, layout in (("v", {}), ("w", parallel)):
+            eng, *_ = vescale_engine.initialize(model=build(seed=11),
+                                                config=e.config(**layout, optimizer=other))
+            eng.load_checkpoint(path, tag="u")
+            eng.save_checkpoint(path, tag=tag)
+            eng.destroy()
+        dist.barrier()
+        (v, _), (w, _) = e._full_checkpoint(f"{path}/v"), e._full_checkpoint(f"{path}/w")
+        state = [k for k in v if k.startswith("optim.state.") and v[k].dim()]
+        converted = (max((v[k].double() - w[k].double()).abs().max().item() for k in state),
+                     len(state), max((v[k].double() - full_u[k].double()).abs().max().item()
+                                     for k in state if k.endswith("codes")))
+    return dict(saved=saved, loaded=loaded, back=back, converted=converted,
+                resumed=max(abs(a - b) for a, b in zip(after, resumed)),
+                next=abs(plain_next[0] - split_next[0]),
+                scales=sorted({k.rsplit(".", 1)[-1] for k in full if k.startswith("optim.")}))
+
+
+TP2 = {"tensor_parallel": {"autotp_size": 2}}
+EP2 = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
+STATE_CASES = [("tiny_llama", TP2, 2, "MUON"), ("tiny_llama", TP2, 2, "ADAMW8BIT"),
+               ("tiny_mixtral", EP2, 1, "MUON"), ("tiny_mixtral", EP2, 1, "ADAMW8BIT")]
+
+
+def state_checkpoint_cases(rank, world, path):
+    import test_engine_tp_ep as e
+    return [optimizer_checkpoint_across_layouts(rank, world, getattr(e, build), parallel, rows,
+                                                getattr(e, optimizer), f"{path}/{k}")
+            for k, (build, parallel, rows, optimizer) in enumerate(STATE_CASES)]
+
+
+def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
+    """(dp 2, tp 2) and (dp 2, ep 2) -> dp 4 -> back: Muon's momentum and AdamW8bit's codes
+    and per-block scales are the global tensors' pieces, bitwise, at every layout. AdamW8bit
+    state loaded into other blocks (block:4) converts the same at (dp, tp/ep) as at dp 4."""
+    for rank, cases in enumerate(pool.run(state_checkpoint_cases, str(tmp_path))):
+        for case, out in zip(STATE_CASES, cases):
+            for stage in ("saved", "loaded", "back"):
+                worst, compared = out[stage]
+                assert worst == 0.0 and compared > 20, (rank, case, stage, out[stage])
+            assert out["resumed"] < 1e-6 and out["next"] < 1e-6, (rank, case, out)
+            want = ["momentum_buffer"] if case[3] == "MUON" else \
+                ["exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"]
+            assert set(want) <= set(out["scales"]), (case, out["scales"])
+            if out["converted"] is not None:  # other blocks: converted the same at both
+                worst, compared, changed = out["converted"]
+                assert worst == 0.0 and compared > 20 and changed > 0, (case, out["converted"])
+
+
+def test_tp_pieces_assemble_and_split_the_global_matrix():
+    """Muon's placement of TP pieces (no ranks): two TP coordinates, each local matrix held by
+    two data-parallel ranks, placed by runs (Shard) or index tensors (_StridedShard), rows or
+    columns or both; assemble then split gives every piece back, at its global place."""
+    from vescale_engine.optim.muon import _selector, _TPPieces
+    full = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+    rows, cols = list(range(6)), list(range(8))
+    layouts = {  # per TP coordinate: (row map, column map), the global indices of its matrix
+        "rows": [([0, 1, 2], cols), ([3, 4, 5], cols)],
+        "strided rows": [([0, 1, 3, 4], cols), ([2, 5], cols)],
+        "strided cols": [(rows, [0, 1, 2, 6]), (rows, [3, 4, 5, 7])],
+        "both": [(r, c) for r in ([0, 2, 4], [1, 3, 5]) for c in ([0, 1, 4, 5], [2, 3, 6, 7])]}
+    for name, maps in layouts.items():
+        coordinates = [(_selector(r, len(r)), _selector(c, len(c)), len(r), len(c))
+                       for r, c in maps]
+        locals_ = [full[torch.tensor(r)[:, None], torch.tensor(c)].reshape(-1) for r, c in maps]
+        pieces, sent = [], []
+        for k, local in enumerate(locals_):  # two dp shards of each local matrix
+            half = local.numel() // 2 + 1
+            pieces += [(k, 0, half), (k, half, local.numel() - half)]
+            sent += [local[:half], local[half:]]
+        tp = _TPPieces(pieces, coordinates)
+        assert torch.equal(tp.assemble(sent, 6, 8), full), name
+        assert all(torch.equal(x, y) for x, y in zip(tp.split(full), sent)), name

@@ -83,6 +83,7 @@ class RaggedPiece:
                  index_maps=None):
         self.local = local
         self.shape = torch.Size(shape)
+        self.mapped = index_maps is not None  # placed through TP/EP index maps (or identity)
         local_shape = self.shape if local_shape is None else torch.Size(local_shape)
         maps = index_maps or [None] * len(local_shape)
         self.boxes = {}  # global offsets -> (sizes, flat begin in local, local box, offsets in it)

@@ -98,9 +98,11 @@ def optimizer_entries(optimizer, names_of, state):
         for name, t in named.items():
             key = f"optim.state.{names_of[id(p)][0]}.{name}"
             if isinstance(t, RaggedPiece):  # the optimizer placed it in its own global shape
-                if sharded_mesh_dims(getattr(getattr(p, "_vescale", None), "dtensor_spec", None)):
+                if not t.mapped and sharded_mesh_dims(
+                        getattr(getattr(p, "_vescale", None), "dtensor_spec", None)):
                     raise CheckpointError(f"optimizer state {key}: state in the optimizer's "
-                                          "own shape is not mapped to TP/EP global shapes")
+                                          "own shape is not mapped to TP/EP global shapes "
+                                          "(give its RaggedPiece the pieces' index_maps)")
                 entries[key] = t
             elif t.dim() == 0:
                 entries[key] = t

@@ -13,8 +13,9 @@ No full tensor is built and no file is mapped whole; no collective runs, every r
 decides alone (all see the same headers, so all raise the same error). Module buffers and
 parameters that no unit manages are small: every rank reads them whole.
 
-Save: one DBuffer at a time is all-gathered (under TP/EP: every rank's pieces gathered to
-rank 0 and placed on the global tensors, fsdp.state_dict.gather_to_rank0); global rank 0 casts
+Save: one DBuffer at a time is all-gathered (under TP/EP: one copy of every piece sent to
+rank 0, replicas send nothing, and placed on the global tensors,
+fsdp.state_dict.gather_to_rank0); global rank 0 casts
 its parameters to the save dtype and adds them to the shard being filled, writes a shard file once the next tensor would
 overflow `max_shard_size`, and at the end renames the files to HF's names and writes the
 index last (a crash never leaves an index naming missing files). Rank 0 holds at most one

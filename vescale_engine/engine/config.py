@@ -300,20 +300,6 @@ def _rank() -> int:
         return 0
 
 
-def _require_composable(config: dict, tp: int) -> None:
-    """What does not compose with tensor or expert parallelism yet, refused in one line rather
-    than trained wrongly: Muon would orthogonalize TP-local pieces of matrices (EP's whole local
-    experts are exact). fp16 and offload compose (the overflow decision is agreed over the
-    world: engine/loss_scaler.py; the host step works on the flat TP/EP-local shards). AdamW8bit
-    checks its blocks per parameter when it is built (optim/adamw8bit.py: refused where they
-    are not one process's)."""
-    name = (config.get("optimizer") or {}).get("type", "")
-    if tp > 1 and isinstance(name, str) and name.lower() == "muon":
-        raise ConfigError([f"optimizer.type Muon with tensor_parallel.autotp_size {tp}: Muon "
-                           "would orthogonalize each rank's piece of a split matrix, not the "
-                           "matrix; use AdamW (Muon works with expert_parallel)"])
-
-
 def build_config(source, world_size: int) -> EngineConfig:
     """Validate `source` (path or dict) and resolve it for `world_size` ranks; every problem is
     a ConfigError raised before any collective starts, an "auto" that Hugging Face did not fill
@@ -345,8 +331,6 @@ def build_config(source, world_size: int) -> EngineConfig:
                    "pin_memory": offload["pin_memory"] or bool(pin)}
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
-    if sizes.enabled:
-        _require_composable(config, sizes.tp)
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, sizes.dp),

@@ -447,7 +447,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     try:  # every config error before wrapping
         cfg = build_config(raw, dist.get_world_size())
         if cfg.parallel.enabled:  # the model's side of it, still before any collective
-            _require_parallel_model(model, cfg, optimizer)
+            _require_parallel_optimizer(optimizer)
             plan = check_plan(model, cfg.parallel, cfg.tensor_parallel_plan)
     except Exception as err:  # the other ranks must hear of it, not wait in a collective
         error = err
@@ -514,18 +514,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, opt, loader, sched
 
 
-def _require_parallel_model(model, cfg, optimizer) -> None:
-    """With tensor or expert parallelism: what does not compose with it yet, one line each."""
+def _require_parallel_optimizer(optimizer) -> None:
+    """With tensor or expert parallelism: a client optimizer that does not compose with it."""
     what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(f"a model on the meta device (zero.Init, deferred init) {what} is not "
-                         "supported yet: build it with its weights")
-    if cfg.hf_checkpoint:
-        raise ValueError(f"vescale.hf_checkpoint {what} is not supported yet: load the weights "
-                         "into the model before initialize")
-    if type(optimizer).__name__ in ("Muon", "AdamW8bit"):
-        raise ValueError(f"a {type(optimizer).__name__} optimizer {what}: it would work on each "
-                         "rank's piece of a split tensor, not the tensor; use AdamW")
+    # An instance is rebuilt over the pieces with its class (from_config.rebuild_optimizer):
+    # element-wise ones are exact, torch's Muon refuses 1-D pieces in one line; a third-party
+    # 8-bit one would quantize each rank's piece in blocks one process does not have.
+    if isinstance(optimizer, torch.optim.Optimizer) and "8bit" in type(optimizer).__name__.lower():
+        raise ValueError(f"a {type(optimizer).__name__} optimizer instance {what}: rebuilt over "
+                         "the tensor/expert-parallel pieces it would quantize each rank's piece "
+                         "in its own blocks, not the tensor's; use optimizer.type AdamW8bit in "
+                         "the config or pass vescale_engine.optim.AdamW8bit (the class)")
 
 
 def _seed_everything(seed: int):

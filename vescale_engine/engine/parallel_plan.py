@@ -164,8 +164,9 @@ def _matches(pattern: str, name: str) -> bool:
 
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, meshes: Meshes) -> None:
     """Split the model's weights into DTensors on the tp / ep meshes (each rank keeps its own
-    piece of the weights it was built with: every rank must build the same model) and hook
-    the forwards that move activations between the ranks."""
+    piece of the weights it was built with: every rank must build the same model; a model on
+    meta gets DTensors on meta, their values come after wrapping) and hook the forwards that
+    move activations between the ranks."""
     if plan.tp_source == "vescale.tensor_parallel":
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 
 __all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
            "dtensor_face", "LocalLeafRoute", "grad_face", "grad_in_placements", "local_index_maps",
-           "refuse_tp_ep"]
+           "global_shape", "local_of_global", "refuse_tp_ep"]
 
 
 def _shard_dim(placement) -> int | None:
@@ -32,7 +32,9 @@ def _shard_dim(placement) -> int | None:
 
 def dtensor_spec_of(fqn: str, param) -> DTensorSpec | None:
     """The DTensor spec of `param` (None for a plain tensor), after checking that we can shard
-    it: placements are Shard, _StridedShard or Replicate, and it has real storage."""
+    it: placements are Shard, _StridedShard or Replicate. A DTensor on meta (a TP/EP plan
+    applied to a meta model) is planned from its local shape; `materialize` or a checkpoint
+    loader gives it this rank's values later (`local_of_global`)."""
     if not isinstance(param, DTensor):
         return None
     spec = param._spec
@@ -40,10 +42,6 @@ def dtensor_spec_of(fqn: str, param) -> DTensorSpec | None:
         if _shard_dim(placement) is None and not isinstance(placement, Replicate):
             raise ValueError(f"fully_shard: {fqn} is a DTensor with placement {placement}; "
                              "only Shard, _StridedShard and Replicate parameters can be sharded")
-    if param.is_meta:
-        raise ValueError(f"fully_shard: {fqn} is a DTensor on the meta device; DTensor (TP/EP) "
-                         "parameters must have storage when they are sharded (materialize is "
-                         "not TP/EP-aware yet)")
     return spec
 
 
@@ -166,6 +164,29 @@ def local_index_maps(spec: DTensorSpec, coordinate=None) -> list:
         shape[d] = size
         maps[d] = index[:size]  # an empty piece's index is a sentinel, not an index
     return [maps[d].tolist() if d in maps else None for d in range(len(shape))]
+
+
+def global_shape(sp) -> tuple:
+    """A ShardedParameter's global shape: its DTensor's for TP/EP, else its own."""
+    spec = sp.dtensor_spec
+    return tuple(spec.shape) if spec is not None else tuple(sp.shape)
+
+
+def local_of_global(full: torch.Tensor, spec: DTensorSpec | None, coordinate=None):
+    """This rank's TP/EP-local tensor of the GLOBAL tensor `full` (`local_index_maps`): a view
+    where each split dim is one run (Shard), a copy where it is several (`_StridedShard`);
+    `full` itself for a plain or replicated parameter."""
+    if spec is None:
+        return full
+    out = full
+    for d, index in enumerate(local_index_maps(spec, coordinate)):
+        if index is None:
+            continue
+        if not index or index == list(range(index[0], index[0] + len(index))):
+            out = out.narrow(d, index[0] if index else 0, len(index))
+        else:
+            out = out.index_select(d, torch.tensor(index, dtype=torch.long, device=full.device))
+    return out
 
 
 def refuse_tp_ep(params, who: str, why: str) -> None:

@@ -23,7 +23,10 @@ module by module, children first, as a one-process build does:
 
 For each module: its own parameters are registered at full shape (NaN-filled views of one
 scratch tensor; its descendants' as meta placeholders, see `_Initializer._init_module`), the
-init runs, this rank's flat range is copied into the master shard. Every
+init runs, this rank's flat range is copied into the master shard. A tensor- or
+expert-parallel (DTensor) parameter is initialized at its GLOBAL shape too, then this rank's
+TP/EP piece is cut from it (`dtensor_params.local_of_global`) and its flat range kept: the
+init draws what a one-process build draws, whatever the TP/EP layout. Every
 rank runs every init in the same order from the same generator state, so the values are bitwise
 those of a one-process build on the same device type with the same seed, at any world size.
 A tied parameter takes its value from its first registration in that order; its other
@@ -34,8 +37,9 @@ later discards), so the generator advances exactly as there.
 written; an integer or bool buffer by its version counter (no NaN to fill it with). A parameter
 or buffer no init wrote is an error naming it and its module class.
 
-Peak memory: the shards plus the largest single module's own parameters (full size) plus that
-module's init temporaries.
+Peak memory: the shards plus the largest single module's own parameters (full, global size)
+plus that module's init temporaries (and, under TP/EP, one tensor's local piece when it is
+not a view: `_StridedShard`).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ import torch
 from torch import nn
 
 from ..shard.collectives import default_device
+from .dtensor_params import global_shape, local_of_global
 from .guards import require_materialized
 from .lookup import sharded_parameters, units_under
 
@@ -225,7 +230,7 @@ class _Initializer:
                 sp = getattr(param, "_vescale", None)
                 if sp is not None and param is sp.sharded:
                     key = (sp.buffer.device, sp.buffer.master.dtype)
-                    per[key] = per.get(key, 0) + math.prod(sp.shape)
+                    per[key] = per.get(key, 0) + math.prod(global_shape(sp))
             for key, n in per.items():
                 need[key] = max(need.get(key, 0), n)
         return {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in need.items()}
@@ -318,9 +323,10 @@ class _Initializer:
             if sp is None or param is not sp.sharded:
                 continue
             key = (sp.buffer.device, sp.buffer.master.dtype)
-            at, n = used.get(key, 0), math.prod(sp.shape)
+            shape = global_shape(sp)
+            at, n = used.get(key, 0), math.prod(shape)
             used[key] = at + n
-            value = self.scratch[key][at:at + n].view(sp.shape).fill_(float("nan"))
+            value = self.scratch[key][at:at + n].view(shape).fill_(float("nan"))
             full.append((mod, name, sp, value))
             saved.append((mod, name, param))
             mod._parameters[name] = nn.Parameter(value, requires_grad=sp.requires_grad)
@@ -337,13 +343,13 @@ class _Initializer:
                 if id(sp) in extra:
                     if id(sp) not in extra_values:
                         extra_values[id(sp)] = torch.full(
-                            sp.shape, float("nan"), dtype=sp.buffer.master.dtype,
+                            global_shape(sp), float("nan"), dtype=sp.buffer.master.dtype,
                             device=sp.buffer.device)
                     value = extra_values[id(sp)]
                     full.append((sub, name, sp, value))
                 else:
                     if id(sp) not in placeholders:
-                        placeholders[id(sp)] = (torch.empty(sp.shape, dtype=param.dtype,
+                        placeholders[id(sp)] = (torch.empty(global_shape(sp), dtype=param.dtype,
                                                             device="meta"), sub, name, sp)
                     value = placeholders[id(sp)][0]
                 sub._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
@@ -374,7 +380,7 @@ class _Initializer:
         if untouched:
             raise RuntimeError(f"{self._name(mod, name)} ({type(mod).__name__}): the init "
                                "wrote only part of it (NaN left in the full tensor)")
-        sp.buffer.load_full_tensor(sp.index, value)
+        sp.buffer.load_full_tensor(sp.index, local_of_global(value, sp.dtensor_spec))
         self.written.add(id(sp))
 
     @staticmethod
@@ -382,7 +388,7 @@ class _Initializer:
         """A parent's init wrote (some of) a descendant's parameter: those elements of this
         rank's piece change; the rest keep what the descendant's own init wrote."""
         begin, end = sp.flat_range
-        piece = value.reshape(-1)[begin:end]
+        piece = local_of_global(value, sp.dtensor_spec).reshape(-1)[begin:end]
         written = ~torch.isnan(piece)
         with torch.no_grad():
             sp.sharded[written] = piece[written]

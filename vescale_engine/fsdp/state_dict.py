@@ -1,7 +1,7 @@
 """State-dict utilities over sharded modules: full parameters for a while
 (`gathered_parameters`), full and sharded state dicts, and the one per-DBuffer gather every
 saver uses (`gathered_buffers`; `gather_to_rank0` for the HF saver and the 16-bit state dict,
-which under TP/EP gathers every rank's pieces to rank 0 as boxes of the global tensors)."""
+which under TP/EP gathers one copy of every piece to rank 0 as boxes of the global tensors)."""
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +60,11 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
     their parameters copied out (to CPU with `cpu_offload`, pinned when the source is CUDA)
     before the next is gathered: the device holds the result plus at most one full buffer, or
     just one full buffer with `cpu_offload`. With `rank0_only` only global rank 0 gets the
-    values; the other ranks take part in the gathers and get {}."""
+    values; the other ranks take part in the gathers and get {}. Under tensor/expert
+    parallelism the values are the global tensors (`_global_state_dict`)."""
     keep = not rank0_only or dist.get_rank() == 0
+    if any(sharded_mesh_dims(p.dtensor_spec) for unit in units_under(module) for p in unit.params):
+        return _global_state_dict(module, keep, rank0_only, cpu_offload)
     full = gather_full(module, keep, "host" if cpu_offload else "clone")
     if not keep:
         return {}
@@ -81,6 +84,35 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False,
         else:  # a module buffer: a copy, as for the parameters
             out[key] = _copy_out(value.detach(), "host" if cpu_offload else "clone")
             _finish_host_copies(value.device, "host" if cpu_offload else "clone")
+    return out
+
+
+def _global_state_dict(module, keep, rank0_only, cpu_offload) -> dict:
+    """full_state_dict under tensor/expert parallelism: the GLOBAL tensors, gathered to rank 0
+    one DBuffer at a time (`gather_to_rank0`), then, unless `rank0_only`, broadcast from rank 0
+    one tensor at a time (its names, shape and dtype first, as one object)."""
+    require_materialized(module, "gathering full parameters")
+    device = next(b.device for unit in units_under(module) for b in unit.buffers)
+    rank0 = dist.get_rank() == 0
+    out, order = {}, []
+    for names, _, value in gather_to_rank0(module):  # rank 0 only: host copies
+        value = value if cpu_offload else value.to(device)
+        order.append((names, tuple(value.shape), value.dtype, value.device.type))
+        for name in names:
+            out[name] = value
+    if rank0_only:
+        return out if keep else {}
+    shared = [order]
+    with explain_timeout("the broadcast of the state dict's names and shapes (full values)"):
+        dist.broadcast_object_list(shared, src=0)
+    for names, shape, dtype, _ in shared[0]:
+        value = out[names[0]].to(device) if rank0 else torch.empty(shape, dtype=dtype,
+                                                                    device=device)
+        with explain_timeout(f"the broadcast of {names[0]} (full values)"):
+            dist.broadcast(value, src=0)
+        value = value.cpu() if cpu_offload else value
+        for name in names:
+            out[name] = value
     return out
 
 
@@ -170,9 +202,10 @@ def gather_to_rank0(module, dtype=None):
     names), `source` the module's tensor (a managed parameter's sharded piece), `value` its full
     tensor as a host copy, floating values cast to `dtype` (None keeps theirs). One DBuffer is
     gathered at a time and dropped before the next. Under tensor/expert parallelism `value` is
-    the GLOBAL tensor: every rank's piece of its TP/EP-local tensor goes to rank 0, placed
-    there by the rank's TP/EP offsets (`_pieces_to_rank0`). The other ranks yield nothing, but
-    every rank must run the generator to its end (one collective per DBuffer)."""
+    the GLOBAL tensor: one copy of every piece of the TP/EP-local tensors goes to rank 0
+    (replicas send nothing), placed there by the rank's TP/EP offsets (`_pieces_to_rank0`).
+    The other ranks yield nothing, but every rank must run the generator to its end (one
+    collective per DBuffer)."""
     rank0 = dist.get_rank() == 0
 
     def copied(value):
@@ -214,44 +247,75 @@ def _piece_record(p):
 
 
 def _pieces_to_rank0(params, dtype):
-    """Yield (ShardedParameter, global host tensor) on rank 0, one DBuffer at a time: every
-    rank's master shard of the buffer is gathered (over the world) to rank 0, which places
-    each piece as boxes of the global tensor (`_place`). Pieces that replicas hold alike
-    (TP-replicated tensors, HSDP replicas) give identical boxes, written once; a global tensor
-    the boxes do not cover exactly is an error. Rank 0 holds one buffer's shards plus its
-    members' global tensors; the other ranks send their shard and hold nothing more."""
-    rank0, world = dist.get_rank() == 0, dist.get_world_size()
+    """Yield (ShardedParameter, global host tensor) on rank 0, one DBuffer at a time: the ranks
+    holding distinct pieces of the buffer send their master shard to rank 0 (point to point),
+    which places each piece as boxes of the global tensor (`_place`). A rank whose pieces
+    another, lower rank holds alike (an HSDP replica, a TP peer of a buffer of replicated
+    tensors: the same ranges, the same TP/EP coordinate) sends nothing (`_senders`), so rank 0
+    receives one replica's bytes, never the world's; a global tensor the boxes do not cover
+    exactly is an error. Rank 0 holds one buffer's received shards plus its members' global
+    tensors; the other ranks send their shard and hold nothing more."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     buffers = {}
     for p in params:
         buffers.setdefault(p.buffer, []).append(p)
     mine = [(buf.shard_size, [_piece_record(p) for p in members])
             for buf, members in buffers.items()]
-    records = [None] * world if rank0 else None
+    records = [None] * world if rank == 0 else None
     with explain_timeout("the gather of every rank's buffer layout to rank 0 (full values)"):
         dist.gather_object(mine, records, dst=0)
-    agreed = [None, None]  # (rank 0's problem, every buffer's largest shard)
-    if rank0:
+    agreed = [None, None]  # (rank 0's problem, every buffer's sending ranks)
+    if rank == 0:
         agreed = [_layout_problem(records, mine),
-                  [max(r[i][0] for r in records) for i in range(len(mine))]]
+                  [_senders([r[i] for r in records]) for i in range(len(mine))]]
     dist.broadcast_object_list(agreed, src=0)
     if agreed[0] is not None:
         raise RuntimeError(agreed[0])
     for i, (buf, members) in enumerate(buffers.items()):
-        source = buf.master if buf.master.device == buf.device else buf.master.to(buf.device)
-        send = torch.zeros(agreed[1][i], dtype=source.dtype, device=buf.device)
-        send[:buf.shard_size].copy_(source)  # padded: the ranks' shards may differ in size
-        shards = [torch.empty_like(send) for _ in range(world)] if rank0 else None
-        with explain_timeout(f"the gather of {buf.name}'s master shards to rank 0 (full "
+        senders = agreed[1][i]
+        sizes = [records[r][i][0] for r in senders] if rank == 0 else None
+        with explain_timeout(f"the sends of {buf.name}'s master shards to rank 0 (full "
                              "values)"):
-            dist.gather(send, shards, dst=0)
-        del send
-        if rank0:
-            shards = [s.cpu() for s in shards]
-            pieces = [{rec[0]: rec for rec in records[r][i][1]} for r in range(world)]
+            shards = _send_to_rank0(buf, senders, sizes)
+        if rank == 0:
+            pieces = [{rec[0]: rec for rec in records[r][i][1]} for r in senders]
             for p in members:
-                yield p, _place(p, [(shards[r], pieces[r][p.fqn]) for r in range(world)],
+                yield p, _place(p, [(shards[k], pieces[k][p.fqn]) for k in range(len(senders))],
                                 _cast(buf.master.dtype, dtype))
             del shards
+
+
+def _senders(buffer_records) -> list:
+    """The ranks whose shard of one buffer rank 0 needs: the first rank of each distinct
+    (shard size, pieces) record, so replicas are received once. Rank 0 is always first."""
+    seen, out = set(), []
+    for r, (size, pieces) in enumerate(buffer_records):
+        key = (size, tuple(map(str, pieces)))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _send_to_rank0(buf, senders, sizes):
+    """Each sender's master shard of `buf` on rank 0 (host tensors, in `senders` order; None
+    elsewhere): rank 0 posts one receive per other sender, each sender one send."""
+    rank = dist.get_rank()
+    source = buf.master if buf.master.device == buf.device else buf.master.to(buf.device)
+    if rank != 0:
+        if rank in senders:
+            dist.send(source.contiguous(), dst=0)
+        return None
+    shards, waits = [], []
+    for r, size in zip(senders, sizes):
+        if r == 0:  # its own: read in place (the save changes nothing)
+            shards.append(source.detach())
+            continue
+        shards.append(torch.empty(size, dtype=source.dtype, device=buf.device))
+        waits.append(dist.irecv(shards[-1], src=r))
+    for work in waits:
+        work.wait()
+    return [s.cpu() for s in shards]
 
 
 def _place(p, pieces, dtype) -> torch.Tensor:

@@ -10,7 +10,9 @@ A TP/EP (DTensor) parameter is quantized in blocks of its TP/EP-local tensor (st
 collective for scales). That equals one process only where those blocks are one process's
 blocks of the global tensor (e.g. EP Shard(0) with block:N dividing one expert, TP Shard(0)
 with N dividing the local numel, Shard(1) with N dividing the local last dim; its RaggedShard
-block is then a multiple of N); anything else is refused in one line.
+block is then a multiple of N); anything else is refused in one line. Because they are, a
+checkpoint holds the global tensor's codes and scales: each local block's scale is placed at
+the global block of its first element, so the state loads bitwise at any layout.
 
 One step per buffer: restore both moments from their codes (one pass), AdamW's update on the
 flat shard (torch's math), quantize both moments again (one pass). Padding between tensors is
@@ -24,7 +26,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from ..checkpoint.dcp import CheckpointError, RaggedPiece
-from ..fsdp.dtensor_params import sharded_mesh_dims
+from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK
 from .adamw import adamw_math
@@ -266,8 +268,8 @@ class AdamW8bit(torch.optim.Optimizer):
                         # this tensor's segments: those starting inside its piece, in order
                         lo, hi = quantizer.segment_range(start, end)
                         for name in ("exp_avg_scales", "exp_avg_sq_scales"):
-                            entry[name] = RaggedPiece(state[name][lo:hi], (_blocks(sp, block),),
-                                                      first // block if end > start else 0)
+                            entry[name] = _scales_piece(sp, state[name][lo:hi], block,
+                                                        first // block if end > start else 0)
                     else:
                         entry.update(self._codes_scratch(buf, sp, start, end, first, saved_block,
                                                          saved["quant_map"]))
@@ -284,19 +286,31 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _codes_scratch(self, buf, sp, start, end, first, saved_block, saved_map) -> dict:
         """Scales of the saved blocks that overlap this rank's elements (the codes load into the
-        state as they are: one per element whatever the blocks), and how to restore them."""
-        lo, hi = (first // saved_block, -(-(first + end - start) // saved_block)) if end > start \
-            else (0, 0)
-        scales = {name: RaggedPiece(torch.zeros(hi - lo, dtype=buf.master.dtype,
-                                                device=self._state_device(buf)),
-                                    (_blocks(sp, saved_block),), lo)
-                  for name in ("exp_avg_scales", "exp_avg_sq_scales")}
+        state as they are: one per element whatever the blocks), and how to restore them. A
+        TP/EP piece's elements are global elements by its index maps; the saved blocks they
+        fall in, in order, are the scratch's (several runs when the piece has several)."""
+        device = self._state_device(buf)
+        elements = torch.arange(first, first + end - start)
+        if _tp_ep(sp):
+            saved = torch.unique(_global_elements(sp, elements) // saved_block)  # sorted
+            scratch = lambda: RaggedPiece(  # noqa: E731
+                torch.zeros(saved.numel(), dtype=buf.master.dtype, device=device),
+                (-(-math.prod(sp.dtensor_spec.shape) // saved_block),), 0,
+                local_shape=(saved.numel(),), index_maps=[saved.tolist()])
+            position = torch.searchsorted(saved, _global_elements(sp, elements) // saved_block)
+        else:
+            lo, hi = (first // saved_block, -(-(first + end - start) // saved_block)) \
+                if end > start else (0, 0)
+            scratch = lambda: RaggedPiece(  # noqa: E731
+                torch.zeros(hi - lo, dtype=buf.master.dtype, device=device),
+                (_blocks(sp, saved_block),), lo)
+            position = elements // saved_block - lo
+        scales = {name: scratch() for name in ("exp_avg_scales", "exp_avg_sq_scales")}
 
         def restore(moment, signed, codes):
             table = code_table(saved_map, signed, codes.device)
             index = codes[start:end].to(torch.int64) + (127 if signed else 0)
-            block_of = torch.arange(first, first + end - start, device=codes.device)
-            return table[index] * scales[f"{moment}_scales"].local[block_of // saved_block - lo]
+            return table[index] * scales[f"{moment}_scales"].local[position.to(codes.device)]
 
         self._converting.append((buf, start, end, restore))
         return scales
@@ -366,9 +380,43 @@ def _blocks(sp, block: int) -> int:
     return -(-sp.buffer.layout.placements[sp.index].numel // block) if block else 0
 
 
+def _tp_ep(sp) -> bool:
+    return sp.dtensor_spec is not None and bool(sharded_mesh_dims(sp.dtensor_spec))
+
+
+def _global_elements(sp, local: torch.Tensor) -> torch.Tensor:
+    """Flat indices in the global tensor of the TP/EP-local tensor's flat indices `local`."""
+    spec = sp.dtensor_spec
+    maps = local_index_maps(spec)
+    out = torch.zeros_like(local)
+    rest, stride = local.clone(), 1
+    for d in reversed(range(len(sp.shape))):
+        index = rest % sp.shape[d]
+        rest //= sp.shape[d]
+        if maps[d] is not None:
+            index = torch.tensor(maps[d], dtype=torch.int64)[index]
+        out += index * stride
+        stride *= spec.shape[d]
+    return out
+
+
+def _scales_piece(sp, scales: torch.Tensor, block: int, first_block: int) -> RaggedPiece:
+    """A tensor's per-block scales on this rank as a piece of its global list of blocks. A
+    TP/EP piece's blocks are one process's blocks (checked when the optimizer is built), each
+    placed at the global block of its first element."""
+    if not _tp_ep(sp):
+        return RaggedPiece(scales, (_blocks(sp, block),), first_block)
+    blocks = _blocks(sp, block)
+    where = _global_elements(sp, torch.arange(blocks, dtype=torch.int64) * block) // block
+    return RaggedPiece(scales, (-(-math.prod(sp.dtensor_spec.shape) // block),), first_block,
+                       local_shape=(blocks,), index_maps=[where.tolist()])
+
+
 def _saved_block(granularity, sp) -> int:
+    """The block of the saved granularity for `sp` (of its global shape under TP/EP: the
+    checkpoint's blocks are the global tensor's)."""
     try:
-        return granularity.block_size(sp.shape)
+        return granularity.block_size(sp.dtensor_spec.shape if _tp_ep(sp) else sp.shape)
     except ValueError as err:
         raise CheckpointError(f"AdamW8bit checkpoint: parameter {sp.fqn}: saved block "
                               f"{granularity}: {err}") from None

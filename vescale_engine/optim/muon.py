@@ -21,8 +21,15 @@ Each buffer's matrices move over that buffer's shard group, one group after anot
 order the parameters first use them, the same on every rank). TP/EP (DTensor) parameters: an
 expert tensor that EP split on a stacked dim (Shard(0)) holds whole matrices on each EP rank,
 so orthogonalizing its local experts over their shard group (efsdp) is exact, with no EP-group
-communication; a matrix TP split in its last two dims is refused (it would need the TP-global
-matrix gathered over the dp x tp ranks holding it).
+communication. A matrix TP split in its last two dims (colwise Shard(0), rowwise Shard(1),
+_StridedShard) is orthogonalized as one process does, on the global matrix: its pieces (each
+dp shard of each TP piece) move over the dp x tp ranks that hold them (the world at (dp, tp);
+the TP group under HSDP, whose dp shard is one rank), the root places them by their TP index
+maps, and Muon's lr scale uses the global shape. Traffic per step and TP-split R x C matrix,
+in Newton-Schulz dtype bytes b: 2 R C b (1 - 1/(dp tp)) in all (each piece to the root and
+back), where orthogonalizing each TP-local piece over dp (wrong) would move 2 R C b (1 - 1/dp);
+the extra 2 R C b (1/dp - 1/(dp tp)) is the other TP coordinates' pieces. Roots are balanced
+over the dp x tp ranks, so no rank carries more than its share of Newton-Schulz.
 
 A matrix that already lives whole on one rank (always, when the planner shards with the
 `matrix` granularity: the "tensor" mode) is orthogonalized there with no communication at all.
@@ -43,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
-from ..fsdp.dtensor_params import refuse_tp_ep
+from ..fsdp.dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
 from ..shard.ragged import RaggedShard
 from .adamw import adamw_update, new_adamw_state
@@ -101,18 +108,88 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
 class _Matrix:
     """One matrix Muon orthogonalizes: a parameter, or one expert of a stacked parameter."""
     param: int            # index into the Muon parameter list
-    rows: int
+    rows: int             # the matrix's global shape (a TP-split matrix's, not its piece's)
     cols: int
     lo: int               # this rank's slice of the parameter's local piece: [lo, hi)
     hi: int
-    spec: RaggedShard     # the matrix's element layout over ranks
+    units: tuple          # elements of the matrix each rank of its exchange group holds
     root: int
     one_hot: bool         # already whole on `root`: no communication
-    group: int = 0        # index into Muon._groups: the buffers' shard group it moves over
+    group: int = 0        # index into Muon._groups: the group it moves over
+    tp: "_TPPieces | None" = None  # where a TP-split matrix's pieces lie (None: flat, in rank
+    # order: the pieces concatenated are the matrix)
 
     @property
     def numel(self) -> int:
         return self.rows * self.cols
+
+    def assemble(self, pieces) -> torch.Tensor:
+        """The whole matrix from every rank's piece (in exchange-group rank order)."""
+        if self.tp is None:
+            return torch.cat(pieces).view(self.rows, self.cols)
+        return self.tp.assemble(pieces, self.rows, self.cols)
+
+    def split(self, out: torch.Tensor) -> list:
+        """Each rank's piece of the matrix `out` (rows x cols), in exchange-group rank order."""
+        if self.tp is None:
+            flat = out.reshape(-1)
+            bounds = [0]
+            for n in self.units:
+                bounds.append(bounds[-1] + n)
+            return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+        return self.tp.split(out)
+
+
+@dataclass
+class _Exchange:
+    """A process group matrices move over: a buffer's shard group, or for TP-split matrices
+    the data-parallel x tensor-parallel ranks that hold their pieces."""
+    pg: object
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+@dataclass
+class _TPPieces:
+    """Where each exchange rank's piece of one TP-split matrix lies in the global matrix. The
+    ranks with one TP coordinate hold that coordinate's local matrix between them (their
+    RaggedShard ranges of it, in order); the local matrix's rows and columns are global rows
+    and columns by the DTensor's index maps (fsdp.dtensor_params.local_index_maps)."""
+    pieces: list          # per exchange rank: (coordinate number, offset in its local matrix,
+    # elements)
+    coordinates: list     # per coordinate: (row selector, column selector, local rows, cols)
+
+    def assemble(self, pieces, rows, cols) -> torch.Tensor:
+        out = pieces[0].new_empty(rows, cols)
+        for c, (rsel, csel, lr, lc) in enumerate(self.coordinates):
+            mine = sorted(((at, k) for k, (coord, at, n) in enumerate(self.pieces)
+                           if coord == c and n), key=lambda x: x[0])
+            local = torch.cat([pieces[k] for _, k in mine]) if mine else pieces[0][:0]
+            out[_block(rsel, csel)] = local.view(lr, lc)
+        return out
+
+    def split(self, out) -> list:
+        local = [out[_block(rsel, csel)].reshape(-1) for rsel, csel, _, _ in self.coordinates]
+        return [local[c][at:at + n] for c, at, n in self.pieces]
+
+
+def _block(rows, cols) -> tuple:
+    """The index of the rows x cols block of a matrix (each a slice or an index tensor): two
+    index tensors broadcast as a column of rows against a row of columns."""
+    if isinstance(rows, torch.Tensor) and isinstance(cols, torch.Tensor):
+        return rows[:, None], cols
+    return rows, cols
+
+
+def _selector(index_map, size: int):
+    """A slice when the global indices of a local dim are one run (Shard), else an index tensor
+    (_StridedShard's segments)."""
+    if index_map is None:
+        return slice(0, size)
+    if all(b == a + 1 for a, b in zip(index_map, index_map[1:])):
+        return slice(index_map[0], index_map[0] + size) if size else slice(0, 0)
+    return torch.tensor(index_map, dtype=torch.int64)
 
 
 class Muon(torch.optim.Optimizer):
@@ -137,11 +214,13 @@ class Muon(torch.optim.Optimizer):
         self.adamw_patterns = tuple(adamw_patterns)
         matrices = [p for p in params if is_muon_matrix(p._vescale.fqn, p._vescale.shape,
                                                         self.adamw_patterns)]
-        # AdamW is element-wise: any TP/EP piece steps as one process. A matrix is orthogonalized
-        # from its TP/EP-local tensor, which is exact only where that holds whole matrices.
-        refuse_tp_ep([p for p in matrices if _splits_a_matrix(p._vescale)], "Muon",
-                     "it would orthogonalize each rank's TP-local piece of the matrix, not the "
-                     "matrix; only a split of the stacked dims of experts (EP Shard(0)) is exact")
+        # AdamW is element-wise: any TP/EP piece steps as one process. A matrix TP split is
+        # gathered whole over its dp x tp ranks; experts EP split hold whole matrices. Both at
+        # once (expert TP) would need the stacked split mapped too.
+        refuse_tp_ep([p for p in matrices if _splits_a_matrix(p._vescale) and
+                      min(_split_dims(p._vescale)) < len(p._vescale.shape) - 2], "Muon",
+                     "its stacked (expert) dim and its matrices are both split: expert tensor "
+                     "parallelism")
         chosen = {id(p) for p in matrices}
         others = [p for p in params if id(p) not in chosen]
         if not matrices:
@@ -208,35 +287,31 @@ class Muon(torch.optim.Optimizer):
 
     def _plan_matrices(self, ns_steps):
         """Every matrix's layout and root: matrices already whole on one rank stay there; the
-        others go, largest first, to the least-loaded rank (ties: the rank holding most of it,
-        then the lowest rank), so every rank computes the same assignment."""
+        others go, largest first, to the least-loaded rank of their exchange group (ties: the
+        rank holding most of it, then the lowest rank), so every rank computes the same
+        assignment."""
         matrices = []
-        # One exchange group per distinct shard group, in first-use order (the same on every
-        # rank): with EP the experts' buffers shard over efsdp, the dense ones over dp.
+        # One exchange group per distinct process group, in first-use order (the same on every
+        # rank): a buffer's shard group (with EP the experts' buffers shard over efsdp, the
+        # dense ones over dp), or for TP-split matrices the dp x tp ranks holding their pieces.
         self._groups = []
+        tp = _tp_exchanges([sp for sp in self._sharded if _splits_a_matrix(sp)])
         for index, sp in enumerate(self._sharded):
             buf = sp.buffer
-            known = [k for k, b in enumerate(self._groups) if b.shard_group is buf.shard_group]
+            if id(sp) in tp:
+                exchange, layouts = tp[id(sp)]
+            else:
+                exchange, layouts = _Exchange(buf.shard_group, buf.rank, buf.world_size,
+                                              buf.device), None
+            known = [k for k, e in enumerate(self._groups) if e.pg is exchange.pg]
             if not known:
-                self._groups.append(buf)
+                self._groups.append(exchange)
             group = known[0] if known else len(self._groups) - 1
-            placement = buf.layout.placements[sp.index]
-            world = buf.world_size
-            spec = RaggedShard(sp.shape, sp.block, placement.local_units(world))
-            rows, cols = sp.shape[-2], sp.shape[-1]
-            local_start, local_end = spec.local_range(buf.rank)
-            for e in range(math.prod(sp.shape[:-2])):
-                lo_e, hi_e = e * rows * cols, (e + 1) * rows * cols
-                units = [max(0, min(hi, hi_e) - max(lo, lo_e)) for lo, hi in spec.ranges()]
-                lo = min(max(local_start, lo_e), local_end) - local_start
-                hi = max(min(local_end, hi_e), local_start) - local_start
-                owner = [r for r, u in enumerate(units) if u == rows * cols]
-                matrices.append(_Matrix(index, rows, cols, lo, max(lo, hi),
-                                        RaggedShard((rows, cols), 1, units),
-                                        owner[0] if owner else -1, bool(owner), group))
+            matrices += (_flat_matrices(index, sp, group) if layouts is None else
+                         _tp_matrices(index, sp, group, layouts))
         self.ns_loads = []  # per exchange group: Newton-Schulz FLOPs of each of its ranks
-        for group, buf in enumerate(self._groups):
-            load = [0] * buf.world_size
+        for group, exchange in enumerate(self._groups):
+            load = [0] * exchange.world_size
             mine = [m for m in matrices if m.group == group]
             for m in mine:
                 if m.one_hot:
@@ -244,8 +319,8 @@ class Muon(torch.optim.Optimizer):
             pending = sorted((m for m in mine if not m.one_hot),
                              key=lambda m: -ns_flops(m.rows, m.cols, ns_steps))
             for m in pending:
-                m.root = min(range(buf.world_size),
-                             key=lambda r: (load[r], -m.spec.local_units[r], r))
+                m.root = min(range(exchange.world_size),
+                             key=lambda r: (load[r], -m.units[r], r))
                 load[m.root] += ns_flops(m.rows, m.cols, ns_steps)
             self.ns_loads.append(load)
         self.ns_load = self.ns_loads[0]
@@ -287,10 +362,10 @@ class Muon(torch.optim.Optimizer):
         todo = [m for m in self._matrices if m.param in updates]
         self.bytes_sent = 0
         results = [None] * len(todo)
-        for g, buf in enumerate(self._groups):  # one group after another, in the same order
+        for g, exchange in enumerate(self._groups):  # one group after another, in order
             picked = [k for k, m in enumerate(todo) if m.group == g]
             for k, out in zip(picked, self._orthogonalize([todo[k] for k in picked], updates,
-                                                          group, buf)):
+                                                          group, exchange)):
                 results[k] = out
         lr, decay = group["lr"], group["weight_decay"]
         for i in with_grad:
@@ -303,7 +378,7 @@ class Muon(torch.optim.Optimizer):
                 self._count_pcie(m.param, local.numel() * local.element_size(), to_host=True)
                 target.add_(local, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m.rows, m.cols))
 
-    def _orthogonalize(self, todo, updates, group, buf):
+    def _orthogonalize(self, todo, updates, group, exchange):
         """This rank's piece of every matrix's Newton-Schulz result.
 
         Matrices move in rounds: round j holds every rank's j-th matrix to orthogonalize
@@ -318,8 +393,8 @@ class Muon(torch.optim.Optimizer):
         changes nothing but halves the bytes for bf16."""
         if not todo:
             return []
-        rank, world, pg = buf.rank, buf.world_size, buf.shard_group
-        device, dtype = buf.device, self.ns_dtype  # the compute device (masters may be on the host)
+        rank, world, pg = exchange.rank, exchange.world_size, exchange.pg
+        device, dtype = exchange.device, self.ns_dtype  # compute device (masters: maybe host)
         ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
                   eps=group["eps"], dtype=dtype)
         cost = [-ns_flops(m.rows, m.cols, group["ns_steps"]) for m in todo]
@@ -330,7 +405,7 @@ class Muon(torch.optim.Optimizer):
         ahead = max(1, self.rounds_in_flight)
 
         def piece(k, r):  # how many elements of matrix k rank r holds
-            return todo[k].spec.local_numel(r) if k is not None else 0
+            return todo[k].units[r] if k is not None else 0
 
         def on_device(k):  # this rank's piece of matrix k, in the Newton-Schulz dtype
             m = todo[k]
@@ -366,8 +441,8 @@ class Muon(torch.optim.Optimizer):
             if k is not None:
                 m = todo[k]
                 self._log("ns", k)
-                out = newton_schulz(torch.cat(gathered).view(m.rows, m.cols), **ns).reshape(-1)
-                send = [[out[slice(*m.spec.local_range(s))]] for s in range(world)]
+                out = newton_schulz(m.assemble(gathered), **ns)
+                send = [[piece] for piece in m.split(out)]
             del gathered
             self._log("scatter", j)
             scatters.append((j, self._exchange(
@@ -435,16 +510,163 @@ class Muon(torch.optim.Optimizer):
                      weight_decay=group["weight_decay"])
 
 
+def _local_range(sp) -> tuple[int, int]:
+    """This rank's flat [start, end) of the parameter's (TP/EP-local) tensor."""
+    buf = sp.buffer
+    units = buf.layout.placements[sp.index].local_units(buf.world_size)
+    return RaggedShard(sp.shape, sp.block, units).local_range(buf.rank)
+
+
+def _overlap(start, end, lo, hi) -> tuple[int, int]:
+    """[a, b) = [start, end) & [lo, hi), empty as (lo, lo) clipped into [lo, hi]."""
+    a = min(max(start, lo), hi)
+    return a, max(a, min(end, hi))
+
+
+def _flat_matrices(index, sp, group) -> list:
+    """The matrices of a parameter whose matrices are whole in its local tensor (plain, TP-
+    replicated, or experts EP split on a stacked dim): each matrix's pieces are its ranges on
+    the shard group's ranks, in rank order."""
+    buf = sp.buffer
+    spec = RaggedShard(sp.shape, sp.block, buf.layout.placements[sp.index].local_units(
+        buf.world_size))
+    rows, cols = sp.shape[-2], sp.shape[-1]
+    local_start, local_end = spec.local_range(buf.rank)
+    out = []
+    for e in range(math.prod(sp.shape[:-2])):
+        lo_e, hi_e = e * rows * cols, (e + 1) * rows * cols
+        units = tuple(max(0, min(hi, hi_e) - max(lo, lo_e)) for lo, hi in spec.ranges())
+        lo, hi = _overlap(lo_e, hi_e, local_start, local_end)
+        owner = [r for r, u in enumerate(units) if u == rows * cols]
+        out.append(_Matrix(index, rows, cols, lo - local_start, hi - local_start, units,
+                           owner[0] if owner else -1, bool(owner), group))
+    return out
+
+
+def _tp_matrices(index, sp, group, layouts) -> list:
+    """The matrices of a parameter TP split inside its matrices: each one the global matrix,
+    whose pieces are every exchange rank's RaggedShard range of its TP-local matrix, placed by
+    that rank's TP coordinate. `layouts`: per exchange rank (coordinate, local shape, local
+    range); the stacked dims (experts) are not split, so local matrix e is global matrix e."""
+    spec = sp.dtensor_spec
+    rows, cols = spec.shape[-2], spec.shape[-1]
+    coordinates, number = [], {}
+    for coordinate, shape, _lo, _hi in layouts:
+        if coordinate not in number:
+            number[coordinate] = len(coordinates)
+            maps = local_index_maps(spec, list(coordinate))
+            coordinates.append((_selector(maps[-2], shape[-2]), _selector(maps[-1], shape[-1]),
+                                shape[-2], shape[-1]))
+    local_start, local_end = _local_range(sp)
+    local_numel = sp.shape[-2] * sp.shape[-1]
+    out = []
+    for e in range(math.prod(sp.shape[:-2])):
+        pieces = []
+        for coordinate, shape, lo_q, hi_q in layouts:
+            n = shape[-2] * shape[-1]
+            a, b = _overlap(lo_q, hi_q, e * n, (e + 1) * n)
+            pieces.append((number[coordinate], a - e * n, b - a))
+        units = tuple(n for *_, n in pieces)
+        if sum(units) != rows * cols:
+            raise AssertionError(f"Muon: {sp.fqn} matrix {e}: the TP pieces hold {sum(units)} "
+                                 f"of {rows * cols} elements (layout bug)")
+        lo, hi = _overlap(e * local_numel, (e + 1) * local_numel, local_start, local_end)
+        out.append(_Matrix(index, rows, cols, lo - local_start, hi - local_start, units, -1,
+                           False, group, _TPPieces(pieces, coordinates)))
+    return out
+
+
+def _tp_peers(spec) -> tuple:
+    """The ranks holding the other TP pieces of this rank's piece: spec.mesh along the mesh
+    dims that split the tensor (replicas along the others hold copies)."""
+    mesh = spec.mesh
+    here = mesh.get_coordinate()
+    dims = sharded_mesh_dims(spec)
+    select = tuple(slice(None) if d in dims else here[d] for d in range(mesh.ndim))
+    return tuple(sorted(mesh.mesh[select].flatten().tolist()))
+
+
+def _tp_exchanges(split) -> dict:
+    """{id(sp): (exchange, layouts)} for the TP-split parameters `split` (the same parameters
+    on every rank). A TP-split matrix's pieces lie on its buffer's shard group S times the TP
+    peers M of each of them: those |S| x |M| ranks are its exchange group (the world, the TP
+    group when S is one rank (HSDP), else a new group). `layouts`: per rank of it, in its rank
+    order, (TP coordinate, local shape, local range).
+
+    Collective: one all_gather_object over the world (each rank's (S, M) per distinct pair, so
+    that every rank knows every group and makes the same new groups in the same order), then
+    one per exchange group (the layouts). Nothing when no parameter is TP-split anywhere."""
+    if not split:
+        return {}
+    pairs, pair_of = [], []
+    for sp in split:
+        pair = (tuple(sorted(dist.get_process_group_ranks(sp.buffer.shard_group))),
+                _tp_peers(sp.dtensor_spec))
+        if pair not in pairs:
+            pairs.append(pair)
+        pair_of.append(pairs.index(pair))
+    world, me = dist.get_world_size(), dist.get_rank()
+    facts = [None] * world
+    dist.all_gather_object(facts, pairs)
+    if len({len(f) for f in facts}) != 1:
+        raise RuntimeError("Muon: the ranks have different tensor-parallel layouts "
+                           f"({[len(f) for f in facts]} per rank): build the same model on "
+                           "every rank")
+    made = {}
+    groups = []  # per pair of mine: the exchange's process group
+    for i, (shard, peers) in enumerate(pairs):
+        spec = split[pair_of.index(i)].dtensor_spec
+        every = sorted({tuple(sorted({q for s in facts[r][i][0] for q in facts[s][i][1]}))
+                        for r in range(world)})
+        mine = None
+        for ranks in every:  # the same loop on every rank: new groups in the same order
+            group_facts = [facts[q][i] for q in ranks]
+            if len(ranks) != len(group_facts[0][0]) * len(group_facts[0][1]) or any(
+                    not set(f[0]) | set(f[1]) <= set(ranks) for f in group_facts):
+                raise NotImplementedError(
+                    f"Muon: {split[pair_of.index(i)].fqn}: its TP pieces' data-parallel shards "
+                    f"lie on ranks {list(ranks)}, not a (data-parallel x tensor-parallel) grid")
+            if ranks == tuple(range(world)):
+                pg = dist.group.WORLD
+            elif all(ranks == f[1] for f in group_facts) and len(sharded_mesh_dims(spec)) == 1:
+                pg = "tp"  # the TP group itself (data-parallel shards of one rank: HSDP)
+            else:
+                if ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks))
+                pg = made[ranks]
+            if me in ranks:
+                mine = pg
+        if mine == "tp":
+            mine = spec.mesh.get_group(sharded_mesh_dims(spec)[0])
+        groups.append(mine)
+    out = {}
+    for i, pg in enumerate(groups):
+        params = [sp for sp, k in zip(split, pair_of) if k == i]
+        mine = [(tuple(sp.dtensor_spec.mesh.get_coordinate()), tuple(sp.shape), *_local_range(sp))
+                for sp in params]
+        every = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(every, mine, group=pg)
+        exchange = _Exchange(pg, dist.get_rank(pg), dist.get_world_size(pg),
+                             params[0].buffer.device)
+        for k, sp in enumerate(params):
+            out[id(sp)] = (exchange, [layouts[k] for layouts in every])
+    return out
+
+
 def _splits_a_matrix(sp) -> bool:
-    """Whether TP/EP cut this parameter inside its matrices (one of its last two dims), so
-    that its local tensor holds pieces of matrices, not whole ones."""
+    """Whether TP cut this parameter inside its matrices (one of its last two dims), so that
+    its local tensor holds pieces of matrices, not whole ones."""
+    return any(d >= len(sp.shape) - 2 for d in _split_dims(sp))
+
+
+def _split_dims(sp) -> set:
+    """The tensor dims TP/EP split (as non-negative dims)."""
     spec = sp.dtensor_spec
     if spec is None:
-        return False
+        return set()
     ndim = len(sp.shape)
-    return any(d is not None and d % ndim >= ndim - 2
-               for d in (getattr(p, "dim", None) for p in spec.placements
-                         if not isinstance(p, Replicate)))
+    return {d % ndim for d in (getattr(p, "dim", None) for p in spec.placements
+                               if not isinstance(p, Replicate)) if d is not None}
 
 
 def _check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn,
