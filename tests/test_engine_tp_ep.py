@@ -133,7 +133,6 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
       "zero_optimization": {"stage": 0}}, 4, "needs zero_optimization.stage >= 1"),
     ({"vescale": {"tensor_parallel": {"*.q": "colwise"}}}, 4,
      "vescale.tensor_parallel is a tensor-parallel plan: it needs tensor_parallel.autotp_size"),
-    ({"tensor_parallel": {"autotp_size": 2}, "fp16": {"enabled": True}}, 4, "fp16 with"),
     ({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True,
                                                                  "autoep_siz": 2}}, 4,
      "expert_parallel.autoep_siz: unknown key; did you mean 'autoep_size'"),
@@ -801,6 +800,301 @@ def test_hf_files_and_16bit_state_dict_hold_the_global_tensors(pool, tmp_path, b
         if rank:
             assert out["state"] == {}
 
+
+# --- precision, accumulation and offload under TP/EP (s4-compose)
+
+FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+
+
+def fp16_reference_run(model, ids, steps, scale, dtype=torch.float16):
+    """One process in fp16 (or bf16: `dtype`, scale 1) as the engine computes it: fp32 master
+    weights (torch's AdamW) cast to a 16-bit copy for forward and backward, the fp32 loss times
+    the static `scale`, the 16-bit gradients unscaled in fp32. (losses, gradient norms)"""
+    import copy
+    half = copy.deepcopy(model).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms = [], []
+    for _ in range(steps):
+        with torch.no_grad():
+            for p, h in zip(model.parameters(), half.parameters()):
+                h.copy_(p)
+        loss = half(input_ids=ids, labels=ids).loss
+        (loss.float() * scale).backward()
+        for p, h in zip(model.parameters(), half.parameters()):
+            p.grad = h.grad.float() / scale
+            h.grad = None
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _poisoned_step(engine, ids, micro_rows, pick):
+    """One step whose gradients hold an inf on rank 0 only, in the piece `pick` chooses (after
+    backward, before step): (parameters unchanged, loss scale, skipped steps, overflow flag)."""
+    import torch.distributed as dist
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    mine = ids[engine.dp_rank * micro_rows:(engine.dp_rank + 1) * micro_rows]
+    engine.backward(engine(input_ids=mine, labels=mine).loss)
+    planted = None
+    if dist.get_rank() == 0:
+        fqn, sp = next((fqn, sp) for fqn, sp in sharded_parameters(engine.module)
+                       if pick(sp) and sp.sharded.grad is not None and sp.sharded.numel())
+        sp.sharded.grad[0] = float("inf")
+        planted = fqn
+    engine.step()
+    unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
+    return dict(unchanged=unchanged, scale=engine.loss_scaler.loss_scale,
+                skipped=engine.skipped_steps, overflow=engine.optimizer.overflow,
+                planted=planted)
+
+
+def fp16_against_one_process(rank, world, build, keys, micro_rows, pick):
+    """3 fp16 steps at a TP/EP layout against one process's fp16 on the same global batch
+    (max relative loss error, max relative gradient-norm error, skipped steps), then a step
+    with an inf planted on rank 0's piece that `pick` chooses: skipped everywhere, the scale halved everywhere."""
+    import torch.distributed as dist
+    import vescale_engine
+    ids = global_batch()
+    want, want_norms = fp16_reference_run(build(), ids, 3, 2.0 ** FP16["initial_scale_power"])
+    engine, *_ = vescale_engine.initialize(model=build(), config=config(fp16=FP16, **keys))
+    got, norms = [], []
+    for _ in range(3):
+        got += _steps(engine, ids, micro_rows, 1)
+        norms.append(engine.get_global_grad_norm())
+    skipped = engine.skipped_steps
+    poisoned = _poisoned_step(engine, ids, micro_rows, pick)
+    engine.destroy()
+    dist.barrier()
+    return (max(abs(a - b) / b for a, b in zip(got, want)),
+            max(abs(a - b) / b for a, b in zip(norms, want_norms)), skipped, poisoned)
+
+
+def _tp_replicated(sp):
+    return sp.dtensor_spec is None  # a TP peer holds the same tensor (the norms' weights)
+
+
+def _expert_piece(sp):
+    return sp.dtensor_spec is not None
+
+
+@pytest.mark.parametrize("build,keys,micro_rows,pick", [
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2, _tp_replicated),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2},
+                    "vescale": {"hsdp_replicate_size": 2}}, 1, _expert_piece)],
+    ids=["dp2_tp2_llama", "hsdp2x2_ep2_mixtral"])
+def test_fp16_under_tp_ep_equals_one_process_and_overflow_is_agreed(pool, build, keys,
+                                                                     micro_rows, pick):
+    """An inf on one rank reaches every rank's decision: on a TP-replicated tensor the norm's
+    all-reduces span only its data-parallel group, on an expert piece under HSDP only (efsdp 1,
+    ep); the world-wide overflow flag makes all 4 ranks skip and halve the scale."""
+    got = pool.run(fp16_against_one_process, build, keys, micro_rows, pick)
+    for rank, (loss_err, norm_err, skipped, poisoned) in enumerate(got):
+        assert skipped == 0, (rank, skipped)
+        # The same fp16 model, its sums in another order (TP partial sums, the data-parallel
+        # reduction in fp16): each gradient element is an fp16 value, off by at most a few
+        # roundings of 2^-11, so the norm is within one fp16 ulp (2^-10 ~ 1e-3; measured 8.5e-5
+        # TP, 3.0e-5 EP), and a wrong divisor (2x) or a lost piece fails it. AdamW's update is
+        # normalized: the losses move far less (measured 4.2e-6 and 1.0e-6 relative).
+        assert norm_err < 1e-3, (rank, norm_err)
+        assert loss_err < 5e-5, (rank, loss_err)
+        assert poisoned["unchanged"] and poisoned["overflow"], (rank, poisoned)
+        assert (poisoned["scale"], poisoned["skipped"]) == (128.0, 1), (rank, poisoned)
+    assert got[0][3]["planted"] is not None
+
+
+def accumulation_and_bf16(rank, world, build, keys, dp):
+    """Through initialize at a TP/EP layout, against one process on the same global batch:
+    (a) fp32 with gradient_accumulation_steps 2 (a micro-batch of one row, 2 per data-parallel
+    rank per step): max |loss error|, max |parameter error| after 3 steps, max relative norm
+    error; (b) bf16, the same global batch in one micro-batch per rank: the same errors against
+    one process's bf16."""
+    import torch.distributed as dist
+    import vescale_engine
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    steps, gas = 3, 2
+    ids = global_batch(rows=dp * gas)
+    out = {}
+    for name, extra in (("accumulate", {"gradient_accumulation_steps": gas,
+                                        "train_micro_batch_size_per_gpu": 1}),
+                        ("bf16", {"bf16": {"enabled": True}})):
+        reference = build()
+        if name == "bf16":
+            want, want_norms = fp16_reference_run(reference, ids, steps, 1.0, torch.bfloat16)
+        else:
+            want, want_norms = reference_run(reference, ids, steps=steps)
+        ref = dict(reference.named_parameters())
+        engine, *_ = vescale_engine.initialize(
+            model=build(), config=config(train_batch_size=dp * gas, **keys, **extra))
+        micro = engine.train_micro_batch_size_per_gpu()
+        mine = ids[engine.dp_rank * gas:(engine.dp_rank + 1) * gas]
+        losses, norms = [], []
+        for _ in range(steps):
+            total = torch.zeros(())
+            for k in range(engine.gradient_accumulation_steps()):
+                rows = mine[k * micro:(k + 1) * micro]
+                loss = engine(input_ids=rows, labels=rows).loss
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().float()
+            dist.all_reduce(total)  # TP peers add the same loss: the mean over dp ranks holds
+            losses.append(total.item() / (world * engine.gradient_accumulation_steps()))
+            norms.append(engine.get_global_grad_norm())
+        params = max((local_piece(sp, ref[fqn]) - sp.sharded.detach()).abs().max().item()
+                     for fqn, sp in sharded_parameters(engine.module) if sp.sharded.numel())
+        out[name] = dict(loss=max(abs(a - b) for a, b in zip(losses, want)),
+                         rel_loss=max(abs(a - b) / b for a, b in zip(losses, want)),
+                         norm=max(abs(a - b) / b for a, b in zip(norms, want_norms)),
+                         params=params, gas=engine.gradient_accumulation_steps(), micro=micro,
+                         compute=engine.engine_config.param_dtype)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("build,keys,dp", [
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 4)],
+    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+def test_accumulation_and_bf16_under_tp_ep_equal_one_process(pool, build, keys, dp):
+    got = pool.run(accumulation_and_bf16, build, keys, dp)
+    for rank, out in enumerate(got):
+        acc, bf16 = out["accumulate"], out["bf16"]
+        assert (acc["gas"], acc["micro"], bf16["gas"], bf16["micro"]) == (2, 1, 1, 2), out
+        assert acc["loss"] < 1e-6 and acc["params"] < 1e-6, (rank, acc)
+        assert acc["norm"] < 1e-5, (rank, acc)  # measured 1.1e-7 (TP), 7.8e-8 (EP)
+        # bf16 against one process's bf16: each gradient element is a bf16 value, a few
+        # roundings of 2^-8 off, so the norm is within one bf16 ulp (2^-7 ~ 7.8e-3; measured
+        # 3.2e-4 TP, 2.3e-4 EP) and the losses within 1e-4 relative (measured 5.5e-6, 3.5e-6).
+        # Parameters are not compared: AdamW's first steps move each by ~lr * sign(gradient),
+        # and a near-zero gradient's sign differs by rounding (measured up to 2 lr).
+        assert (acc["compute"], bf16["compute"]) == (None, "bfloat16"), out
+        assert bf16["norm"] < 2.0 ** -7 and bf16["rel_loss"] < 1e-4, (rank, bf16)
+
+
+def offload_against_device(rank, world, build, keys, micro_rows):
+    """The same 3 clipped steps without offload, with offload_optimizer (ratio 1) and with half
+    the buffers offloaded (ratio 0.5: host and device buffers in one norm): per variant the
+    losses, norms, final shards and how many buffers stepped on the host."""
+    import vescale_engine
+    ids = global_batch()
+    out = {}
+    for name, offload in (("device", None), ("host", {"ratio": 1.0}),
+                          ("half", {"ratio": 0.5})):
+        zero = {} if offload is None else {"zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", **offload}}}
+        engine, *_ = vescale_engine.initialize(
+            model=build(), config=config(gradient_clipping=0.05, **keys, **zero))
+        losses, norms = [], []
+        for _ in range(3):
+            losses += _steps(engine, ids, micro_rows, 1)
+            norms.append(engine.get_global_grad_norm())
+        off = getattr(engine.optimizer, "offload", None)
+        buffers = {id(p._vescale.buffer): p._vescale.buffer
+                   for p in engine.module.parameters()}.values()
+        out[name] = dict(losses=losses, norms=norms,
+                         shards={n: p.detach().clone()
+                                 for n, p in engine.module.named_parameters()},
+                         host=None if off is None else sum(off.offloads(b) for b in buffers),
+                         buffers=len(buffers), host_steps=None if off is None else
+                         off.stats.host_steps)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("build,keys,micro_rows", [
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)],
+    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+def test_offload_under_tp_ep_matches_no_offload_bitwise(pool, build, keys, micro_rows):
+    """ZeRO-Offload steps TP/EP pieces on the host with the device path's kernel, and the
+    clipping norm reads host and device gradient shards over the same TP/EP-aware groups: the
+    losses, norms and every parameter shard equal the run without offload bitwise."""
+    got = pool.run(offload_against_device, build, keys, micro_rows)
+    for rank, out in enumerate(got):
+        want = out["device"]
+        assert out["host"]["host"] == want["buffers"], (rank, out["host"]["host"])
+        assert 0 < out["half"]["host"] < want["buffers"], (rank, out["half"]["host"])
+        for variant in ("host", "half"):
+            got_v = out[variant]
+            assert got_v["losses"] == want["losses"], (rank, variant, got_v["losses"])
+            assert got_v["norms"] == want["norms"], (rank, variant, got_v["norms"])
+            assert got_v["host_steps"] == 3 * got_v["host"], (rank, variant)
+            for n, v in want["shards"].items():
+                assert torch.equal(got_v["shards"][n], v), (rank, variant, n)
+
+
+class _LocalExperts(torch.nn.Module):
+    """Fused experts that call to_local() on their DTensor weights at the top of forward, as
+    transformers' EP kernels and torchtitan's grouped experts do; `note` hears when the
+    gradient reaches the first matmul's output (after the second matmul's backward)."""
+
+    def __init__(self, experts, note):
+        super().__init__()
+        torch.manual_seed(3)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, 8, 4))
+        self.w2 = torch.nn.Parameter(torch.randn(experts, 4, 4))
+        self.note = note
+
+    def forward(self, x):
+        w1, w2 = self.w1.to_local(), self.w2.to_local()
+        h = torch.bmm(x, w1.transpose(1, 2))
+        if h.requires_grad:
+            h.register_hook(lambda g: self.note.append("gradient at h"))
+        gate, up = h.chunk(2, dim=-1)
+        return torch.bmm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2))
+
+
+def expert_gradients_land_early(rank, world):
+    """Experts Shard(0) over ep 2, fully_shard over efsdp 2: the order of events in backward
+    (each weight's gradient landing in the buffer, the gradient reaching h) and the gradients
+    against plain autograd on the same local experts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from vescale_engine.fsdp import fully_shard
+    from vescale_engine.fsdp.lookup import sharded_parameters
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    events = []
+    model = _LocalExperts(4, events)
+    plain = _LocalExperts(4, [])
+    for m in (model, plain):
+        for name in ("w1", "w2"):
+            full = getattr(m, name).detach()
+            setattr(m, name, torch.nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
+    fully_shard(model, mesh=mesh["efsdp"].get_group())
+    for fqn, sp in sharded_parameters(model):
+        real = sp.buffer.grad_arrived
+
+        def landed(i, t, _fqn=fqn, _real=real, _index=sp.index):
+            if i == _index and _fqn not in events:
+                events.append(_fqn)
+            return _real(i, t)
+        sp.buffer.grad_arrived = landed
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(5 + rank))
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    errors = {}
+    for fqn, sp in sharded_parameters(model):
+        want = getattr(plain, fqn).grad.to_local()
+        summed = want.clone()
+        dist.all_reduce(summed, group=mesh["efsdp"].get_group())  # over efsdp, then / 2
+        begin, end = sp.flat_range
+        if end > begin:
+            errors[fqn] = (sp.sharded.grad - (summed / 2).reshape(-1)[begin:end]).abs().max().item()
+    return events, errors
+
+
+def test_expert_gradients_land_in_the_buffer_before_the_next_is_computed(pool):
+    """to_local() of a DTensor face hands out a leaf over the buffer view (fsdp/dtensor_params
+    LocalLeafRoute): w2's gradient lands in the buffer before the first matmul's backward
+    computes w1's, so the two never live at once beside the gathered experts (the memory
+    benchmark's peak); with DTensor's own to_local both landed after the last matmul."""
+    got = pool.run(expert_gradients_land_early)
+    for rank, (events, errors) in enumerate(got):
+        assert events == ["w2", "gradient at h", "w1"], (rank, events)
+        assert errors and max(errors.values()) < 1e-6, (rank, errors)
 
 # --- meta-device models and HF weights under TP/EP (s4-meta)
 

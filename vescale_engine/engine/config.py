@@ -311,20 +311,6 @@ def _rank() -> int:
         return 0
 
 
-def _require_composable(config: dict, fp16: bool, offload, tp: int) -> None:
-    """What does not compose with tensor or expert parallelism yet, refused in one line rather
-    than trained wrongly: fp16's overflow check is not agreed over the TP/EP groups, the host
-    optimizer is untested on TP/EP shards. (Muon orthogonalizes TP-split matrices whole:
-    optim/muon.py.) AdamW8bit checks its blocks per parameter when it is
-    built (optim/adamw8bit.py: refused where they are not one process's)."""
-    what = "with tensor_parallel.autotp_size or expert_parallel.autoep_size > 1"
-    if fp16:
-        raise ConfigError([f"fp16 {what}: the overflow check does not span the tensor/expert-"
-                           "parallel groups yet; use bf16 or fp32"])
-    if offload is not None:
-        raise ConfigError([f"zero_optimization.offload_optimizer {what} is not supported yet"])
-
-
 def build_config(source, world_size: int) -> EngineConfig:
     """Validate `source` (path or dict) and resolve it for `world_size` ranks; every problem is
     a ConfigError raised before any collective starts, an "auto" that Hugging Face did not fill
@@ -356,8 +342,6 @@ def build_config(source, world_size: int) -> EngineConfig:
                    "pin_memory": offload["pin_memory"] or bool(pin)}
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
-    if sizes.enabled:
-        _require_composable(config, fp16, offload, sizes.tp)
     return EngineConfig(
         raw=raw,
         batch=resolve_batch_sizes(config, sizes.dp, world_size),

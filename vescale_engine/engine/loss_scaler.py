@@ -7,15 +7,22 @@ on every rank and a dynamic scale is lowered; after `loss_scale_window` good ste
 is raised again (DeepSpeed's counting: after window + 1 good steps, then every window). With
 hysteresis H, only the H-th overflow since the last raise lowers it; an overflow at the
 minimum scale is an error, as in DeepSpeed.
+
+Under tensor/expert parallelism (and HSDP) the norm's all-reduces do not reach every rank for
+every tensor (a TP-replicated tensor is summed over its data-parallel group only; experts over
+efsdp and ep, dense tensors over the dense group), so the overflow decision is agreed over the
+whole world in one more 1-element all-reduce: every rank skips, or none does.
 """
 from __future__ import annotations
 
 import logging
-import math
+import torch
+import torch.distributed as dist
 
+from ..launch.collective_timeout import explain_timeout
 from ..optim.clip import clip_coefficient, global_grad_norm, scale_gradients_
 
-__all__ = ["LossScaler", "from_config", "unscale_and_clip_"]
+__all__ = ["LossScaler", "from_config", "overflowed_anywhere", "unscale_and_clip_"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -109,7 +116,7 @@ def unscale_and_clip_(parameters, scale: float, max_norm: float, eps: float = 1e
     one host-device sync; the returned norm stays on the device."""
     parameters = list(parameters)
     scaled_norm = global_grad_norm(parameters)
-    if not math.isfinite(float(scaled_norm)):
+    if overflowed_anywhere(scaled_norm, parameters):
         return True, None
     norm = scaled_norm / scale
     factor = 1.0 / scale
@@ -117,3 +124,27 @@ def unscale_and_clip_(parameters, scale: float, max_norm: float, eps: float = 1e
         factor = clip_coefficient(norm, max_norm, eps) * factor
     scale_gradients_(parameters, factor)
     return False, norm
+
+
+def _norm_misses_ranks(parameters) -> bool:
+    """Can one rank's inf fail to reach another through the norm's all-reduces? Yes when a
+    parameter is a TP/EP DTensor piece or a buffer's norm group is not the whole world (HSDP,
+    TP's data-parallel group, experts' efsdp)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    world = dist.get_world_size()
+    for p in parameters:
+        sp = getattr(p, "_vescale", None)
+        if sp is not None and (sp.dtensor_spec is not None or
+                               dist.get_world_size(sp.buffer.norm_group) != world):
+            return True
+    return False
+
+
+def overflowed_anywhere(scaled_norm: torch.Tensor, parameters) -> bool:
+    """True on every rank when any rank's gradients hold inf or nan (the step's one sync)."""
+    flag = (~torch.isfinite(scaled_norm)).to(torch.float32).reshape(1)
+    if _norm_misses_ranks(parameters):
+        with explain_timeout("the all-reduce of the fp16 overflow flag"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the world: dense and expert groups
+    return bool(flag.item())

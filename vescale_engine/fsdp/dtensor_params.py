@@ -19,8 +19,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 __all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
-           "dtensor_face", "grad_face", "grad_in_placements", "local_index_maps", "global_shape",
-           "local_of_global", "refuse_tp_ep"]
+           "dtensor_face", "LocalLeafRoute", "grad_face", "grad_in_placements", "local_index_maps",
+           "global_shape", "local_of_global", "refuse_tp_ep"]
 
 
 def _shard_dim(placement) -> int | None:
@@ -91,6 +91,33 @@ def dtensor_face(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) ->
     Parameter is a leaf over the buffer, nothing is copied."""
     face = DTensor(local, _with_dtype(spec, local.dtype), requires_grad=False)
     return nn.Parameter(face, requires_grad=requires_grad)
+
+
+class LocalLeafRoute:
+    """What `face.to_local()` returns while gradients are recorded: `leaf_of()`, a plain leaf
+    Parameter over the same buffer view (its own AccumulateGrad straight into the buffer),
+    instead of DTensor's differentiable view of the face.
+
+    Why: models call `to_local()` on every expert tensor at the top of their forward
+    (transformers' EP kernels, torchtitan's grouped experts). The backward node that view
+    makes is then one of the oldest in the graph, and autograd runs the oldest last: each
+    weight's gradient waited until every later matmul's backward had run, so all the local
+    experts' gradients were alive at once beside the gathered experts. A leaf's
+    AccumulateGrad runs as soon as its gradient is ready: each weight's gradient lands in
+    the buffer (and is freed) before the next one is computed. The gradient is the same: a
+    local view's gradient is the local piece's. `grad_placements` other than the parameter's
+    (a Partial gradient), no_grad and a frozen face take DTensor's own path."""
+
+    def __init__(self, face: nn.Parameter, leaf_of):
+        self.face = face
+        self.leaf_of = leaf_of
+
+    def __call__(self, *, grad_placements=None) -> torch.Tensor:
+        face = self.face
+        own = grad_placements is None or tuple(grad_placements) == tuple(face.placements)
+        if own and torch.is_grad_enabled() and face.requires_grad:
+            return self.leaf_of()
+        return DTensor.to_local(face, grad_placements=grad_placements)
 
 
 def grad_in_placements(grad, spec: DTensorSpec):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dtensor_params import dtensor_face, grad_face, grad_in_placements
+from .dtensor_params import LocalLeafRoute, dtensor_face, grad_face, grad_in_placements
 
 __all__ = ["ShardedParameter"]
 
@@ -34,6 +34,7 @@ class ShardedParameter:
         self.sharded = nn.Parameter(buffer.master_view(index), requires_grad=requires_grad)
         self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
         self._unsharded = None
+        self._local_leaf = None  # a DTensor face's to_local() leaf, once asked for
         # The value a real parameter had when its unit was planned on meta (a tensor added to
         # a deferred build): kept until `FSDPUnit.allocate` writes it; loaders and inits skip it.
         self.initial = None
@@ -53,9 +54,29 @@ class ShardedParameter:
                     self._unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
                 else:  # its local tensor is the view itself
                     self._unsharded = dtensor_face(view, self.dtensor_spec, self.requires_grad)
+                    # to_local() with gradients: a leaf over the view (dtensor_params says why)
+                    self._unsharded.to_local = LocalLeafRoute(self._unsharded, self._local_leaf_of)
             self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
             self._hook_when_trainable()
         return self._unsharded
+
+    def _local_leaf_of(self) -> nn.Parameter:
+        """The plain leaf over the full view that a DTensor face's `to_local()` hands out
+        while gradients are recorded; made once, hooked like the face, its `.grad` preset to
+        the same slot of the buffer (preset_grad)."""
+        if self._local_leaf is None:
+            with torch.inference_mode(False):
+                leaf = nn.Parameter(self._unsharded._local_tensor, requires_grad=True)
+            leaf._vescale_full = self
+            leaf.register_hook(self._local_grad_arrived)
+            if self.unit.in_backward:  # (a recompute in backward: the slot is set already)
+                leaf.grad = self.buffer.backward_grad_view(self.index)
+            self._local_leaf = leaf
+        return self._local_leaf
+
+    def _local_grad_arrived(self, grad):
+        self.buffer.grad_arrived(self.index, self._local_leaf)
+        return grad
 
     @property
     def full_face(self) -> nn.Parameter | None:
@@ -100,6 +121,8 @@ class ShardedParameter:
         view = self.buffer.backward_grad_view(self.index)
         self.unsharded.grad = view if self.dtensor_spec is None else \
             grad_face(view, self.dtensor_spec)
+        if self._local_leaf is not None:
+            self._local_leaf.grad = view
 
     @property
     def flat_range(self) -> tuple[int, int]:
@@ -109,6 +132,13 @@ class ShardedParameter:
         begin = self.buffer.rank * self.buffer.shard_size + start - \
             self.buffer.layout.placements[self.index].offset
         return (begin, begin + end - start) if end > start else (0, 0)
+
+    def drop_full_grads(self) -> None:
+        """The full-shape faces' `.grad` views point into the full buffer: dropped at reshard."""
+        if self._unsharded is not None:
+            self._unsharded.grad = None
+        if self._local_leaf is not None:
+            self._local_leaf.grad = None
 
     def register(self, which: nn.Parameter):
         self.requires_grad  # the outgoing face's flag goes to the incoming one

@@ -275,8 +275,7 @@ class FSDPUnit:
             return
         for p in self.params:
             p.register(p.sharded)
-            if p.full_face is not None:
-                p.full_face.grad = None
+            p.drop_full_grads()
         for buf in self.buffers:
             buf.free_full()
         self._unsharded = False
