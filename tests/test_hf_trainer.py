@@ -215,6 +215,10 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
               "gradient_checkpointing": trainer.model.is_gradient_checkpointing,
               "stepped_lrs": recorder.stepped_lrs, "stepping": recorder.stepping,
               "bf16": trainer.model_wrapped.bfloat16_enabled()}
+    if result["engine"] == "VeScaleEngine":  # parameters that are TP/EP pieces
+        from vescale_engine.fsdp.lookup import sharded_parameters
+        result["split"] = sum(sp.dtensor_spec is not None
+                              for _, sp in sharded_parameters(trainer.model_wrapped.module))
     offload = getattr(trainer.model_wrapped.optimizer, "offload", None)  # ours, offloading
     if offload is not None:
         result["host_steps"] = offload.stats.host_steps
@@ -621,6 +625,23 @@ def test_trainer_with_optimizer_offload_trains_as_without(runs, pool, model_dir,
         _assert_close_steps(torch_adamw[rank]["train"], own[rank]["train"],
                             f"rank {rank}: Trainer's AdamW with offload")
         _assert_scheduler_drove_the_stepping_optimizer(torch_adamw[rank], groups=2)
+
+
+def test_trainer_with_autotp_size_trains_as_data_parallel_on_the_same_batch(pool, model_dir,
+                                                                           tmp_path):
+    """DeepSpeed AutoTP's key through Trainer: Hugging Face fills train_batch_size counting
+    every rank (as DeepSpeed checks it), Accelerate hands the TP peers one batch, the engine
+    applies the model's TP plan. (dp 1, tp 2) with micro-batch 2 trains as dp 2 with 1."""
+    cfg = config("vescale")
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    tp = pool.run(trainer_rank, model_dir, str(tmp_path / "tp"), cfg, {}, timeout=300)
+    dp = pool.run(trainer_rank, model_dir, str(tmp_path / "dp"), config("vescale"),
+                  {"per_device_train_batch_size": 1}, timeout=300)
+    for rank in range(WORLD):
+        assert tp[rank]["split"] > 0 and dp[rank]["split"] == 0, (tp[rank]["split"],
+                                                                  dp[rank]["split"])
+        _assert_trained(tp[rank]["train"])
+        _assert_close_steps(tp[rank]["train"], dp[rank]["train"], f"rank {rank}: tp 2")
 
 
 def test_client_adamw_with_offload_is_rebuilt_as_ours_or_refused_in_one_line(pool):
