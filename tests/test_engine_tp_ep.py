@@ -523,22 +523,29 @@ def test_tp_peers_given_different_batches_stop_at_the_first_forward(pool):
 
 # -- checkpoints: true global shapes, loaded at another layout --------------------------------------
 
+def tp_ep_placements():
+    """(mesh, placements) on a (dp 2, tp 2) mesh of 4 ranks: Shard on dims 0 and 1,
+    _StridedShard on both (transformers' packed gate/up), FSDP2's 2-D expert placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return ((mesh["tp"], [Shard(0)]), (mesh["tp"], [Shard(1)]),
+            (mesh["tp"], [_StridedShard(0, split_factor=2)]),
+            (mesh["tp"], [_StridedShard(1, split_factor=2)]),
+            (mesh, [_StridedShard(0, split_factor=2), Shard(0)]))
+
+
 def strided_boxes(rank, world):
     """Each rank's RaggedPiece boxes of DTensors of an arange, for TP/EP placements (Shard on
     dim 0 and 1, _StridedShard as transformers' packed gate/up, FSDP2's 2-D expert placement):
     [(placements, global shape, [(offsets, values)])]."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor import distribute_tensor
     from vescale_engine.checkpoint.dcp import RaggedPiece
     from vescale_engine.fsdp.dtensor_params import local_index_maps
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
     out = []
-    for sub, placements in ((mesh["tp"], [Shard(0)]), (mesh["tp"], [Shard(1)]),
-                            (mesh["tp"], [_StridedShard(0, split_factor=2)]),
-                            (mesh["tp"], [_StridedShard(1, split_factor=2)]),
-                            (mesh, [_StridedShard(0, split_factor=2), Shard(0)])):
+    for sub, placements in tp_ep_placements():
         d = distribute_tensor(full, sub, placements)
         local = d.to_local().reshape(-1)
         n = local.numel()
@@ -953,10 +960,12 @@ def accumulation_and_bf16(rank, world, build, keys, dp):
     return out
 
 
-@pytest.mark.parametrize("build,keys,dp", [
-    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
-    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 4)],
-    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+LLAMA_TP2 = (tiny_llama, {"tensor_parallel": {"autotp_size": 2}})
+MIXTRAL_EP2 = (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}})
+
+
+@pytest.mark.parametrize("build,keys,dp", [(*LLAMA_TP2, 2), (*MIXTRAL_EP2, 4)],
+                         ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
 def test_accumulation_and_bf16_under_tp_ep_equal_one_process(pool, build, keys, dp):
     got = pool.run(accumulation_and_bf16, build, keys, dp)
     for rank, out in enumerate(got):
@@ -1003,10 +1012,8 @@ def offload_against_device(rank, world, build, keys, micro_rows):
     return out
 
 
-@pytest.mark.parametrize("build,keys,micro_rows", [
-    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2),
-    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 1)],
-    ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
+@pytest.mark.parametrize("build,keys,micro_rows", [(*LLAMA_TP2, 2), (*MIXTRAL_EP2, 1)],
+                         ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
 def test_offload_under_tp_ep_matches_no_offload_bitwise(pool, build, keys, micro_rows):
     """ZeRO-Offload steps TP/EP pieces on the host with the device path's kernel, and the
     clipping norm reads host and device gradient shards over the same TP/EP-aware groups: the
@@ -1285,17 +1292,11 @@ def local_pieces_of_global(rank, world):
     """dtensor_params.local_of_global (what materialize keeps of a global init) against
     DTensor's own local tensors, for Shard on dims 0 and 1, _StridedShard (transformers' packed
     gate/up) and FSDP2's 2-D expert placement: [(placements, equal, a view)]."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor import distribute_tensor
     from vescale_engine.fsdp.dtensor_params import local_of_global
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
     out = []
-    for sub, placements in ((mesh["tp"], [Shard(0)]), (mesh["tp"], [Shard(1)]),
-                            (mesh["tp"], [_StridedShard(0, split_factor=2)]),
-                            (mesh["tp"], [_StridedShard(1, split_factor=2)]),
-                            (mesh, [_StridedShard(0, split_factor=2), Shard(0)])):
+    for sub, placements in tp_ep_placements():
         mine = local_of_global(full, distribute_tensor(full, sub, placements)._spec)
         out.append((str(placements), torch.equal(mine, distribute_tensor(
             full, sub, placements).to_local()),
