@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from config_schemas.validate import ConfigError
+from dist_harness import engine_log_messages
 from vescale_engine.engine.config import ParallelSizes, build_config
 
 WORLD = 4
@@ -95,8 +96,11 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
     del keys["train_batch_size"]
     cfg = build_config(keys, 8)
     assert cfg.batch.train_batch_size == 2 * 3 * 4
-    cfg = build_config(config(train_batch_size=12, train_micro_batch_size_per_gpu=3, **tp), 4)
+    with engine_log_messages() as said:  # derived over dp ranks, not DeepSpeed AutoTP's world
+        cfg = build_config(config(train_batch_size=12, train_micro_batch_size_per_gpu=3, **tp), 4)
     assert cfg.batch.gradient_accumulation_steps == 2
+    assert any("derived over the 2 data-parallel ranks (micro-batch 3, accumulation 2); "
+               "DeepSpeed AutoTP derives it over all 4 ranks" in m for m in said), said
     # experts borrow data-parallel ranks: every rank keeps its own micro-batch
     ep = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
     assert build_config(config(train_batch_size=8, **ep), 4).batch.micro_batch_per_gpu == 2

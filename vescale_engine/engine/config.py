@@ -84,6 +84,13 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int,
     else:
         accum = accum or 1
         total = micro * accum * dp
+    if world_size and world_size != dp and None in (config.get("train_batch_size"), micro,
+                                                    config.get("gradient_accumulation_steps")) \
+            and config.get("train_batch_size") is not None and _rank() == 0:
+        LOG.warning("train_batch_size %d under tensor parallelism: derived over the %d "
+                    "data-parallel ranks (micro-batch %d, accumulation %d); DeepSpeed AutoTP "
+                    "derives it over all %d ranks: give all three keys to be explicit",
+                    total, dp, micro, accum, world_size)
     return BatchSizes(total, micro, accum)
 
 
