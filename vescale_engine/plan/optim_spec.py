@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 
 __all__ = ["OPTIMIZERS", "ADAMW8BIT_BLOCK", "QUANT_CHUNK_ELEMENTS", "MUON_ADAMW_PATTERNS",
-           "MUON_ROUNDS_IN_FLIGHT", "is_muon_matrix"]
+           "MUON_ROUNDS_IN_FLIGHT", "SHAMPOO_DEFAULTS", "is_muon_matrix"]
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon")
 
@@ -20,6 +20,11 @@ QUANT_CHUNK_ELEMENTS = 1 << 22
 MUON_ADAMW_PATTERNS = ("*embed*", "wte.*", "wpe.*", "lm_head.*", "head.*", "output.*",
                        "*norm*", "ln*", "*bias")
 MUON_ROUNDS_IN_FLIGHT = 2
+
+# Shampoo (issue 26): its hyperparameters' defaults; start_preconditioning_step defaults to
+# precondition_frequency. max_preconditioner_dim B is also its sharding granularity (rows:B).
+SHAMPOO_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_epsilon=1e-8,
+                        weight_decay=0.0, max_preconditioner_dim=1024, precondition_frequency=20)
 
 
 def is_muon_matrix(name: str, shape, adamw_patterns=MUON_ADAMW_PATTERNS) -> bool:
