@@ -33,22 +33,35 @@ def pools():
         yield get
 
 
+class Mix(nn.Module):
+    """A unit of its own: when the forward skips it, its parameter gets no gradient at all (an
+    unused expert); inside a used unit it would get zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 8, 5) * 0.3)
+
+    def forward(self, h):
+        return torch.tanh(torch.einsum("bi,eio->bo", h, self.weight))
+
+
 class Model(nn.Module):
     """A 10 x 7 matrix, its bias (1-D), a stack of 3 matrices 7 x 8 (7 rows: not a multiple of
-    B, so sharded in whole matrices), a stack of 2 matrices 8 x 5 (rows:B) and a 10 x 5 head."""
+    B, so sharded in whole matrices), a stack of 2 matrices 8 x 5 (rows:B, in a unit of its
+    own) and a 10 x 5 head."""
 
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(10, 7) * 0.3)
         self.bias = nn.Parameter(torch.randn(7) * 0.1)
         self.experts = nn.Parameter(torch.randn(3, 7, 8) * 0.3)
-        self.mix = nn.Parameter(torch.randn(2, 8, 5) * 0.3)
+        self.mix = Mix()
         self.head = nn.Linear(5, 10, bias=False)
 
     def forward(self, x, targets, use_mix=True):
         h = torch.tanh(x @ self.w + self.bias)
         h = torch.tanh(torch.einsum("bi,eio->bo", h, self.experts))
-        h = torch.tanh(torch.einsum("bi,eio->bo", h, self.mix)) if use_mix else h[:, :5]
+        h = self.mix(h) if use_mix else h[:, :5]
         return F.cross_entropy(self.head(h), targets)
 
 
@@ -122,6 +135,7 @@ class Reference:
 def config(world, **shampoo):
     return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // (2 * world),
             "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
+            "vescale": {"wrap_policy": {"module_classes": ["Mix"]}},
             "optimizer": {"type": "Shampoo", "params": {**HYPER, "betas": list(HYPER["betas"]),
                                                         **shampoo}}}
 
@@ -251,7 +265,7 @@ def test_equals_single_process_shampoo(pools, world):
         assert (params[name] - value).norm() / value.norm() < 2e-4, name
     assert all(r[2] == [] for r in results), [r[2] for r in results]  # blocks whole
     assert granularity["experts"] == 7 * 8 and granularity["w"] == B * 7, granularity
-    assert granularity["mix"] == B * 5 and granularity["head.weight"] == B * 5, granularity
+    assert granularity["mix.weight"] == B * 5 and granularity["head.weight"] == B * 5, granularity
     # the optimizer step communicates nothing; the boundary's engine step only the norm
     assert all(r[4] == [0] * STEPS for r in results), [r[4] for r in results]
     for r in results:
@@ -315,7 +329,7 @@ def test_checkpoint_on_2_resumes_on_3_with_idle_expert(pools):
                 assert torch.equal(whole(saved_stats, name, key),
                                    whole(loaded_stats, name, key)), (name, key)
         steps = {r[name]["step"][1].item() for r in saved_stats + loaded_stats}
-        assert steps == ({3.0} if name == "mix" else {5.0}), (name, steps)  # idle: no step
+        assert steps == ({4.0} if name == "mix.weight" else {5.0}), (name, steps)  # 3: idle
 
 
 # ------------------------------------------------------------------ bad input
@@ -327,8 +341,8 @@ def bad_input_rank(rank, world):
             **config(world), "vescale": {"granularity": {"default": "rows:3"}}}),
         lambda: initialize(model=make(), config={
             **config(world), "vescale": {"granularity": {"overrides": {"experts": "rows:4"}}}}),
-        lambda: Shampoo(fully_shard(make(), granularity="rows:1").parameters(),
-                        max_preconditioner_dim=B),
+        lambda: Shampoo(fully_shard(nn.Linear(7, 10, bias=False), granularity="rows:1")
+                        .parameters(), max_preconditioner_dim=3),  # cut after row 4
         lambda: Shampoo(model.parameters()),
         lambda: Shampoo(fully_shard(make(), granularity="matrix").parameters(), betas=(0.9, 1.0)),
         lambda: initialize(model=make(), config=config(world, precondition_frequncy=3))))
@@ -340,7 +354,8 @@ def test_bad_input_is_a_clear_error(pools):
     user_default, user_override, plain_rows, plain, betas, misspelt = errors
     assert "parameter w [10, 7]" in user_default and "rows:3" in user_default
     assert "parameter experts [3, 7, 8]" in user_override and "rows:4" in user_override
-    assert "parameter w" in plain_rows and "Shampoo block" in plain_rows
+    assert "parameter weight: its shard on rank 0" in plain_rows
+    assert "inside a 3x3 Shampoo block" in plain_rows
     assert "fully_shard" in plain and "betas" in betas
     assert "precondition_frequncy" in misspelt
 
@@ -351,4 +366,4 @@ def test_granularity_rule_without_model():
     policy = sharding_granularity({"type": "Shampoo", "params": {"max_preconditioner_dim": 4}},
                                   {"default": "rows:1"}, make())
     assert policy["default"] == "rows:4" and policy["overrides"]["experts"] == "matrix"
-    assert "mix" not in policy["overrides"]
+    assert "mix.weight" not in policy["overrides"] and "weight" not in policy["overrides"]
