@@ -12,8 +12,8 @@ from .adamw8bit import DEFAULT_BLOCK, AdamW8bit, quantization_granularity
 from .muon import DEFAULT_ADAMW_PATTERNS, Muon, is_muon_matrix
 from .shampoo import Shampoo, shampoo_granularity
 
-__all__ = ["AdamW", "AdamW8bit", "Muon", "Shampoo", "build_optimizer", "sharding_granularity", "OURS",
-           "DEFAULT_BLOCK"]
+__all__ = ["AdamW", "AdamW8bit", "Muon", "Shampoo", "build_optimizer", "sharding_granularity",
+           "OURS", "DEFAULT_BLOCK"]
 
 OURS = {"AdamW": AdamW, "AdamW8bit": AdamW8bit, "Muon": Muon, "Shampoo": Shampoo}
 _TUPLES = ("betas", "ns_coefficients", "adamw_betas", "adamw_patterns")  # JSON gives lists

@@ -38,7 +38,8 @@ from ..plan.optim_spec import SHAMPOO_DEFAULTS
 from ..shard.ragged import RaggedShard
 from .flat import evaluate_closure
 
-__all__ = ["Shampoo", "shampoo_blocks", "block_cut", "inverse_fourth_root", "STATISTICS"]
+__all__ = ["Shampoo", "shampoo_blocks", "block_cut", "shampoo_granularity", "inverse_fourth_root",
+           "STATISTICS"]
 
 STATISTICS = ("L", "R", "QL", "QR")
 _NORM_FLOOR = 1e-30  # grafting: ||Ab|| / (||Pb|| + this)
