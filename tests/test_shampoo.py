@@ -367,3 +367,36 @@ def test_granularity_rule_without_model():
                                   {"default": "rows:1"}, make())
     assert policy["default"] == "rows:4" and policy["overrides"]["experts"] == "matrix"
     assert "mix.weight" not in policy["overrides"] and "weight" not in policy["overrides"]
+
+
+# ------------------------------------------------------------------ memory estimate
+
+def state_bytes_rank(rank, world):
+    """Rank's Shampoo state bytes at the default B = 1024 (made, not stepped: no roots)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 2560), nn.Linear(2560, 40))  # 1024, 1024, 512 rows
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    policy = sharding_granularity({"type": "Shampoo", "params": {}}, {"default": "rows:1"},
+                                  model)
+    opt = Shampoo(fully_shard(model, granularity=policy).parameters())
+    total = 0
+    for entry in opt.checkpoint_state(create=True).values():
+        for value in entry.values():
+            local = getattr(value, "local", value)
+            total += local.numel() * local.element_size()
+    return total, shapes
+
+
+def test_plan_estimates_rank_state_exactly(pools):
+    """`vescale plan --memory --optimizer Shampoo`'s optimizer bytes for rank 0 (moments,
+    steps, and L, R, QL, QR of its blocks) equal what the optimizer allocates there."""
+    from vescale_engine.plan.capacity.ours import PlanCache, _shampoo_state
+    from vescale_engine.plan.capacity.request import Setup
+    from vescale_engine.plan.capacity.units import Tensor, Unit
+    results = pools(2).run(state_bytes_rank)
+    actual, shapes = results[0]
+    unit = Unit("root", tuple(Tensor(name, shape) for name, shape in shapes))
+    planned = PlanCache().plan(unit, Setup(world_size=2, optimizer="Shampoo",
+                                           param_dtype="fp32"))
+    assert _shampoo_state(planned)[0] == actual, (_shampoo_state(planned)[0], actual)
+    assert results[1][0] > 16 * 1024 * 1024  # rank 1 holds blocks too: the estimate is rank 0's
