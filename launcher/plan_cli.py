@@ -74,7 +74,7 @@ def add_parser(sub):
                         "`traffic` keys of each result)")
     m.add_argument("--optimizer", metavar="NAME",
                    help="AdamW (default), AdamW8bit (shards in its block:256 quantization "
-                        "blocks) or Muon")
+                        "blocks), Muon or Shampoo (shards rows:1024)")
     m.add_argument("--param-dtype", metavar="DTYPE",
                    help="compute and all-gather dtype: bf16 (default), fp16 or fp32; master "
                         "weights, gradient shards and optimizer moments are fp32")

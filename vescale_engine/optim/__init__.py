@@ -10,11 +10,12 @@ import torch
 from .adamw import AdamW
 from .adamw8bit import DEFAULT_BLOCK, AdamW8bit, quantization_granularity
 from .muon import DEFAULT_ADAMW_PATTERNS, Muon, is_muon_matrix
+from .shampoo import Shampoo, shampoo_granularity
 
-__all__ = ["AdamW", "AdamW8bit", "Muon", "build_optimizer", "sharding_granularity", "OURS",
-           "DEFAULT_BLOCK"]
+__all__ = ["AdamW", "AdamW8bit", "Muon", "Shampoo", "build_optimizer", "sharding_granularity",
+           "OURS", "DEFAULT_BLOCK"]
 
-OURS = {"AdamW": AdamW, "AdamW8bit": AdamW8bit, "Muon": Muon}
+OURS = {"AdamW": AdamW, "AdamW8bit": AdamW8bit, "Muon": Muon, "Shampoo": Shampoo}
 _TUPLES = ("betas", "ns_coefficients", "adamw_betas", "adamw_patterns")  # JSON gives lists
 
 
@@ -34,12 +35,16 @@ def sharding_granularity(spec: dict | None, granularity: dict, model=None) -> di
 
     AdamW8bit: its quantization block for every parameter (each rank must own whole blocks).
     Muon in "tensor" mode: every matrix atomic ("matrix": each expert of a stack too), the
-    parameters AdamW steps as configured. Anything else: `granularity` unchanged. With `model`,
+    parameters AdamW steps as configured. Shampoo: rows:B (B = max_preconditioner_dim) or
+    whole matrices, so that no shard boundary cuts a Shampoo block (`shampoo_granularity`).
+    Anything else: `granularity` unchanged. With `model`,
     parameters are checked here, before wrapping: a block that does not fit a parameter, or a
     Muon model without matrices, is an error naming the parameter.
     """
     name = (spec or {}).get("type")
     params = dict((spec or {}).get("params", {}))
+    if name == "Shampoo":
+        return shampoo_granularity(params, granularity, model)
     if name == "AdamW8bit":
         block = quantization_granularity(params.get("block", DEFAULT_BLOCK))
         if model is not None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import fnmatch
 
 __all__ = ["OPTIMIZERS", "ADAMW8BIT_BLOCK", "QUANT_CHUNK_ELEMENTS", "MUON_ADAMW_PATTERNS",
-           "MUON_ROUNDS_IN_FLIGHT", "is_muon_matrix"]
+           "MUON_ROUNDS_IN_FLIGHT", "SHAMPOO_DEFAULTS", "SHAMPOO_BLOCK", "is_muon_matrix",
+           "shampoo_statistics", "shampoo_granularity_for"]
 
-OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon")
+OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo")
 
 # AdamW8bit: the default quantization block (also its sharding granularity), and the elements
 # one restore-update-quantize pass works on at a time (quantize.py: bounds its temporaries).
@@ -21,6 +22,12 @@ MUON_ADAMW_PATTERNS = ("*embed*", "wte.*", "wpe.*", "lm_head.*", "head.*", "outp
                        "*norm*", "ln*", "*bias")
 MUON_ROUNDS_IN_FLIGHT = 2
 
+# Shampoo (issue 26): its hyperparameters' defaults; start_preconditioning_step defaults to
+# precondition_frequency. max_preconditioner_dim B is also its sharding granularity (rows:B).
+SHAMPOO_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_epsilon=1e-8,
+                        weight_decay=0.0, max_preconditioner_dim=1024, precondition_frequency=20)
+SHAMPOO_BLOCK = SHAMPOO_DEFAULTS["max_preconditioner_dim"]  # what `vescale plan` estimates
+
 
 def is_muon_matrix(name: str, shape, adamw_patterns=MUON_ADAMW_PATTERNS) -> bool:
     """Muon takes 2-D weights and stacked 3-D expert weights whose name matches no AdamW
@@ -31,3 +38,32 @@ def is_muon_matrix(name: str, shape, adamw_patterns=MUON_ADAMW_PATTERNS) -> bool
     suffixes = [".".join(parts[i:]) for i in range(len(parts))]
     return not any(fnmatch.fnmatchcase(suffix, pattern) for pattern in adamw_patterns
                    for suffix in suffixes)
+
+
+def shampoo_granularity_for(shape, block: int) -> str:
+    """The granularity the engine shards a Shampoo parameter with by default: rows:B, or whole
+    matrices for a stack whose row count is not a multiple of B (optim/shampoo.py)."""
+    shape = tuple(shape)
+    if len(shape) >= 3 and shape[-2] % block and any(d > 1 for d in shape[:-2]):
+        return "matrix"
+    return f"rows:{block}"
+
+
+def shampoo_statistics(shape, rows: int, block: int) -> int:
+    """Elements of L plus R (and as many of QL plus QR) of the Shampoo blocks in the first
+    `rows` rows of a parameter of `shape` (>= 2 dims) viewed as [prod(leading) * m, n]; `rows`
+    ends between row runs of `block` (what a rank holds under Shampoo's granularity)."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        return 0
+    m, n = shape[-2], shape[-1]
+    cols = [min(block, n - c) for c in range(0, n, block)]
+
+    def of_rows(count):  # one matrix's first `count` rows
+        total = 0
+        for a in range(0, count, block):
+            h = min(block, m - a, count - a)
+            total += len(cols) * h * h + sum(w * w for w in cols)
+        return total
+    whole, rest = divmod(rows, m)
+    return whole * of_rows(m) + of_rows(rest)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from ..model_plan import DTYPE_BYTES
-from ..optim_spec import is_muon_matrix
+from ..optim_spec import SHAMPOO_BLOCK, is_muon_matrix, shampoo_statistics
 from .request import MASTER_BYTES, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
@@ -44,7 +44,9 @@ def _fsdp2_optimizer(unit: Unit, setup: Setup) -> tuple:
     """torch.optim.AdamW (fused): two moments and a step per parameter over rank 0's local
     shard (the full chunk). AdamW8bit/Muon have no FSDP2 implementation: the estimate is an
     element-wise 8-bit optimizer over the same shards (codes plus one fp32 scale per 256
-    elements, per moment), and Muon with fp32 momentum that gathers one whole matrix."""
+    elements, per moment), and Muon with fp32 momentum that gathers one whole matrix. Shampoo:
+    the blocks of each rank's dim-0 shard (cut at shard boundaries, as Meta's
+    DistributedShampoo does under FSDP2)."""
     state = largest = 0
     for t in unit.tensors:
         local = _shard(t, unit, setup)
@@ -52,6 +54,10 @@ def _fsdp2_optimizer(unit: Unit, setup: Setup) -> tuple:
             state += 2 * MASTER_BYTES * local + 4
         elif setup.optimizer == "AdamW8bit":
             state += 2 * local + 2 * 4 * -(-local // 256) + 4
+        elif setup.optimizer == "Shampoo":  # blocks of each rank's dim-0 shard (Meta's
+            # DistributedShampoo's default under FSDP2): moments plus L, R, QL, QR
+            state += 2 * MASTER_BYTES * local + 4 + (2 * MASTER_BYTES * shampoo_statistics(
+                t.shape, local // t.shape[-1], SHAMPOO_BLOCK) if len(t.shape) >= 2 else 0)
         elif is_muon_matrix(t.name, t.shape):
             state += MASTER_BYTES * local
             largest = max(largest, t.numel)

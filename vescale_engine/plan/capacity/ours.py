@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES
 from ..optim_spec import (ADAMW8BIT_BLOCK, MUON_ROUNDS_IN_FLIGHT, QUANT_CHUNK_ELEMENTS,
-                          is_muon_matrix)
+                          SHAMPOO_BLOCK, is_muon_matrix, shampoo_granularity_for,
+                          shampoo_statistics)
 from ..planner import TensorSpec, plan_unit
 from .request import MASTER_BYTES, CapacityError, Setup, add_traffic
 from .timeline import Timeline
@@ -74,9 +75,13 @@ class PlanCache:
         itemsize = min(MASTER_BYTES, DTYPE_BYTES[setup.param_dtype])
         align = max(1, setup.align_bytes // itemsize)   # fully_shard's alignment rule
         M = setup.group_size(unit)
+        def block(t):  # Shampoo: rows:B (or whole matrices) for what it preconditions
+            if setup.optimizer == "Shampoo" and len(t.shape) >= 2:
+                return parse_granularity(shampoo_granularity_for(t.shape, SHAMPOO_BLOCK)) \
+                    .block_size(t.shape)
+            return granularity.block_size(t.shape)
         try:
-            specs = tuple(TensorSpec(t.name, t.shape, math.lcm(granularity.block_size(t.shape),
-                                                               t.cut))
+            specs = tuple(TensorSpec(t.name, t.shape, math.lcm(block(t), t.cut))
                           for t in unit.tensors)
         except ValueError as err:
             raise CapacityError(f"unit {unit.name!r}: {err}") from None
@@ -123,6 +128,8 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
     if setup.optimizer in ("AdamW", "AdamW8bit"):
         steps = [_buffer_optimizer(buf, setup) for buf in planned.buffers]
         return sum(s for s, _ in steps), max((p for _, p in steps), default=0)
+    if setup.optimizer == "Shampoo":
+        return _shampoo_state(planned)
     # Muon: fp32 momentum for its matrices, AdamW moments and a step for every other non-empty
     # piece. The step makes each matrix's update (fp32) and keeps the Newton-Schulz results
     # (bf16) of this rank's pieces, gathers whole matrices on their roots a few rounds ahead and
@@ -138,6 +145,25 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
             state += 2 * MASTER_BYTES * local + 4
     ns = 2 * largest * (MUON_ROUNDS_IN_FLIGHT + 4)
     return state, (MASTER_BYTES + 2) * muon_local + ns
+
+
+def _shampoo_state(planned: _Planned) -> tuple:
+    """Shampoo on rank 0: fp32 grafting v and momentum m per element, a step per tensor, and
+    for its blocks fp32 L, R, QL, QR (rank 0 holds each tensor's first rows: whole row runs).
+    The step's transients: the denominators and directions (2 per element), the stacked
+    gradient, Adam and preconditioned blocks (3 per element) and the G G^T / G^T G products
+    (the statistics' size), plus float64 eigendecompositions (input, vectors, output: 3 x 8
+    bytes per statistic element) at a root recomputation."""
+    elements = statistics = 0
+    state = 0
+    for t in planned.unit.tensors:
+        local = planned.rank0.get(t.name, 0)  # every parameter has a state, even empty
+        elements += local
+        state += 2 * MASTER_BYTES * local + 4
+        if len(t.shape) >= 2:
+            statistics += shampoo_statistics(t.shape, local // t.shape[-1], SHAMPOO_BLOCK)
+    state += 2 * MASTER_BYTES * statistics  # L and R, QL and QR
+    return state, MASTER_BYTES * (5 * elements + statistics) + 3 * 8 * statistics // 2
 
 
 def offloaded_buffers(units: list, setup: Setup) -> dict:

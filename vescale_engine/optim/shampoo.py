@@ -1,0 +1,349 @@
+"""Shampoo on RaggedShard-sharded parameters: exact block preconditioners, no communication.
+
+The algorithm (docs/optimizers.md, issue 26), per parameter and step t with gradient g:
+Adam grafting v <- b2 v + (1 - b2) g^2, A = g / (sqrt(v / (1 - b2^t)) + grafting_epsilon). A
+1-D parameter uses D = A. A parameter of >= 2 dims is a stack of [m, n] matrices over its
+leading dims, each cut into a grid of blocks (rows and columns in runs of B =
+max_preconditioner_dim, the last run shorter). Per block Gb: L <- b2 L + (1 - b2) Gb Gb^T,
+R <- b2 R + (1 - b2) Gb^T Gb (fp32, every step); at t >= S with (t - S) % F == 0 the roots
+QL = (L + eps I)^-1/4, QR = (R + eps I)^-1/4 are recomputed (float64 eigh, eigenvalues clamped
+at 0); for t >= S, Db = QL Gb QR scaled to the Frobenius norm of Ab, else Db = Ab. Then
+m <- b1 m + (1 - b1) D and p <- p - lr m / (1 - b1^t) - lr weight_decay p.
+
+Sharded with `rows:B` granularity (the engine picks it: `block_cut` says which granularities
+keep blocks whole), every block lies whole in one rank's flat shard: a rank's piece is whole
+row runs of B rows, all columns. Each rank keeps L, R, QL, QR of its own blocks only and
+computes them alone, so the step has no collective at all and equals one process exactly.
+Blocks of one size are batched: one bmm for the statistics of all of them, one batched eigh
+for their roots (every F steps), one for the preconditioning. The step count lives on the
+host, so the schedule needs no device sync.
+
+State per parameter: `exp_avg` (m) and `exp_avg_sq` (v), element-wise; `L`, `R`, `QL`, `QR`
+as this rank's contiguous range of the parameter's blocks' matrices, flattened in block order
+(matrix, row run, column run): a RaggedPiece of a rank-independent global tensor, so
+checkpoints reshard N -> M exactly; `step`. A parameter without a gradient in a step is
+skipped (its state and step untouched), as torch.optim does.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.dcp import RaggedPiece
+from ..fsdp.dtensor_params import refuse_tp_ep
+from ..plan.optim_spec import SHAMPOO_DEFAULTS
+from ..shard.ragged import RaggedShard
+from .flat import evaluate_closure
+
+__all__ = ["Shampoo", "shampoo_blocks", "block_cut", "shampoo_granularity", "inverse_fourth_root",
+           "STATISTICS"]
+
+STATISTICS = ("L", "R", "QL", "QR")
+_NORM_FLOOR = 1e-30  # grafting: ||Ab|| / (||Pb|| + this)
+
+
+def shampoo_blocks(shape, block: int) -> list:
+    """[(row, rows, col, cols)] of every Shampoo block of a parameter of `shape` (>= 2 dims),
+    in block order, `row` counting the rows of all its stacked matrices ([prod(lead) * m, n])."""
+    m, n = shape[-2], shape[-1]
+    runs = lambda size: [(a, min(block, size - a)) for a in range(0, size, block)]  # noqa: E731
+    return [(e * m + a, h, c, w) for e in range(math.prod(shape[:-2]))
+            for a, h in runs(m) for c, w in runs(n)]
+
+
+def _row_boundary(shape, block: int, element: int) -> bool:
+    """Whether a shard boundary at flat `element` falls between Shampoo blocks."""
+    m, n = shape[-2], shape[-1]
+    if element <= 0 or element >= math.prod(shape):
+        return True
+    return element % n == 0 and (element // n) % m % block == 0
+
+
+def block_cut(shape, granularity_block: int, block: int):
+    """The first flat element at which sharding in atomic blocks of `granularity_block`
+    elements may cut a Shampoo block (None when it never does, e.g. for rows:B, a multiple of
+    B rows, or whole matrices)."""
+    if len(shape) < 2 or math.prod(shape) == 0:
+        return None
+    numel = math.prod(shape)
+    for element in range(granularity_block, numel, granularity_block):
+        if not _row_boundary(shape, block, element):
+            return element
+    return None
+
+
+def inverse_fourth_root(stats: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """(X + eps I)^-1/4 of a stack of symmetric matrices, by eigh in float64 (eigenvalues
+    clamped at 0 first), returned in float32."""
+    values, vectors = torch.linalg.eigh(stats.to(torch.float64))
+    scale = (values.clamp(min=0) + epsilon).pow(-0.25)
+    return ((vectors * scale.unsqueeze(-2)) @ vectors.transpose(-1, -2)).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One Shampoo block of this rank's piece, viewed as [rows of the piece, n]."""
+    row: int
+    rows: int
+    col: int
+    cols: int
+    l_at: int  # offset of its rows x rows L (and QL) in the local flat L
+    r_at: int  # offset of its cols x cols R (and QR) in the local flat R
+
+
+@dataclass
+class _Layout:
+    """A parameter's blocks on this rank and where its statistics lie in the global ones."""
+    cols: int          # n: the width of the piece's 2-D view
+    blocks: list       # [_Block]
+    l_size: int        # local flat L elements
+    r_size: int
+    l_start: int       # the local L's offset in the parameter's global flat L
+    r_start: int
+    l_total: int       # the global flat L's elements
+    r_total: int
+
+
+def _local_range(sp) -> tuple[int, int]:
+    buf = sp.buffer
+    units = buf.layout.placements[sp.index].local_units(buf.world_size)
+    return RaggedShard(sp.shape, sp.block, units).local_range(buf.rank)
+
+
+def _layout(sp, block: int) -> _Layout:
+    """This rank's blocks of `sp`; a shard boundary inside a block is an error naming it."""
+    shape = tuple(sp.shape)
+    start, end = _local_range(sp)
+    for at in (start, end):
+        if not _row_boundary(shape, block, at):
+            raise ValueError(
+                f"parameter {sp.fqn}: its shard on rank {sp.buffer.rank} starts or ends at "
+                f"element {at}, inside a {block}x{block} Shampoo block (shape {list(shape)}); "
+                f"shard it with granularity rows:{block} (or a multiple, or matrix)")
+    n = shape[-1]
+    first, last = start // n, end // n
+    blocks, l_at, r_at = [], 0, 0
+    l_start = r_start = l_total = r_total = 0
+    for row, h, col, w in shampoo_blocks(shape, block):
+        if row < first:
+            l_start += h * h
+            r_start += w * w
+        elif row < last:
+            blocks.append(_Block(row - first, h, col, w, l_at, r_at))
+            l_at += h * h
+            r_at += w * w
+        l_total += h * h
+        r_total += w * w
+    return _Layout(n, blocks, l_at, r_at, l_start, r_start, l_total, r_total)
+
+
+class Shampoo(torch.optim.Optimizer):
+    def __init__(self, params, lr=SHAMPOO_DEFAULTS["lr"], betas=SHAMPOO_DEFAULTS["betas"],
+                 epsilon=SHAMPOO_DEFAULTS["epsilon"],
+                 grafting_epsilon=SHAMPOO_DEFAULTS["grafting_epsilon"],
+                 weight_decay=SHAMPOO_DEFAULTS["weight_decay"],
+                 max_preconditioner_dim=SHAMPOO_DEFAULTS["max_preconditioner_dim"],
+                 precondition_frequency=SHAMPOO_DEFAULTS["precondition_frequency"],
+                 start_preconditioning_step=None):
+        start = precondition_frequency if start_preconditioning_step is None \
+            else start_preconditioning_step
+        _check_hyperparameters(lr, betas, epsilon, grafting_epsilon, weight_decay,
+                               max_preconditioner_dim, precondition_frequency, start)
+        params = list(params)
+        for p in (q for item in params for q in (item["params"] if isinstance(item, dict)
+                                                 else [item])):
+            if getattr(p, "_vescale", None) is None:
+                raise ValueError("vescale_engine.optim.Shampoo needs parameters sharded by "
+                                 "vescale_engine.fully_shard; got a plain parameter of shape "
+                                 f"{list(p.shape)}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), epsilon=epsilon,
+                                      grafting_epsilon=grafting_epsilon,
+                                      weight_decay=weight_decay,
+                                      max_preconditioner_dim=max_preconditioner_dim,
+                                      precondition_frequency=precondition_frequency,
+                                      start_preconditioning_step=start))
+        self._layouts = {}  # id(parameter) -> _Layout (>= 2-D parameters)
+        for group in self.param_groups:
+            refuse_tp_ep(group["params"], "Shampoo", "its blocks would be blocks of TP/EP pieces")
+            for p in group["params"]:
+                if len(p._vescale.shape) >= 2 and math.prod(p._vescale.shape):
+                    self._layouts[id(p)] = _layout(p._vescale, group["max_preconditioner_dim"])
+
+    def root_work(self) -> float:
+        """This rank's eigendecomposition work per root recomputation (sum of k^3 over its
+        L and R matrices)."""
+        return float(sum(b.rows ** 3 + b.cols ** 3 for lay in self._layouts.values()
+                         for b in lay.blocks))
+
+    def _new_state(self, p) -> dict:
+        state = {"step": torch.zeros((), dtype=torch.float32),  # host: no device sync
+                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        lay = self._layouts.get(id(p))
+        if lay is not None:
+            for name in STATISTICS:
+                size = lay.l_size if name in ("L", "QL") else lay.r_size
+                state[name] = torch.zeros(size, dtype=torch.float32, device=p.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = evaluate_closure(closure)
+        for group in self.param_groups:
+            by_step = {}
+            for p in group["params"]:
+                if p.grad is None:  # unused this step (a frozen or idle expert): untouched
+                    continue
+                if not self.state.get(p):
+                    self.state[p] = self._new_state(p)
+                state = self.state[p]
+                state["step"] += 1
+                by_step.setdefault(int(state["step"].item()), []).append(p)
+            for t, params in by_step.items():
+                self._step_params(group, t, params)
+        return loss
+
+    def _step_params(self, group, t, params):
+        beta1, beta2 = group["betas"]
+        start, every = group["start_preconditioning_step"], group["precondition_frequency"]
+        grads = [p.grad for p in params]
+        states = [self.state[p] for p in params]
+        # Adam grafting, element-wise over every parameter at once
+        squares = [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(squares, beta2)
+        torch._foreach_addcmul_(squares, grads, grads, value=1 - beta2)
+        denominators = torch._foreach_div(squares, 1 - beta2 ** t)
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, group["grafting_epsilon"])
+        directions = torch._foreach_div(grads, denominators)  # A, then D in place
+        del denominators
+        sizes = {}  # (rows, cols) -> [(parameter index, block)]
+        for i, p in enumerate(params):
+            lay = self._layouts.get(id(p))
+            for b in lay.blocks if lay is not None else ():
+                sizes.setdefault((b.rows, b.cols), []).append((i, b))
+        refresh = t >= start and (t - start) % every == 0
+        for (h, w), blocks in sizes.items():
+            def views(tensors, name=None):
+                out = []
+                for i, b in blocks:
+                    if name is None:
+                        view = tensors[i].view(-1, self._layouts[id(params[i])].cols)
+                        out.append(view[b.row:b.row + h, b.col:b.col + w])
+                    elif name in ("L", "QL"):
+                        out.append(states[i][name][b.l_at:b.l_at + h * h].view(h, h))
+                    else:
+                        out.append(states[i][name][b.r_at:b.r_at + w * w].view(w, w))
+                return out
+            g = torch.stack(views(grads))
+            for name, product in (("L", g @ g.transpose(1, 2)), ("R", g.transpose(1, 2) @ g)):
+                stats = views(None, name)
+                torch._foreach_mul_(stats, beta2)
+                torch._foreach_add_(stats, list(product.unbind(0)), alpha=1 - beta2)
+                if refresh:
+                    roots = inverse_fourth_root(torch.stack(stats), group["epsilon"])
+                    torch._foreach_copy_(views(None, "Q" + name), list(roots.unbind(0)))
+            if t >= start:
+                targets = views(directions)
+                adam = torch.stack(targets)
+                pre = torch.stack(views(None, "QL")) @ g @ torch.stack(views(None, "QR"))
+                scale = adam.flatten(1).norm(dim=1) / (pre.flatten(1).norm(dim=1) + _NORM_FLOOR)
+                pre.mul_(scale.view(-1, 1, 1))
+                torch._foreach_copy_(targets, list(pre.unbind(0)))
+        moments = [s["exp_avg"] for s in states]
+        torch._foreach_mul_(moments, beta1)
+        torch._foreach_add_(moments, directions, alpha=1 - beta1)
+        lr = group["lr"]
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_add_(params, moments, alpha=-lr / (1 - beta1 ** t))
+
+    # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
+
+    def checkpoint_state(self, create: bool) -> dict:
+        """{parameter: {name: tensor}}: the moments as element-wise views of the local piece,
+        `step` 0-d, and L, R, QL, QR as RaggedPieces of the parameter's global flat statistics
+        (block order): a rank's blocks are one contiguous range of them."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if create and not self.state.get(p):
+                    self.state[p] = self._new_state(p)
+                state = self.state.get(p)
+                if not state:
+                    continue
+                entry = {k: state[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+                lay = self._layouts.get(id(p))
+                if lay is not None:
+                    for name in STATISTICS:
+                        left = name in ("L", "QL")
+                        entry[name] = RaggedPiece(state[name],
+                                                  (lay.l_total if left else lay.r_total,),
+                                                  lay.l_start if left else lay.r_start)
+                out[p] = entry
+        return out
+
+
+def _check_hyperparameters(lr, betas, epsilon, grafting_epsilon, weight_decay, block, every,
+                           start):
+    betas = tuple(betas)
+    problems = [(not lr >= 0, f"lr must be >= 0, got {lr}"),
+                (len(betas) != 2 or not all(0 <= b < 1 for b in betas),
+                 f"betas must be two numbers in [0, 1), got {list(betas)}"),
+                (not epsilon > 0, f"epsilon must be > 0, got {epsilon}"),
+                (not grafting_epsilon > 0, f"grafting_epsilon must be > 0, got {grafting_epsilon}"),
+                (not weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}"),
+                (not (isinstance(block, int) and block > 0),
+                 f"max_preconditioner_dim must be a positive integer, got {block!r}"),
+                (not (isinstance(every, int) and every > 0),
+                 f"precondition_frequency must be a positive integer, got {every!r}"),
+                (not (isinstance(start, int) and start > 0),
+                 f"start_preconditioning_step must be a positive integer, got {start!r}")]
+    for bad, message in problems:
+        if bad:
+            raise ValueError(f"Shampoo {message}")
+
+
+def shampoo_granularity(params: dict, granularity: dict, model=None) -> dict:
+    """The granularity policy that keeps every Shampoo block whole on one rank.
+
+    The default `rows:1` (what a config without `vescale.granularity` gets) becomes
+    `rows:B`, B = max_preconditioner_dim; a stack of matrices whose rows are not a multiple of
+    B (blocks of consecutive matrices would share a `rows:B` block) is sharded in whole
+    matrices instead, by overrides on its name and every dotted suffix of it (the names units
+    see). A granularity the user chose that would cut a block is an error naming the
+    parameter. With `model` None, only the default is changed."""
+    from ..fsdp.policy import granularity_of
+    from ..plan.granularity import parse_granularity
+    block = params.get("max_preconditioner_dim", SHAMPOO_DEFAULTS["max_preconditioner_dim"])
+    if not (isinstance(block, int) and block > 0):
+        raise ValueError(f"Shampoo max_preconditioner_dim must be a positive integer, got "
+                         f"{block!r}")
+    default = parse_granularity(granularity.get("default", "rows:1"))
+    user_default = str(default) != "rows:1"
+    overrides = dict(granularity.get("overrides", {}))
+    policy = {"default": str(default) if user_default else f"rows:{block}",
+              "overrides": overrides}
+    if model is None:
+        return policy
+    user, ours = granularity_of(granularity), granularity_of(policy)
+    whole = {}
+    for fqn, p in model.named_parameters():
+        shape = tuple(p.shape)
+        explicit = user_default or any(fnmatch.fnmatchcase(fqn, pattern) for pattern in overrides)
+        chosen = (user if explicit else ours)(fqn)
+        cut = block_cut(shape, chosen.block_size(shape), block)
+        if cut is None:
+            continue
+        if explicit:
+            raise ValueError(
+                f"parameter {fqn} {list(shape)}: granularity {chosen} would let a shard "
+                f"boundary cut a {block}x{block} Shampoo block (at element {cut}); use rows:"
+                f"{block}, a multiple of it, or matrix (or leave vescale.granularity unset)")
+        parts = fqn.split(".")
+        whole.update({".".join(parts[i:]): "matrix" for i in range(len(parts))})
+    policy["overrides"] = {**overrides, **whole}
+    return policy
