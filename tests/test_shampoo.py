@@ -361,12 +361,16 @@ def test_bad_input_is_a_clear_error(pools):
 
 
 def test_granularity_rule_without_model():
-    policy = sharding_granularity({"type": "Shampoo", "params": {}}, {"default": "rows:1"})
+    policy = sharding_granularity({"type": "Shampoo", "params": {}}, {})
     assert policy == {"default": "rows:1024", "overrides": {}}
     policy = sharding_granularity({"type": "Shampoo", "params": {"max_preconditioner_dim": 4}},
-                                  {"default": "rows:1"}, make())
+                                  {}, make())
     assert policy["default"] == "rows:4" and policy["overrides"]["experts"] == "matrix"
     assert "mix.weight" not in policy["overrides"] and "weight" not in policy["overrides"]
+    # rows:1 the user wrote is the user's choice, checked like any other, never replaced
+    with pytest.raises(ValueError, match="granularity rows:1 would let a shard boundary cut"):
+        sharding_granularity({"type": "Shampoo", "params": {"max_preconditioner_dim": 4}},
+                             {"default": "rows:1"}, make())
 
 
 # ------------------------------------------------------------------ memory estimate
@@ -376,8 +380,7 @@ def state_bytes_rank(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 2560), nn.Linear(2560, 40))  # 1024, 1024, 512 rows
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    policy = sharding_granularity({"type": "Shampoo", "params": {}}, {"default": "rows:1"},
-                                  model)
+    policy = sharding_granularity({"type": "Shampoo", "params": {}}, {}, model)
     opt = Shampoo(fully_shard(model, granularity=policy).parameters())
     total = 0
     for entry in opt.checkpoint_state(create=True).values():

@@ -72,8 +72,10 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     if ds_experts is not None and experts is not None:
         raise ValueError("a model with deepspeed.moe.layer.MoE layers cannot also use "
                          "expert_parallel.autoep_size (the layer splits its experts itself)")
+    given = ((cfg.raw.get("vescale") or {}).get("granularity") or {})  # a default set or not
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
-        cfg.optimizer, {"default": cfg.granularity, "overrides": cfg.granularity_overrides}, model)
+        cfg.optimizer, {"overrides": cfg.granularity_overrides,
+                        **({"default": cfg.granularity} if "default" in given else {})}, model)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
                   max_reuse_distance=cfg.max_reuse_distance,
                   grads_in_place=cfg.grads_in_place,

@@ -37,7 +37,8 @@ def sharding_granularity(spec: dict | None, granularity: dict, model=None) -> di
     Muon in "tensor" mode: every matrix atomic ("matrix": each expert of a stack too), the
     parameters AdamW steps as configured. Shampoo: rows:B (B = max_preconditioner_dim) or
     whole matrices, so that no shard boundary cuts a Shampoo block (`shampoo_granularity`).
-    Anything else: `granularity` unchanged. With `model`,
+    Anything else: `granularity` unchanged (its default `rows:1` when it has none: `granularity`
+    holds a "default" only where the user set one). With `model`,
     parameters are checked here, before wrapping: a block that does not fit a parameter, or a
     Muon model without matrices, is an error naming the parameter.
     """
@@ -68,4 +69,5 @@ def sharding_granularity(spec: dict | None, granularity: dict, model=None) -> di
             return {"default": "matrix",
                     "overrides": {**{pattern: default for pattern in patterns},
                                   **granularity.get("overrides", {})}}
-    return granularity
+    return {"default": granularity.get("default", "rows:1"),
+            "overrides": granularity.get("overrides", {})}

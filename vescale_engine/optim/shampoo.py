@@ -310,7 +310,7 @@ def _check_hyperparameters(lr, betas, epsilon, grafting_epsilon, weight_decay, b
 def shampoo_granularity(params: dict, granularity: dict, model=None) -> dict:
     """The granularity policy that keeps every Shampoo block whole on one rank.
 
-    The default `rows:1` (what a config without `vescale.granularity` gets) becomes
+    The default (what a config without `vescale.granularity.default` gets) becomes
     `rows:B`, B = max_preconditioner_dim; a stack of matrices whose rows are not a multiple of
     B (blocks of consecutive matrices would share a `rows:B` block) is sharded in whole
     matrices instead, by overrides on its name and every dotted suffix of it (the names units
@@ -323,7 +323,7 @@ def shampoo_granularity(params: dict, granularity: dict, model=None) -> dict:
         raise ValueError(f"Shampoo max_preconditioner_dim must be a positive integer, got "
                          f"{block!r}")
     default = parse_granularity(granularity.get("default", "rows:1"))
-    user_default = str(default) != "rows:1"
+    user_default = "default" in granularity  # a default the user set, rows:1 included
     overrides = dict(granularity.get("overrides", {}))
     policy = {"default": str(default) if user_default else f"rows:{block}",
               "overrides": overrides}
