@@ -219,6 +219,8 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
         from vescale_engine.fsdp.lookup import sharded_parameters
         result["split"] = sum(sp.dtensor_spec is not None
                               for _, sp in sharded_parameters(trainer.model_wrapped.module))
+        from deepspeed.runtime.tensor_parallel import init_utils  # DeepSpeed's AutoTP record:
+        result["ds_autotp_recorded"] = init_utils._TP_MODEL_INIT_ARGS is not None  # untouched
     offload = getattr(trainer.model_wrapped.optimizer, "offload", None)  # ours, offloading
     if offload is not None:
         result["host_steps"] = offload.stats.host_steps
@@ -640,6 +642,9 @@ def test_trainer_with_autotp_size_trains_as_data_parallel_on_the_same_batch(pool
     for rank in range(WORLD):
         assert tp[rank]["split"] > 0 and dp[rank]["split"] == 0, (tp[rank]["split"],
                                                                   dp[rank]["split"])
+        # Trainer's deepspeed.tp_model_init left to us: nothing recorded for DeepSpeed's
+        # engines that later runs in these processes start
+        assert not tp[rank]["ds_autotp_recorded"], rank
         _assert_trained(tp[rank]["train"])
         _assert_close_steps(tp[rank]["train"], dp[rank]["train"], f"rank {rank}: tp 2")
 

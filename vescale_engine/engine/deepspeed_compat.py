@@ -1,7 +1,8 @@
 """`patch_deepspeed()`: the one-line migration for existing ZeRO scripts and for frameworks
 that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate). After it,
 `deepspeed.initialize` returns our engine when the config has a "vescale" section, and
-DeepSpeed's own engine otherwise; Accelerate unwraps our engine as it unwraps DeepSpeed's;
+DeepSpeed's own engine otherwise (`deepspeed.tp_model_init` likewise: a vescale config's model
+is left to initialize's TP plan); Accelerate unwraps our engine as it unwraps DeepSpeed's;
 `deepspeed.zero.Init` builds on the meta device for such a config (init/zero.py; transformers'
 from_pretrained / from_config under it: init/hf_pretrained.py); and the per-parameter ZeRO-3 surface
 libraries read (`ds_status`, `ds_shape`, `GatheredParameters`, TRL's generation hooks) works on
@@ -34,6 +35,7 @@ def patch_deepspeed() -> None:
     from ..fsdp import deepspeed_params
     from ..init.zero import install as install_zero_init
     _route_initialize()
+    _route_tp_model_init()
     patch_accelerate_unwrap()
     patch_accelerate_state_dict()
     install_zero_init()
@@ -123,3 +125,29 @@ def _route_initialize() -> None:
 
     initialize.__vescale_original__ = original
     deepspeed.initialize = initialize
+
+
+def _route_tp_model_init() -> None:
+    """`deepspeed.tp_model_init(model, tp_size, dtype, config=...)`, which transformers' Trainer
+    calls before `initialize` when the config has tensor_parallel.autotp_size: for a vescale
+    config the model is returned as it is (initialize applies the TP plan); DeepSpeed's own
+    would record its AutoTP arguments process-wide, where a later DeepSpeed engine finds them."""
+    import deepspeed
+
+    original = getattr(deepspeed, "tp_model_init", None)
+    if original is None or hasattr(original, "__vescale_original__"):
+        return
+
+    @functools.wraps(original)
+    def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
+        config_dict = _config_of({"config": config})
+        if isinstance(config_dict, dict) and "vescale" in config_dict:
+            want = (config_dict.get("tensor_parallel") or {}).get("autotp_size", 0) or 1
+            if tp_size != want:
+                raise ValueError(f"deepspeed.tp_model_init(tp_size={tp_size}) but the config's "
+                                 f"tensor_parallel.autotp_size is {want}")
+            return model
+        return original(model, tp_size, dtype, config=config, **kwargs)
+
+    tp_model_init.__vescale_original__ = original
+    deepspeed.tp_model_init = tp_model_init
