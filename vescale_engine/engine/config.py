@@ -54,6 +54,7 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int,
     micro = config.get("train_micro_batch_size_per_gpu")
     accum = config.get("gradient_accumulation_steps")
     dp = data_parallel_size
+    derived = total is not None and None in (micro, accum)  # total given, a key derived from it
     if total is None and micro is None:
         raise ConfigError(["set train_batch_size or train_micro_batch_size_per_gpu (or both)"])
     if total is not None and micro is not None and accum is not None:
@@ -84,9 +85,7 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int,
     else:
         accum = accum or 1
         total = micro * accum * dp
-    if world_size and world_size != dp and None in (config.get("train_batch_size"), micro,
-                                                    config.get("gradient_accumulation_steps")) \
-            and config.get("train_batch_size") is not None and _rank() == 0:
+    if derived and world_size and world_size != dp and _rank() == 0:
         LOG.warning("train_batch_size %d under tensor parallelism: derived over the %d "
                     "data-parallel ranks (micro-batch %d, accumulation %d); DeepSpeed AutoTP "
                     "derives it over all %d ranks: give all three keys to be explicit",

@@ -97,7 +97,7 @@ def _global_state_dict(module, keep, rank0_only, cpu_offload) -> dict:
     out, order = {}, []
     for names, _, value in gather_to_rank0(module):  # rank 0 only: host copies
         value = value if cpu_offload else value.to(device)
-        order.append((names, tuple(value.shape), value.dtype, value.device.type))
+        order.append((names, tuple(value.shape), value.dtype))
         for name in names:
             out[name] = value
     if rank0_only:
@@ -105,7 +105,7 @@ def _global_state_dict(module, keep, rank0_only, cpu_offload) -> dict:
     shared = [order]
     with explain_timeout("the broadcast of the state dict's names and shapes (full values)"):
         dist.broadcast_object_list(shared, src=0)
-    for names, shape, dtype, _ in shared[0]:
+    for names, shape, dtype in shared[0]:
         value = out[names[0]].to(device) if rank0 else torch.empty(shape, dtype=dtype,
                                                                     device=device)
         with explain_timeout(f"the broadcast of {names[0]} (full values)"):
