@@ -115,7 +115,7 @@ def test_batch_arithmetic_uses_the_data_parallel_size():
         assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
                 cfg.batch.gradient_accumulation_steps) == (total, 2, 3)
     with pytest.raises(ConfigError, match=r"train_batch_size 18 != .* = 12 \(or x 4 ranks = 24, "
-                                          "as DeepSpeed AutoTP counts\)"):
+                                          r"as DeepSpeed AutoTP counts\)"):
         build_config(config(**{**both, "train_batch_size": 18}), 4)
 
 
