@@ -342,6 +342,11 @@ def _print_memory(model, plans, estimates, device_memory):
                   f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
                   f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}"
                   + (f" {t['all_to_all'] / gb:>8.1f}" if ep else ""))
+        work = est["memory"]["ours"].get("shampoo_root_work")
+        if work:
+            print(f"Shampoo root work per recomputation (sum of k^3 over each rank's L and R): "
+                  f"busiest rank {work['max_over_mean']:.3f}x the mean, "
+                  f"{work['idle_ranks']} of {s['shard_group_size']} ranks hold no block")
         if "pcie" in est["traffic"]:
             _print_offload(est)
         if device_memory:

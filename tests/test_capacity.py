@@ -192,6 +192,23 @@ def test_bad_uses_in_a_shapes_file(tmp_path):
     assert "'uses' must be a positive integer" in out.stderr
 
 
+def test_shampoo_root_work_printed_and_in_json():
+    """`--optimizer Shampoo` says how evenly the root work spreads, in text and in --json
+    (shampoo_work.py; each rank's number is Shampoo.root_work(), tests/test_shampoo.py)."""
+    args = ("plan", "--shapes", "examples/models/deepseek-v3.json", "--world-size", "64",
+            "--memory", "--optimizer", "Shampoo")
+    text = vescale(*args)
+    assert text.returncode == 0, text.stderr
+    assert "Shampoo root work per recomputation" in text.stdout
+    assert "busiest rank 1.033x the mean, 0 of 64 ranks hold no block" in text.stdout
+    work = json.loads(vescale(*args, "--json").stdout)["memory"]["ours"]["shampoo_root_work"]
+    assert work["idle_ranks"] == 0 and 1 < work["max_over_mean"] < 1.1, work
+    assert work["max"] == pytest.approx(work["max_over_mean"] * work["mean"])
+    adamw = json.loads(vescale("plan", "--shapes", "examples/models/deepseek-v3.json",
+                               "--world-size", "64", "--memory", "--json").stdout)
+    assert "shampoo_root_work" not in adamw["memory"]["ours"]
+
+
 def test_optimizer_facts_match_the_optimizers():
     """capacity/ reads the optimizers' defaults from optim_spec without importing torch;
     the optimizers use the same values."""

@@ -7,7 +7,7 @@ import fnmatch
 
 __all__ = ["OPTIMIZERS", "ADAMW8BIT_BLOCK", "QUANT_CHUNK_ELEMENTS", "MUON_ADAMW_PATTERNS",
            "MUON_ROUNDS_IN_FLIGHT", "SHAMPOO_DEFAULTS", "SHAMPOO_BLOCK", "is_muon_matrix",
-           "shampoo_statistics", "shampoo_granularity_for"]
+           "shampoo_statistics", "shampoo_granularity_for", "shampoo_root_work"]
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo")
 
@@ -67,3 +67,24 @@ def shampoo_statistics(shape, rows: int, block: int) -> int:
         return total
     whole, rest = divmod(rows, m)
     return whole * of_rows(m) + of_rows(rest)
+
+
+def shampoo_root_work(shape, first: int, last: int, block: int) -> int:
+    """Eigendecomposition work of one root recomputation, sum of k^3 over the k x k L and R of
+    every Shampoo block whose row run starts in rows [first, last) of a parameter of `shape`
+    (>= 2 dims) viewed as [prod(leading) * m, n]: what a rank holding those rows computes
+    every precondition_frequency steps (optim/shampoo.py's root_work, from the plan)."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        return 0
+    m, n = shape[-2], shape[-1]
+    cols = [min(block, n - c) for c in range(0, n, block)]
+    right = sum(w ** 3 for w in cols)
+    work, row = 0, first
+    while row < last:
+        start = row % m - row % m % block   # the row run holding `row`, within its matrix
+        height = min(block, m - start)
+        if row % m == start:
+            work += len(cols) * height ** 3 + right
+        row += height - (row % m - start)
+    return work

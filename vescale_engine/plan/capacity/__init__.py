@@ -12,7 +12,7 @@ once.
 
 One concept per module: request.py (the setup asked for, its checks), units.py (the model's
 units), timeline.py (live bytes over a step), ours.py, fsdp2.py and zero3.py (each system's
-memory and traffic), report.py (the whole estimate). The names below are the package's
+memory and traffic), shampoo_work.py (Shampoo's eigendecomposition work per rank), report.py (the whole estimate). The names below are the package's
 public ones, importable from `vescale_engine.plan.capacity` as before the split.
 """
 from .fsdp2 import pcie_fsdp2, simulate_fsdp2, traffic_fsdp2
@@ -20,6 +20,7 @@ from .ours import (ADAMW8BIT_STEP_BYTES_PER_ELEMENT, ADAMW8BIT_TABLE_BYTES, Plan
                    offloaded_buffers, pcie, simulate_ours, traffic)
 from .report import ACTIVATIONS_NOTE, estimate
 from .request import MASTER_BYTES, CapacityError, Setup, check_setup
+from .shampoo_work import root_work_balance, root_work_per_rank
 from .units import Tensor, Unit, default_root, model_units, tensor_uses
 from .zero3 import ZERO3_DEFAULTS, estimate_zero3, pcie_zero3, sub_groups, traffic_zero3
 
@@ -28,4 +29,4 @@ __all__ = ["CapacityError", "Setup", "check_setup", "estimate", "PlanCache", "te
            "estimate_zero3", "traffic", "traffic_fsdp2", "traffic_zero3", "MASTER_BYTES",
            "ACTIVATIONS_NOTE", "ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES",
            "ZERO3_DEFAULTS", "offloaded_buffers", "pcie", "pcie_fsdp2", "pcie_zero3",
-           "sub_groups"]
+           "sub_groups", "root_work_per_rank", "root_work_balance"]

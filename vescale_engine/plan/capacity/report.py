@@ -4,7 +4,9 @@ With offload, each system's memory also has `host` (its host bytes per rank) and
 `pcie` (host<->device bytes per step); without, the dict is what it was before offload.
 With tensor or expert parallelism (Setup.tp, Setup.ep) the model is first made TP/EP-local
 (plan/parallel.py); the setup then says the mesh, and with ep > 1 each system's traffic has
-`all_to_all`: the token dispatch bytes (`dispatch_bytes`)."""
+`all_to_all`: the token dispatch bytes (`dispatch_bytes`). With Shampoo, ours' memory has
+`shampoo_root_work`: how the eigendecompositions of a root recomputation spread over the
+ranks (shampoo_work.py)."""
 from __future__ import annotations
 
 from ..granularity import parse_granularity
@@ -14,6 +16,7 @@ from ..parallel import local_model, read_plans
 from .fsdp2 import pcie_fsdp2, simulate_fsdp2, traffic_fsdp2
 from .ours import PlanCache, pcie, simulate_ours, traffic
 from .request import CapacityError, Setup, check_setup
+from .shampoo_work import root_work_balance, root_work_per_rank
 from .units import default_root, model_units, tensor_uses
 from .zero3 import estimate_zero3, pcie_zero3, traffic_zero3
 
@@ -82,6 +85,9 @@ def estimate(model: ModelShapes, setup: Setup, uses: dict | None = None,
         m = setup.mesh
         parallel = {"tp": m.tp, "ep": m.ep, "dp": m.dp, "dp_shard": m.dp_shard,
                     "efsdp": m.efsdp, "tokens": setup.tokens}
+    if setup.optimizer == "Shampoo":   # how evenly the eigendecompositions spread
+        memory["ours"]["shampoo_root_work"] = root_work_balance(
+            root_work_per_rank(root, others, setup, cache))
     offload = {}
     if setup.offloads:
         moved["traffic"]["pcie"] = pcie(root, others, setup, cache)
