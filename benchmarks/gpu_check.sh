@@ -7,7 +7,7 @@
 #   (2) benchmarks/gpu_validate.py: placement, fp32 parity with unsharded torch (TF32 off), bf16
 #       with accumulation, fp16 overflow skipping, host syncs (set_sync_debug_mode), memory
 #       drift, native collectives and ragged redistributions, checkpoint resume for AdamW,
-#       AdamW8bit and Muon, stage 0;
+#       AdamW8bit, Muon and Shampoo (placement and host syncs for each too), stage 0;
 #   (3) the fake-process-group memory comparison with FSDP2 at W = $WORLD_SIZES;
 #   (4) step time and peak memory against FSDP2 on a ~1B-parameter bf16 model (world size 1);
 #   (5) benchmarks/gpu_offload.py: offload, peak device memory and step time of ~1B and ~3B

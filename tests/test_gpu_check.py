@@ -18,7 +18,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     log = (tmp_path / "gpu_check.log").read_text()
     assert proc.returncode == 0, log[-6000:]
     for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
-                 "fake_pg_memory", "step_time", "offload"):
+                 "fake_pg_memory", "step_time", "offload", "moe_ep_memory"):
         assert f"{part}: 0" in log, part
     assert log.count("trained 6 steps on 1 rank(s)") == 2
     report = json.loads((tmp_path / "gpu_validate.json").read_text())
@@ -27,6 +27,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert set(statuses) == {"placement", "parity_fp32", "bf16_accumulation", "fp16_overflow",
                              "memory", "collectives", "checkpoints", "stage0", "big_models"}
     assert set(statuses.values()) == {"PASS"}, statuses
+    checks = {row["check"]: row for row in report["checks"]}
+    assert "Shampoo" in json.dumps(checks["checkpoints"]), checks["checkpoints"]
     table = (tmp_path / "gpu_step_time_cpu.md").read_text()
     assert "| veScale |" in table and "| FSDP2 |" in table
     assert (tmp_path / "fake_pg_memory_cpu.md").exists()
