@@ -74,7 +74,10 @@ def add_parser(sub):
                         "`traffic` keys of each result)")
     m.add_argument("--optimizer", metavar="NAME",
                    help="AdamW (default), AdamW8bit (shards in its block:256 quantization "
-                        "blocks), Muon or Shampoo (shards rows:1024)")
+                        "blocks), Muon or Shampoo (shards rows:B)")
+    m.add_argument("--max-preconditioner-dim", metavar="B",
+                   help="with --optimizer Shampoo: its block size B, also its rows:B sharding "
+                        "granularity (default 1024)")
     m.add_argument("--param-dtype", metavar="DTYPE",
                    help="compute and all-gather dtype: bf16 (default), fp16 or fp32; master "
                         "weights, gradient shards and optimizer moments are fp32")
@@ -109,7 +112,7 @@ def add_parser(sub):
 
 _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp",
                  "reshard_after_forward", "root", "device_memory", "offload_optimizer",
-                 "offload_param", "tokens")
+                 "offload_param", "tokens", "max_preconditioner_dim")
 
 
 def _flag_number(text, flag, kind):
@@ -155,6 +158,10 @@ def _capacity_setups(args, model) -> dict:
     args.hsdp = _flag_number(args.hsdp, "--hsdp", int)
     args.device_memory = _flag_number(args.device_memory, "--device-memory", float)
     args.tokens = _flag_number(args.tokens, "--tokens", int)
+    args.max_preconditioner_dim = _flag_number(args.max_preconditioner_dim,
+                                               "--max-preconditioner-dim", int)
+    if args.max_preconditioner_dim and args.optimizer != "Shampoo":
+        raise capacity.CapacityError("--max-preconditioner-dim needs --optimizer Shampoo")
     offload_ratio = _offload_ratio(args.offload_optimizer)
     root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
                                                  if r.strip())
@@ -169,7 +176,8 @@ def _capacity_setups(args, model) -> dict:
                 granularity=str(granularity), align_bytes=args.align_bytes,
                 max_buffers=args.max_buffers, root=root, offload_optimizer=offload_ratio,
                 offload_param=bool(args.offload_param), tp=args.tp, ep=args.ep,
-                tokens=args.tokens or 4096)
+                tokens=args.tokens or 4096,
+                shampoo_block=args.max_preconditioner_dim or capacity.Setup.shampoo_block)
             capacity.check_setup(setup, model)
             setups[(str(granularity), world_size)] = setup
     return setups

@@ -207,6 +207,23 @@ def test_shampoo_root_work_printed_and_in_json():
     adamw = json.loads(vescale("plan", "--shapes", "examples/models/deepseek-v3.json",
                                "--world-size", "64", "--memory", "--json").stdout)
     assert "shampoo_root_work" not in adamw["memory"]["ours"]
+    # another B: Llama-3-70B's 1,024-row runs are too coarse for 64 ranks, 256-row runs are not
+    llama = ("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+             "--memory", "--optimizer", "Shampoo", "--json")
+    coarse, fine = (json.loads(vescale(*llama, *b).stdout) for b in
+                    ((), ("--max-preconditioner-dim", "256")))
+    assert fine["memory_setup"]["granularity"].startswith("rows:256 ")
+    assert coarse["memory"]["ours"]["padding_ratio"] > 2 > 0.1 > \
+        fine["memory"]["ours"]["padding_ratio"]
+    assert fine["memory"]["ours"]["shampoo_root_work"]["max_over_mean"] < 1.1 < \
+        coarse["memory"]["ours"]["shampoo_root_work"]["max_over_mean"]
+    for flags, message in ((("--max-preconditioner-dim", "0"), "must be a positive integer"),
+                           (("--optimizer", "AdamW", "--max-preconditioner-dim", "256"),
+                            "--max-preconditioner-dim needs --optimizer Shampoo")):
+        out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size",
+                      "64", "--memory", *(("--optimizer", "Shampoo") if flags[0] !=
+                                          "--optimizer" else ()), *flags)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def test_optimizer_facts_match_the_optimizers():

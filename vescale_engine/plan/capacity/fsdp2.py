@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from ..model_plan import DTYPE_BYTES
-from ..optim_spec import SHAMPOO_BLOCK, is_muon_matrix, shampoo_statistics
+from ..optim_spec import is_muon_matrix, shampoo_statistics
 from .request import MASTER_BYTES, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
@@ -57,7 +57,7 @@ def _fsdp2_optimizer(unit: Unit, setup: Setup) -> tuple:
         elif setup.optimizer == "Shampoo":  # blocks of each rank's dim-0 shard (Meta's
             # DistributedShampoo's default under FSDP2): moments plus L, R, QL, QR
             state += 2 * MASTER_BYTES * local + 4 + (2 * MASTER_BYTES * shampoo_statistics(
-                t.shape, local // t.shape[-1], SHAMPOO_BLOCK) if len(t.shape) >= 2 else 0)
+                t.shape, local // t.shape[-1], setup.shampoo_block) if len(t.shape) >= 2 else 0)
         elif is_muon_matrix(t.name, t.shape):
             state += MASTER_BYTES * local
             largest = max(largest, t.numel)

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES
 from ..optim_spec import (ADAMW8BIT_BLOCK, MUON_ROUNDS_IN_FLIGHT, QUANT_CHUNK_ELEMENTS,
-                          SHAMPOO_BLOCK, is_muon_matrix, shampoo_granularity_for,
-                          shampoo_statistics)
+                          is_muon_matrix, shampoo_granularity_for, shampoo_statistics)
 from ..planner import TensorSpec, plan_unit
 from .request import MASTER_BYTES, CapacityError, Setup, add_traffic
 from .timeline import Timeline
@@ -77,7 +76,7 @@ class PlanCache:
         M = setup.group_size(unit)
         def block(t):  # Shampoo: rows:B (or whole matrices) for what it preconditions
             if setup.optimizer == "Shampoo" and len(t.shape) >= 2:
-                return parse_granularity(shampoo_granularity_for(t.shape, SHAMPOO_BLOCK)) \
+                return parse_granularity(shampoo_granularity_for(t.shape, setup.shampoo_block)) \
                     .block_size(t.shape)
             return granularity.block_size(t.shape)
         try:
@@ -129,7 +128,7 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
         steps = [_buffer_optimizer(buf, setup) for buf in planned.buffers]
         return sum(s for s, _ in steps), max((p for _, p in steps), default=0)
     if setup.optimizer == "Shampoo":
-        return _shampoo_state(planned)
+        return _shampoo_state(planned, setup.shampoo_block)
     # Muon: fp32 momentum for its matrices, AdamW moments and a step for every other non-empty
     # piece. The step makes each matrix's update (fp32) and keeps the Newton-Schulz results
     # (bf16) of this rank's pieces, gathers whole matrices on their roots a few rounds ahead and
@@ -147,7 +146,7 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
     return state, (MASTER_BYTES + 2) * muon_local + ns
 
 
-def _shampoo_state(planned: _Planned) -> tuple:
+def _shampoo_state(planned: _Planned, block: int) -> tuple:
     """Shampoo on rank 0: fp32 grafting v and momentum m per element, a step per tensor, and
     for its blocks fp32 L, R, QL, QR (rank 0 holds each tensor's first rows: whole row runs).
     The step's transients: the denominators and directions (2 per element), the stacked
@@ -161,7 +160,7 @@ def _shampoo_state(planned: _Planned) -> tuple:
         elements += local
         state += 2 * MASTER_BYTES * local + 4
         if len(t.shape) >= 2:
-            statistics += shampoo_statistics(t.shape, local // t.shape[-1], SHAMPOO_BLOCK)
+            statistics += shampoo_statistics(t.shape, local // t.shape[-1], block)
     state += 2 * MASTER_BYTES * statistics  # L and R, QL and QR
     return state, MASTER_BYTES * (5 * elements + statistics) + 3 * 8 * statistics // 2
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES, ModelShapes
-from ..optim_spec import OPTIMIZERS
+from ..optim_spec import OPTIMIZERS, SHAMPOO_BLOCK
 from ..parallel import Mesh, make_mesh
 from ..planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 
@@ -49,6 +49,7 @@ class Setup:
     tp: int = 1                        # tensor-parallel size (TP innermost)
     ep: int = 1                        # expert-parallel size (borrowed from dp_shard x tp)
     tokens: int = 4096                 # tokens per data-parallel rank per micro-step (EP)
+    shampoo_block: int = SHAMPOO_BLOCK  # Shampoo's max_preconditioner_dim (its rows:B)
 
     @property
     def offloads(self) -> bool:
@@ -116,7 +117,8 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
     if setup.world_size % setup.hsdp:
         raise CapacityError(f"HSDP replicate size {setup.hsdp} does not divide the world size "
                             f"{setup.world_size}")
-    for what, value in (("--tp", setup.tp), ("--ep", setup.ep), ("--tokens", setup.tokens)):
+    for what, value in (("--tp", setup.tp), ("--ep", setup.ep), ("--tokens", setup.tokens),
+                        ("--max-preconditioner-dim", setup.shampoo_block)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise CapacityError(f"{what} must be a positive integer, got {value!r}")
     try:

@@ -8,7 +8,7 @@ rank, k^3 over the L and R of the blocks it owns (whole row runs under `rows:B`)
 unit instance of the model, and says how far the busiest rank is above the mean."""
 from __future__ import annotations
 
-from ..optim_spec import SHAMPOO_BLOCK, shampoo_root_work
+from ..optim_spec import shampoo_root_work
 from .ours import PlanCache
 from .request import Setup
 from .units import Unit, expand
@@ -16,8 +16,7 @@ from .units import Unit, expand
 __all__ = ["root_work_per_rank", "root_work_balance"]
 
 
-def root_work_per_rank(root: Unit, others: list, setup: Setup, cache: PlanCache,
-                       block: int = SHAMPOO_BLOCK) -> list:
+def root_work_per_rank(root: Unit, others: list, setup: Setup, cache: PlanCache) -> list:
     """[work of rank r] over the ranks of the dense shard group (setup.group_size)."""
     keys = ([(root, 0)] if root.tensors else []) + expand(others)
     work = [0] * setup.shard_size
@@ -32,7 +31,7 @@ def root_work_per_rank(root: Unit, others: list, setup: Setup, cache: PlanCache,
                 for i, units in enumerate(p.units):
                     end = min(start + units * p.spec.block, numel)  # a last block is shorter
                     work[p.first_rank + i] += shampoo_root_work(
-                        shape, start // shape[-1], end // shape[-1], block)
+                        shape, start // shape[-1], end // shape[-1], setup.shampoo_block)
                     start = end
     return work
 

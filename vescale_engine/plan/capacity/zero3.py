@@ -21,7 +21,7 @@ tensor's partition is ceil(numel / M) over its unit's shard group (Setup.group_s
 from __future__ import annotations
 
 from ..model_plan import DTYPE_BYTES
-from ..optim_spec import SHAMPOO_BLOCK, is_muon_matrix, shampoo_statistics
+from ..optim_spec import is_muon_matrix, shampoo_statistics
 from .request import MASTER_BYTES, Setup, add_traffic
 from .units import Unit, expand
 
@@ -64,7 +64,7 @@ def _state(t, part: int, setup: Setup) -> int:
     if setup.optimizer == "AdamW8bit":
         return 2 * part + 2 * 4 * -(-part // 256)
     if setup.optimizer == "Shampoo":  # DeepSpeed has none: our statistics, spread evenly
-        share = shampoo_statistics(t.shape, t.numel // t.shape[-1], SHAMPOO_BLOCK) * part \
+        share = shampoo_statistics(t.shape, t.numel // t.shape[-1], setup.shampoo_block) * part \
             // max(1, t.numel) if len(t.shape) >= 2 else 0
         return 2 * MASTER_BYTES * (part + share)
     return (1 if is_muon_matrix(t.name, t.shape) else 2) * MASTER_BYTES * part
