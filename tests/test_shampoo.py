@@ -14,7 +14,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
-from dist_harness import rank_pools, scratch_dir, value_errors
+from dist_harness import engine_log_messages, rank_pools, scratch_dir, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.optim import Shampoo, sharding_granularity
@@ -403,7 +403,7 @@ def test_plan_estimates_rank_state_exactly(pools):
     unit = Unit("root", tuple(Tensor(name, shape) for name, shape in shapes))
     planned = PlanCache().plan(unit, Setup(world_size=2, optimizer="Shampoo",
                                            param_dtype="fp32"))
-    assert _shampoo_state(planned)[0] == actual, (_shampoo_state(planned)[0], actual)
+    assert _shampoo_state(planned, 1024)[0] == actual, (_shampoo_state(planned, 1024)[0], actual)
     assert results[1][0] > 16 * 1024 * 1024  # rank 1 holds blocks too: the estimate is rank 0's
 
 
@@ -440,3 +440,31 @@ def test_root_work_balance_on_example_models():
     assert balance["kimi-k2"]["max_over_mean"] < 1.1, balance
     assert balance["llama3-70b"]["max_over_mean"] > 2, balance
     assert all(b["idle_ranks"] <= 1 for b in balance.values()), balance
+
+
+def padding_warning_rank(rank, world):
+    """The wrap line and Shampoo's warnings rank `rank` logs at initialize, at B = 4 and 1024."""
+    out = {}
+    for block in (B, 1024):
+        with engine_log_messages() as messages:
+            engine, _, _, _ = initialize(model=make(),
+                                         config=config(world, max_preconditioner_dim=block))
+        out[block] = [m for m in messages if m.startswith(("Shampoo:", "wrap policy"))]
+        engine.destroy()
+    return out
+
+
+def test_coarse_shampoo_blocks_are_warned_once_on_rank_0(pools):
+    """Whole 1024-row runs of this small model pad it several times over on 3 ranks: rank 0
+    warns once, naming the padding and the knob; at B = 4 the padding is small and nothing
+    is warned; other ranks log nothing."""
+    results = pools(3).run(padding_warning_rank)
+    fine, coarse = results[0][B], results[0][1024]
+    assert len(fine) == 1 and fine[0].startswith("wrap policy"), fine
+    assert len(coarse) == 2 and coarse[1].startswith("Shampoo:"), coarse
+    padding = float(coarse[0].rsplit("padding ", 1)[1].rstrip("%"))
+    assert padding > 25, coarse
+    assert f"pad the sharded model by {padding:.0f}% on 3 ranks" in coarse[1], coarse
+    assert "max_preconditioner_dim" in coarse[1] and "rows:1024" in coarse[1]
+    assert float(fine[0].rsplit("padding ", 1)[1].rstrip("%")) <= 25, fine
+    assert all(r == {B: [], 1024: []} for r in results[1:]), results[1:]

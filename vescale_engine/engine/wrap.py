@@ -28,6 +28,9 @@ LOG = logging.getLogger("vescale_engine")
 # without structure does not get 8 huge units.
 DEFAULT_UNITS = 8
 MAX_DEFAULT_UNIT_PARAMS = 100_000_000
+# Above this padding (over the parameters) a Shampoo run is warned: its rows:B blocks are too
+# coarse for the ranks (Llama-3-70B at 64 ranks, B = 1024: 238%, benchmarks/shampoo_balance.py).
+SHAMPOO_PADDING_WARNING = 0.25
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
@@ -105,17 +108,42 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
         model._vescale_expert_units = tuple(m for m in choice.modules if ds_experts.sharding(m))
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
+        _warn_coarse_shampoo(cfg, model, choice)
     return model
+
+
+def _padding(units) -> tuple:
+    """(padding elements, parameter elements) of the units' buffers."""
+    layouts = [b.layout for u in units for b in u.buffers]
+    return sum(lay.padding for lay in layouts), sum(lay.numel for lay in layouts)
+
+
+def _warn_coarse_shampoo(cfg, model, choice) -> None:
+    """Shampoo's rows:B blocks are atomic: on many ranks they can pad the shards far beyond
+    the model; say so once, with what pads less."""
+    if (cfg.optimizer or {}).get("type") != "Shampoo":
+        return
+    padding, numel = _padding([unit_of(m) for m in (*choice.modules, model)])
+    if padding > SHAMPOO_PADDING_WARNING * numel:
+        block = (cfg.optimizer.get("params") or {}).get("max_preconditioner_dim", 1024)
+        LOG.warning(f"Shampoo: its rows:{block} blocks pad the sharded model by "
+                    f"{100 * padding / numel:.0f}% on {dist.get_world_size()} ranks (a run of "
+                    f"{block} rows is atomic: too coarse for this many ranks); a smaller "
+                    f"optimizer.params.max_preconditioner_dim or larger units pad less, and "
+                    f"`vescale plan --memory --optimizer Shampoo --max-preconditioner-dim B` "
+                    f"estimates each")
 
 
 def describe(choice: WrapChoice, model: nn.Module) -> str:
     """One line: the rule, how many units, the largest (by parameters it gathers)."""
     units = [unit_of(m) for m in (*choice.modules, model)]
     largest = max(units, key=lambda u: u.numel)
+    padding, numel = _padding(units)
     return (f"wrap policy: {choice.rule} ({choice.detail}) -> {len(units)} FSDP "
             f"unit{'s' if len(units) > 1 else ''} "
             f"({len(choice.modules)} + the root); largest {largest.name.split('#')[0]} with "
-            f"{largest.numel:,} parameters of {sum(u.numel for u in units):,}")
+            f"{largest.numel:,} parameters of {sum(u.numel for u in units):,}; padding "
+            f"{100 * padding / max(1, numel):.1f}%")
 
 
 def choose_units(model: nn.Module, module_classes=(), min_params=None) -> WrapChoice:
