@@ -285,6 +285,7 @@ def initialize_errors(rank, world):
             init(tiny_llama(), tensor_parallel={"autotp_size": 2},
                  vescale={"tensor_parallel": {"nothing.*": "rowwise"}}),
             lambda: vescale_engine.initialize(model=tiny_llama(), config=config(), mpu=object()),
+            init(tiny_llama(), tensor_parallel={"autotp_size": 2}, optimizer=SHAMPOO),
         ])
     return errors, len(built)
 
@@ -301,6 +302,8 @@ def test_initialize_errors_are_one_line_on_every_rank_before_any_mesh(pool):
         assert errors[3] == ("vescale.tensor_parallel['nothing.*']: matches no module of "
                              "LlamaForCausalLM")
         assert "tensor_parallel.autotp_size" in errors[4]
+        assert errors[5].startswith("optimizer Shampoo with tensor_parallel.autotp_size 2: "
+                                    "tensor parallelism splits matrices"), errors[5]
         assert all("\n" not in e for e in errors)
     assert got[0] == got[1] == got[2] == got[3]
 
@@ -335,8 +338,9 @@ def ours_alone_run(model, ids, optimizer, steps=STEPS):
     from vescale_engine.fsdp import full_state_dict, fully_shard
     from vescale_engine.optim import build_optimizer, sharding_granularity
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank, all
+    given = {} if optimizer["type"] == "Shampoo" else {"default": "rows:1"}  # its own rows:B
     fully_shard(model, mesh=groups[dist.get_rank()],
-                granularity=sharding_granularity(optimizer, {"default": "rows:1"}, model))
+                granularity=sharding_granularity(optimizer, given, model))
     opt = build_optimizer(optimizer["type"], model.parameters(), optimizer["params"])
     losses, norms = [], []
     for _ in range(steps):
@@ -482,17 +486,25 @@ def test_dp4_ep2_qwen3_moe_and_deepseek_v3_equal_one_process(pool, build, expert
 MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": "fp32",
                                    "adamw_lr": LR, "adamw_weight_decay": 0.0}}
 ADAMW8BIT = {"type": "AdamW8bit", "params": {"lr": LR, "weight_decay": 0.0, "block": "block:8"}}
+# B = 12: partial blocks in the 16-wide matrices, whole-matrix sharding of the experts (64 and
+# 16 rows are not both multiples of 12); roots at steps 2 and 4, preconditioned from step 2
+SHAMPOO = {"type": "Shampoo", "params": {"lr": LR, "weight_decay": 0.01,
+                                         "max_preconditioner_dim": 12,
+                                         "precondition_frequency": 2, "epsilon": 1e-8}}
 
 
 @pytest.mark.parametrize("build,keys,micro_rows", [
     (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2}, "optimizer": MUON},
      1),
-    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}, "optimizer": ADAMW8BIT}, 2)],
-    ids=["dp4_ep2_mixtral_muon", "dp2_tp2_llama_adamw8bit"])
+    (tiny_llama, {"tensor_parallel": {"autotp_size": 2}, "optimizer": ADAMW8BIT}, 2),
+    (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size": 2},
+                    "optimizer": SHAMPOO}, 1)],
+    ids=["dp4_ep2_mixtral_muon", "dp2_tp2_llama_adamw8bit", "dp4_ep2_mixtral_shampoo"])
 def test_muon_under_ep_and_adamw8bit_under_tp_equal_one_process(pool, build, keys, micro_rows):
     """Muon orthogonalizes whole local experts over efsdp; AdamW8bit's block:8 divides every
-    TP piece of the tiny Llama, so its blocks are one process's: both equal our optimizer on
-    one process over the same global batch."""
+    TP piece of the tiny Llama, so its blocks are one process's; Shampoo's blocks of the
+    experts' local matrices are whole global matrices': each equals our optimizer on one
+    process over the same global batch."""
     got = pool.run(train_against_one_process, build, keys, micro_rows)
     for rank, (loss_err, param_err, norm_err, report) in enumerate(got):
         assert loss_err < 1e-6 and param_err < 1e-6, (rank, loss_err, param_err)

@@ -301,7 +301,7 @@ def statistics(opt, module):
     names = {id(sp.sharded): name for name, sp in sharded_parameters(module)}
     out = {}
     for p, entry in opt.checkpoint_state(create=False).items():
-        out[names[id(p)]] = {k: (getattr(v, "boxes", None) and min(v.boxes)[0],
+        out[names[id(p)]] = {k: (getattr(v, "boxes", None) and min(v.boxes),
                                  (v.local if hasattr(v, "local") else v).clone())
                              for k, v in entry.items() if k not in ("exp_avg", "exp_avg_sq")}
     return out

@@ -366,10 +366,12 @@ def tp_refusals(rank, world):
     """What does not support TP/EP parameters yet says so (one line naming the parameter),
     and the block rule as the planner got it."""
     from vescale_engine.fsdp import full_state_dict, gathered_parameters, sharded_state_dict
+    from vescale_engine.optim import Shampoo
     from vescale_engine.optim.adamw8bit import AdamW8bit
     _, _, _, model = tp_mlp(granularity="element")
     out = {"blocks": blocks_of(unit_of(model.blocks[0]))}
     attempts = {"adamw8bit": lambda: AdamW8bit(model.parameters()),
+                "shampoo": lambda: Shampoo(model.parameters()),
                 "sharded_state_dict": lambda: sharded_state_dict(model),
                 "gathered_parameters": lambda: gathered_parameters(model).__enter__()}
     for name, attempt in attempts.items():
@@ -388,6 +390,8 @@ def test_refusals_and_block_rule(pool):
     for name in ("adamw8bit", "sharded_state_dict", "gathered_parameters"):
         assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
         assert "\n" not in out[name] and ".weight" in out[name], out[name]
+    assert out["shampoo"].startswith("Shampoo: w1.weight is split inside its "
+                                     "matrices by tensor parallelism"), out["shampoo"]
     # element granularity: w1 (Colwise, Shard(0)) may be cut anywhere; w2 (Rowwise, local
     # [8, 8] of [8, 16], Shard(1)) only between whole local rows; the Replicate bias anywhere
     assert out["blocks"] == {"w1.weight": (1, (8, 8)), "w1.bias": (1, (8,)),
@@ -867,7 +871,8 @@ def optimizer_checkpoint_across_layouts(rank, world, build, parallel, micro_rows
 TP2 = {"tensor_parallel": {"autotp_size": 2}}
 EP2 = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
 STATE_CASES = [("tiny_llama", TP2, 2, "MUON"), ("tiny_llama", TP2, 2, "ADAMW8BIT"),
-               ("tiny_mixtral", EP2, 1, "MUON"), ("tiny_mixtral", EP2, 1, "ADAMW8BIT")]
+               ("tiny_mixtral", EP2, 1, "MUON"), ("tiny_mixtral", EP2, 1, "ADAMW8BIT"),
+               ("tiny_mixtral", EP2, 1, "SHAMPOO")]
 
 
 def state_checkpoint_cases(rank, world, path):
@@ -878,8 +883,9 @@ def state_checkpoint_cases(rank, world, path):
 
 
 def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
-    """(dp 2, tp 2) and (dp 2, ep 2) -> dp 4 -> back: Muon's momentum and AdamW8bit's codes
-    and per-block scales are the global tensors' pieces, bitwise, at every layout. AdamW8bit
+    """(dp 2, tp 2) and (dp 2, ep 2) -> dp 4 -> back: Muon's momentum, AdamW8bit's codes
+    and per-block scales and Shampoo's moments and block statistics (each local expert's at
+    its global expert) are the global tensors' pieces, bitwise, at every layout. AdamW8bit
     state loaded into other blocks (block:4) converts the same at (dp, tp/ep) as at dp 4."""
     for rank, cases in enumerate(pool.run(state_checkpoint_cases, str(tmp_path))):
         for case, out in zip(STATE_CASES, cases):
@@ -887,8 +893,10 @@ def test_muon_and_adamw8bit_state_checkpoints_across_layouts(pool, tmp_path):
                 worst, compared = out[stage]
                 assert worst == 0.0 and compared > 20, (rank, case, stage, out[stage])
             assert out["resumed"] < 1e-6 and out["next"] < 1e-6, (rank, case, out)
-            want = ["momentum_buffer"] if case[3] == "MUON" else \
-                ["exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"]
+            want = {"MUON": ["momentum_buffer"],
+                    "ADAMW8BIT": ["exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes",
+                                  "exp_avg_sq_scales"],
+                    "SHAMPOO": ["exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"]}[case[3]]
             assert set(want) <= set(out["scales"]), (case, out["scales"])
             if out["converted"] is not None:  # other blocks: converted the same at both
                 worst, compared, changed = out["converted"]

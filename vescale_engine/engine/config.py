@@ -147,6 +147,10 @@ def parallel_sizes(config: dict, world_size: int) -> ParallelSizes:
         raise ConfigError([f"tensor_parallel.autotp_size {tp} with expert_parallel.autoep_size "
                            f"{ep}: tensor and expert parallelism together are not supported "
                            "yet; use one of them"])
+    if tp > 1 and (config.get("optimizer") or {}).get("type") == "Shampoo":
+        raise ConfigError([f"optimizer Shampoo with tensor_parallel.autotp_size {tp}: tensor "
+                           "parallelism splits matrices, and Shampoo's blocks must be the whole "
+                           "matrix's; Shampoo supports data and expert parallelism"])
     dp = world_size // tp
     stage = config.get("zero_optimization", {}).get("stage", 3)
     replicas = ves.get("hsdp_replicate_size", 1)

@@ -20,20 +20,27 @@ host, so the schedule needs no device sync.
 
 State per parameter: `exp_avg` (m) and `exp_avg_sq` (v), element-wise; `L`, `R`, `QL`, `QR`
 as this rank's contiguous range of the parameter's blocks' matrices, flattened in block order
-(matrix, row run, column run): a RaggedPiece of a rank-independent global tensor, so
-checkpoints reshard N -> M exactly; `step`. A parameter without a gradient in a step is
-skipped (its state and step untouched), as torch.optim does.
+(matrix, row run, column run): a RaggedPiece of a rank-independent global tensor
+[matrices, elements per matrix], so checkpoints reshard N -> M exactly; `step`. A parameter
+without a gradient in a step is skipped (its state and step untouched), as torch.optim does.
+
+Expert parallelism: a stack of matrices split on its leading dims (fused experts, Shard(0) on
+the ep mesh) holds whole global matrices, so its blocks are one process's; their statistics
+are placed at their global matrices in checkpoints, and the result equals one process. A
+matrix split inside by tensor parallelism would give blocks of TP pieces: refused, naming it.
+1-D TP/EP pieces are element-wise (grafting only): exact.
 """
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ..checkpoint.dcp import RaggedPiece
-from ..fsdp.dtensor_params import refuse_tp_ep
+from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.optim_spec import SHAMPOO_DEFAULTS
 from ..shard.ragged import RaggedShard
 from .flat import evaluate_closure
@@ -101,10 +108,12 @@ class _Layout:
     blocks: list       # [_Block]
     l_size: int        # local flat L elements
     r_size: int
-    l_start: int       # the local L's offset in the parameter's global flat L
+    l_start: int       # the local L's offset in the local stack's flat L (R alike)
     r_start: int
-    l_total: int       # the global flat L's elements
-    r_total: int
+    l_matrix: int      # L elements of one matrix of the stack (R alike)
+    r_matrix: int
+    matrices: tuple    # (local matrices, global matrices)
+    matrix_map: list | None  # global matrix of each local one (TP/EP), None: the same
 
 
 def _local_range(sp) -> tuple[int, int]:
@@ -113,9 +122,37 @@ def _local_range(sp) -> tuple[int, int]:
     return RaggedShard(sp.shape, sp.block, units).local_range(buf.rank)
 
 
+def _matrix_map(sp):
+    """For a TP/EP parameter of >= 3 dims split only on its leading dims: the global matrix
+    index of each local matrix of its stack; None for a parameter that is not split. A split
+    inside the matrices is an error naming the parameter."""
+    spec = sp.dtensor_spec
+    dims = sharded_mesh_dims(spec)
+    if not dims:
+        return None
+    ndim = len(spec.shape)
+    inside = [spec.placements[d] for d in dims if spec.placements[d].dim % ndim >= ndim - 2]
+    if inside:
+        raise NotImplementedError(
+            f"Shampoo: {sp.fqn} is split inside its matrices by tensor parallelism "
+            f"({inside[0]} of shape {list(spec.shape)}): its blocks would be blocks of TP "
+            "pieces, not of the matrix; Shampoo supports expert parallelism (stacks split "
+            "on a leading dim) and TP-replicated or 1-D parameters")
+    maps = local_index_maps(spec)[:ndim - 2]
+    lead = spec.shape[:ndim - 2]
+    out = []
+    for index in itertools.product(*(range(n) for n in sp.shape[:ndim - 2])):
+        g = 0
+        for d, i in enumerate(index):
+            g = g * lead[d] + (maps[d][i] if maps[d] is not None else i)
+        out.append(g)
+    return out
+
+
 def _layout(sp, block: int) -> _Layout:
     """This rank's blocks of `sp`; a shard boundary inside a block is an error naming it."""
     shape = tuple(sp.shape)
+    matrix_map = _matrix_map(sp)
     start, end = _local_range(sp)
     for at in (start, end):
         if not _row_boundary(shape, block, at):
@@ -126,7 +163,7 @@ def _layout(sp, block: int) -> _Layout:
     n = shape[-1]
     first, last = start // n, end // n
     blocks, l_at, r_at = [], 0, 0
-    l_start = r_start = l_total = r_total = 0
+    l_start = r_start = l_matrix = r_matrix = 0
     for row, h, col, w in shampoo_blocks(shape, block):
         if row < first:
             l_start += h * h
@@ -135,9 +172,14 @@ def _layout(sp, block: int) -> _Layout:
             blocks.append(_Block(row - first, h, col, w, l_at, r_at))
             l_at += h * h
             r_at += w * w
-        l_total += h * h
-        r_total += w * w
-    return _Layout(n, blocks, l_at, r_at, l_start, r_start, l_total, r_total)
+        if row < shape[-2]:   # the first matrix's blocks: every matrix has the same
+            l_matrix += h * h
+            r_matrix += w * w
+    spec = sp.dtensor_spec
+    matrices = (math.prod(shape[:-2]),
+                math.prod(spec.shape[:-2]) if spec is not None else math.prod(shape[:-2]))
+    return _Layout(n, blocks, l_at, r_at, l_start, r_start, l_matrix, r_matrix, matrices,
+                   matrix_map)
 
 
 class Shampoo(torch.optim.Optimizer):
@@ -167,7 +209,6 @@ class Shampoo(torch.optim.Optimizer):
                                       start_preconditioning_step=start))
         self._layouts = {}  # id(parameter) -> _Layout (>= 2-D parameters)
         for group in self.param_groups:
-            refuse_tp_ep(group["params"], "Shampoo", "its blocks would be blocks of TP/EP pieces")
             for p in group["params"]:
                 if len(p._vescale.shape) >= 2 and math.prod(p._vescale.shape):
                     self._layouts[id(p)] = _layout(p._vescale, group["max_preconditioner_dim"])
@@ -279,12 +320,22 @@ class Shampoo(torch.optim.Optimizer):
                 lay = self._layouts.get(id(p))
                 if lay is not None:
                     for name in STATISTICS:
-                        left = name in ("L", "QL")
-                        entry[name] = RaggedPiece(state[name],
-                                                  (lay.l_total if left else lay.r_total,),
-                                                  lay.l_start if left else lay.r_start)
+                        entry[name] = _statistics_piece(state[name], lay, name in ("L", "QL"))
                 out[p] = entry
         return out
+
+
+def _statistics_piece(local: torch.Tensor, lay: _Layout, left: bool) -> RaggedPiece:
+    """This rank's L or R (QL, QR) as a piece of the parameter's global statistics
+    [matrices, elements per matrix]: a contiguous range of its local stack's, each local matrix
+    placed at its global one under expert parallelism."""
+    per = lay.l_matrix if left else lay.r_matrix
+    start = lay.l_start if left else lay.r_start
+    local_matrices, global_matrices = lay.matrices
+    if lay.matrix_map is None:
+        return RaggedPiece(local, (global_matrices, per), start)
+    return RaggedPiece(local, (global_matrices, per), start, local_shape=(local_matrices, per),
+                       index_maps=[lay.matrix_map, None])
 
 
 def _check_hyperparameters(lr, betas, epsilon, grafting_epsilon, weight_decay, block, every,

@@ -137,8 +137,9 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
     if not isinstance(setup.offload_param, bool):
         raise CapacityError(f"offload_param must be true or false, got {setup.offload_param!r}")
     if (setup.tp > 1 or setup.ep > 1 or setup.offloads) and setup.optimizer == "Shampoo":
-        raise CapacityError("Shampoo is not estimated with --tp, --ep or offload (the engine "
-                            "does not run it there yet)")
+        raise CapacityError("Shampoo is not estimated with --tp or offload (the engine "
+                            "refuses both) nor with --ep (the engine runs it; the estimate "
+                            "does not model it yet)")
     if setup.offloads and setup.optimizer == "Muon":
         raise CapacityError("offload is not estimated for Muon (its momentum and Newton-Schulz "
                             "traffic are not modelled); use AdamW or AdamW8bit")
