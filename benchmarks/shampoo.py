@@ -23,7 +23,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import alternate, benchmark_parser, peak, reset_peak, run_ranks, write_report  # noqa: E402,E501
+from ranks import (alternate, benchmark_parser, cpu_model, peak, reset_peak,  # noqa: E402
+                   run_ranks, write_report)
 SYSTEMS = ("AdamW", "Shampoo")
 
 
@@ -132,7 +133,8 @@ def main():
     chart(runs, png)
     final = {s: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for s, r in runs.items()}
     lines = ["# Shampoo vs AdamW on the example GPT", "",
-             f"Produced by `python benchmarks/shampoo.py {' '.join(sys.argv[1:])}`: "
+             f"Produced by `python benchmarks/shampoo.py {' '.join(sys.argv[1:])}` on "
+             f"{cpu_model()} ({os.cpu_count()} cores; load average {_load()}): "
              f"examples/configs/vescale_default.json with only the optimizer changed, "
              f"{args.world} ranks on gloo, GPT {args.layers} layers width {args.dim} sequence "
              f"{args.seq}, {args.steps} steps, {args.rounds} alternated rounds; Shampoo B = "
@@ -153,6 +155,11 @@ def main():
               "(tests/test_shampoo.py counts it).",
               f"- Loss curves: `{os.path.relpath(png, ROOT)}`."]
     write_report(os.path.join(HERE, "results", stem + ".md"), lines)
+
+
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages now (a shared machine's noise, for the header)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ from vescale_engine.shard.ragged import RaggedShard
 GLOBAL_BATCH = 12
 STEPS = 10
 B = 4  # max_preconditioner_dim: smaller than the matrices, which end in partial blocks
+# S = 4 != F = 3: roots at steps 4, 7 and 10 (a schedule on t % F, or S = F, would differ)
 HYPER = dict(lr=0.02, betas=(0.9, 0.999), epsilon=1e-12, grafting_epsilon=1e-8,
-             weight_decay=0.01, max_preconditioner_dim=B, precondition_frequency=3)
+             weight_decay=0.01, max_preconditioner_dim=B, precondition_frequency=3,
+             start_preconditioning_step=4)
 CLIP = 0.5
 
 
@@ -60,10 +62,10 @@ class Model(nn.Module):
         self.head = nn.Linear(5, 10, bias=False)
 
     def forward(self, x, targets, use_mix=True):
-        h = torch.tanh(x @ self.w + self.bias)
+        h = torch.tanh(x.to(self.w.dtype) @ self.w + self.bias)
         h = torch.tanh(torch.einsum("bi,eio->bo", h, self.experts))
         h = self.mix(h) if use_mix else h[:, :5]
-        return F.cross_entropy(self.head(h), targets)
+        return F.cross_entropy(self.head(h).float(), targets)
 
 
 def make(dtype=torch.float32):
@@ -81,11 +83,11 @@ class Reference:
     """The issue's algorithm, one process, float64, block by block (no batching)."""
 
     def __init__(self, params, lr, betas, epsilon, grafting_epsilon, weight_decay,
-                 max_preconditioner_dim, precondition_frequency):
+                 max_preconditioner_dim, precondition_frequency, start_preconditioning_step):
         self.params = list(params)
         self.lr, (self.b1, self.b2), self.eps = lr, betas, epsilon
         self.geps, self.wd, self.B = grafting_epsilon, weight_decay, max_preconditioner_dim
-        self.F = self.S = precondition_frequency
+        self.F, self.S = precondition_frequency, start_preconditioning_step
         self.state = {}
 
     def root(self, x):
@@ -361,17 +363,33 @@ def test_bad_input_is_a_clear_error(pools):
     assert "precondition_frequncy" in misspelt
 
 
-def test_granularity_rule_without_model():
+def test_granularity_rule():
+    """shampoo:B: B-row runs (rows:B), a stack whose rows are not a multiple of B in whole
+    matrices, decided per tensor from its shape; a user's choice is checked, never replaced,
+    on every dotted suffix of a name (units see names relative to themselves)."""
+    from vescale_engine.plan.granularity import parse_granularity
     policy = sharding_granularity({"type": "Shampoo", "params": {}}, {})
-    assert policy == {"default": "rows:1024", "overrides": {}}
+    assert policy == {"default": "shampoo:1024", "overrides": {}}
     policy = sharding_granularity({"type": "Shampoo", "params": {"max_preconditioner_dim": 4}},
                                   {}, make())
-    assert policy["default"] == "rows:4" and policy["overrides"]["experts"] == "matrix"
-    assert "mix.weight" not in policy["overrides"] and "weight" not in policy["overrides"]
+    assert policy == {"default": "shampoo:4", "overrides": {}}
+    g = parse_granularity(policy["default"])
+    assert str(g) == "shampoo:4"
+    assert g.block_size((3, 7, 8)) == 7 * 8       # 7 rows: whole matrices
+    assert g.block_size((2, 8, 5)) == 4 * 5       # 8 rows: runs of 4
+    assert g.block_size((1, 7, 8)) == 4 * 8       # one matrix: runs of 4, the last shorter
+    assert g.block_size((10, 7)) == 4 * 7 and g.block_size((7,)) == 4
+    assert g.block_size((8, 512, 1024)) == 4 * 1024
+    assert parse_granularity("shampoo:1024").block_size((8, 512, 1024)) == 512 * 1024
     # rows:1 the user wrote is the user's choice, checked like any other, never replaced
     with pytest.raises(ValueError, match="granularity rows:1 would let a shard boundary cut"):
         sharding_granularity({"type": "Shampoo", "params": {"max_preconditioner_dim": 4}},
                              {"default": "rows:1"}, make())
+    # an override seen by a unit under a suffix of the name ("weight" in unit `mix`)
+    with pytest.raises(ValueError, match=r"parameter mix.weight \[2, 8, 5\]: granularity "
+                                         "rows:3"):
+        sharding_granularity({"type": "Shampoo", "params": {"max_preconditioner_dim": 4}},
+                             {"overrides": {"weight": "rows:3"}}, make())
 
 
 # ------------------------------------------------------------------ memory estimate
@@ -446,16 +464,19 @@ def padding_warning_rank(rank, world):
     """The wrap line and Shampoo's warnings rank `rank` logs at initialize, at B = 4 and 1024."""
     out = {}
     for block in (B, 1024):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 40), nn.Linear(40, 10))  # one unit
         with engine_log_messages() as messages:
-            engine, _, _, _ = initialize(model=make(),
-                                         config=config(world, max_preconditioner_dim=block))
+            engine, _, _, _ = initialize(model=model, config={
+                "train_micro_batch_size_per_gpu": 2, "optimizer": {
+                    "type": "Shampoo", "params": {"max_preconditioner_dim": block}}})
         out[block] = [m for m in messages if m.startswith(("Shampoo:", "wrap policy"))]
         engine.destroy()
     return out
 
 
 def test_coarse_shampoo_blocks_are_warned_once_on_rank_0(pools):
-    """Whole 1024-row runs of this small model pad it several times over on 3 ranks: rank 0
+    """Whole 1024-row runs of a small model pad it by most of its size on 3 ranks: rank 0
     warns once, naming the padding and the knob; at B = 4 the padding is small and nothing
     is warned; other ranks log nothing."""
     results = pools(3).run(padding_warning_rank)
@@ -468,3 +489,75 @@ def test_coarse_shampoo_blocks_are_warned_once_on_rank_0(pools):
     assert "max_preconditioner_dim" in coarse[1] and "rows:1024" in coarse[1]
     assert float(fine[0].rsplit("padding ", 1)[1].rstrip("%")) <= 25, fine
     assert all(r == {B: [], 1024: []} for r in results[1:]), results[1:]
+
+
+# ------------------------------------------------------------------ dtypes, late changes
+
+def bf16_rank(rank, world):
+    """A model passed in bf16 (master and gradients bf16): the statistics stay fp32 and the
+    preconditioned steps run (fp32 roots times bf16 gradients used to fail at step S)."""
+    engine, opt, _, _ = initialize(model=make(torch.bfloat16), config=config(world))
+    losses = train(engine, rank, world, range(STEPS))
+    dtypes = {str(s[k].dtype) for s in opt.state.values() for k in ("L", "QL") if k in s}
+    return losses, dtypes
+
+
+def test_bf16_model_preconditions_in_fp32(pools):
+    want, _ = reference_losses(range(STEPS))
+    losses, dtypes = pools(2).run(bf16_rank, timeout=300)[0]
+    assert dtypes == {"torch.float32"}, dtypes
+    assert all(math.isfinite(x) for x in losses), losses
+    assert max(abs(a - b) / b for a, b in zip(losses, want)) < 3e-2, (losses, want)
+
+
+def late_changes_rank(rank, world, directory):
+    """(1) A checkpoint saved before `mix` ever got a gradient loads, and training goes on as
+    without the save; (2) S lowered after step 3 recomputes the roots at once (none were
+    computed) instead of preconditioning with zero roots; (3) add_param_group lays out the
+    new parameters' blocks and refuses plain ones."""
+    never = lambda step: step >= 2  # noqa: E731  (mix idle in steps 0 and 1)
+    engine, opt, _, _ = initialize(model=make(), config=config(world))
+    train(engine, rank, world, range(2), never)
+    engine.save_checkpoint(directory, tag="early")
+    want = train(engine, rank, world, range(2, 5), never)
+    engine.destroy()
+    torch.manual_seed(3)
+    resumed, opt, _, _ = initialize(model=Model(), config=config(world))
+    resumed.load_checkpoint(directory, tag="early")
+    mix = next(sp.sharded for n, sp in sharded_parameters(resumed.module) if n == "mix.weight")
+    mix_step = int(opt.state[mix]["step"])
+    got = train(resumed, rank, world, range(2, 5), never)
+    resumed.destroy()
+
+    engine, opt, _, _ = initialize(model=make(), config=config(world, start_preconditioning_step=20))
+    train(engine, rank, world, range(3))
+    roots_before = {int(s["roots"]) for s in opt.state.values()}
+    opt.param_groups[0]["start_preconditioning_step"] = 2
+    train(engine, rank, world, range(3, 4))   # t = 4: (4 - 2) % 3 != 0, but no roots yet
+    roots_after = {int(s["roots"]) for s in opt.state.values() if "QL" in s}
+    zero_roots = [n for n, sp in sharded_parameters(engine.module) if "QL" in opt.state[sp.sharded]
+                  and opt.state[sp.sharded]["QL"].numel()
+                  and not opt.state[sp.sharded]["QL"].abs().sum()]
+    engine.destroy()
+
+    model = fully_shard(make(), granularity="matrix")
+    params = dict(model.named_parameters())
+    late = Shampoo([params["w"]], max_preconditioner_dim=B)
+    late.add_param_group({"params": [params["experts"]]})
+    laid_out = sorted(len(late._layouts[id(p)].blocks) >= 0 for p in (params["w"], params["experts"]))
+    errors = value_errors((lambda: late.add_param_group({"params": [torch.nn.Parameter(
+        torch.zeros(3, 3))]}),))
+    return dict(want=want, got=got, mix_step=mix_step, roots_before=roots_before,
+                roots_after=roots_after, zero_roots=zero_roots, laid_out=laid_out,
+                errors=errors)
+
+
+def test_early_checkpoint_late_schedule_and_added_groups(pools):
+    directory = scratch_dir()
+    for out in pools(2).run(late_changes_rank, directory, timeout=300):
+        assert max(abs(a - b) / abs(b) for a, b in zip(out["got"], out["want"])) < 1e-6, out
+        assert out["mix_step"] == 0, out
+        assert out["roots_before"] == {0} and out["roots_after"] == {4}, out
+        assert out["zero_roots"] == [], out
+        assert out["laid_out"] == [True, True], out
+        assert "needs parameters sharded by vescale_engine.fully_shard" in out["errors"][0]

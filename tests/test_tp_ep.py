@@ -765,12 +765,22 @@ def engine_muon_cases(rank, world):
         return lambda: vescale_engine.initialize(model=model, optimizer=make(model), config=keys)
     errors = value_errors([
         client(lambda m: torch.optim.Muon([p for p in m.parameters() if p.ndim == 2])),
-        client(lambda m: Paged8bit(m.parameters(), lr=0.1))])
+        client(lambda m: Paged8bit(m.parameters(), lr=0.1)),
+        client(lambda m: BnbAdamW(m.parameters(), lr=0.1))])
     return cases, errors
 
 
 class Paged8bit(torch.optim.SGD):
     """Stands for another library's 8-bit optimizer (bitsandbytes' PagedAdamW8bit)."""
+
+
+class BnbAdamW(torch.optim.SGD):
+    """Stands for bitsandbytes' AdamW(optim_bits=8), what Trainer's optim="adamw_bnb_8bit"
+    builds: no "8bit" in the class name, the bits in `args` (bitsandbytes' MockArgs)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.args = type("MockArgs", (), {"optim_bits": 8})()
 
 
 def test_muon_on_tp_split_matrices_through_initialize_equals_one_process(pool):
@@ -779,6 +789,8 @@ def test_muon_on_tp_split_matrices_through_initialize_equals_one_process(pool):
         # another library's 8-bit one would quantize pieces in their own blocks
         assert errors[0].startswith("cannot rebuild the Muon passed to initialize"), errors
         assert errors[1].startswith("a Paged8bit optimizer instance with tensor_parallel"), \
+            errors
+        assert errors[2].startswith("a BnbAdamW optimizer instance with tensor_parallel"), \
             errors
         assert all("\n" not in err for err in errors), errors
         for case, (loss_err, param_err, norm_err, report) in zip(("dp2_tp2", "hsdp"), cases):

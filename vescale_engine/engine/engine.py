@@ -520,7 +520,11 @@ def _require_parallel_optimizer(optimizer) -> None:
     # An instance is rebuilt over the pieces with its class (from_config.rebuild_optimizer):
     # element-wise ones are exact, torch's Muon refuses 1-D pieces in one line; a third-party
     # 8-bit one would quantize each rank's piece in blocks one process does not have.
-    if isinstance(optimizer, torch.optim.Optimizer) and "8bit" in type(optimizer).__name__.lower():
+    # bitsandbytes' AdamW(optim_bits=8) (Trainer's optim="adamw_bnb_8bit") has no "8bit" in its
+    # name: its bits are in `args`
+    eight_bit = "8bit" in type(optimizer).__name__.lower() or \
+        getattr(getattr(optimizer, "args", None), "optim_bits", None) == 8
+    if isinstance(optimizer, torch.optim.Optimizer) and eight_bit:
         raise ValueError(f"a {type(optimizer).__name__} optimizer instance {what}: rebuilt over "
                          "the tensor/expert-parallel pieces it would quantize each rank's piece "
                          "in its own blocks, not the tensor's; use optimizer.type AdamW8bit in "

@@ -10,9 +10,10 @@ QL = (L + eps I)^-1/4, QR = (R + eps I)^-1/4 are recomputed (float64 eigh, eigen
 at 0); for t >= S, Db = QL Gb QR scaled to the Frobenius norm of Ab, else Db = Ab. Then
 m <- b1 m + (1 - b1) D and p <- p - lr m / (1 - b1^t) - lr weight_decay p.
 
-Sharded with `rows:B` granularity (the engine picks it: `block_cut` says which granularities
-keep blocks whole), every block lies whole in one rank's flat shard: a rank's piece is whole
-row runs of B rows, all columns. Each rank keeps L, R, QL, QR of its own blocks only and
+Sharded with `shampoo:B` granularity (rows:B, or whole matrices for a stack whose rows are
+not a multiple of B; the engine picks it, `block_cut` says which other granularities keep
+blocks whole), every block lies whole in one rank's flat shard: a rank's piece is whole row
+runs of B rows, all columns. Each rank keeps L, R, QL, QR of its own blocks only and
 computes them alone, so the step has no collective at all and equals one process exactly.
 Blocks of one size are batched: one bmm for the statistics of all of them, one batched eigh
 for their roots (every F steps), one for the preconditioning. The step count lives on the
@@ -32,7 +33,6 @@ matrix split inside by tensor parallelism would give blocks of TP pieces: refuse
 """
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import math
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ import torch
 
 from ..checkpoint.dcp import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
-from ..plan.optim_spec import SHAMPOO_DEFAULTS
+from ..plan.optim_spec import SHAMPOO_DEFAULTS, shampoo_granularity_for
 from ..shard.ragged import RaggedShard
 from .flat import evaluate_closure
 
@@ -194,24 +194,29 @@ class Shampoo(torch.optim.Optimizer):
             else start_preconditioning_step
         _check_hyperparameters(lr, betas, epsilon, grafting_epsilon, weight_decay,
                                max_preconditioner_dim, precondition_frequency, start)
-        params = list(params)
-        for p in (q for item in params for q in (item["params"] if isinstance(item, dict)
-                                                 else [item])):
-            if getattr(p, "_vescale", None) is None:
-                raise ValueError("vescale_engine.optim.Shampoo needs parameters sharded by "
-                                 "vescale_engine.fully_shard; got a plain parameter of shape "
-                                 f"{list(p.shape)}")
+        self._layouts = {}  # id(parameter) -> _Layout (>= 2-D parameters): add_param_group
         super().__init__(params, dict(lr=lr, betas=tuple(betas), epsilon=epsilon,
                                       grafting_epsilon=grafting_epsilon,
                                       weight_decay=weight_decay,
                                       max_preconditioner_dim=max_preconditioner_dim,
                                       precondition_frequency=precondition_frequency,
                                       start_preconditioning_step=start))
-        self._layouts = {}  # id(parameter) -> _Layout (>= 2-D parameters)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if len(p._vescale.shape) >= 2 and math.prod(p._vescale.shape):
-                    self._layouts[id(p)] = _layout(p._vescale, group["max_preconditioner_dim"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, plus this rank's blocks of each parameter (torch's __init__ calls it for
+        every group, and so may a user later)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if getattr(p, "_vescale", None) is None:
+                raise ValueError("vescale_engine.optim.Shampoo needs parameters sharded by "
+                                 "vescale_engine.fully_shard; got a plain parameter of shape "
+                                 f"{list(p.shape)}")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if len(p._vescale.shape) >= 2 and math.prod(p._vescale.shape):
+                self._layouts[id(p)] = _layout(p._vescale, group["max_preconditioner_dim"])
 
     def root_work(self) -> float:
         """This rank's eigendecomposition work per root recomputation (sum of k^3 over its
@@ -220,7 +225,10 @@ class Shampoo(torch.optim.Optimizer):
                          for b in lay.blocks))
 
     def _new_state(self, p) -> dict:
-        state = {"step": torch.zeros((), dtype=torch.float32),  # host: no device sync
+        # on the host (the schedule reads them every step: no device sync); "roots": the
+        # step whose statistics QL, QR are the roots of (0: none yet)
+        state = {"step": torch.zeros((), dtype=torch.int64),
+                 "roots": torch.zeros((), dtype=torch.int64),
                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         lay = self._layouts.get(id(p))
@@ -234,7 +242,8 @@ class Shampoo(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = evaluate_closure(closure)
         for group in self.param_groups:
-            by_step = {}
+            start, every = group["start_preconditioning_step"], group["precondition_frequency"]
+            by_step = {}  # (t, whether its roots are recomputed) -> parameters
             for p in group["params"]:
                 if p.grad is None:  # unused this step (a frozen or idle expert): untouched
                     continue
@@ -242,14 +251,19 @@ class Shampoo(torch.optim.Optimizer):
                     self.state[p] = self._new_state(p)
                 state = self.state[p]
                 state["step"] += 1
-                by_step.setdefault(int(state["step"].item()), []).append(p)
-            for t, params in by_step.items():
-                self._step_params(group, t, params)
+                t = int(state["step"])
+                # on schedule, or when none were computed yet (S or F changed since)
+                refresh = t >= start and ((t - start) % every == 0 or int(state["roots"]) == 0)
+                if refresh:
+                    state["roots"].fill_(t)
+                by_step.setdefault((t, refresh), []).append(p)
+            for (t, refresh), params in by_step.items():
+                self._step_params(group, t, refresh, params)
         return loss
 
-    def _step_params(self, group, t, params):
+    def _step_params(self, group, t, refresh, params):
         beta1, beta2 = group["betas"]
-        start, every = group["start_preconditioning_step"], group["precondition_frequency"]
+        start = group["start_preconditioning_step"]
         grads = [p.grad for p in params]
         states = [self.state[p] for p in params]
         # Adam grafting, element-wise over every parameter at once
@@ -266,7 +280,6 @@ class Shampoo(torch.optim.Optimizer):
             lay = self._layouts.get(id(p))
             for b in lay.blocks if lay is not None else ():
                 sizes.setdefault((b.rows, b.cols), []).append((i, b))
-        refresh = t >= start and (t - start) % every == 0
         for (h, w), blocks in sizes.items():
             def views(tensors, name=None):
                 out = []
@@ -279,7 +292,7 @@ class Shampoo(torch.optim.Optimizer):
                     else:
                         out.append(states[i][name][b.r_at:b.r_at + w * w].view(w, w))
                 return out
-            g = torch.stack(views(grads))
+            g = torch.stack(views(grads)).float()   # statistics in fp32 whatever the dtype
             for name, product in (("L", g @ g.transpose(1, 2)), ("R", g.transpose(1, 2) @ g)):
                 stats = views(None, name)
                 torch._foreach_mul_(stats, beta2)
@@ -289,7 +302,7 @@ class Shampoo(torch.optim.Optimizer):
                     torch._foreach_copy_(views(None, "Q" + name), list(roots.unbind(0)))
             if t >= start:
                 targets = views(directions)
-                adam = torch.stack(targets)
+                adam = torch.stack(targets).float()
                 pre = torch.stack(views(None, "QL")) @ g @ torch.stack(views(None, "QR"))
                 scale = adam.flatten(1).norm(dim=1) / (pre.flatten(1).norm(dim=1) + _NORM_FLOOR)
                 pre.mul_(scale.view(-1, 1, 1))
@@ -306,17 +319,17 @@ class Shampoo(torch.optim.Optimizer):
 
     def checkpoint_state(self, create: bool) -> dict:
         """{parameter: {name: tensor}}: the moments as element-wise views of the local piece,
-        `step` 0-d, and L, R, QL, QR as RaggedPieces of the parameter's global flat statistics
-        (block order): a rank's blocks are one contiguous range of them."""
+        `step` and `roots` 0-d, and L, R, QL, QR as RaggedPieces of the parameter's global
+        statistics [matrices, elements per matrix] (block order): a rank's blocks are one
+        contiguous range of them. Every parameter has an entry, `create` or not: one never
+        stepped saves (and loads) the zero state it would start from."""
         out = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if create and not self.state.get(p):
-                    self.state[p] = self._new_state(p)
-                state = self.state.get(p)
-                if not state:
-                    continue
-                entry = {k: state[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+                if not self.state.get(p):  # never stepped: a fresh state is what it would get,
+                    self.state[p] = self._new_state(p)   # so save and load one (not a gap)
+                state = self.state[p]
+                entry = {k: state[k] for k in ("step", "roots", "exp_avg", "exp_avg_sq")}
                 lay = self._layouts.get(id(p))
                 if lay is not None:
                     for name in STATISTICS:
@@ -361,40 +374,35 @@ def _check_hyperparameters(lr, betas, epsilon, grafting_epsilon, weight_decay, b
 def shampoo_granularity(params: dict, granularity: dict, model=None) -> dict:
     """The granularity policy that keeps every Shampoo block whole on one rank.
 
-    The default (what a config without `vescale.granularity.default` gets) becomes
-    `rows:B`, B = max_preconditioner_dim; a stack of matrices whose rows are not a multiple of
-    B (blocks of consecutive matrices would share a `rows:B` block) is sharded in whole
-    matrices instead, by overrides on its name and every dotted suffix of it (the names units
-    see). A granularity the user chose that would cut a block is an error naming the
-    parameter. With `model` None, only the default is changed."""
+    A config without `vescale.granularity.default` gets `shampoo:B` (B =
+    max_preconditioner_dim): B-row runs, or whole matrices for a stack whose rows are not a
+    multiple of B, decided from each tensor's shape (plan/granularity.py). A default the user
+    set and the user's overrides are kept and checked: one that would let a shard boundary cut
+    a block is an error naming the parameter. Units match override patterns against names
+    relative to themselves, so every dotted suffix of a name is checked. With `model` None,
+    nothing is checked."""
     from ..fsdp.policy import granularity_of
     from ..plan.granularity import parse_granularity
     block = params.get("max_preconditioner_dim", SHAMPOO_DEFAULTS["max_preconditioner_dim"])
     if not (isinstance(block, int) and block > 0):
         raise ValueError(f"Shampoo max_preconditioner_dim must be a positive integer, got "
                          f"{block!r}")
-    default = parse_granularity(granularity.get("default", "rows:1"))
     user_default = "default" in granularity  # a default the user set, rows:1 included
-    overrides = dict(granularity.get("overrides", {}))
-    policy = {"default": str(default) if user_default else f"rows:{block}",
-              "overrides": overrides}
+    policy = {"default": str(parse_granularity(granularity["default"])) if user_default
+              else shampoo_granularity_for(block),
+              "overrides": dict(granularity.get("overrides", {}))}
     if model is None:
         return policy
-    user, ours = granularity_of(granularity), granularity_of(policy)
-    whole = {}
+    resolve = granularity_of(policy)
     for fqn, p in model.named_parameters():
         shape = tuple(p.shape)
-        explicit = user_default or any(fnmatch.fnmatchcase(fqn, pattern) for pattern in overrides)
-        chosen = (user if explicit else ours)(fqn)
-        cut = block_cut(shape, chosen.block_size(shape), block)
-        if cut is None:
-            continue
-        if explicit:
-            raise ValueError(
-                f"parameter {fqn} {list(shape)}: granularity {chosen} would let a shard "
-                f"boundary cut a {block}x{block} Shampoo block (at element {cut}); use rows:"
-                f"{block}, a multiple of it, or matrix (or leave vescale.granularity unset)")
         parts = fqn.split(".")
-        whole.update({".".join(parts[i:]): "matrix" for i in range(len(parts))})
-    policy["overrides"] = {**overrides, **whole}
+        for chosen in {resolve(".".join(parts[i:])) for i in range(len(parts))}:
+            cut = block_cut(shape, chosen.block_size(shape), block)
+            if cut is not None:
+                raise ValueError(
+                    f"parameter {fqn} {list(shape)}: granularity {chosen} would let a shard "
+                    f"boundary cut a {block}x{block} Shampoo block (at element {cut}); use "
+                    f"rows:{block}, a multiple of it, or matrix (or leave vescale.granularity "
+                    "unset)")
     return policy

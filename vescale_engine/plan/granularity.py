@@ -16,7 +16,7 @@ GRANULARITY_HELP = "element, block:N, rows:K, tile:RxC, matrix or tensor"
 
 @dataclass(frozen=True)
 class Granularity:
-    kind: str  # "element" | "block" | "rows" | "tile" | "matrix" | "tensor"
+    kind: str  # "element" | "block" | "rows" | "tile" | "matrix" | "tensor" | "shampoo"
     rows: int = 1  # rows per block; for "block", the block length in elements
     cols: int = 1
 
@@ -27,6 +27,8 @@ class Granularity:
             return f"block:{self.rows}"
         if self.kind == "tile":
             return f"tile:{self.rows}x{self.cols}"
+        if self.kind == "shampoo":
+            return f"shampoo:{self.rows}"
         return self.kind
 
     def block_size(self, shape) -> int:
@@ -49,6 +51,12 @@ class Granularity:
             block = self.rows
         elif self.kind == "rows":
             block = self.rows * (shape[-1] if len(shape) >= 2 else 1)
+        elif self.kind == "shampoo":  # Shampoo's B-row runs (optim/shampoo.py): rows:B, but a
+            # stack of matrices whose rows are not a multiple of B in whole matrices (a run
+            # of B stacked rows would end inside a matrix's last row run)
+            stacked = len(shape) >= 3 and math.prod(shape[:-2]) > 1
+            block = shape[-2] * shape[-1] if stacked and shape[-2] % self.rows else \
+                self.rows * (shape[-1] if len(shape) >= 2 else 1)
         else:  # tile: the R whole rows that enclose an R x C tile
             if len(shape) >= 2:
                 if shape[-1] % self.cols:
@@ -75,6 +83,9 @@ def parse_granularity(spec) -> Granularity:
     match = re.fullmatch(r"rows:(\d+)", text)
     if match and int(match.group(1)) > 0:
         return Granularity("rows", rows=int(match.group(1)))
+    match = re.fullmatch(r"shampoo:(\d+)", text)  # what the engine shards Shampoo with
+    if match and int(match.group(1)) > 0:
+        return Granularity("shampoo", rows=int(match.group(1)))
     match = re.fullmatch(r"tile:(\d+)x(\d+)", text)
     if match and int(match.group(1)) > 0 and int(match.group(2)) > 0:
         return Granularity("tile", rows=int(match.group(1)), cols=int(match.group(2)))

@@ -40,13 +40,11 @@ def is_muon_matrix(name: str, shape, adamw_patterns=MUON_ADAMW_PATTERNS) -> bool
                    for suffix in suffixes)
 
 
-def shampoo_granularity_for(shape, block: int) -> str:
-    """The granularity the engine shards a Shampoo parameter with by default: rows:B, or whole
-    matrices for a stack whose row count is not a multiple of B (optim/shampoo.py)."""
-    shape = tuple(shape)
-    if len(shape) >= 3 and shape[-2] % block and any(d > 1 for d in shape[:-2]):
-        return "matrix"
-    return f"rows:{block}"
+def shampoo_granularity_for(block: int) -> str:
+    """The granularity the engine shards Shampoo's parameters with by default: `shampoo:B`,
+    B-row runs (rows:B), or whole matrices for a stack whose row count is not a multiple of B
+    (plan/granularity.py; optim/shampoo.py)."""
+    return f"shampoo:{block}"
 
 
 def shampoo_statistics(shape, rows: int, block: int) -> int:
@@ -54,7 +52,7 @@ def shampoo_statistics(shape, rows: int, block: int) -> int:
     `rows` rows of a parameter of `shape` (>= 2 dims) viewed as [prod(leading) * m, n]; `rows`
     ends between row runs of `block` (what a rank holds under Shampoo's granularity)."""
     shape = tuple(shape)
-    if len(shape) < 2:
+    if len(shape) < 2 or 0 in shape:
         return 0
     m, n = shape[-2], shape[-1]
     cols = [min(block, n - c) for c in range(0, n, block)]
@@ -75,7 +73,7 @@ def shampoo_root_work(shape, first: int, last: int, block: int) -> int:
     (>= 2 dims) viewed as [prod(leading) * m, n]: what a rank holding those rows computes
     every precondition_frequency steps (optim/shampoo.py's root_work, from the plan)."""
     shape = tuple(shape)
-    if len(shape) < 2:
+    if len(shape) < 2 or 0 in shape:
         return 0
     m, n = shape[-2], shape[-1]
     cols = [min(block, n - c) for c in range(0, n, block)]

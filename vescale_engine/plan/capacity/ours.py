@@ -76,7 +76,7 @@ class PlanCache:
         M = setup.group_size(unit)
         def block(t):  # Shampoo: rows:B (or whole matrices) for what it preconditions
             if setup.optimizer == "Shampoo" and len(t.shape) >= 2:
-                return parse_granularity(shampoo_granularity_for(t.shape, setup.shampoo_block)) \
+                return parse_granularity(shampoo_granularity_for(setup.shampoo_block)) \
                     .block_size(t.shape)
             return granularity.block_size(t.shape)
         try:
@@ -147,7 +147,7 @@ def _ours_optimizer(planned: _Planned, setup: Setup) -> tuple:
 
 
 def _shampoo_state(planned: _Planned, block: int) -> tuple:
-    """Shampoo on rank 0: fp32 grafting v and momentum m per element, a step per tensor, and
+    """Shampoo on rank 0: fp32 grafting v and momentum m per element, two steps per tensor, and
     for its blocks fp32 L, R, QL, QR (rank 0 holds each tensor's first rows: whole row runs).
     The step's transients: the denominators and directions (2 per element), the stacked
     gradient, Adam and preconditioned blocks (3 per element) and the G G^T / G^T G products
@@ -158,9 +158,9 @@ def _shampoo_state(planned: _Planned, block: int) -> tuple:
     for t in planned.unit.tensors:
         local = planned.rank0.get(t.name, 0)  # every parameter has a state, even empty
         elements += local
-        state += 2 * MASTER_BYTES * local + 4
+        state += 2 * MASTER_BYTES * local + 16   # v, m; int64 step and roots step
         if len(t.shape) >= 2:
-            statistics += shampoo_statistics(t.shape, local // t.shape[-1], block)
+            statistics += shampoo_statistics(t.shape, local // max(1, t.shape[-1]), block)
     state += 2 * MASTER_BYTES * statistics  # L and R, QL and QR
     return state, MASTER_BYTES * (5 * elements + statistics) + 3 * 8 * statistics // 2
 
