@@ -1325,3 +1325,24 @@ def test_local_piece_of_a_global_tensor_is_dtensors_local_tensor(pool):
         assert all(equal for _, equal, _ in out), out
         assert [view for *_, view in out][:4] == [True, True, False, False], out  # Shard:
         # a view of the global tensor; _StridedShard: a copy of its segments
+
+
+def rank_seeded_meta(rank, world):
+    """Meta models seeded per rank (seed + rank): with TP (replicated norms and biases drawn by
+    each TP peer) initialize refuses on every rank; with data parallelism alone every element
+    is drawn on one rank, so it goes on."""
+    import vescale_engine
+    from dist_harness import value_errors
+    seeded = lambda: on_meta(tiny_llama, 100 + rank)  # noqa: E731
+    errors = value_errors([lambda: vescale_engine.initialize(
+        model=seeded(), config=config(tensor_parallel={"autotp_size": 2}))])
+    engine, *_ = vescale_engine.initialize(model=seeded(), config=config())
+    engine.destroy()
+    return errors
+
+
+def test_meta_init_with_replicas_needs_one_random_state(pool):
+    for errors in pool.run(rank_seeded_meta):
+        assert errors[0].startswith("random init of a meta model with replicated tensors "
+                                    "(tensor_parallel.autotp_size 2"), errors
+        assert "rank(s) [1, 2, 3] differ from rank 0" in errors[0], errors

@@ -10,8 +10,10 @@ about it.
 from __future__ import annotations
 
 import functools
+import zlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.hf import load_into
@@ -64,7 +66,31 @@ def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
         load_into(module, cfg.hf_checkpoint, device=device)
     elif meta_leftovers(module):
         with replayed_generator(record, device):
+            _require_one_generator_state(cfg, device)
             materialize(module, device)
+
+
+def _require_one_generator_state(cfg, device: torch.device) -> None:
+    """Replicas (TP peers of the tensors TP leaves whole, HSDP and stage-0 replicas) each draw
+    the values they hold: from different generator states they would start different and stay
+    so, silently. One all-gather of a digest of the states, before any draw; every rank raises
+    the same one line."""
+    tp = cfg.parallel.tp if cfg.parallel is not None else 1
+    if tp == 1 and cfg.hsdp_replicate_size <= 1 and cfg.zero_stage != 0:
+        return   # every element is drawn on one rank only
+    states = [torch.get_rng_state()] + \
+        ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+    digest = [zlib.crc32(state.numpy().tobytes()) for state in states]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digest)
+    differ = [rank for rank, d in enumerate(every) if d != every[0]]
+    if differ:
+        raise ValueError(
+            f"random init of a meta model with replicated tensors (tensor_parallel.autotp_size "
+            f"{tp}, vescale.hsdp_replicate_size {cfg.hsdp_replicate_size}, zero stage "
+            f"{cfg.zero_stage}) needs the same random state on every rank, and rank(s) "
+            f"{differ[:8]} differ from rank 0: seed every rank alike (torch.manual_seed(seed), "
+            "not seed + rank) before building the model")
 
 
 
