@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["Granularity", "parse_granularity", "GRANULARITY_HELP"]
 
-GRANULARITY_HELP = "element, block:N, rows:K, tile:RxC, matrix or tensor"
+GRANULARITY_HELP = "element, block:N, rows:K, tile:RxC, matrix, tensor or shampoo:B"
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ class Granularity:
 
 
 def parse_granularity(spec) -> Granularity:
-    """Parse 'element', 'block:N', 'rows:K', 'tile:RxC', 'matrix' or 'tensor' (a Granularity
-    passes through)."""
+    """Parse 'element', 'block:N', 'rows:K', 'tile:RxC', 'matrix', 'tensor' or 'shampoo:B' (a
+    Granularity passes through)."""
     if isinstance(spec, Granularity):
         return spec
     text = str(spec).strip().lower()
@@ -89,4 +89,5 @@ def parse_granularity(spec) -> Granularity:
     match = re.fullmatch(r"tile:(\d+)x(\d+)", text)
     if match and int(match.group(1)) > 0 and int(match.group(2)) > 0:
         return Granularity("tile", rows=int(match.group(1)), cols=int(match.group(2)))
-    raise ValueError(f"unknown granularity {spec!r} (expected {GRANULARITY_HELP}, N, K, R, C > 0)")
+    raise ValueError(f"unknown granularity {spec!r} (expected {GRANULARITY_HELP}, N, K, R, C, "
+                     "B > 0)")
