@@ -1,5 +1,5 @@
-"""benchmarks/moe_ep.py at its smoke size (2 tiny MoE blocks, 4 gloo ranks, one round), so
-the script cannot rot: both systems train with the experts Shard(0) over ep 2 and sharded over
+"""Smoke runs that keep benchmark scripts from rotting. benchmarks/moe_ep.py at its smoke size
+(2 tiny MoE blocks, 4 gloo ranks, one round): both systems train with the experts Shard(0) over ep 2 and sharded over
 efsdp 2, the script's own loss and gradient-norm checks pass (it exits non-zero otherwise), and the report
 counts every kind of traffic the recipe must produce, the same all-to-all and reduce-scatter
 bytes for both (same routing, same gradients)."""
@@ -36,3 +36,22 @@ def test_moe_ep_benchmark_smoke_run(tmp_path):
     assert gap <= 1e-5, report
     norms = float(re.search(r"Gradient norms .* agree to ([0-9.e+-]+) relative", report).group(1))
     assert norms <= 1e-5, report  # a wrong expert divisor shows here, not in AdamW's losses
+
+
+def test_shampoo_benchmark_smoke_run(tmp_path):
+    """benchmarks/shampoo.py at its smoke size (2 ranks, 20 steps): both optimizers train from
+    the example's config, the same collectives per step, Shampoo's step adding none."""
+    out = tmp_path / "shampoo.md"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = run_job([sys.executable, str(ROOT / "benchmarks" / "shampoo.py"), "--smoke",
+                    "--out", str(out)], timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = out.read_text()
+    rows = {}
+    for name in ("AdamW", "Shampoo"):
+        cells = next(line for line in report.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in cells.split("|")[2:-1]]
+        assert float(cells[0]) > 0 and 0 < float(cells[-1]) < 5, cells  # step time, loss
+        rows[name] = cells[3]  # collectives per step
+    assert rows["AdamW"] == rows["Shampoo"], rows
+    assert (tmp_path / "shampoo.png").exists()
