@@ -1,8 +1,9 @@
 """Smoke runs that keep benchmark scripts from rotting. benchmarks/moe_ep.py at its smoke size
-(2 tiny MoE blocks, 4 gloo ranks, one round): both systems train with the experts Shard(0) over ep 2 and sharded over
-efsdp 2, the script's own loss and gradient-norm checks pass (it exits non-zero otherwise), and the report
-counts every kind of traffic the recipe must produce, the same all-to-all and reduce-scatter
-bytes for both (same routing, same gradients)."""
+(2 tiny MoE blocks, 4 gloo ranks, one round): both systems train with the experts Shard(0)
+over ep 2 and sharded over efsdp 2, the script's own loss and gradient-norm checks pass (it
+exits non-zero otherwise), and the report counts every kind of traffic the recipe must
+produce, the same all-to-all and reduce-scatter bytes for both (same routing, same
+gradients). benchmarks/shampoo.py at its smoke size."""
 import os
 import re
 import sys
