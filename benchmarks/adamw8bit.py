@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import benchmark_parser, run_ranks, write_report  # noqa: E402
+from ranks import benchmark_parser, loss_chart, run_ranks, write_report  # noqa: E402
 SYSTEMS = ("AdamW", "AdamW8bit")
 
 
@@ -83,21 +83,6 @@ def launch(system, args):
             "step_s": max(r["step_s"] for r in results), "params": results[0]["params"]}
 
 
-def chart(runs, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for system, run in runs.items():
-        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=system, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title("example GPT: fp32 AdamW vs block-wise 8-bit AdamW")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main():
     parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=4, dim=128, seq=128,
                               steps=300, timed=False)
@@ -112,7 +97,7 @@ def main():
     runs = {system: launch(system, args) for system in SYSTEMS}
     png = os.path.join(HERE, "results", stem + ".png")
     os.makedirs(os.path.dirname(png), exist_ok=True)
-    chart(runs, png)
+    loss_chart(runs, png, "example GPT: fp32 AdamW vs block-wise 8-bit AdamW")
     final = {s: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for s, r in runs.items()}
     gap = (final["AdamW8bit"] - final["AdamW"]) / final["AdamW"]
     ratio = runs["AdamW8bit"]["state_bytes"] / runs["AdamW"]["state_bytes"]

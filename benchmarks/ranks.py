@@ -174,6 +174,22 @@ def benchmark_parser(description: str, systems, *, layers: int, dim: int, seq: i
     return parser
 
 
+def loss_chart(runs: dict, path: str, title: str) -> None:
+    """One PNG of every system's per-step loss curve ({system: {"losses": [...]}})."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for system, run in runs.items():
+        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=system, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def write_report(path: str, lines: list, echo: bool = True) -> None:
     """Write a benchmark's Markdown report, one line per item (making its folder); echo it
     (`echo`) and say where it went."""

@@ -24,8 +24,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import (alternate, benchmark_parser, cpu_model, peak, reset_peak,  # noqa: E402
-                   run_ranks, write_report)
+from ranks import (alternate, benchmark_parser, cpu_model, loss_chart, peak,  # noqa: E402
+                   reset_peak, run_ranks, write_report)
 SYSTEMS = ("AdamW", "Shampoo")
 
 
@@ -98,21 +98,6 @@ def launch(system, args):
             "shard_elements": max(r["shard_elements"] for r in results)}
 
 
-def chart(runs, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for system, run in runs.items():
-        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=system, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title("example GPT on Tiny Shakespeare: AdamW vs Shampoo")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main():
     parser = benchmark_parser(__doc__.splitlines()[0], SYSTEMS, layers=4, dim=128, seq=128,
                               steps=300, timed=False)
@@ -137,7 +122,7 @@ def main():
     report = args.out or os.path.join(HERE, "results", stem + ".md")
     png = report[:-3] + ".png"
     os.makedirs(os.path.dirname(png), exist_ok=True)
-    chart(runs, png)
+    loss_chart(runs, png, "example GPT on Tiny Shakespeare: AdamW vs Shampoo")
     final = {s: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for s, r in runs.items()}
     lines = ["# Shampoo vs AdamW on the example GPT", "",
              f"Produced by `python benchmarks/shampoo.py {' '.join(sys.argv[1:])}` on "
