@@ -20,34 +20,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import benchmark_parser, loss_chart, run_ranks, write_report  # noqa: E402
+from ranks import (benchmark_parser, example_setup, loss_chart, run_ranks,  # noqa: E402
+                   write_report)
 SYSTEMS = ("AdamW", "AdamW8bit")
 
 
 def worker(args):
     import torch
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from gpt_model import GPT, GPTConfig
     from vescale_engine import initialize
 
     torch.set_num_threads(1)
-    with open(os.path.join(ROOT, "examples", "configs", "vescale_default.json")) as f:
-        config = json.load(f)
+    config, data, model = example_setup(args)
     config["optimizer"]["type"] = args.system
     if args.system == "AdamW8bit":
         config["optimizer"]["params"]["block"] = args.block
-    config["scheduler"]["params"]["total_num_steps"] = args.steps
-    config["scheduler"]["params"]["warmup_num_steps"] = max(1, args.steps // 10)
-    config["steps_per_print"] = 10 ** 6
-    text = open(os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt"),
-                encoding="utf-8").read()
-    vocab = sorted(set(text))
-    index = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=args.seq, n_layer=args.layers,
-                          n_head=max(1, args.dim // 32), n_embd=args.dim))
     params = sum(p.numel() for p in model.parameters())  # before sharding replaces them
     engine, opt, _, _ = initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(args.rank)

@@ -190,6 +190,30 @@ def loss_chart(runs: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def example_setup(args) -> tuple:
+    """(config, data, model) of the training example at the benchmark's size: the example's
+    config (examples/configs/vescale_default.json) with its schedule over `args.steps` and no
+    progress lines, the Tiny Shakespeare characters as token ids, and the example's GPT of
+    `args.layers` x `args.dim` over `args.seq` tokens built with seed 0 (in a worker)."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt_model import GPT, GPTConfig
+    with open(os.path.join(ROOT, "examples", "configs", "vescale_default.json")) as f:
+        config = json.load(f)
+    config["scheduler"]["params"]["total_num_steps"] = args.steps
+    config["scheduler"]["params"]["warmup_num_steps"] = max(1, args.steps // 10)
+    config["steps_per_print"] = 10 ** 6
+    with open(os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt"),
+              encoding="utf-8") as f:
+        text = f.read()
+    index = {c: i for i, c in enumerate(sorted(set(text)))}
+    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(index), block_size=args.seq, n_layer=args.layers,
+                          n_head=max(1, args.dim // 32), n_embd=args.dim))
+    return config, data, model
+
+
 def write_report(path: str, lines: list, echo: bool = True) -> None:
     """Write a benchmark's Markdown report, one line per item (making its folder); echo it
     (`echo`) and say where it went."""

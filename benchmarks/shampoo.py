@@ -24,22 +24,19 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import (alternate, benchmark_parser, cpu_model, loss_chart, peak,  # noqa: E402
-                   reset_peak, run_ranks, write_report)
+from ranks import (alternate, benchmark_parser, cpu_model, example_setup,  # noqa: E402
+                   loss_chart, peak, reset_peak, run_ranks, write_report)
 SYSTEMS = ("AdamW", "Shampoo")
 
 
 def worker(args):
     import torch
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from gpt_model import GPT, GPTConfig
     from vescale_engine import initialize
     from vescale_engine.shard.dbuffer import STATS
 
     torch.set_num_threads(1)
-    with open(os.path.join(ROOT, "examples", "configs", "vescale_default.json")) as f:
-        config = json.load(f)
+    config, data, model = example_setup(args)
     if args.system == "Shampoo":
         config["optimizer"] = {"type": "Shampoo", "params": {
             "lr": args.shampoo_lr, "betas": [0.9, 0.99], "weight_decay": 0.1,
@@ -47,17 +44,6 @@ def worker(args):
         # the example writes rows:1, which would cut Shampoo's blocks (an error): unset, the
         # engine picks Shampoo's own granularity (shampoo:B)
         config["vescale"].pop("granularity", None)
-    config["scheduler"]["params"]["total_num_steps"] = args.steps
-    config["scheduler"]["params"]["warmup_num_steps"] = max(1, args.steps // 10)
-    config["steps_per_print"] = 10 ** 6
-    text = open(os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt"),
-                encoding="utf-8").read()
-    vocab = sorted(set(text))
-    index = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=args.seq, n_layer=args.layers,
-                          n_head=max(1, args.dim // 32), n_embd=args.dim))
     engine, opt, _, _ = initialize(model=model, config=config)
     shard_elements = sum(p.numel() for p in engine.module.parameters())
     gen = torch.Generator().manual_seed(args.rank)
