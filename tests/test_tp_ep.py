@@ -370,7 +370,8 @@ def tp_refusals(rank, world):
     from vescale_engine.optim.adamw8bit import AdamW8bit
     _, _, _, model = tp_mlp(granularity="element")
     out = {"blocks": blocks_of(unit_of(model.blocks[0]))}
-    attempts = {"adamw8bit": lambda: AdamW8bit(model.parameters()),
+    attempts = {"empty_piece": lambda: tp_mlp(hidden=1),  # tp 2 splits a hidden size of 1
+                "adamw8bit": lambda: AdamW8bit(model.parameters()),
                 "shampoo": lambda: Shampoo(model.parameters()),
                 "sharded_state_dict": lambda: sharded_state_dict(model),
                 "gathered_parameters": lambda: gathered_parameters(model).__enter__()}
@@ -378,7 +379,7 @@ def tp_refusals(rank, world):
         try:
             attempt()
             out[name] = None
-        except NotImplementedError as err:
+        except (NotImplementedError, ValueError) as err:
             out[name] = str(err)
     out["full_shapes"] = {k: tuple(v.shape) for k, v in full_state_dict(model).items()
                           if k.startswith("blocks.0.")}
@@ -390,6 +391,9 @@ def test_refusals_and_block_rule(pool):
     for name in ("adamw8bit", "sharded_state_dict", "gathered_parameters"):
         assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
         assert "\n" not in out[name] and ".weight" in out[name], out[name]
+    assert out["empty_piece"].startswith("fully_shard: w1.weight [1, 8] placed (Shard(dim=0),)"
+                                         ": the piece of mesh coordinate [1] is empty"), \
+        out["empty_piece"]
     assert out["shampoo"].startswith("Shampoo: w1.weight is split inside its "
                                      "matrices by tensor parallelism"), out["shampoo"]
     # element granularity: w1 (Colwise, Shard(0)) may be cut anywhere; w2 (Rowwise, local

@@ -10,6 +10,7 @@ without a copy or an autograd edge (as FSDP2's `_from_local_no_grad`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -42,7 +43,26 @@ def dtensor_spec_of(fqn: str, param) -> DTensorSpec | None:
         if _shard_dim(placement) is None and not isinstance(placement, Replicate):
             raise ValueError(f"fully_shard: {fqn} is a DTensor with placement {placement}; "
                              "only Shard, _StridedShard and Replicate parameters can be sharded")
+    empty = _rank_with_empty_piece(spec)
+    if empty is not None:  # the same answer on every rank: all raise, none waits in a collective
+        raise ValueError(f"fully_shard: {fqn} {list(spec.shape)} placed {spec.placements}: the "
+                         f"piece of mesh coordinate {list(empty)} is empty (a dim split over "
+                         "more ranks than its size allows), which cannot be sharded; use a "
+                         "smaller tensor/expert-parallel size or leave this tensor replicated")
     return spec
+
+
+def _rank_with_empty_piece(spec: DTensorSpec):
+    """The first mesh coordinate whose local piece of a non-empty tensor is empty (torch
+    chunks a dim of n over m ranks ceil(n/m) at a time, so even n >= m can leave one empty),
+    None when every piece holds something. Arithmetic only: every rank gets the same answer."""
+    if not sharded_mesh_dims(spec) or math.prod(spec.shape) == 0:
+        return None
+    for coordinate in itertools.product(*(range(n) for n in spec.mesh.shape)):
+        if any(m is not None and len(m) == 0
+               for m in local_index_maps(spec, list(coordinate))):
+            return coordinate
+    return None
 
 
 def local_tensor(param) -> torch.Tensor:

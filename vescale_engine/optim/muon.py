@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
-from ..fsdp.dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
+from ..fsdp.dtensor_params import global_shape, local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
 from ..shard.ragged import RaggedShard
 from .adamw import adamw_update, new_adamw_state
@@ -212,7 +212,9 @@ class Muon(torch.optim.Optimizer):
         self.mode = mode
         self.ns_dtype = NS_DTYPES[ns_dtype]
         self.adamw_patterns = tuple(adamw_patterns)
-        matrices = [p for p in params if is_muon_matrix(p._vescale.fqn, p._vescale.shape,
+        # by the global shape: a TP piece can be empty on one rank (a dim tp does not
+        # divide), and every rank must pick the same matrices for the exchanges to match
+        matrices = [p for p in params if is_muon_matrix(p._vescale.fqn, global_shape(p._vescale),
                                                         self.adamw_patterns)]
         # AdamW is element-wise: any TP/EP piece steps as one process. A matrix TP split is
         # gathered whole over its dp x tp ranks; experts EP split hold whole matrices. Both at
