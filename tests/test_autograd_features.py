@@ -196,3 +196,52 @@ def feature_rank(rank, world, feature, frozen, backward):
 def test_autograd_feature_equals_one_process(pool, feature, frozen, backward):
     loss, norm, params = pool.run(feature_rank, feature, frozen, backward)[0]
     assert norm < 1e-6 and loss < 1e-6 and params < 1e-5, (loss, norm, params)
+
+
+ENGINE_CASES = [("reentrant", False, "plain"), ("reentrant", True, "plain"),
+                ("every_2nd_layer", False, "plain"), ("sequential", False, "plain"),
+                ("deepspeed", False, "plain"), ("reentrant", False, "two_forwards"),
+                ("none", False, "retain_graph"), ("none", False, "input_grad_first"),
+                ("reentrant", False, "save_on_cpu")]
+
+
+def engine_feature_rank(rank, world, feature, frozen, backward):
+    """The same through `initialize` (blocks as units by the wrap policy, the engine's AdamW);
+    the gradient norm is the engine's, before its step."""
+    from vescale_engine import initialize
+    step_fn = BACKWARDS[backward]
+    torch.manual_seed(0)
+    reference = Recipe(feature, frozen)
+    torch.manual_seed(0)
+    engine, _, _, _ = initialize(model=Recipe(feature, frozen), config={
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0,
+        "optimizer": {"type": "AdamW", "params": LR},
+        "vescale": {"wrap_policy": {"module_classes": ["Block"]}}})
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
+    norms, losses = [], []
+    per = GLOBAL_BATCH // world
+    for step in range(STEPS):
+        idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
+        want = step_fn(reference, idx, tgt).item()
+        want_norm = _norm(reference.parameters())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = step_fn(engine, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+        engine.step()
+        total = got.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(abs(total.item() / world - want) / want)
+        norms.append(abs(engine.get_global_grad_norm() - want_norm) / want_norm)
+    full, ref = full_state_dict(engine.module), reference.state_dict()
+    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
+                for k in ref)
+    return max(losses), max(norms), worst
+
+
+@pytest.mark.parametrize("feature,frozen,backward", ENGINE_CASES,
+                         ids=[f"{f}{'-frozen_embedding' if z else ''}-{b}"
+                              for f, z, b in ENGINE_CASES])
+def test_autograd_feature_through_initialize_equals_one_process(pool, feature, frozen,
+                                                                 backward):
+    loss, norm, params = pool.run(engine_feature_rank, feature, frozen, backward)[0]
+    assert norm < 1e-6 and loss < 1e-6 and params < 1e-5, (loss, norm, params)
