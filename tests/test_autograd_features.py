@@ -52,6 +52,7 @@ BLOCK_CALLS = {
     "every_2nd_layer": lambda i, block, x: (checkpoint(block.__call__, x, use_reentrant=True)
                                             if i % 2 == 0 else block(x)),
     "inside_the_unit": lambda i, block, x: block(x),  # its forward checkpoints the MLP
+    "reentrant_forward": lambda i, block, x: block(x),  # its forward is checkpointed whole
     "deepspeed": lambda i, block, x: _deepspeed_checkpoint(block, x),
 }
 
@@ -65,9 +66,12 @@ class Recipe(torch.nn.Module):
         super().__init__()
         self.gpt = fm.make("gpt")
         self.feature = feature
-        if feature == "inside_the_unit":
-            for block in self.gpt.blocks:
+        for block in self.gpt.blocks:
+            if feature == "inside_the_unit":
                 block.forward = functools.partial(_mlp_checkpointed_inside, block)
+            elif feature == "reentrant_forward":  # transformers >= 5.x's GradientCheckpointingLayer:
+                # the unit's hooks outside, every parameter only in the nested backward's graph
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=True)
         if frozen_embedding:
             self.gpt.wte.weight.requires_grad_(False)
             self.gpt.wpe.weight.requires_grad_(False)
@@ -146,8 +150,10 @@ BACKWARDS = {"plain": _backward_plain, "save_on_cpu": _backward_save_on_cpu,
              "input_grad_first": _backward_input_grad_first}
 
 CASES = [(f, False, "plain") for f in ("reentrant", "non_reentrant", "every_2nd_layer",
-                                      "inside_the_unit", "sequential", "deepspeed")]
-CASES += [("reentrant", True, "plain"), ("non_reentrant", True, "plain"),
+                                      "inside_the_unit", "reentrant_forward", "sequential",
+                                      "deepspeed")]
+CASES += [("reentrant", True, "plain"), ("reentrant_forward", True, "plain"),
+          ("non_reentrant", True, "plain"),
           ("none", False, "save_on_cpu"), ("reentrant", False, "save_on_cpu"),
           ("none", False, "two_forwards"), ("reentrant", False, "two_forwards"),
           ("none", False, "retain_graph"), ("none", False, "input_grad_first")]
@@ -199,6 +205,7 @@ def test_autograd_feature_equals_one_process(pool, feature, frozen, backward):
 
 
 ENGINE_CASES = [("reentrant", False, "plain"), ("reentrant", True, "plain"),
+                ("reentrant_forward", True, "plain"),
                 ("every_2nd_layer", False, "plain"), ("sequential", False, "plain"),
                 ("deepspeed", False, "plain"), ("reentrant", False, "two_forwards"),
                 ("none", False, "retain_graph"), ("none", False, "input_grad_first"),

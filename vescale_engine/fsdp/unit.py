@@ -191,6 +191,7 @@ class FSDPUnit:
         self.in_backward = False
         self.reduced = False
         self.delivers_grads = False
+        self.accumulated = False  # a parameter's .grad was added to (ShardedParameter)
         for p in self.params:
             p.backward_flag = None
 
@@ -430,18 +431,19 @@ class FSDPUnit:
         for p in self.params:
             p.backward_flag = p.requires_grad
         trainable = [p for p in self.params if p.backward_flag]
-        # torch.autograd.grad (input gradients) accumulates into no parameter's .grad
+        # Whether this backward adds into the parameters' .grad: not torch.autograd.grad
+        # (input gradients). Parameters that only a reentrant checkpoint inside the unit
+        # uses are not in this graph but in its nested backward's: `accumulated` tells.
         self.delivers_grads = any(_accumulates(p) for p in trainable)
-        if self.delivers_grads:
-            # A gradient may be written over its parameter once complete, unless something
-            # reads the value after that: a retained graph's next backward, or the next
-            # recomputation of a reentrant checkpoint (each has a nested backward of its own).
-            in_place = self.grads_in_place and ctx.require_sync and \
-                not self.reentrant_calls and not _keeps_graph()
-            for buf in {id(p.buffer): p.buffer for p in trainable}.values():
-                buf.begin_backward(grads_in_place=in_place)
-            for p in trainable:
-                p.preset_grad()
+        # A gradient may be written over its parameter once complete, unless something reads
+        # the value after that: a retained graph's next backward, or the next recomputation
+        # of a reentrant checkpoint (each has a nested backward of its own).
+        in_place = self.grads_in_place and ctx.require_sync and \
+            not self.reentrant_calls and not _keeps_graph()
+        for buf in {id(p.buffer): p.buffer for p in trainable}.values():
+            buf.begin_backward(grads_in_place=in_place)
+        for p in trainable:
+            p.preset_grad()
         order = ctx.order
         if self.is_root:  # backward reaches the last unit of the forward first
             if order and order[-1] is not self:
@@ -466,8 +468,8 @@ class FSDPUnit:
         ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
         ctx.reducing = [self]
         self._finishers = []
-        gradients = self._gradient_members() if self.in_backward and self.delivers_grads \
-            else []
+        delivered = self.in_backward and (self.delivers_grads or self.accumulated)
+        gradients = self._gradient_members() if delivered else []
         if gradients:
             if not self.ctx.require_sync:
                 for buf in self.buffers:
