@@ -212,7 +212,13 @@ ENGINE_CASES = [("reentrant", False, "plain"), ("reentrant", True, "plain"),
                 ("reentrant", False, "save_on_cpu")]
 
 
-def engine_feature_rank(rank, world, feature, frozen, backward):
+def engine_config(world, **extra):
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0,
+            "optimizer": {"type": "AdamW", "params": LR},
+            "vescale": {"wrap_policy": {"module_classes": ["Block"]}}, **extra}
+
+
+def engine_feature_rank(rank, world, feature, frozen, backward, config=None):
     """The same through `initialize` (blocks as units by the wrap policy, the engine's AdamW);
     the gradient norm is the engine's, before its step."""
     from vescale_engine import initialize
@@ -220,10 +226,8 @@ def engine_feature_rank(rank, world, feature, frozen, backward):
     torch.manual_seed(0)
     reference = Recipe(feature, frozen)
     torch.manual_seed(0)
-    engine, _, _, _ = initialize(model=Recipe(feature, frozen), config={
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0,
-        "optimizer": {"type": "AdamW", "params": LR},
-        "vescale": {"wrap_policy": {"module_classes": ["Block"]}}})
+    engine, _, _, _ = initialize(model=Recipe(feature, frozen),
+                                 config=config or engine_config(world))
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
     norms, losses = [], []
     per = GLOBAL_BATCH // world
@@ -252,3 +256,42 @@ def test_autograd_feature_through_initialize_equals_one_process(pool, feature, f
                                                                  backward):
     loss, norm, params = pool.run(engine_feature_rank, feature, frozen, backward)[0]
     assert norm < 1e-6 and loss < 1e-6 and params < 1e-5, (loss, norm, params)
+
+
+def deepspeed_configured_rank(rank, world, section):
+    """A Megatron-style script: `deepspeed.checkpointing.configure(None, deepspeed_config=...)`
+    from the config's activation_checkpointing section, then `deepspeed.initialize` (ours,
+    through patch_deepspeed) and DeepSpeed's `checkpoint` around each block."""
+    import deepspeed
+    import vescale_engine
+    vescale_engine.patch_deepspeed()
+    config = engine_config(world, activation_checkpointing=section)
+    try:
+        deepspeed.checkpointing.configure(None, deepspeed_config=config)
+    except ValueError as err:
+        return str(err)
+    try:
+        return engine_feature_rank(rank, world, "deepspeed", False, "plain", config)
+    finally:
+        deepspeed.checkpointing.configure(None)  # DeepSpeed's defaults for the next test
+
+
+DEEPSPEED_SECTIONS = [
+    {"partition_activations": True, "cpu_checkpointing": True, "synchronize_checkpoint_boundary":
+     True, "profile": True},
+    {"partition_activations": True, "contiguous_memory_optimization": True,
+     "number_checkpoints": 4}]
+
+
+@pytest.mark.parametrize("section", DEEPSPEED_SECTIONS, ids=["cpu_offload", "contiguous"])
+def test_deepspeed_activation_checkpointing_section_acts_through_configure(pool, section):
+    loss, norm, params = pool.run(deepspeed_configured_rank, section)[0]
+    assert norm < 1e-6 and loss < 1e-6 and params < 1e-5, (loss, norm, params)
+
+
+def test_deepspeed_cpu_checkpointing_without_partitioning_is_refused_by_name(pool):
+    """DeepSpeed accepts it and fails in backward ('both arguments to linear need to be at
+    least 1D'): one line naming the key instead, on every rank, before any step."""
+    for message in pool.run(deepspeed_configured_rank, {"cpu_checkpointing": True}):
+        assert "activation_checkpointing.cpu_checkpointing needs partition_activations" in \
+            message, message
