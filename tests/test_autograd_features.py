@@ -156,6 +156,7 @@ CASES += [("reentrant", True, "plain"), ("reentrant_forward", True, "plain"),
           ("non_reentrant", True, "plain"),
           ("none", False, "save_on_cpu"), ("reentrant", False, "save_on_cpu"),
           ("none", False, "two_forwards"), ("reentrant", False, "two_forwards"),
+          ("inside_the_unit", False, "two_forwards"), ("reentrant_forward", False, "two_forwards"),
           ("none", False, "retain_graph"), ("none", False, "input_grad_first")]
 
 
@@ -295,3 +296,45 @@ def test_deepspeed_cpu_checkpointing_without_partitioning_is_refused_by_name(poo
     for message in pool.run(deepspeed_configured_rank, {"cpu_checkpointing": True}):
         assert "activation_checkpointing.cpu_checkpointing needs partition_activations" in \
             message, message
+
+
+class SharedInAndOut(torch.nn.Module):
+    """One Linear used directly and inside a reentrant checkpoint, in either order."""
+
+    def __init__(self, checkpoint_first):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.checkpoint_first = checkpoint_first
+
+    def forward(self, x):
+        inner = functools.partial(checkpoint, self.lin, use_reentrant=True)
+        first, then = (inner, self.lin) if self.checkpoint_first else (self.lin, inner)
+        return then(torch.tanh(first(x))).square().mean()
+
+
+def shared_in_and_out_rank(rank, world, checkpoint_first, grads_in_place):
+    torch.manual_seed(0)
+    reference = SharedInAndOut(checkpoint_first)
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(SharedInAndOut(checkpoint_first)),
+                        grads_in_place=grads_in_place)
+    x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    reference(x).backward()
+    try:
+        model(x[4 * rank:4 * (rank + 1)]).backward()
+    except RuntimeError as err:
+        return str(err)
+    got = clip_grad_norm_(list(model.parameters()), float("inf")).item()
+    return abs(got - _norm(reference.parameters())) / _norm(reference.parameters())
+
+
+def test_a_parameter_inside_and_outside_a_reentrant_checkpoint(pool):
+    """Used inside the checkpoint after its direct use (backward reaches the checkpoint
+    first): its gradients wait aside until the unit's backward ends. Used inside it before
+    (the direct use's gradient is complete, and written over the parameter, before the
+    recomputation reads it): an error naming grads_in_place=False, which is exact."""
+    assert pool.run(shared_in_and_out_rank, False, True)[0] < 1e-6
+    message = pool.run(shared_in_and_out_rank, True, True)[0]
+    assert "lin." in message and "gradient arrived again" in message and \
+        "grads_in_place=False" in message, message
+    assert pool.run(shared_in_and_out_rank, True, False)[0] < 1e-6

@@ -76,7 +76,7 @@ class ShardedParameter:
         return self._local_leaf
 
     def _local_grad_arrived(self, grad):
-        self.buffer.grad_arrived(self.index, self._local_leaf)
+        self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
         return grad
 
     @property
@@ -118,7 +118,7 @@ class ShardedParameter:
         this rank's local piece."""
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
-        self.buffer.grad_arrived(self.index, self._unsharded)
+        self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
         return grad
 
     def preset_grad(self) -> None:

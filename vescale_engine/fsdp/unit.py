@@ -55,6 +55,7 @@ class UnitContext:
         self.callback_queued = False
         self.require_sync = True
         self.reducing = []     # units whose reduce-scatter is in flight
+        self.backward_task = None  # autograd's id of the backward running (the outermost)
         self.all_reducing = []  # units whose replicas' all-reduce (HSDP) is in flight
         # One token per forward with gradients since the last backward finished, alive while
         # that forward's graph is (the graph's hooks and nodes hold it): a backward can still
@@ -425,6 +426,7 @@ class FSDPUnit:
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
+            ctx.backward_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
         self.wait_unshard()
         STATS.log("backward", self.name)
@@ -454,11 +456,18 @@ class FSDPUnit:
                 order[i - 1].unshard(async_op=True)
         return grad
 
+    def in_nested_backward(self) -> bool:
+        """Autograd runs a backward inside the one that began this backward: a reentrant
+        checkpoint's, over its recomputation (another recomputation may follow it)."""
+        return torch._C._current_graph_task_id() != self.ctx.backward_task
+
     def post_backward(self):
         """All of this unit's parameter gradients are in: reduce-scatter, then reshard."""
         if self.reduced:
             return
         self.reduced = True
+        for buf in self.buffers:
+            buf.flush_deferred_grads()
         STATS.log("post_backward", self.name)
         ctx = self.ctx
         for unit in ctx.all_reducing:  # issued one unit ago: overlapped with that unit
