@@ -12,6 +12,8 @@ prefetches the unit backward runs next), and once the unit's inputs have their g
 its parameter gradients are in the full gradient buffer and are reduce-scattered. A callback at
 the end of backward finishes units that no input gradient reached (the root, units fed only by
 tensors without gradients), in the same order on every rank, so no rank can hang on another.
+A reentrant activation checkpoint's recomputation in backward is hooked like a forward, since
+its gradients come from a nested backward (docs/architecture.md, "Activation checkpointing").
 """
 from __future__ import annotations
 
