@@ -29,17 +29,6 @@ def pool():
     pool.close()
 
 
-def _mlp_checkpointed_inside(block, x):
-    """Block.forward with its MLP under a reentrant checkpoint inside the unit."""
-    B, T, C = x.shape
-    q, k, v = block.qkv(block.ln1(x)).split(C, dim=-1)
-    q, k, v = (t.view(B, T, block.heads, C // block.heads).transpose(1, 2) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + block.proj(y.transpose(1, 2).reshape(B, T, C))
-    return x + checkpoint(lambda h: block.out(F.gelu(block.fc(block.ln2(h)))), x,
-                          use_reentrant=True)
-
-
 def _deepspeed_checkpoint(block, x):
     import deepspeed
     return deepspeed.checkpointing.checkpoint(block, x)
@@ -51,7 +40,7 @@ BLOCK_CALLS = {
     "non_reentrant": lambda i, block, x: checkpoint(block.__call__, x, use_reentrant=False),
     "every_2nd_layer": lambda i, block, x: (checkpoint(block.__call__, x, use_reentrant=True)
                                             if i % 2 == 0 else block(x)),
-    "inside_the_unit": lambda i, block, x: block(x),  # its forward checkpoints the MLP
+    "inside_the_unit": lambda i, block, x: block(x),  # its MLP checkpoints itself
     "reentrant_forward": lambda i, block, x: block(x),  # its forward is checkpointed whole
     "deepspeed": lambda i, block, x: _deepspeed_checkpoint(block, x),
 }
@@ -67,8 +56,10 @@ class Recipe(torch.nn.Module):
         self.gpt = fm.make("gpt")
         self.feature = feature
         for block in self.gpt.blocks:
-            if feature == "inside_the_unit":
-                block.forward = functools.partial(_mlp_checkpointed_inside, block)
+            if feature == "inside_the_unit":  # the block's MLP Linears checkpoint themselves
+                for linear in (block.fc, block.out):
+                    linear.forward = functools.partial(checkpoint, linear.forward,
+                                                       use_reentrant=True)
             elif feature == "reentrant_forward":  # transformers >= 5.x's GradientCheckpointingLayer:
                 # the unit's hooks outside, every parameter only in the nested backward's graph
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=True)
@@ -165,36 +156,49 @@ def _norm(params):
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
-def feature_rank(rank, world, feature, frozen, backward):
+def compare_with_one_process(rank, world, feature, frozen, backward, sharded, step):
+    """STEPS steps of `Recipe(feature, frozen)` on one process (torch's AdamW) and of the
+    `sharded` one (its share of each global batch); `step(norm)` ends a sharded step and
+    returns its global gradient norm. The worst relative gap in losses, norms and (after the
+    last step) parameters."""
     step_fn = BACKWARDS[backward]
     torch.manual_seed(0)
     reference = Recipe(feature, frozen)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
+    norms, losses = [], []
+    per = GLOBAL_BATCH // world
+    for index in range(STEPS):
+        idx, tgt = fm.batch("gpt", index, GLOBAL_BATCH)
+        want = step_fn(reference, idx, tgt).item()
+        want_norm = _norm(reference.parameters())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = step_fn(sharded, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+        norms.append(abs(step() - want_norm) / want_norm)
+        total = got.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(abs(total.item() / world - want) / want)
+    module = getattr(sharded, "module", sharded)
+    full, ref = full_state_dict(module), reference.state_dict()
+    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
+                for k in ref)
+    return max(losses), max(norms), worst
+
+
+def feature_rank(rank, world, feature, frozen, backward):
     torch.manual_seed(0)
     model = Recipe(feature, frozen)
     for block in model.gpt.blocks:
         fully_shard(block)
     fully_shard(model)
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **LR)
-    norms, losses = [], []
-    per = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
-        want = step_fn(reference, idx, tgt).item()
-        want_norm = _norm(reference.parameters())
-        got = step_fn(model, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
-        got_norm = clip_grad_norm_(list(model.parameters()), float("inf")).item()
-        total = got.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(abs(total.item() / world - want) / want)
-        norms.append(abs(got_norm - want_norm) / want_norm)
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-    full, ref = full_state_dict(model), reference.state_dict()
-    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
-                for k in ref)
-    return max(losses), max(norms), worst
+
+    def step():
+        norm = clip_grad_norm_(list(model.parameters()), float("inf")).item()
+        opt.step()
+        opt.zero_grad()
+        return norm
+    return compare_with_one_process(rank, world, feature, frozen, backward, model, step)
 
 
 @pytest.mark.parametrize("feature,frozen,backward", CASES,
@@ -221,33 +225,16 @@ def engine_config(world, **extra):
 
 def engine_feature_rank(rank, world, feature, frozen, backward, config=None):
     """The same through `initialize` (blocks as units by the wrap policy, the engine's AdamW);
-    the gradient norm is the engine's, before its step."""
+    the gradient norm is the engine's."""
     from vescale_engine import initialize
-    step_fn = BACKWARDS[backward]
-    torch.manual_seed(0)
-    reference = Recipe(feature, frozen)
     torch.manual_seed(0)
     engine, _, _, _ = initialize(model=Recipe(feature, frozen),
                                  config=config or engine_config(world))
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
-    norms, losses = [], []
-    per = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
-        want = step_fn(reference, idx, tgt).item()
-        want_norm = _norm(reference.parameters())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        got = step_fn(engine, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+
+    def step():
         engine.step()
-        total = got.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(abs(total.item() / world - want) / want)
-        norms.append(abs(engine.get_global_grad_norm() - want_norm) / want_norm)
-    full, ref = full_state_dict(engine.module), reference.state_dict()
-    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
-                for k in ref)
-    return max(losses), max(norms), worst
+        return engine.get_global_grad_norm()
+    return compare_with_one_process(rank, world, feature, frozen, backward, engine, step)
 
 
 @pytest.mark.parametrize("feature,frozen,backward", ENGINE_CASES,
