@@ -439,6 +439,11 @@ SCENARIOS = {
                                  dict(gradient_accumulation_steps=2)),
     "label_smoothing": (dict(optimizer=False, scheduler=True),
                         dict(label_smoothing_factor=0.1)),
+    # LLaMA-Factory's and axolotl's default: each decoder layer's whole call (its unit's hooks
+    # inside) under a reentrant checkpoint, and the embeddings' output made to require grad
+    "reentrant_checkpointing": (dict(optimizer=True, scheduler=False),
+                                dict(gradient_checkpointing=True,
+                                     gradient_checkpointing_kwargs={"use_reentrant": True})),
 }
 RESUME_AT = 3
 

@@ -43,7 +43,12 @@ CASES = {
     "sft_full": ("sft", False), "sft_lora": ("sft", True),
     "dpo_full": ("dpo", False), "dpo_lora": ("dpo", True),
     "grpo_full": ("grpo", False),
+    "sft_lora_reentrant": ("sft", True),
 }
+# Cases run with more of TRL's own defaults: gradient checkpointing, reentrant (what TRL and
+# the recipe projects turn on for PEFT), around each decoder layer's whole call.
+CASE_ARGS = {"sft_lora_reentrant": dict(gradient_checkpointing=True,
+                                        gradient_checkpointing_kwargs={"use_reentrant": True})}
 # What keeps TRL small and on CPU: fp32 (TRL defaults bf16 to True), no gradient
 # checkpointing (TRL's default is on), no vLLM (its default is off), short sequences.
 TRL_ARGS = dict(per_device_train_batch_size=MICRO, max_steps=STEPS, learning_rate=1e-2,
@@ -115,7 +120,7 @@ def trl_rank(rank, world, model_dir, out_dir, cfg, case):
     kind, lora = CASES[case]
     _start_script(rank, cfg)
     transformers.set_seed(0)  # before the model (and the LoRA adapters) is built
-    options = dict(TRL_ARGS, output_dir=out_dir, deepspeed=cfg)
+    options = dict(TRL_ARGS, output_dir=out_dir, deepspeed=cfg, **CASE_ARGS.get(case, {}))
     if lora:
         options["learning_rate"] = LR_LORA
     recorder = _recorder()

@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..launch.collective_timeout import explain_timeout
@@ -172,13 +173,25 @@ class FSDPUnit:
     # -- per-iteration state -------------------------------------------------------------------
 
     def _reset_iteration(self):
-        self.forward_calls = 0
-        self.calls_without_hook = 0
-        self.pending_post_backward = 0
-        self.in_backward = False
-        self.reduced = False
+        """A new forward: forget the last graph's calls."""
+        self.forward_calls = 0       # calls that recorded a graph, their inputs hooked
+        self.calls_without_hook = 0  # calls that recorded a graph, no input requiring grad
+        self.reentrant_calls = 0     # calls without gradients inside a forward that has them
+        self._hook_recompute = False
         for p in self.params:
             p.graphed = False
+        self._end_backward()
+
+    def _end_backward(self):
+        """A backward finished: what the next one through the same graph (retain_graph=True)
+        starts from. Each hooked call and each reentrant checkpoint's recomputation (whose
+        nested backward brings that call's gradients) is owed its post-backward again."""
+        self.pending_post_backward = self.forward_calls + self.reentrant_calls
+        self.recomputes_left = self.reentrant_calls
+        self.in_backward = False
+        self.reduced = False
+        self.delivers_grads = False
+        for p in self.params:
             p.backward_flag = None
 
     @property
@@ -284,9 +297,11 @@ class FSDPUnit:
     # -- hooks ---------------------------------------------------------------------------------
 
     def pre_forward(self, module, args, kwargs):
-        if running_backward():  # activation-checkpoint recompute: parameters only
+        if running_backward():  # an activation checkpoint's recomputation
             self.wait_unshard()
             self._note_graphed()
+            if torch.is_grad_enabled() and self.recomputes_left > 0:
+                args, kwargs = self._hook_reentrant_recompute(args, kwargs)
             return args, kwargs
         if _ACTIVE.ctx is None:
             self._begin_root_forward()
@@ -307,16 +322,37 @@ class FSDPUnit:
                 self.pending_post_backward += 1
             else:
                 self.calls_without_hook += 1
+        elif ctx.token is not None:
+            # No gradients inside a forward that records them: a reentrant checkpoint's first
+            # pass (torch's use_reentrant=True, DeepSpeed's), whose recomputation in backward
+            # is hooked then; or a call nothing differentiates, which the final callback ends.
+            self.reentrant_calls += 1
+            self.recomputes_left += 1
+            self.pending_post_backward += 1
+        return args, kwargs
+
+    def _hook_reentrant_recompute(self, args, kwargs):
+        """A reentrant checkpoint recomputes one of this unit's gradient-free calls, then runs
+        a nested backward over what it recorded: hook it as a forward is hooked (its outputs
+        begin the unit's backward, its inputs end it), so that nested backward's gradients
+        are reduced. A non-reentrant recomputation never gets here: its call recorded a
+        graph in forward, and only that graph's backward brings gradients."""
+        self.recomputes_left -= 1
+        args, kwargs, hooked = _register_post_backward(self, args, kwargs, None)
+        if not hooked:  # nothing to end the unit's backward: the final callback does
+            self.pending_post_backward -= 1
+            self.calls_without_hook += 1
+        self._hook_recompute = True
         return args, kwargs
 
     def post_forward(self, module, args, output):
         if running_backward():
+            if self._hook_recompute:
+                self._hook_recompute = False
+                self._hook_outputs(output, None)
             return output
         if torch.is_grad_enabled():
-            hook = _OutputGradHook(self, self.ctx.token)
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(hook)
+            self._hook_outputs(output, self.ctx.token)
         if self.is_root:
             _ACTIVE.ctx = None
             self.ctx.token = None  # from now on only the graph holds it
@@ -328,6 +364,12 @@ class FSDPUnit:
         elif self.reshard_after_forward and not self._reused_soon():
             self.reshard()
         return output
+
+    def _hook_outputs(self, output, token):
+        hook = _OutputGradHook(self, token)
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
 
     def _reused_soon(self) -> bool:
         """Will backward need these parameters again soon enough to keep them gathered? The
@@ -388,10 +430,18 @@ class FSDPUnit:
         for p in self.params:
             p.backward_flag = p.requires_grad
         trainable = [p for p in self.params if p.backward_flag]
-        for buf in {id(p.buffer): p.buffer for p in trainable}.values():
-            buf.begin_backward(grads_in_place=self.grads_in_place and ctx.require_sync)
-        for p in trainable:
-            p.preset_grad()
+        # torch.autograd.grad (input gradients) accumulates into no parameter's .grad
+        self.delivers_grads = any(_accumulates(p) for p in trainable)
+        if self.delivers_grads:
+            # A gradient may be written over its parameter once complete, unless something
+            # reads the value after that: a retained graph's next backward, or the next
+            # recomputation of a reentrant checkpoint (each has a nested backward of its own).
+            in_place = self.grads_in_place and ctx.require_sync and \
+                not self.reentrant_calls and not _keeps_graph()
+            for buf in {id(p.buffer): p.buffer for p in trainable}.values():
+                buf.begin_backward(grads_in_place=in_place)
+            for p in trainable:
+                p.preset_grad()
         order = ctx.order
         if self.is_root:  # backward reaches the last unit of the forward first
             if order and order[-1] is not self:
@@ -416,7 +466,8 @@ class FSDPUnit:
         ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
         ctx.reducing = [self]
         self._finishers = []
-        gradients = self._gradient_members() if self.in_backward else []
+        gradients = self._gradient_members() if self.in_backward and self.delivers_grads \
+            else []
         if gradients:
             if not self.ctx.require_sync:
                 for buf in self.buffers:
@@ -495,12 +546,13 @@ def _final_callback(ctx):
     for unit in reversed(ctx.order):
         unit.finish_gradients()
         unit.reshard()
-        unit._reset_iteration()
+        unit._end_backward()
     for unit in ctx.order:  # host gradient shards (offload) copied during backward: arrived
         for buf in unit.buffers:
             buf.wait_grad_copies()
     ctx.reducing = []
     ctx.all_reducing = []
+    ctx.callback_queued = False  # a retained graph's next backward queues its own
     ctx.live_forwards = weakref.WeakSet()  # this backward took what they had pending
     if any(unit.device.type == "cpu" for unit in ctx.order):
         release_free_host_memory()  # the step's full buffers are all free now
@@ -521,6 +573,25 @@ def forward_in_progress() -> bool:
 def running_backward() -> bool:
     """Autograd is running a backward pass (in this thread)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _keeps_graph() -> bool:
+    """The running backward was called with retain_graph=True."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def _accumulates(p) -> bool:
+    """Will the running backward add into this parameter's .grad? Not in
+    torch.autograd.grad, nor in a backward(inputs=...) that leaves it out."""
+    for face in (p.full_face, p._local_leaf):
+        if face is None or not face.requires_grad:
+            continue
+        try:
+            if torch._C._will_engine_execute_node(get_gradient_edge(face).node):
+                return True
+        except RuntimeError:  # torch raises for a leaf inside autograd.grad, which never
+            pass              # accumulates
+    return False
 
 
 class _PostBackward(torch.autograd.Function):
