@@ -5,7 +5,12 @@
 OUT/model: a Llama (2 decoder layers, hidden 64) with seeded random weights in fp32 safetensors
            and a byte-level BPE tokenizer trained here on the dataset's own text;
 OUT/data/tiny_alpaca.json: 96 instruction/output pairs in the Alpaca format both frameworks
-           read, with LLaMA-Factory's dataset_info.json beside it.
+           read, with LLaMA-Factory's dataset_info.json beside it;
+OUT/lora_r8, OUT/lora_r16: freshly initialized LoRA adapters (peft's default init, seeded: B = 0)
+           on every linear layer but the head, at LLaMA-Factory's quickstart rank (8, alpha 16)
+           and axolotl's (16, alpha 32). Both engines' LoRA runs start from the same one, so that
+           the comparison does not depend on how model loading advanced the global RNG before
+           peft drew A.
 
 Run it with a framework's virtual environment: it saves with that environment's transformers.
 """
@@ -65,7 +70,16 @@ def main(out):
                          max_position_embeddings=512, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          tie_word_embeddings=False)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(f"{out}/model")
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(f"{out}/model")
+
+    from peft import LoraConfig, get_peft_model
+    for rank in (8, 16):
+        torch.manual_seed(rank)
+        lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                          "up_proj", "down_proj"])
+        get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(f"{out}/lora_r{rank}")
     print(f"make_tiny: {out}/model ({len(tok)} tokens) and {out}/data ({len(rows)} rows)")
 
 

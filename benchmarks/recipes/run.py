@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,13 @@ DS_CONFIGS = {
                 "offload": "axolotl_zero3_bf16_cpuoffload_all.json"},
 }
 
+LORA_START = (
+    "LoRA starts from a freshly initialized adapter written by make_tiny.py (`{key}: "
+    "tiny/{path}`, the quickstart's rank and alpha, B = 0) instead of one peft draws in the run: "
+    "peft draws A from the global RNG after the model is loaded, and loading leaves the RNG in a "
+    "different state under DeepSpeed's zero.Init than under ours, so the runs would start from "
+    "different A (measured on axolotl: A differs by up to 2x its largest entry, step-1 grad "
+    "norms by 2.8e-2)")
 # What differs from the frameworks' own example configs, the same for both engines. Each
 # line is written into results/recipes.md.
 CHANGES = {
@@ -52,6 +60,7 @@ CHANGES = {
         "`max_steps: 4` in place of `num_train_epochs: 3.0`, `logging_steps: 1`",
         "`preprocessing_num_workers: 1`, `dataloader_num_workers: 0` (2 cores)",
         "the offload case is the full fine-tune with `ds_z3_offload_config.json`",
+        LORA_START.format(key="adapter_name_or_path", path="lora_r8"),
         "gradient checkpointing as LLaMA-Factory sets it by default (on, `use_reentrant_gc: "
         "true`)",
     ],
@@ -64,16 +73,31 @@ CHANGES = {
         "`optimizer: adamw_torch` in place of `adamw_8bit` / `paged_adamw_8bit` "
         "(bitsandbytes' 8-bit optimizers; neither engine builds them from a client optimizer "
         "under ZeRO-3 the same way)",
+        "`lora_mlp_kernel`, `lora_qkv_kernel`, `lora_o_kernel: false`: axolotl turns these "
+        "Triton LoRA kernels on by default for LoRA, and they need CUDA (`AssertionError: "
+        "Torch not compiled with CUDA enabled` in axolotl/kernels/swiglu.py)",
+        "`curriculum_sampling: true` (the packed batches in dataset order): with the default "
+        "random order, axolotl's sampler (a `RandomSampler` without a generator under its "
+        "multipack batch sampler) draws the order from the global RNG when training starts, "
+        "which the two engines' `initialize` leave in different states: the step-1 losses "
+        "differed by 5.3e-4 at learning rate 0 (full fine-tune)",
         "`max_steps: 4`, `warmup_steps: 1`, `val_set_size: 0` (no evaluation), "
         "`dataset_processes: 1`",
         "the offload case is the full fine-tune with `zero3_bf16_cpuoffload_all.json`",
+        LORA_START.format(key="lora_model_dir", path="lora_r16") + "; `lora_dropout: 0.0` "
+        "(the example's 0.05 draws dropout masks from the same RNG)",
         "gradient checkpointing as the examples set it: LoRA `gradient_checkpointing: true` "
         "(axolotl writes `use_reentrant: true`), full `use_reentrant: false`",
     ],
 }
 
+ACCELERATE_SHIM = (
+    "cpu_shims/sitecustomize.py: a launched rank that Accelerate gives no distributed backend "
+    "(no accelerator) gets gloo, so that Trainer takes its DeepSpeed path as on GPUs (the test "
+    "suite's `_accelerate_on_cpu_shim`)")
 WORKAROUNDS = {
     "llamafactory": [
+        ACCELERATE_SHIM + " (a no-op with Accelerate 1.11, which picks gloo itself)",
         "torchaudio: not installed; a stub module (cpu_shims/torchaudio) on PYTHONPATH for both "
         "runs. PyPI's torchaudio is a CUDA build (`OSError: libc10_cuda.so: cannot open shared "
         "object file`) and its newest release, 2.11.1, pins torch 2.11.1; LLaMA-Factory imports "
@@ -85,6 +109,13 @@ WORKAROUNDS = {
         "`DS_ACCELERATOR=cpu`",
     ],
     "axolotl": [
+        ACCELERATE_SHIM + ": without it Accelerate 1.13 counts 1 process while DeepSpeed runs 2 "
+        "(`AssertionError: Check batch related parameters. train_batch_size is not equal to "
+        "micro_batch_per_gpu * gradient_acc_step * world_size 4 != 2 * 2 * 2`)",
+        "`accelerate launch --multi_gpu --num_processes 2` (the multi-process launcher a GPU "
+        "machine's default config selects; without a GPU plain `accelerate launch` runs one "
+        "process, which axolotl then initializes with NCCL: `RuntimeError: Distributed package "
+        "doesn't have NCCL built in`)",
         "xformers and deepspeed-kernels: not installed (CUDA builds; xformers' wheels pin other "
         "torch releases); flash-attn is an extra, not installed",
         "DeepSpeed from axolotl's `[deepspeed]` extra (>=0.18.6,<0.19.0), `DS_ACCELERATOR=cpu`",
@@ -92,7 +123,7 @@ WORKAROUNDS = {
 }
 
 BOTH = ["OMP_NUM_THREADS=1", "HF_HUB_OFFLINE=1", "HF_DATASETS_OFFLINE=1", "WANDB_MODE=disabled",
-        "TOKENIZERS_PARALLELISM=false", "DS_ACCELERATOR=cpu",
+        "TOKENIZERS_PARALLELISM=false", "AXOLOTL_DO_NOT_TRACK=1", "DS_ACCELERATOR=cpu",
         f"PYTHONPATH={HERE / 'cpu_shims'}"]
 
 
@@ -151,7 +182,7 @@ def llamafactory_config(case, tiny, out, ds_path):
            "warmup_ratio": 0.1, "bf16": False, "ddp_timeout": 180000000}
     if case == "lora":
         cfg.update(lora_rank=8, lora_target="all", gradient_accumulation_steps=8,
-                   learning_rate=1.0e-4)
+                   learning_rate=1.0e-4, adapter_name_or_path=str(tiny / "lora_r8"))
     else:
         cfg.update(gradient_accumulation_steps=2, learning_rate=1.0e-5)
     return cfg
@@ -172,13 +203,16 @@ def axolotl_config(case, tiny, out, ds_path):
            "group_by_length": False, "bf16": False, "fp16": False, "tf32": False,
            "gradient_checkpointing": True, "logging_steps": 1, "flash_attention": False,
            "max_steps": 4, "warmup_steps": 1, "saves_per_epoch": 1, "weight_decay": 0.0,
+           "curriculum_sampling": True,
            "deepspeed": str(ds_path), "special_tokens": {"pad_token": "<|end_of_text|>"}}
     if case == "lora":
-        cfg.update(adapter="lora", lora_r=16, lora_alpha=32, lora_dropout=0.05,
+        cfg.update(adapter="lora", lora_model_dir=str(tiny / "lora_r16"),
+                   lora_r=16, lora_alpha=32, lora_dropout=0.0,
                    lora_target_modules=["gate_proj", "down_proj", "up_proj", "q_proj",
                                         "v_proj", "k_proj", "o_proj"],
                    gradient_accumulation_steps=2, micro_batch_size=2, learning_rate=0.0002,
-                   loss_watchdog_threshold=5.0, loss_watchdog_patience=3)
+                   loss_watchdog_threshold=5.0, loss_watchdog_patience=3,
+                   lora_mlp_kernel=False, lora_qkv_kernel=False, lora_o_kernel=False)
     else:
         cfg.update(gradient_accumulation_steps=8, micro_batch_size=1, learning_rate=2e-5,
                    gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -206,14 +240,23 @@ def command(framework, engine, venv, cfg_path, script, port):
                      str(bin_ / "llamafactory-cli"), "train", str(cfg_path)])
         return [str(bin_ / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
                 str(script), str(cfg_path)]
-    launch = [str(bin_ / "accelerate"), "launch", "--num_processes", "2",
+    # --multi_gpu: Accelerate's multi-process launcher (torchrun), which a GPU machine's
+    # default config selects; each rank then finds no GPU and takes gloo.
+    launch = [str(bin_ / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
               "--main_process_port", str(port)]
     if engine == "deepspeed":  # what `axolotl train CONFIG --launcher accelerate` runs
         return launch + ["-m", "axolotl.cli.train", str(cfg_path)]
     return launch + [str(script), str(cfg_path)]
 
 
-def run_one(framework, case, engine, root, port):
+def free_port():
+    """A port nothing listens on now (other jobs on this machine start rendezvous too)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_one(framework, case, engine, root):
     venv, tiny = root / framework / "venv", root / framework / "tiny"
     run = root / framework / "runs" / case / engine
     shutil.rmtree(run, ignore_errors=True)
@@ -227,10 +270,15 @@ def run_one(framework, case, engine, root, port):
     name, text = guide_script(framework)
     script = run / name
     script.write_text(text)
-    cmd = command(framework, engine, venv, cfg_path, script, port)
+    cmd = command(framework, engine, venv, cfg_path, script, free_port())
+    # DeepSpeed builds its CPU ops (shm comm, CPU Adam) with torch's extension builder; a folder
+    # per framework keeps the two DeepSpeed releases from rebuilding over each other.
     env = dict(os.environ, **dict(kv.split("=", 1) for kv in BOTH),
-               PATH=f"{venv / 'bin'}:{os.environ['PATH']}")
-    shown = " ".join(BOTH[:-1] + ["PYTHONPATH=benchmarks/recipes/cpu_shims"] + cmd)
+               PATH=f"{venv / 'bin'}:{os.environ['PATH']}",
+               TORCH_EXTENSIONS_DIR=str(root / framework / "torch_extensions"))
+    shown = " ".join(BOTH[:-1] + ["PYTHONPATH=benchmarks/recipes/cpu_shims",
+                                  f"TORCH_EXTENSIONS_DIR={root / framework}/torch_extensions"]
+                     + cmd)
     (run / "command.txt").write_text(shown + "\n")
     start = time.time()
     with open(run / "log.txt", "w") as log:
@@ -412,7 +460,6 @@ def main():
                         help="rewrite results/recipes.md from the runs already in ROOT")
     args = parser.parse_args()
     root = Path(args.root).resolve()
-    port = 29600
     for framework in args.frameworks if not args.report_only else []:
         venv = root / framework / "venv"
         if not (venv / "bin" / "python").exists():
@@ -423,8 +470,7 @@ def main():
                            check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         for case in args.cases:
             for engine in ENGINES:
-                port += 1
-                run_one(framework, case, engine, root, port)
+                run_one(framework, case, engine, root)
     write_results(root, ["llamafactory", "axolotl"], sys.argv[1:])
 
 
