@@ -51,11 +51,13 @@ llamafactory)
   # with torch's CPU build, and torchaudio's newest release (2.11.1) pins torch==2.11.1.
   # LLaMA-Factory imports torchaudio at the top of data/mm_plugin.py (used for audio inputs
   # only): run.py puts a stub of it on the path of both runs. Nothing here imports torchvision.
-  # DeepSpeed is no declared dependency of the wheel; its README's table of optional packages
-  # recommends 0.16.4 (minimum 0.10.0).
+  # DeepSpeed is no declared dependency of the wheel (its README's table of optional packages
+  # says minimum 0.10.0, recommended 0.16.4): the release this repository's test environment
+  # runs, 0.19.8, which the engine's supported range (0.19.3 up, on the branch that declares
+  # one) admits too. Both runs use it.
   pip install --no-deps llamafactory==0.9.5
   requirements llamafactory "" "torchaudio torchvision" > "$dir/requirements.txt"
-  echo deepspeed==0.16.4 >> "$dir/requirements.txt"
+  echo deepspeed==0.19.8 >> "$dir/requirements.txt"
   pip install -c "$dir/constraints.txt" -r "$dir/requirements.txt"
   ;;
 axolotl)

@@ -5,7 +5,9 @@
 Prints one JSON line: "weights", the largest over tensors of max|ours - ds| / max|ds|, the
 tensor where it is, and, where INITIAL holds the same names (a full fine-tune), "update", the
 same of the updates (saved - initial), which the first hides when training moved the weights
-little. Names or shapes that differ are an error."""
+little, with "update_rounding", one fp32 rounding of that tensor's weights relative to its
+update (the level below which two updates cannot be told apart). Names or shapes that differ
+are an error."""
 import json
 import sys
 
@@ -33,6 +35,10 @@ def main(ds_path, ours_path, init_path):
             r = ((db - da).abs().max() / da.abs().max().clamp_min(1e-30)).item()
             if r >= out["update"]:
                 out["update"], out["update_at"] = r, name
+                # One fp32 rounding of the weights, relative to this tensor's update: a
+                # difference of the updates at this level is rounding, not training.
+                out["update_rounding"] = (torch.finfo(torch.float32).eps * a.abs().max()
+                                          / da.abs().max().clamp_min(1e-30)).item()
     out["tensors"] = len(ds)
     print(json.dumps(out))
 
