@@ -61,11 +61,14 @@ llamafactory)
   pip install -c "$dir/constraints.txt" -r "$dir/requirements.txt"
   ;;
 axolotl)
-  # axolotl and its [deepspeed] extra, less the CUDA-only builds: xformers (CUDA wheels pinned to
-  # other torch releases), flash-attn (its extra, not installed), deepspeed-kernels (builds CUDA
-  # code at install time).
+  # axolotl, less the CUDA-only builds: xformers (CUDA wheels pinned to other torch releases),
+  # flash-attn (an extra, not installed). Its [deepspeed] extra pins deepspeed<0.19 (and
+  # deepspeed-kernels, which builds CUDA code at install time); the engine's supported range
+  # starts at 0.19.3, so, as examples/migrate_from_deepspeed.md tells axolotl users, DeepSpeed
+  # comes from this repository's range instead: 0.19.8, for both runs.
   pip install --no-deps axolotl==0.19.0
-  requirements axolotl deepspeed "xformers deepspeed-kernels flash-attn" > "$dir/requirements.txt"
+  requirements axolotl "" "xformers flash-attn" > "$dir/requirements.txt"
+  echo deepspeed==0.19.8 >> "$dir/requirements.txt"
   pip install -c "$dir/constraints.txt" -r "$dir/requirements.txt"
   ;;
 *)

@@ -119,7 +119,9 @@ WORKAROUNDS = {
         "doesn't have NCCL built in`)",
         "xformers and deepspeed-kernels: not installed (CUDA builds; xformers' wheels pin other "
         "torch releases); flash-attn is an extra, not installed",
-        "DeepSpeed from axolotl's `[deepspeed]` extra (>=0.18.6,<0.19.0), `DS_ACCELERATOR=cpu`",
+        "DeepSpeed 0.19.8 for both runs, not axolotl's `[deepspeed]` extra (>=0.18.6,<0.19.0, "
+        "below the engine's supported 0.19.3; the guide says to install axolotl without it); "
+        "`DS_ACCELERATOR=cpu`",
     ],
 }
 
