@@ -29,17 +29,6 @@ def pool():
     pool.close()
 
 
-def _mlp_checkpointed_inside(block, x):
-    """Block.forward with its MLP under a reentrant checkpoint inside the unit."""
-    B, T, C = x.shape
-    q, k, v = block.qkv(block.ln1(x)).split(C, dim=-1)
-    q, k, v = (t.view(B, T, block.heads, C // block.heads).transpose(1, 2) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + block.proj(y.transpose(1, 2).reshape(B, T, C))
-    return x + checkpoint(lambda h: block.out(F.gelu(block.fc(block.ln2(h)))), x,
-                          use_reentrant=True)
-
-
 def _deepspeed_checkpoint(block, x):
     import deepspeed
     return deepspeed.checkpointing.checkpoint(block, x)
@@ -51,7 +40,8 @@ BLOCK_CALLS = {
     "non_reentrant": lambda i, block, x: checkpoint(block.__call__, x, use_reentrant=False),
     "every_2nd_layer": lambda i, block, x: (checkpoint(block.__call__, x, use_reentrant=True)
                                             if i % 2 == 0 else block(x)),
-    "inside_the_unit": lambda i, block, x: block(x),  # its forward checkpoints the MLP
+    "inside_the_unit": lambda i, block, x: block(x),  # its MLP checkpoints itself
+    "reentrant_forward": lambda i, block, x: block(x),  # its forward is checkpointed whole
     "deepspeed": lambda i, block, x: _deepspeed_checkpoint(block, x),
 }
 
@@ -65,9 +55,14 @@ class Recipe(torch.nn.Module):
         super().__init__()
         self.gpt = fm.make("gpt")
         self.feature = feature
-        if feature == "inside_the_unit":
-            for block in self.gpt.blocks:
-                block.forward = functools.partial(_mlp_checkpointed_inside, block)
+        for block in self.gpt.blocks:
+            if feature == "inside_the_unit":  # the block's MLP Linears checkpoint themselves
+                for linear in (block.fc, block.out):
+                    linear.forward = functools.partial(checkpoint, linear.forward,
+                                                       use_reentrant=True)
+            elif feature == "reentrant_forward":  # transformers >= 5.x's GradientCheckpointingLayer:
+                # the unit's hooks outside, every parameter only in the nested backward's graph
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=True)
         if frozen_embedding:
             self.gpt.wte.weight.requires_grad_(False)
             self.gpt.wpe.weight.requires_grad_(False)
@@ -146,10 +141,13 @@ BACKWARDS = {"plain": _backward_plain, "save_on_cpu": _backward_save_on_cpu,
              "input_grad_first": _backward_input_grad_first}
 
 CASES = [(f, False, "plain") for f in ("reentrant", "non_reentrant", "every_2nd_layer",
-                                      "inside_the_unit", "sequential", "deepspeed")]
-CASES += [("reentrant", True, "plain"), ("non_reentrant", True, "plain"),
+                                      "inside_the_unit", "reentrant_forward", "sequential",
+                                      "deepspeed")]
+CASES += [("reentrant", True, "plain"), ("reentrant_forward", True, "plain"),
+          ("non_reentrant", True, "plain"),
           ("none", False, "save_on_cpu"), ("reentrant", False, "save_on_cpu"),
           ("none", False, "two_forwards"), ("reentrant", False, "two_forwards"),
+          ("inside_the_unit", False, "two_forwards"), ("reentrant_forward", False, "two_forwards"),
           ("none", False, "retain_graph"), ("none", False, "input_grad_first")]
 
 
@@ -158,36 +156,49 @@ def _norm(params):
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
-def feature_rank(rank, world, feature, frozen, backward):
+def compare_with_one_process(rank, world, feature, frozen, backward, sharded, step):
+    """STEPS steps of `Recipe(feature, frozen)` on one process (torch's AdamW) and of the
+    `sharded` one (its share of each global batch); `step(norm)` ends a sharded step and
+    returns its global gradient norm. The worst relative gap in losses, norms and (after the
+    last step) parameters."""
     step_fn = BACKWARDS[backward]
     torch.manual_seed(0)
     reference = Recipe(feature, frozen)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
+    norms, losses = [], []
+    per = GLOBAL_BATCH // world
+    for index in range(STEPS):
+        idx, tgt = fm.batch("gpt", index, GLOBAL_BATCH)
+        want = step_fn(reference, idx, tgt).item()
+        want_norm = _norm(reference.parameters())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = step_fn(sharded, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+        norms.append(abs(step() - want_norm) / want_norm)
+        total = got.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(abs(total.item() / world - want) / want)
+    module = getattr(sharded, "module", sharded)
+    full, ref = full_state_dict(module), reference.state_dict()
+    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
+                for k in ref)
+    return max(losses), max(norms), worst
+
+
+def feature_rank(rank, world, feature, frozen, backward):
     torch.manual_seed(0)
     model = Recipe(feature, frozen)
     for block in model.gpt.blocks:
         fully_shard(block)
     fully_shard(model)
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **LR)
-    norms, losses = [], []
-    per = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
-        want = step_fn(reference, idx, tgt).item()
-        want_norm = _norm(reference.parameters())
-        got = step_fn(model, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
-        got_norm = clip_grad_norm_(list(model.parameters()), float("inf")).item()
-        total = got.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(abs(total.item() / world - want) / want)
-        norms.append(abs(got_norm - want_norm) / want_norm)
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-    full, ref = full_state_dict(model), reference.state_dict()
-    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
-                for k in ref)
-    return max(losses), max(norms), worst
+
+    def step():
+        norm = clip_grad_norm_(list(model.parameters()), float("inf")).item()
+        opt.step()
+        opt.zero_grad()
+        return norm
+    return compare_with_one_process(rank, world, feature, frozen, backward, model, step)
 
 
 @pytest.mark.parametrize("feature,frozen,backward", CASES,
@@ -199,43 +210,31 @@ def test_autograd_feature_equals_one_process(pool, feature, frozen, backward):
 
 
 ENGINE_CASES = [("reentrant", False, "plain"), ("reentrant", True, "plain"),
+                ("reentrant_forward", True, "plain"),
                 ("every_2nd_layer", False, "plain"), ("sequential", False, "plain"),
                 ("deepspeed", False, "plain"), ("reentrant", False, "two_forwards"),
                 ("none", False, "retain_graph"), ("none", False, "input_grad_first"),
                 ("reentrant", False, "save_on_cpu")]
 
 
-def engine_feature_rank(rank, world, feature, frozen, backward):
+def engine_config(world, **extra):
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0,
+            "optimizer": {"type": "AdamW", "params": LR},
+            "vescale": {"wrap_policy": {"module_classes": ["Block"]}}, **extra}
+
+
+def engine_feature_rank(rank, world, feature, frozen, backward, config=None):
     """The same through `initialize` (blocks as units by the wrap policy, the engine's AdamW);
-    the gradient norm is the engine's, before its step."""
+    the gradient norm is the engine's."""
     from vescale_engine import initialize
-    step_fn = BACKWARDS[backward]
     torch.manual_seed(0)
-    reference = Recipe(feature, frozen)
-    torch.manual_seed(0)
-    engine, _, _, _ = initialize(model=Recipe(feature, frozen), config={
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0,
-        "optimizer": {"type": "AdamW", "params": LR},
-        "vescale": {"wrap_policy": {"module_classes": ["Block"]}}})
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **LR)
-    norms, losses = [], []
-    per = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        idx, tgt = fm.batch("gpt", step, GLOBAL_BATCH)
-        want = step_fn(reference, idx, tgt).item()
-        want_norm = _norm(reference.parameters())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        got = step_fn(engine, idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+    engine, _, _, _ = initialize(model=Recipe(feature, frozen),
+                                 config=config or engine_config(world))
+
+    def step():
         engine.step()
-        total = got.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(abs(total.item() / world - want) / want)
-        norms.append(abs(engine.get_global_grad_norm() - want_norm) / want_norm)
-    full, ref = full_state_dict(engine.module), reference.state_dict()
-    worst = max(((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
-                for k in ref)
-    return max(losses), max(norms), worst
+        return engine.get_global_grad_norm()
+    return compare_with_one_process(rank, world, feature, frozen, backward, engine, step)
 
 
 @pytest.mark.parametrize("feature,frozen,backward", ENGINE_CASES,
@@ -245,3 +244,84 @@ def test_autograd_feature_through_initialize_equals_one_process(pool, feature, f
                                                                  backward):
     loss, norm, params = pool.run(engine_feature_rank, feature, frozen, backward)[0]
     assert norm < 1e-6 and loss < 1e-6 and params < 1e-5, (loss, norm, params)
+
+
+def deepspeed_configured_rank(rank, world, section):
+    """A Megatron-style script: `deepspeed.checkpointing.configure(None, deepspeed_config=...)`
+    from the config's activation_checkpointing section, then `deepspeed.initialize` (ours,
+    through patch_deepspeed) and DeepSpeed's `checkpoint` around each block."""
+    import deepspeed
+    import vescale_engine
+    vescale_engine.patch_deepspeed()
+    config = engine_config(world, activation_checkpointing=section)
+    try:
+        deepspeed.checkpointing.configure(None, deepspeed_config=config)
+    except ValueError as err:
+        return str(err)
+    try:
+        return engine_feature_rank(rank, world, "deepspeed", False, "plain", config)
+    finally:
+        deepspeed.checkpointing.configure(None)  # DeepSpeed's defaults for the next test
+
+
+DEEPSPEED_SECTIONS = [
+    {"partition_activations": True, "cpu_checkpointing": True, "synchronize_checkpoint_boundary":
+     True, "profile": True},
+    {"partition_activations": True, "contiguous_memory_optimization": True,
+     "number_checkpoints": 4}]
+
+
+@pytest.mark.parametrize("section", DEEPSPEED_SECTIONS, ids=["cpu_offload", "contiguous"])
+def test_deepspeed_activation_checkpointing_section_acts_through_configure(pool, section):
+    loss, norm, params = pool.run(deepspeed_configured_rank, section)[0]
+    assert norm < 1e-6 and loss < 1e-6 and params < 1e-5, (loss, norm, params)
+
+
+def test_deepspeed_cpu_checkpointing_without_partitioning_is_refused_by_name(pool):
+    """DeepSpeed accepts it and fails in backward ('both arguments to linear need to be at
+    least 1D'): one line naming the key instead, on every rank, before any step."""
+    for message in pool.run(deepspeed_configured_rank, {"cpu_checkpointing": True}):
+        assert "activation_checkpointing.cpu_checkpointing needs partition_activations" in \
+            message, message
+
+
+class SharedInAndOut(torch.nn.Module):
+    """One Linear used directly and inside a reentrant checkpoint, in either order."""
+
+    def __init__(self, checkpoint_first):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.checkpoint_first = checkpoint_first
+
+    def forward(self, x):
+        inner = functools.partial(checkpoint, self.lin, use_reentrant=True)
+        first, then = (inner, self.lin) if self.checkpoint_first else (self.lin, inner)
+        return then(torch.tanh(first(x))).square().mean()
+
+
+def shared_in_and_out_rank(rank, world, checkpoint_first, grads_in_place):
+    torch.manual_seed(0)
+    reference = SharedInAndOut(checkpoint_first)
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(SharedInAndOut(checkpoint_first)),
+                        grads_in_place=grads_in_place)
+    x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    reference(x).backward()
+    try:
+        model(x[4 * rank:4 * (rank + 1)]).backward()
+    except RuntimeError as err:
+        return str(err)
+    got = clip_grad_norm_(list(model.parameters()), float("inf")).item()
+    return abs(got - _norm(reference.parameters())) / _norm(reference.parameters())
+
+
+def test_a_parameter_inside_and_outside_a_reentrant_checkpoint(pool):
+    """Used inside the checkpoint after its direct use (backward reaches the checkpoint
+    first): its gradients wait aside until the unit's backward ends. Used inside it before
+    (the direct use's gradient is complete, and written over the parameter, before the
+    recomputation reads it): an error naming grads_in_place=False, which is exact."""
+    assert pool.run(shared_in_and_out_rank, False, True)[0] < 1e-6
+    message = pool.run(shared_in_and_out_rank, True, True)[0]
+    assert "lin." in message and "gradient arrived again" in message and \
+        "grads_in_place=False" in message, message
+    assert pool.run(shared_in_and_out_rank, True, False)[0] < 1e-6

@@ -1090,10 +1090,10 @@ def expert_gradients_land_early(rank, world):
     for fqn, sp in sharded_parameters(model):
         real = sp.buffer.grad_arrived
 
-        def landed(i, t, _fqn=fqn, _real=real, _index=sp.index):
+        def landed(i, t, *rest, _fqn=fqn, _real=real, _index=sp.index):
             if i == _index and _fqn not in events:
                 events.append(_fqn)
-            return _real(i, t)
+            return _real(i, t, *rest)
         sp.buffer.grad_arrived = landed
     x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(5 + rank))
     model(x).square().sum().backward()

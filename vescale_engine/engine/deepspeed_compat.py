@@ -4,12 +4,14 @@ that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate). 
 DeepSpeed's own engine otherwise (`deepspeed.tp_model_init` likewise: a vescale config's model
 is left to initialize's TP plan); Accelerate unwraps our engine as it unwraps DeepSpeed's;
 `deepspeed.zero.Init` builds on the meta device for such a config (init/zero.py; transformers'
-from_pretrained / from_config under it: init/hf_pretrained.py); and the per-parameter ZeRO-3 surface
+from_pretrained / from_config under it: init/hf_pretrained.py); `deepspeed.checkpointing.configure`
+reads such a config's activation_checkpointing section as DeepSpeed's own; and the per-parameter ZeRO-3 surface
 libraries read (`ds_status`, `ds_shape`, `GatheredParameters`, TRL's generation hooks) works on
 our sharded parameters (deepspeed_params)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 
 __all__ = ["patch_deepspeed", "patch_accelerate_unwrap", "patch_accelerate_state_dict"]
@@ -36,6 +38,7 @@ def patch_deepspeed() -> None:
     from ..init.zero import install as install_zero_init
     _route_initialize()
     _route_tp_model_init()
+    _route_checkpointing_configure()
     patch_accelerate_unwrap()
     patch_accelerate_state_dict()
     install_zero_init()
@@ -151,3 +154,51 @@ def _route_tp_model_init() -> None:
 
     tp_model_init.__vescale_original__ = original
     deepspeed.tp_model_init = tp_model_init
+
+
+def _route_checkpointing_configure() -> None:
+    """`deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`: how Megatron-style scripts
+    turn on DeepSpeed's activation checkpointing from the config's activation_checkpointing
+    section (DeepSpeed's engine itself reads none of it). DeepSpeed's `checkpoint` recomputes
+    reentrantly, which our units hook, and acts on every key itself. For a vescale config two
+    things differ from DeepSpeed: `deepspeed.comm`, which it logs and gathers through and which
+    DeepSpeed's initialize would have started, is started over the existing process group; and
+    cpu_checkpointing without partition_activations, which DeepSpeed accepts and then fails on
+    in backward (it offloads only partitioned activations), is refused by name."""
+    import deepspeed
+
+    checkpointing = deepspeed.checkpointing  # (runtime.activation_checkpointing.checkpointing)
+    original = checkpointing.configure
+    if hasattr(original, "__vescale_original__"):
+        return
+
+    @functools.wraps(original)
+    def configure(*args, **kwargs):
+        given = inspect.signature(original).bind(*args, **kwargs).arguments
+        config = _config_of({"config": given.get("deepspeed_config")})
+        if isinstance(config, dict) and "vescale" in config:
+            section = config.get("activation_checkpointing") or {}
+
+            def value(argument, key):
+                chosen = given.get(argument)
+                return section.get(key, False) if chosen is None else chosen
+
+            if value("checkpoint_in_cpu", "cpu_checkpointing") and \
+                    not value("partition_activations", "partition_activations"):
+                raise ValueError(
+                    "activation_checkpointing.cpu_checkpointing needs partition_activations: "
+                    "DeepSpeed's checkpoint offloads only partitioned activations, and fails in "
+                    "backward without them")
+            _start_deepspeed_comm()
+        return original(*args, **kwargs)
+
+    configure.__vescale_original__ = original
+    checkpointing.configure = configure
+
+
+def _start_deepspeed_comm() -> None:
+    """deepspeed.comm over the process group our initialize (or the launcher) made."""
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+    if dist.is_initialized() and not ds_comm.is_initialized():
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)

@@ -69,13 +69,14 @@ class ShardedParameter:
                 leaf = nn.Parameter(self._unsharded._local_tensor, requires_grad=True)
             leaf._vescale_full = self
             leaf.register_hook(self._local_grad_arrived)
+            leaf.register_post_accumulate_grad_hook(self._accumulated)
             if self.unit.in_backward:  # (a recompute in backward: the slot is set already)
                 leaf.grad = self.buffer.backward_grad_view(self.index)
             self._local_leaf = leaf
         return self._local_leaf
 
     def _local_grad_arrived(self, grad):
-        self.buffer.grad_arrived(self.index, self._local_leaf)
+        self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
         return grad
 
     @property
@@ -103,7 +104,12 @@ class ShardedParameter:
         hook on a tensor that does not), whenever that happens first; it stays for life."""
         if not self._hooked and self._requires_grad and self._unsharded is not None:
             self._unsharded.register_hook(self._grad_arrived)
+            self._unsharded.register_post_accumulate_grad_hook(self._accumulated)
             self._hooked = True
+
+    def _accumulated(self, _):
+        """Autograd added into `.grad` (not so in torch.autograd.grad, which only returns)."""
+        self.unit.accumulated = True
 
     def _grad_arrived(self, grad):
         """Runs once all of this parameter's gradient is summed, just before autograd adds it
@@ -112,7 +118,7 @@ class ShardedParameter:
         this rank's local piece."""
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
-        self.buffer.grad_arrived(self.index, self._unsharded)
+        self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
         return grad
 
     def preset_grad(self) -> None:

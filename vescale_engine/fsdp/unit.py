@@ -12,6 +12,8 @@ prefetches the unit backward runs next), and once the unit's inputs have their g
 its parameter gradients are in the full gradient buffer and are reduce-scattered. A callback at
 the end of backward finishes units that no input gradient reached (the root, units fed only by
 tensors without gradients), in the same order on every rank, so no rank can hang on another.
+A reentrant activation checkpoint's recomputation in backward is hooked like a forward, since
+its gradients come from a nested backward (docs/architecture.md, "Activation checkpointing").
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class UnitContext:
         self.callback_queued = False
         self.require_sync = True
         self.reducing = []     # units whose reduce-scatter is in flight
+        self.backward_task = None  # autograd's id of the backward running (the outermost)
         self.all_reducing = []  # units whose replicas' all-reduce (HSDP) is in flight
         # One token per forward with gradients since the last backward finished, alive while
         # that forward's graph is (the graph's hooks and nodes hold it): a backward can still
@@ -191,6 +194,7 @@ class FSDPUnit:
         self.in_backward = False
         self.reduced = False
         self.delivers_grads = False
+        self.accumulated = False  # a parameter's .grad was added to (ShardedParameter)
         for p in self.params:
             p.backward_flag = None
 
@@ -424,24 +428,26 @@ class FSDPUnit:
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
+            ctx.backward_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
         self.wait_unshard()
         STATS.log("backward", self.name)
         for p in self.params:
             p.backward_flag = p.requires_grad
         trainable = [p for p in self.params if p.backward_flag]
-        # torch.autograd.grad (input gradients) accumulates into no parameter's .grad
+        # Whether this backward adds into the parameters' .grad: not torch.autograd.grad
+        # (input gradients). Parameters that only a reentrant checkpoint inside the unit
+        # uses are not in this graph but in its nested backward's: `accumulated` tells.
         self.delivers_grads = any(_accumulates(p) for p in trainable)
-        if self.delivers_grads:
-            # A gradient may be written over its parameter once complete, unless something
-            # reads the value after that: a retained graph's next backward, or the next
-            # recomputation of a reentrant checkpoint (each has a nested backward of its own).
-            in_place = self.grads_in_place and ctx.require_sync and \
-                not self.reentrant_calls and not _keeps_graph()
-            for buf in {id(p.buffer): p.buffer for p in trainable}.values():
-                buf.begin_backward(grads_in_place=in_place)
-            for p in trainable:
-                p.preset_grad()
+        # A gradient may be written over its parameter once complete, unless something reads
+        # the value after that: a retained graph's next backward, or the next recomputation
+        # of a reentrant checkpoint (each has a nested backward of its own).
+        in_place = self.grads_in_place and ctx.require_sync and \
+            not self.reentrant_calls and not _keeps_graph()
+        for buf in {id(p.buffer): p.buffer for p in trainable}.values():
+            buf.begin_backward(grads_in_place=in_place)
+        for p in trainable:
+            p.preset_grad()
         order = ctx.order
         if self.is_root:  # backward reaches the last unit of the forward first
             if order and order[-1] is not self:
@@ -452,11 +458,18 @@ class FSDPUnit:
                 order[i - 1].unshard(async_op=True)
         return grad
 
+    def in_nested_backward(self) -> bool:
+        """Autograd runs a backward inside the one that began this backward: a reentrant
+        checkpoint's, over its recomputation (another recomputation may follow it)."""
+        return torch._C._current_graph_task_id() != self.ctx.backward_task
+
     def post_backward(self):
         """All of this unit's parameter gradients are in: reduce-scatter, then reshard."""
         if self.reduced:
             return
         self.reduced = True
+        for buf in self.buffers:
+            buf.flush_deferred_grads()
         STATS.log("post_backward", self.name)
         ctx = self.ctx
         for unit in ctx.all_reducing:  # issued one unit ago: overlapped with that unit
@@ -466,8 +479,8 @@ class FSDPUnit:
         ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
         ctx.reducing = [self]
         self._finishers = []
-        gradients = self._gradient_members() if self.in_backward and self.delivers_grads \
-            else []
+        delivered = self.in_backward and (self.delivers_grads or self.accumulated)
+        gradients = self._gradient_members() if delivered else []
         if gradients:
             if not self.ctx.require_sync:
                 for buf in self.buffers:

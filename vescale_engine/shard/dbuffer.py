@@ -214,6 +214,7 @@ class DBuffer:
         # over its own full parameter once that value is dead (see `begin_backward`).
         self.grads_in_full = False
         self._grad_written = []
+        self._deferred = {}  # tensor index -> its gradient held aside (grad_arrived)
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
         self.native = self.reduction = None
@@ -416,6 +417,7 @@ class DBuffer:
         if grads_in_place and not self.full_grad_live:
             self.grads_in_full = True
             self._grad_written = [False] * len(self.layout.placements)
+            self._deferred = {}
         elif not self.full_grad_live:
             self._allocate("full_grad").zero_()
             self.full_grad_live = True
@@ -439,14 +441,36 @@ class DBuffer:
             self._full_as_grad_views = self._views(self.full)
         return self._full_as_grad_views[i]
 
-    def grad_arrived(self, i: int, unsharded: torch.Tensor) -> None:
+    def grad_arrived(self, i: int, unsharded: torch.Tensor, defer: bool = False) -> None:
         """Tensor i's gradient is complete and about to be added into its range: zero that
         range through `unsharded` (the parameter autograd saw), whose version counter moves, so
-        a backward node that still wanted the old value fails loudly instead of reading zeros."""
-        if self.grads_in_full and not self._grad_written[i]:
+        a backward node that still wanted the old value fails loudly instead of reading zeros.
+        `defer`: the value may still be read after this (the gradient came from a nested
+        backward, and another recomputation may follow): autograd adds into a tensor aside
+        instead, copied into the range by `flush_deferred_grads`."""
+        if not self.grads_in_full:
+            return
+        if defer:
+            if self._grad_written[i]:  # zeroed already, and now recomputed from the zeros
+                raise RuntimeError(
+                    f"{self.name}: tensor {self.layout.placements[i].name}'s gradient arrived "
+                    "again, from a reentrant checkpoint's recomputation, after it was written "
+                    "over the parameter; shard this module with grads_in_place=False")
+            if i not in self._deferred:
+                self._deferred[i] = unsharded.grad = torch.zeros_like(unsharded.grad)
+            return
+        if not self._grad_written[i]:
             with torch.no_grad():
                 unsharded.zero_()
             self._grad_written[i] = True
+
+    def flush_deferred_grads(self) -> None:
+        """The gradients `grad_arrived` held aside go into their ranges (no value is read any
+        more: the unit's backward is over)."""
+        for i, grad in self._deferred.items():
+            self.backward_grad_view(i).copy_(getattr(grad, "_local_tensor", grad))
+            self._grad_written[i] = True
+        self._deferred = {}
 
     @property
     def grad_on_host(self) -> bool:
