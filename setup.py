@@ -1,9 +1,18 @@
 """Packaging for veScale Engine.
 
-torch is required as a range that includes 2.13. On a machine without a GPU, install the CPU
-build first (`bash .ci/setup-venv` does), so that pip does not pull a multi-GB CUDA build.
+The version ranges are the ones CI tests at both ends: the lowest versions
+(.ci/lowest-constraints.txt, CI's second pass) and the newest releases below each cap (its first
+pass); vescale_engine/versions.py lists the same ranges and refuses a version below them at
+`patch_deepspeed()` / `initialize`; tests/test_versions.py keeps the three equal. The [hf]
+floors admit the versions LLaMA-Factory 0.9.5 and axolotl 0.19.0 pin.
+
+On a machine without a GPU, install torch's CPU build first (`bash .ci/setup-venv` does), so
+that pip does not pull a multi-GB CUDA build.
 """
 from setuptools import find_packages, setup
+
+HF = ["transformers>=5.6.0,<5.25", "accelerate>=1.11.0,<1.17", "safetensors>=0.4.3",
+      "peft>=0.18.1,<0.22", "trl>=0.24.0,<1.17", "datasets>=4.0.0,<5.3"]
 
 setup(
     name="vescale-engine",
@@ -17,22 +26,19 @@ setup(
                                     "launcher"]),
     package_data={"config_schemas": ["*.json"]},
     install_requires=[
-        "torch>=2.4,<2.15",
-        "deepspeed>=0.15",
+        "torch>=2.13.0,<2.14",
+        "deepspeed>=0.19.3,<0.20",
         "py-cpuinfo",
-        "jsonschema>=4.18",
+        "jsonschema>=4.18.0",
     ],
     extras_require={
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "plot": ["matplotlib"],
         # Hugging Face models and checkpoints: our reader/writer needs none of these at run
         # time; the tests build tiny LlamaForCausalLM models and check from_pretrained, and run
-        # PEFT LoRA and TRL's SFT, DPO and GRPO trainers (tests/test_trl.py: the versions
-        # tested are the lower bounds).
-        "hf": ["transformers>=5.0", "accelerate>=1.0", "safetensors>=0.4", "peft>=0.21.2",
-               "trl>=1.16.0", "datasets>=5.2.0"],
-        "test": ["pytest>=7", "matplotlib", "transformers>=5.0", "accelerate>=1.0",
-                 "safetensors>=0.4", "peft>=0.21.2", "trl>=1.16.0", "datasets>=5.2.0"],
+        # PEFT LoRA and TRL's SFT, DPO and GRPO trainers.
+        "hf": HF,
+        "test": ["pytest>=8.0.0", "matplotlib", *HF],
     },
     entry_points={"console_scripts": ["vescale = launcher.cli:main"]},
 )

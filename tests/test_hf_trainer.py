@@ -638,9 +638,19 @@ def test_trainer_with_autotp_size_trains_as_data_parallel_on_the_same_batch(pool
                                                                            tmp_path):
     """DeepSpeed AutoTP's key through Trainer: Hugging Face fills train_batch_size counting
     every rank (as DeepSpeed checks it), Accelerate hands the TP peers one batch, the engine
-    applies the model's TP plan. (dp 1, tp 2) with micro-batch 2 trains as dp 2 with 1."""
+    applies the model's TP plan. (dp 1, tp 2) with micro-batch 2 trains as dp 2 with 1.
+    A transformers without the API that applies the model's plan: one line saying so."""
+    from transformers import PreTrainedModel
     cfg = config("vescale")
     cfg["tensor_parallel"] = {"autotp_size": 2}
+    if not hasattr(PreTrainedModel, "_expand_parallel_plan"):  # transformers before 5.23
+        with pytest.raises(AssertionError, match=r"ValueError: tensor_parallel.autotp_size 2: "
+                           r"the model's base_model_tp_plan is applied with transformers' "
+                           r"PreTrainedModel._expand_parallel_plan \(transformers 5.23 and "
+                           r"later\), which transformers 5\.\d+\.\d+ does not have: give the "
+                           r"plan in vescale.tensor_parallel or upgrade transformers\n"):
+            pool.run(trainer_rank, model_dir, str(tmp_path / "tp"), cfg, {}, timeout=300)
+        return
     tp = pool.run(trainer_rank, model_dir, str(tmp_path / "tp"), cfg, {}, timeout=300)
     dp = pool.run(trainer_rank, model_dir, str(tmp_path / "dp"), config("vescale"),
                   {"per_device_train_batch_size": 1}, timeout=300)

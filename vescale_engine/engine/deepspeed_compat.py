@@ -33,9 +33,13 @@ def patch_deepspeed() -> None:
     """Route `deepspeed.initialize` to `vescale_engine.initialize` for vescale configs, let
     Accelerate unwrap our engine, make `deepspeed.zero.Init` build on meta for vescale
     configs, and give our parameters DeepSpeed's per-parameter surface (idempotent). DeepSpeed's launcher, `deepspeed.comm` and `init_distributed` are
-    untouched."""
+    untouched. A library below the versions we support is an error here (versions.py)."""
+    import deepspeed  # noqa: F401  (imported, so that its version is checked with the rest)
+
     from ..fsdp import deepspeed_params
     from ..init.zero import install as install_zero_init
+    from ..versions import check_versions
+    check_versions()
     _route_initialize()
     _route_tp_model_init()
     _route_checkpointing_configure()

@@ -37,6 +37,7 @@ from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
 from .deepspeed_moe import refuse_with_experts
 from .wrap import ExpertUnits, device_mesh, wrap_model
+from ..versions import check_versions
 
 __all__ = ["VeScaleEngine", "initialize"]
 
@@ -422,6 +423,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, config_params=None):
     """DeepSpeed's initialize: returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    check_versions()  # the libraries imported by now, each once (versions.py)
     if model is None:
         raise ValueError("initialize needs a model")
     if mpu is not None:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import fnmatch
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -116,7 +117,8 @@ def _tensor_parallel_plan(model, tp: int, config_plan: dict) -> ParallelPlan:
         return ParallelPlan("vescale.tensor_parallel", dict(config_plan))
     rules = getattr(model, "tp_plan", None)
     expand = getattr(model, "_expand_parallel_plan", None)
-    if not rules or expand is None:
+    _require_plan_support(key, "base_model_tp_plan", rules, expand, "vescale.tensor_parallel")
+    if not rules:
         raise ValueError(f"{key}: {type(model).__name__} has no tensor-parallel plan; give one "
                          "in vescale.tensor_parallel (module pattern -> colwise or rowwise) or "
                          "use a transformers model whose config has base_model_tp_plan")
@@ -134,7 +136,8 @@ def _expert_parallel_plan(model, ep: int):
     key = f"expert_parallel.autoep_size {ep}"
     rules = getattr(model, "ep_plan", None)
     expand = getattr(model, "_expand_parallel_plan", None)
-    if not rules or expand is None:
+    _require_plan_support(key, "base_model_ep_plan", rules, expand, None)
+    if not rules:
         raise ValueError(f"{key}: {type(model).__name__} has no expert-parallel plan (transformers "
                          "MoE models with fused experts have base_model_ep_plan: Mixtral, "
                          "Qwen3-MoE, DeepSeek-V3, ...)")
@@ -152,6 +155,20 @@ def _expert_parallel_plan(model, ep: int):
         if count % ep:
             raise ValueError(f"{key} does not divide the {count} experts of {name}")
     return plan, experts
+
+
+def _require_plan_support(key, plan_name, rules, expand, alternative) -> None:
+    """A model whose config has a TP/EP plan, with a transformers that cannot apply it: the
+    plans are expanded and applied with `PreTrainedModel._expand_parallel_plan` and
+    `transformers.distributed` (transformers 5.23 and later; the releases before have the
+    plans but another, incompatible TP API)."""
+    if not rules or expand is not None:
+        return
+    version = getattr(sys.modules.get("transformers"), "__version__", "?")
+    instead = f"give the plan in {alternative} or " if alternative else ""
+    raise ValueError(f"{key}: the model's {plan_name} is applied with transformers' "
+                     "PreTrainedModel._expand_parallel_plan (transformers 5.23 and later), which "
+                     f"transformers {version} does not have: {instead}upgrade transformers")
 
 
 def _matches(pattern: str, name: str) -> bool:

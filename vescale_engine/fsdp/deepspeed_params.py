@@ -1,8 +1,9 @@
 """DeepSpeed's per-parameter ZeRO-3 surface, as libraries read it, on vescale-sharded parameters.
 
 Under a ZeRO-3 config (`is_deepspeed_zero3_enabled()`), TRL, PEFT, Accelerate and transformers
-reach past the engine into the parameters. What they call in the versions we test (trl 1.16,
-peft 0.21, accelerate 1.15, transformers 5.24), and what we give them:
+reach past the engine into the parameters. What they call in the versions we test (both ends
+of the ranges in vescale_engine/versions.py: trl 0.24 and 1.16, peft 0.18.1 and 0.21,
+accelerate 1.11 and 1.16, transformers 5.6 and 5.24), and what we give them:
 
 - `p.ds_status` (trl.trainer.utils.maybe_gather_lm_head_ctx, before the fused LM head's
   loss): AVAILABLE while the object holds the full tensor (the full-shape parameter a unit
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..versions import supported_range
 from .guards import require_materialized
 from .lookup import units_under
 from .state_dict import gather_selected
@@ -288,9 +290,10 @@ def patch_trl_generation() -> None:
     missing = [n for n in ("remove_hooks", "add_hooks") if not callable(getattr(utils, n, None))]
     if missing:
         version = getattr(sys.modules.get("trl"), "__version__", "?")
-        raise ImportError(f"trl {version} has no trl.models.utils.{missing[0]} (tested with trl "
-                          "1.16): vescale_engine cannot make unwrap_model_for_generation's "
-                          "gathered generation work with this version")
+        raise ImportError(f"trl {version} has no trl.models.utils.{missing[0]} (supported: "
+                          f"trl{supported_range('trl')}): vescale_engine cannot make "
+                          "unwrap_model_for_generation's gathered generation work with this "
+                          "version")
     for name, ours in (("remove_hooks", suspend_hooks), ("add_hooks", resume_hooks)):
         setattr(utils, name, _for_our_engine(getattr(utils, name), ours))
 

@@ -25,6 +25,7 @@ at the first vescale Init that finds transformers imported: nothing here imports
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -37,6 +38,7 @@ from torch import nn
 
 from ..checkpoint.hf import checkpoint_files, load_into, read_stored
 from ..fsdp.materialize import allocate_shards, init_unloaded
+from ..versions import supported_range
 from .peft_adapters import install as install_peft
 from .record import deferred_record, replayed_generator
 
@@ -44,7 +46,6 @@ __all__ = ["SOURCE", "CheckpointRecord", "PretrainedWeights", "record_checkpoint
            "prepare_transformers_weights", "init_like_transformers", "check_transformers",
            "install"]
 
-_WRITTEN_FOR = "5.24"
 _NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model"),
            ("transformers.modeling_utils", "PreTrainedModel._initialize_missing_keys"),
            ("transformers.modeling_utils", "PreTrainedModel._initialize_weights"),
@@ -123,9 +124,12 @@ def record_checkpoint(model, record, state_dict, checkpoint_files, load_config):
     record.pretrained = PretrainedWeights(str(load_config.pretrained_model_name_or_path),
                                           tuple(files), key_map, _dtype_of(model))
     missing = set(model.state_dict()) - set(key_map.values()) - {k for k, *_ in mismatched}
-    return LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected,
-                             mismatched_keys=mismatched, error_msgs=[], conversion_errors={},
-                             skipped_pp_keys=set())
+    report = dict(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=mismatched,
+                  error_msgs=[], conversion_errors={})
+    # skipped_pp_keys (pipeline-parallel keys not loaded) came after 5.6: none are skipped here
+    if "skipped_pp_keys" in {f.name for f in dataclasses.fields(LoadStateDictInfo)}:
+        report["skipped_pp_keys"] = set()
+    return LoadStateDictInfo(**report)
 
 
 def _record_on_modules(model, key_map) -> None:
@@ -207,8 +211,9 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
             "initialize_weights_zero3"
         raise RuntimeError(f"{record.builder} built {type(module).__name__} under a vescale "
                            f"config, but transformers did not call {step}, the step vescale "
-                           f"takes over (written for transformers {_WRITTEN_FOR}): its weights "
-                           "are unknown, so initialize stops rather than train random ones")
+                           f"takes over (supported: transformers"
+                           f"{supported_range('transformers')}): its weights are unknown, so "
+                           "initialize stops rather than train random ones")
     _prefix_of(root, module)  # the whole model, not a part of it
     init_missing = functools.partial(init_like_transformers, record=record, device=device)
     pretrained = record.pretrained
@@ -303,7 +308,7 @@ def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
         for child in mod.children():
             visit(child, owner)
     visit(module, None)
-    custom = outer.is_custom_code() if outer is not None else False
+    custom = _custom_code(outer) if outer is not None else False
 
     def init_fn(mod):
         for sub in mod.modules():
@@ -316,6 +321,14 @@ def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
 
     with replayed_generator(record, device), guard_torch_init_functions():
         init_unloaded(module, names, init_fn=init_fn, ancestors=True)
+
+
+def _custom_code(model) -> bool:
+    """The flag transformers' own `initialize_weights` passes to `_initialize_weights`: newer
+    releases pass `is_custom_code()` (hub code or a class defined outside transformers), 5.6
+    passes `is_remote_code()` (hub code only) and has no `is_custom_code`."""
+    test = getattr(model, "is_custom_code", None) or model.is_remote_code
+    return test()
 
 
 def _registrations(module, names) -> set:
@@ -379,7 +392,7 @@ def check_transformers(needed=_NEEDED) -> None:
     if absent:
         raise ImportError(f"vescale's deferred from_pretrained/from_config needs "
                           f"{', '.join(absent)}, which transformers {transformers.__version__} "
-                          f"does not have (written for {_WRITTEN_FOR})")
+                          f"does not have (supported: {supported_range('transformers')})")
 
 
 def install() -> None:

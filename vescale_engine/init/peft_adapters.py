@@ -3,8 +3,8 @@
 `get_peft_model` (and `add_adapter`) create each adapter on a real device with PEFT's own init
 (LoRA: kaiming A, zero B), then move it to the device of the layer it adapts. For a deferred
 model that device is `meta`, so the values would be dropped and `initialize` could only guess
-them. Here the move keeps the adapter where it was made when the base layer is a deferred meta
-tensor (dtype casts still apply); `fully_shard` plans such a unit on meta and writes the
+them. Here, when the base layer is a deferred meta tensor, the adapter stays where it was made and
+only takes the base layer's dtype; `fully_shard` plans such a unit on meta and writes the
 adapter's values into the shards at allocation (fsdp.ShardedParameter.initial).
 
 Two PEFT functions move adapters; both are wrapped, checked against the installed PEFT once:
@@ -23,11 +23,11 @@ import types
 
 import torch
 
+from ..versions import supported_range
 from .record import MARK
 
 __all__ = ["check_peft", "install"]
 
-_WRITTEN_FOR = "0.21"
 _WRAPPED = (("peft.tuners.tuners_utils", "BaseTunerLayer", "_move_adapter_to_device_of_base_layer",
              ["self", "adapter_name", "device"]),
             ("peft.tuners.tuners_utils", "BaseTuner", "_replace_module",
@@ -36,47 +36,57 @@ _WRAPPED = (("peft.tuners.tuners_utils", "BaseTunerLayer", "_move_adapter_to_dev
              ["self", "parent", "child_name", "new_module", "child"]))
 
 
-def _deferred_weight(layer) -> bool:
-    """The layer's weight (PEFT's choice: weight, qweight) is a meta tensor a vescale
-    zero.Init build made."""
+def _deferred_weight(layer):
+    """The layer's weight (PEFT's choice: weight, qweight) if it is a meta tensor a vescale
+    zero.Init build made, else None."""
     if isinstance(layer, torch.nn.MultiheadAttention):
         layer = layer.out_proj
     for name in ("weight", "qweight"):
         weight = getattr(layer, name, None)
         if isinstance(weight, torch.Tensor):
-            return weight.is_meta and (getattr(weight, MARK, None) is not None or
-                                       layer.__dict__.get(MARK) is not None)
-    return False
+            deferred = weight.is_meta and (getattr(weight, MARK, None) is not None or
+                                           layer.__dict__.get(MARK) is not None)
+            return weight if deferred else None
+    return None
 
 
 def _keep_move_adapter(original):
     @functools.wraps(original)
     def _move_adapter_to_device_of_base_layer(self, adapter_name, device=None):
-        if device is None and _deferred_weight(self.get_base_layer()):
-            device = _adapter_device(self, adapter_name)  # stays there; dtype still follows
-        return original(self, adapter_name, device=device)
+        weight = _deferred_weight(self.get_base_layer()) if device is None else None
+        if weight is None:
+            return original(self, adapter_name, device=device)
+        # Done here rather than by calling PEFT's with the adapter's own device: PEFT releases
+        # before 0.19 read the base weight's dtype only when no device is given.
+        _cast_adapter(self, adapter_name, weight.dtype)
     return _move_adapter_to_device_of_base_layer
 
 
-def _adapter_device(layer, adapter_name):
+def _cast_adapter(layer, adapter_name, dtype) -> None:
+    """The adapter `adapter_name` of `layer` stays on its device and takes the base layer's
+    dtype where that is floating (what PEFT's move does, less the move to meta)."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return
     for attr in layer.adapter_layer_names + layer.other_param_names:
         container = getattr(layer, attr, None)
-        item = container[adapter_name] if isinstance(container, (torch.nn.ModuleDict,
-                                                                   torch.nn.ParameterDict)) \
-            and adapter_name in container else None
-        tensors = [item] if isinstance(item, torch.Tensor) else \
-            list(item.parameters()) + list(item.buffers()) if item is not None else []
-        real = [t.device for t in tensors if not t.is_meta]
-        if real:
-            return real[0]
-    return None  # nothing real to keep: PEFT's own move
+        # ModuleDict, ParameterDict or PEFT's BufferDict: Modules holding items by name
+        if not isinstance(container, torch.nn.Module) or not hasattr(container, "keys") or \
+                adapter_name not in container.keys():
+            continue
+        item = container[adapter_name]
+        tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(),
+                                                               *item.buffers()]
+        if any(t.is_meta for t in tensors):
+            continue
+        if isinstance(item, torch.nn.Module) or item.is_floating_point() or item.is_complex():
+            container[adapter_name] = item.to(dtype=dtype)  # a Module casts floating ones only
 
 
 def _keep_replace_module(original):
     @functools.wraps(original)
     def _replace_module(self, parent, child_name, new_module, child, *args, **kwargs):
         base = getattr(child, "base_layer", child)
-        if not _deferred_weight(base):
+        if _deferred_weight(base) is None:
             return original(self, parent, child_name, new_module, child, *args, **kwargs)
         patched = [m for m in new_module.modules() if "_apply" not in m.__dict__]
         for m in patched:  # its moves to meta keep the values (the deferred ones wait anyway)
@@ -115,7 +125,7 @@ def check_peft(wrapped=_WRAPPED) -> list:
     if absent:
         raise ImportError(f"vescale keeps PEFT adapters of a deferred model real through "
                           f"{', '.join(absent)}, which peft {peft.__version__} does not have "
-                          f"(written for {_WRITTEN_FOR})")
+                          f"(supported: peft{supported_range('peft')})")
     return found
 
 

@@ -1,0 +1,99 @@
+"""The supported library versions are declared once and checked: setup.py's ranges, the lowest
+versions CI's second pass installs (.ci/lowest-constraints.txt) and the ranges
+`vescale_engine/versions.py` checks at `patch_deepspeed()` / `initialize` agree, and a library
+below its range stops there with one line naming it, its version and the range."""
+from __future__ import annotations
+
+import pathlib
+import runpy
+import types
+
+import pytest
+import setuptools
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+import vescale_engine
+from vescale_engine import versions
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _setup_arguments(monkeypatch) -> dict:
+    """The keyword arguments setup.py gives setuptools.setup (captured, nothing installed)."""
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.chdir(ROOT)  # setup.py reads README.md from where it runs
+    runpy.run_path(str(ROOT / "setup.py"))
+    return seen
+
+
+def _declared(monkeypatch) -> dict:
+    """{name: SpecifierSet} of what the second pass installs: the requirements and the [hf] and
+    [test] extras (the [mpi] and [plot] extras are not part of it)."""
+    arguments = _setup_arguments(monkeypatch)
+    extras = arguments["extras_require"]
+    out = {}
+    for line in [*arguments["install_requires"], *extras["hf"], *extras["test"]]:
+        requirement = Requirement(line)
+        assert out.get(requirement.name, requirement.specifier) == requirement.specifier, \
+            f"setup.py declares {requirement.name} twice, differently"
+        out[requirement.name] = requirement.specifier
+    return out
+
+
+def _lowest() -> dict:
+    """{name: version} pinned in .ci/lowest-constraints.txt."""
+    out = {}
+    for line in (ROOT / ".ci" / "lowest-constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"lowest-constraints.txt: {line!r} is not NAME==VERSION"
+            out[name.strip()] = version.strip()
+    return out
+
+
+def test_setup_floors_are_the_lowest_constraints(monkeypatch):
+    floors = {name: spec.version for name, specifier in _declared(monkeypatch).items()
+              for spec in specifier if spec.operator == ">="}
+    assert floors == _lowest()
+
+
+def test_versions_module_lists_setup_ranges(monkeypatch):
+    declared = _declared(monkeypatch)
+    for name in versions.SUPPORTED:
+        assert declared.get(name) == SpecifierSet(versions.supported_range(name)), name
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """The guard as in a fresh process: no library checked yet."""
+    monkeypatch.setattr(versions, "_checked", set())
+
+
+def test_patch_deepspeed_names_a_library_below_its_range(monkeypatch, unchecked):
+    import deepspeed
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.6")  # its ZeRO-3 fails PEFT's tests
+    with pytest.raises(ImportError) as caught:
+        vescale_engine.patch_deepspeed()
+    message = str(caught.value)
+    assert message == ("vescale_engine supports deepspeed>=0.19.3,<0.20, but deepspeed 0.18.6 "
+                       "is installed: pip install 'deepspeed>=0.19.3,<0.20'")
+    assert "\n" not in message
+
+
+def test_initialize_names_a_library_below_its_range(monkeypatch, unchecked):
+    fake = types.ModuleType("peft")
+    fake.__version__ = "0.17.1"
+    monkeypatch.setitem(__import__("sys").modules, "peft", fake)
+    with pytest.raises(ImportError, match=r"^vescale_engine supports peft>=0\.18\.1,<0\.22, "
+                                          r"but peft 0\.17\.1 is installed"):
+        vescale_engine.initialize(model=None, config={})
+
+
+@pytest.mark.parametrize("version", ["0.19.3", "0.19.3+cpu", "0.19.3.dev0", "0.19.8", "0.20.1"])
+def test_guard_accepts_the_floor_and_above(unchecked, version):
+    """Local and development builds of the lowest release count as it; above the range the
+    guard stays out of the way (setup.py caps what pip installs)."""
+    versions.check_versions({"deepspeed": types.SimpleNamespace(__version__=version)})
