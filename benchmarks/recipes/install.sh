@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install one framework in its own virtual environment, at its newest release and the library
-# versions it pins, with torch's CPU build and this repository (editable, no dependencies: the
-# framework's pins decide transformers, peft, trl, accelerate and datasets).
+# versions it pins, with torch's CPU build and this repository (editable; the framework's pins
+# decide transformers, peft, trl, accelerate and datasets).
 #
 #   bash benchmarks/recipes/install.sh llamafactory|axolotl [ROOT]
 #
@@ -77,6 +77,10 @@ axolotl)
   ;;
 esac
 
-pip install --no-deps -e "$repo"
+# This repository with its [hf] extra, every package already installed held at its version: pip
+# adds only what the engine needs beyond the framework (jsonschema, py-cpuinfo), and fails if the
+# engine's declared ranges exclude a version the framework pinned.
+pip list --format=freeze | grep -v -i '^vescale[-_]engine=' > "$dir/installed.txt"
+pip install -c "$dir/installed.txt" -e "$repo[hf]"
 pip list --format=freeze > "$dir/pip-freeze.txt"
 echo "install.sh: $framework ready in $venv"

@@ -291,6 +291,7 @@ def run_one(framework, case, engine, root):
         except subprocess.TimeoutExpired:
             rc = "timeout"
     result = {"framework": framework, "case": case, "engine": engine, "returncode": rc,
+              "repo_commit": repo_commit(),
               "seconds": round(time.time() - start, 1), "command": shown}
     result.update(read_outputs(out))
     if rc != 0 or not result["steps"]:
@@ -299,6 +300,15 @@ def run_one(framework, case, engine, root):
     print(f"run.py: {framework} {case} {engine}: rc {rc}, {len(result['steps'])} steps, "
           f"{result['seconds']} s", flush=True)
     return result
+
+
+def repo_commit():
+    """This repository's commit (what the veScale run imports), "+changes" if the tree differs."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                            "vescale_engine"], capture_output=True, text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
 
 
 def read_outputs(out):
@@ -431,7 +441,8 @@ def write_results(root, frameworks, argv):
                 r = runs.get(engine)
                 if not r:
                     continue
-                details.append(f"{engine}: `{r['command']}` ({r['seconds']} s)")
+                details.append(f"{engine}: `{r['command']}` ({r['seconds']} s, this repository "
+                               f"at {r.get('repo_commit', '?')})")
                 details.append("")
                 if r.get("error"):
                     details += ["```", r["error"], "```", ""]
@@ -464,6 +475,8 @@ def main():
     parser.add_argument("--frameworks", nargs="+", default=["llamafactory", "axolotl"],
                         choices=["llamafactory", "axolotl"])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                        help="rerun only these (the other engine's last run in ROOT is kept)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results/recipes.md from the runs already in ROOT")
     args = parser.parse_args()
@@ -477,7 +490,7 @@ def main():
             subprocess.run([str(venv / "bin" / "python"), str(HERE / "make_tiny.py"), str(tiny)],
                            check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         for case in args.cases:
-            for engine in ENGINES:
+            for engine in args.engines:
                 run_one(framework, case, engine, root)
     write_results(root, ["llamafactory", "axolotl"], sys.argv[1:])
 
