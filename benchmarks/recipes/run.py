@@ -48,8 +48,8 @@ LORA_START = (
     "tiny/{path}`, the quickstart's rank and alpha, B = 0) instead of one peft draws in the run: "
     "peft draws A from the global RNG after the model is loaded, and loading leaves the RNG in a "
     "different state under DeepSpeed's zero.Init than under ours, so the runs would start from "
-    "different A (measured on axolotl: A differs by up to 2x its largest entry, step-1 grad "
-    "norms by 2.8e-2)")
+    "different A (in an earlier run of this script on axolotl: A differed by up to 2x its "
+    "largest entry, step-1 grad norms by 2.8e-2)")
 # What differs from the frameworks' own example configs, the same for both engines. Each
 # line is written into results/recipes.md.
 CHANGES = {
@@ -79,8 +79,8 @@ CHANGES = {
         "`curriculum_sampling: true` (the packed batches in dataset order): with the default "
         "random order, axolotl's sampler (a `RandomSampler` without a generator under its "
         "multipack batch sampler) draws the order from the global RNG when training starts, "
-        "which the two engines' `initialize` leave in different states: the step-1 losses "
-        "differed by 5.3e-4 at learning rate 0 (full fine-tune)",
+        "which the two engines leave in different states: in an earlier run of this script "
+        "the full fine-tune's step-1 losses differed by 5.3e-4 at learning rate 0",
         "`max_steps: 4`, `warmup_steps: 1`, `val_set_size: 0` (no evaluation), "
         "`dataset_processes: 1`",
         "the offload case is the full fine-tune with `zero3_bf16_cpuoffload_all.json`",
@@ -324,7 +324,12 @@ def read_outputs(out):
                               "learning_rate": entry.get("learning_rate")})
     saved = [p for name in ("adapter_model.safetensors", "model.safetensors")
              for p in [out / name] if p.exists()]
-    return {"steps": steps, "saved": str(saved[0]) if saved else None}
+    # Which engine wrote the Trainer checkpoint: ours writes global_stepN/vescale_state.json
+    # (torch.distributed.checkpoint files), DeepSpeed zero_pp_rank_*_model_states.pt.
+    written_by = sorted({"veScale" for _ in out.rglob("vescale_state.json")}
+                        | {"DeepSpeed" for _ in out.rglob("zero_pp_rank_*_model_states.pt")})
+    return {"steps": steps, "saved": str(saved[0]) if saved else None,
+            "checkpoint_by": " and ".join(written_by) or None}
 
 
 def error_lines(log_path, n=12):
@@ -395,7 +400,7 @@ def fmt(x):
 def write_results(root, frameworks, argv):
     lines = ["# LLaMA-Factory and axolotl through the switch, against DeepSpeed",
              "",
-             f"Written by `python3 benchmarks/recipes/run.py {' '.join(argv)}` on "
+             f"Written by `python3 benchmarks/recipes/run.py{''.join(' ' + a for a in argv)}` on "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model()}; "
              "2 gloo ranks (one process each, `OMP_NUM_THREADS=1`). Each framework's entry "
              "point runs each case twice: under DeepSpeed with the framework's shipped ZeRO-3 "
@@ -441,8 +446,10 @@ def write_results(root, frameworks, argv):
                 r = runs.get(engine)
                 if not r:
                     continue
-                details.append(f"{engine}: `{r['command']}` ({r['seconds']} s, this repository "
-                               f"at {r.get('repo_commit', '?')})")
+                at = (f", this repository at {r['repo_commit']}" if engine == "vescale" else "")
+                by = (f"; its Trainer checkpoint is {r['checkpoint_by']}'s format"
+                      if r.get("checkpoint_by") else "")
+                details.append(f"{engine}: `{r['command']}` ({r['seconds']} s{at}{by})")
                 details.append("")
                 if r.get("error"):
                     details += ["```", r["error"], "```", ""]
