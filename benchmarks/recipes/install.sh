@@ -53,8 +53,8 @@ llamafactory)
   # only): run.py puts a stub of it on the path of both runs. Nothing here imports torchvision.
   # DeepSpeed is no declared dependency of the wheel (its README's table of optional packages
   # says minimum 0.10.0, recommended 0.16.4): the release this repository's test environment
-  # runs, 0.19.8, which the engine's supported range (0.19.3 up, on the branch that declares
-  # one) admits too. Both runs use it.
+  # runs, 0.19.8, in the engine's supported range (vescale_engine/versions.py). Both runs use
+  # it.
   pip install --no-deps llamafactory==0.9.5
   requirements llamafactory "" "torchaudio torchvision" > "$dir/requirements.txt"
   echo deepspeed==0.19.8 >> "$dir/requirements.txt"
@@ -63,9 +63,9 @@ llamafactory)
 axolotl)
   # axolotl, less the CUDA-only builds: xformers (CUDA wheels pinned to other torch releases),
   # flash-attn (an extra, not installed). Its [deepspeed] extra pins deepspeed<0.19 (and
-  # deepspeed-kernels, which builds CUDA code at install time); the engine's supported range
-  # starts at 0.19.3, so, as examples/migrate_from_deepspeed.md tells axolotl users, DeepSpeed
-  # comes from this repository's range instead: 0.19.8, for both runs.
+  # deepspeed-kernels, which builds CUDA code at install time), below the engine's supported
+  # range (vescale_engine/versions.py), so, as examples/migrate_from_deepspeed.md tells axolotl
+  # users, DeepSpeed comes from this repository's range instead: 0.19.8, for both runs.
   pip install --no-deps axolotl==0.19.0
   requirements axolotl "" "xformers flash-attn" > "$dir/requirements.txt"
   echo deepspeed==0.19.8 >> "$dir/requirements.txt"

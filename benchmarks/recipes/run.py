@@ -120,7 +120,8 @@ WORKAROUNDS = {
         "xformers and deepspeed-kernels: not installed (CUDA builds; xformers' wheels pin other "
         "torch releases); flash-attn is an extra, not installed",
         "DeepSpeed 0.19.8 for both runs, not axolotl's `[deepspeed]` extra (>=0.18.6,<0.19.0, "
-        "below the engine's supported 0.19.3; the guide says to install axolotl without it); "
+        "below the engine's supported range, vescale_engine/versions.py; the guide says to "
+        "install axolotl without it); "
         "`DS_ACCELERATOR=cpu`",
     ],
 }
@@ -398,9 +399,14 @@ def fmt(x):
 
 
 def write_results(root, frameworks, argv):
+    command = "python3 benchmarks/recipes/run.py" + "".join(" " + a for a in argv)
+    runs_by = root / "last_command.txt"
+    if "--report-only" not in argv:
+        runs_by.write_text(command + "\n")
+    made = runs_by.read_text().strip() if runs_by.exists() else command
     lines = ["# LLaMA-Factory and axolotl through the switch, against DeepSpeed",
              "",
-             f"Written by `python3 benchmarks/recipes/run.py{''.join(' ' + a for a in argv)}` on "
+             f"Runs made by `{made}`, this file written by `{command}` on "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU: {cpu_model()}; "
              "2 gloo ranks (one process each, `OMP_NUM_THREADS=1`). Each framework's entry "
              "point runs each case twice: under DeepSpeed with the framework's shipped ZeRO-3 "
