@@ -325,3 +325,27 @@ def test_a_parameter_inside_and_outside_a_reentrant_checkpoint(pool):
     assert "lin." in message and "gradient arrived again" in message and \
         "grads_in_place=False" in message, message
     assert pool.run(shared_in_and_out_rank, True, False)[0] < 1e-6
+
+
+def whole_model_reentrant_rank(rank, world):
+    """The root unit's own call under a reentrant checkpoint: its forward runs without
+    gradients, so nothing marks its units as owed a recomputation."""
+    torch.manual_seed(0)
+    model = Recipe("none")
+    for block in model.gpt.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    idx, tgt = fm.batch("gpt", 0, GLOBAL_BATCH)
+    scale = torch.ones((), requires_grad=True)  # reentrant checkpoints need an input with grad
+    loss = checkpoint(lambda s: model(idx, tgt) * s, scale, use_reentrant=True)
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_the_root_under_a_reentrant_checkpoint_is_an_error_not_lost_gradients(pool):
+    for message in pool.run(whole_model_reentrant_rank):
+        assert "runs with gradients inside a backward" in message and \
+            "use_reentrant=False" in message, message

@@ -302,6 +302,14 @@ class FSDPUnit:
 
     def pre_forward(self, module, args, kwargs):
         if running_backward():  # an activation checkpoint's recomputation
+            if torch.is_grad_enabled() and not (self.recomputes_left or self.forward_calls or
+                                                self.calls_without_hook):
+                raise RuntimeError(
+                    f"fully_shard: {self.name} runs with gradients inside a backward, but its "
+                    "forward ran neither with gradients nor inside a root forward that had "
+                    "them (the root itself under a reentrant checkpoint?): no gradient of it "
+                    "could be reduced; checkpoint the units inside the root, or pass "
+                    "use_reentrant=False")
             self.wait_unshard()
             self._note_graphed()
             if torch.is_grad_enabled() and self.recomputes_left > 0:
