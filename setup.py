@@ -27,7 +27,7 @@ setup(
     package_data={"config_schemas": ["*.json"]},
     install_requires=[
         "torch>=2.13.0,<2.14",
-        "deepspeed>=0.19.8,<0.20",
+        "deepspeed>=0.19.3,<0.20",
         "py-cpuinfo",
         "jsonschema>=4.18.0",
     ],

@@ -21,7 +21,7 @@ __all__ = ["SUPPORTED", "supported_range", "check_versions"]
 # library (import name): (lowest tested, first version above the tested line)
 SUPPORTED = {
     "torch": ("2.13.0", "2.14"),
-    "deepspeed": ("0.19.8", "0.20"),
+    "deepspeed": ("0.19.3", "0.20"),
     "transformers": ("5.6.0", "5.25"),
     "accelerate": ("1.11.0", "1.17"),
     "peft": ("0.18.1", "0.22"),
