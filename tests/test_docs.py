@@ -197,3 +197,34 @@ def _free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _is_main_guard(node):
+    """`if __name__ == "__main__":`"""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and [type(op) for op in node.test.ops] == [ast.Eq]
+            and isinstance(node.test.comparators[0], ast.Constant)
+            and node.test.comparators[0].value == "__main__")
+
+
+def test_migration_framework_scripts_run_under_a_main_guard():
+    """The LLaMA-Factory and axolotl scripts call patch_deepspeed() at import and run the
+    framework's entry point only under `if __name__ == "__main__":`. axolotl's dataset
+    preprocessing starts child processes that import the script again; a top-level entry point
+    call there starts training in the child, which then waits forever on the dataset lock its
+    parent holds."""
+    scripts = [s for s in _blocks(MIGRATION.read_text(), "python")
+               if re.search(r"^from (llamafactory|axolotl)\b", s, flags=re.M)]
+    assert {m for s in scripts for m in re.findall(r"^from (llamafactory|axolotl)\b", s,
+                                                      flags=re.M)} == {"llamafactory", "axolotl"}
+    for script in scripts:
+        body = ast.parse(script).body
+        guards = [node for node in body if _is_main_guard(node)]
+        assert len(guards) == 1, script
+        calls = [ast.unparse(node.value) for node in body
+                 if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
+        assert calls == ["vescale_engine.patch_deepspeed()"], (calls, script)
+        guarded = [ast.unparse(node.value) for node in guards[0].body
+                   if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
+        assert guarded and guarded[-1] in ("run_exp()", "fire.Fire(do_cli)"), (guarded, script)
