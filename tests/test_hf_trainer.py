@@ -439,8 +439,14 @@ SCENARIOS = {
                                  dict(gradient_accumulation_steps=2)),
     "label_smoothing": (dict(optimizer=False, scheduler=True),
                         dict(label_smoothing_factor=0.1)),
-    # LLaMA-Factory's and axolotl's default: each decoder layer's whole call (its unit's hooks
-    # inside) under a reentrant checkpoint, and the embeddings' output made to require grad
+}
+# LLaMA-Factory's and axolotl's default: each decoder layer under a reentrant checkpoint (its
+# whole call, hooks inside, before transformers 5.x; its forward after), and the embeddings'
+# output made to require grad. Run in a module of its own, tests/test_hf_trainer_reentrant.py:
+# at the lowest versions (transformers 5.6, accelerate 1.11, deepspeed 0.19.3) DeepSpeed's own
+# Accelerate run below saved empty tensors when it ran after this scenario in the same module
+# (cause not found).
+LAST_SCENARIOS = {
     "reentrant_checkpointing": (dict(optimizer=True, scheduler=False),
                                 dict(gradient_checkpointing=True,
                                      gradient_checkpointing_kwargs={"use_reentrant": True})),
@@ -472,7 +478,7 @@ class Runs:
         return value
 
     def trainer(self, engine, scenario):
-        cfg_kw, options = SCENARIOS[scenario]
+        cfg_kw, options = {**SCENARIOS, **LAST_SCENARIOS}[scenario]
         options = dict(options)
         if scenario == "accum1":
             options["save_model_to"] = self.out_dir("saved", engine)
@@ -530,7 +536,7 @@ def _assert_trained(train: dict):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_trainer_same_steps_as_deepspeed(runs, scenario):
-    options = SCENARIOS[scenario][1]
+    options = {**SCENARIOS, **LAST_SCENARIOS}[scenario][1]
     ds = runs.trainer("deepspeed", scenario)
     assert all(r["engine"] == "DeepSpeedEngine" for r in ds), ds[0]["engine"]
     _assert_trained(ds[0]["train"])
@@ -789,3 +795,4 @@ def test_accelerate_same_steps_as_deepspeed(runs, accum):
         with torch.no_grad():
             logits = saved.eval()(input_ids=probe_input()).logits
         torch.testing.assert_close(logits, result[0]["logits"], rtol=TOLERANCE, atol=TOLERANCE)
+
