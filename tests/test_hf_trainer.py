@@ -498,6 +498,11 @@ class Runs:
 
     def accelerate(self, engine, accum):
         own = accum == 2  # accumulation 2: the script's own optimizer and scheduler
+        if not any(key[0] == accelerate_rank.__name__ for key in self._done):
+            # Fresh ranks for the Accelerate scripts: at the lowest versions (transformers
+            # 5.6, accelerate 1.11, deepspeed 0.19.3) DeepSpeed's own Accelerate run saved
+            # empty tensors in ranks that had run the Trainer scripts (cause not found).
+            self.pool._restart()
         return self.get(accelerate_rank, (engine, str(accum)), self.model_dir,
                         self.out_dir("accelerate", engine, str(accum)),
                         accelerate_config(engine, optimizer=not own, scheduler=not own), accum)
