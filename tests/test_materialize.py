@@ -403,6 +403,125 @@ def test_meta_failures_are_errors_that_name_the_parameter(pool):
         assert out["reset_gathered"]
 
 
+# -- constructors that initialize beyond reset_parameters --------------------------------------
+
+class NanoGPTLike(nn.Module):
+    """nanoGPT's pattern: `self.apply(self._init_weights)` at the end of `__init__`, a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.wte.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+class TitanLike(nn.Module):
+    """torchtitan's pattern: the constructor leaves torch's defaults, `init_weights()` is called
+    after the model is sharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.out = nn.Linear(16, 32, bias=False)
+
+    def init_weights(self):
+        nn.init.normal_(self.tok.weight)
+        for k, layer in enumerate(self.layers):
+            nn.init.trunc_normal_(layer.weight, std=0.02 / math.sqrt(2 * (k + 1)))
+            nn.init.zeros_(layer.bias)
+        nn.init.trunc_normal_(self.out.weight, std=16 ** -0.5)
+
+
+def constructor_init_rank(rank, world):
+    """A meta build whose constructor wrote more than reset_parameters is refused (the example
+    GPT, nanoGPT's pattern; also through initialize), `init_fn` gives it the init at every world
+    size; torchtitan's `init_weights()` on flat pieces is refused and right at full shape."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "examples"))
+    from gpt_model import GPT, GPTConfig
+    out = {}
+    group = subgroup(2)
+    cfg = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    with torch.device("meta"):
+        example = GPT(cfg)
+    out["example"] = _message(lambda: materialize(shard(example, list(example.blocks),
+                                                        group or own_group())))
+    with torch.device("meta"):
+        example = GPT(cfg)
+    out["initialize"] = _message(lambda: vescale_engine.initialize(model=example,
+                                                                   config=ENGINE_CONFIG))
+    sizes = {}
+    for size in ("alone", 2, 3):
+        g = own_group() if size == "alone" else subgroup(size)
+        if g is None:
+            continue
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = NanoGPTLike()
+        shard(model, list(model.blocks), g)
+        if size == "alone":
+            out["nanogpt"] = _message(lambda: materialize(model))
+        materialize(model, init_fn=NanoGPTLike._init_weights)
+        sizes[size] = full_state_dict(model)
+    first = sizes["alone"]
+    out["init_fn sizes"] = [sorted(k for k in first if not torch.equal(full[k], first[k]))
+                            for full in sizes.values()]
+    out["init_fn values"] = (
+        abs(float(first["wte.weight"].std()) / 0.02 - 1) < 0.15,
+        abs(float(first["blocks.0.1.weight"].std()) / 0.02 - 1) < 0.3,
+        bool((first["blocks.0.1.bias"] == 0).all()),
+        bool((first["blocks.0.0.weight"] == 1).all()),  # LayerNorm: init_fn left it to reset
+        torch.equal(first["head.weight"], first["wte.weight"]))
+    if group is not None:
+        torch.manual_seed(SEED)
+        reference = TitanLike()
+        torch.manual_seed(SEED + 1)
+        reference.init_weights()
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            titan = TitanLike()
+        shard(titan, list(titan.layers), group)
+        materialize(titan)
+        out["titan flat"] = _message(titan.init_weights)
+        torch.manual_seed(SEED + 1)
+        with gathered_parameters(titan, writeback=True):
+            titan.init_weights()
+        full = full_state_dict(titan)
+        out["titan gathered"] = sorted(k for k, v in reference.state_dict().items()
+                                       if not torch.equal(full[k], v))
+    return out
+
+
+def test_a_constructor_init_materialize_cannot_replay_is_refused(pool):
+    for rank, out in enumerate(pool.run(constructor_init_rank)):
+        assert out["example"].startswith(
+            "wte.weight (Embedding) was written 3 time(s) while the model was built on the meta "
+            "device, but its reset_parameters writes it 2 time(s)"), out["example"]
+        assert "materialize(model, init_fn=...)" in out["example"]
+        assert out["initialize"] == out["example"], out["initialize"]
+        assert out["nanogpt"].startswith("wte.weight (Embedding) was written 3 time(s)"), \
+            out["nanogpt"]
+        assert out["init_fn sizes"] in ([[], []], [[], [], []]), out["init_fn sizes"]
+        assert all(out["init_fn values"]), out["init_fn values"]
+        if rank < 2:
+            assert out["titan flat"].startswith("TitanLike.init_weights(): tok.weight is a flat "
+                                                "piece"), out["titan flat"]
+            assert out["titan gathered"] == [], out["titan gathered"]
+
+
 # -- allocate_shards: the loader's primitive ---------------------------------------------------
 
 def allocate_rank(rank, world):

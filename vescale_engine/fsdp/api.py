@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
-from .guards import guard_apply, guard_reset_parameters
+from .guards import guard_apply, guard_init_weights, guard_reset_parameters
 from .lookup import unit_of, units_under
 from .policy import MixedPrecisionPolicy
 from .unit import FSDPUnit, UnitContext
@@ -89,6 +89,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     module._vescale_unit = unit
     guard_apply(module)
     guard_reset_parameters(unit)
+    guard_init_weights(module)
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module

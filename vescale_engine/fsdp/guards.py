@@ -11,7 +11,7 @@ from torch import nn
 from .lookup import sharded_parameters
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
-           "require_materialized", "guard_reset_parameters"]
+           "require_materialized", "guard_reset_parameters", "guard_init_weights"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,3 +121,29 @@ def _guarded_reset_parameters(self, *args, **kwargs):
             "vescale_engine.materialize(model) on a model built on the meta device, or inside "
             "`with gathered_parameters(model, writeback=True):`")
     return type(self).reset_parameters(self, *args, **kwargs)
+
+
+def guard_init_weights(module: nn.Module) -> None:
+    """torchtitan's convention: build on meta, shard, then `model.init_weights()`. Here the
+    parameters are flat pieces between steps, so that call would draw each piece as if it were
+    a whole tensor (wrong std from wrong fans, the same numbers on every rank), silently. Route
+    it through a check naming what to call instead; it runs as usual at full shape. Hugging
+    Face models are left alone: their `init_weights` is part of their own build."""
+    is_pretrained = callable(getattr(type(module), "_initialize_weights", None))
+    if callable(getattr(type(module), "init_weights", None)) and not is_pretrained and \
+            "init_weights" not in module.__dict__:
+        module.init_weights = types.MethodType(_guarded_init_weights, module)
+
+
+def _guarded_init_weights(self, *args, **kwargs):
+    flat = next((name for name, p in self.named_parameters()
+                 if getattr(p, "_vescale", None) is not None and p is p._vescale.sharded
+                 and tuple(p.shape) != tuple(p._vescale.shape)), None)
+    if flat is not None:
+        raise RuntimeError(
+            f"{type(self).__name__}.init_weights(): {flat} is a flat piece of the sharded master "
+            "between steps, not a full tensor, so the init would draw wrong values; run it at "
+            "full shape inside `with vescale_engine.gathered_parameters(model, writeback=True):` "
+            "(every rank holds the whole model meanwhile), or give vescale_engine.materialize("
+            "model, init_fn=...) a per-module init (docs/big_models.md)")
+    return type(self).init_weights(self, *args, **kwargs)

@@ -103,6 +103,8 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
                       if p.buffer.is_meta and p.initial is None}  # initial: allocate writes it
     meta_buffers = [(sub, name) for sub in module.modules()
                     for name, b in sub._buffers.items() if b is not None and b.is_meta]
+    if init_fn is None:
+        _refuse_unreplayed_writes(module, pending_params)  # before anything is allocated
     allocate_shards(module, device)  # replaces those buffers' tensors
     if not pending_params and not meta_buffers:
         return module  # nothing was on meta (loaded already): no init runs, no draws
@@ -149,6 +151,80 @@ def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> No
         if owns or any(id(b) in pending_buffers for b in sub._buffers.values()):
             sub.__dict__.pop("_is_hf_initialized", None)
     _Initializer(module, pending, pending_buffers, init_fn, ancestors).run()
+
+
+# ---------------------------------------------------------------------------------------------
+# A constructor's writes that materialize cannot replay.
+
+def _refuse_unreplayed_writes(root: nn.Module, pending: dict) -> None:
+    """On meta a constructor's init writes nothing, but it still moves each parameter's version
+    counter (fully_shard kept it: `build_writes`). Materialize replays only the modules'
+    `reset_parameters` (and Hugging Face's `_initialize_weights`, for the parameters of a
+    pretrained model's subtree). A parameter written more often than its modules'
+    `reset_parameters` write it (nanoGPT's `self.apply(self._init_weights)` at the end of
+    `__init__`, a scaled re-init, an in-place change) would silently get other values than a
+    CPU build gives it: refuse, naming it."""
+    replayed_by_hf = {id(p._vescale) for mod in root.modules() if _is_pretrained(mod)
+                      for p in mod.parameters() if getattr(p, "_vescale", None) is not None}
+    checked = {key: sp for key, sp in pending.items()
+               if sp.build_writes and key not in replayed_by_hf}
+    if not checked:
+        return
+    expected = _reset_writes(root, checked)
+    names = {id(mod): name for name, mod in _post_order(root)}
+    for key, sp in checked.items():
+        if sp.build_writes > expected.get(key, 0):
+            mod, attr = sp.registrations[0]
+            prefix = names.get(id(mod), "")
+            name = f"{prefix}.{attr}" if prefix else attr
+            raise RuntimeError(
+                f"{name} ({type(mod).__name__}) was written {sp.build_writes} time(s) while the "
+                f"model was built on the meta device, but its reset_parameters writes it "
+                f"{expected.get(key, 0)} time(s): an init in the constructor (e.g. "
+                "self.apply(self._init_weights)) that never ran on meta and that materialize "
+                "cannot replay, so it would train from other weights than a CPU build. Pass "
+                "vescale_engine.materialize(model, init_fn=...) the per-module init after "
+                "fully_shard (docs/big_models.md), or build the model on CPU")
+
+
+def _reset_writes(root: nn.Module, checked: dict) -> dict:
+    """{id(ShardedParameter): in-place writes its modules' reset_parameters make}, counted by
+    running each reset on fresh meta tensors (no storage, no draws), as materialize would run
+    it: on the modules owning a checked parameter, with their subtrees' parameters in place."""
+    counts = {}
+    for _, mod in _post_order(root):
+        reset = _reset_of(mod)
+        owns = any(id(getattr(p, "_vescale", None)) in checked for p in mod._parameters.values())
+        if reset is None or not owns:
+            continue
+        fresh, saved = {}, []
+        for sub in mod.modules():
+            for name, param in list(sub._parameters.items()):
+                sp = getattr(param, "_vescale", None)
+                if sp is None or param is not sp.sharded:
+                    continue
+                if id(sp) not in fresh:
+                    fresh[id(sp)] = nn.Parameter(torch.empty(global_shape(sp), device="meta",
+                                                             dtype=param.dtype),
+                                                 requires_grad=param.requires_grad)
+                saved.append((sub, name, param))
+                sub._parameters[name] = fresh[id(sp)]
+        attributes = dict(mod.__dict__)
+        try:
+            with torch.no_grad():
+                reset(mod)
+        except Exception:  # noqa: BLE001 - cannot count: trust the build for these
+            for key in fresh:
+                counts[key] = float("inf")
+            continue
+        finally:
+            for sub, name, param in saved:
+                sub._parameters[name] = param
+            mod.__dict__.clear()
+            mod.__dict__.update(attributes)
+        for key, tensor in fresh.items():
+            counts[key] = counts.get(key, 0) + tensor._version
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +287,7 @@ class _Initializer:
                 if sp is not None and id(sp) in self.pending:
                     self.owner.setdefault(id(sp), (mod, name))
         self.written = set()               # ids of the ShardedParameters written
+        self.fill_only = False             # keep only what is not written yet (init_fn's gaps)
         for buf in root.buffers():  # NaN until an init writes it (see _buffer_written)
             if id(buf) in pending_buffers and (buf.is_floating_point() or buf.is_complex()):
                 buf.fill_(float("nan"))
@@ -248,6 +325,13 @@ class _Initializer:
         if self.init_fn is not None:
             for k, (_, mod) in enumerate(work, 1):
                 self._init_module(mod, self.init_fn)
+                reset = _reset_of(mod)
+                if reset is not None and self._unwritten_own(mod):
+                    self.fill_only = True  # what init_fn left alone gets reset_parameters' value
+                    try:
+                        self._init_module(mod, reset)
+                    finally:
+                        self.fill_only = False
                 self._progress(k, len(work), every, started)
         else:
             todo = {id(mod) for _, mod in work}
@@ -267,6 +351,12 @@ class _Initializer:
         if (k % every == 0 or k == total) and _rank() == 0 and total >= 10:
             LOG.info("materialize: %d/%d modules initialized (%.1f s)", k, total,
                      time.perf_counter() - started)
+
+    def _unwritten_own(self, mod) -> bool:
+        """A pending parameter `mod` owns (its first registration) is not written yet."""
+        return any(id(p._vescale) in self.pending and id(p._vescale) not in self.written
+                   and self.owner.get(id(p._vescale), (None,))[0] is mod
+                   for p in mod._parameters.values() if getattr(p, "_vescale", None) is not None)
 
     def _owns_pending(self, mod) -> bool:
         for param in mod._parameters.values():
@@ -372,7 +462,8 @@ class _Initializer:
         return {}
 
     def _keep_own(self, mod, name, sp, value):
-        if id(sp) not in self.pending or self.owner.get(id(sp)) != (mod, name):
+        if id(sp) not in self.pending or self.owner.get(id(sp)) != (mod, name) or \
+                (self.fill_only and id(sp) in self.written):
             return  # done already, or a tied registration's scratch init
         untouched = _nan_count(value)
         if untouched == value.numel():

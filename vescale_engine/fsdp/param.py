@@ -38,6 +38,9 @@ class ShardedParameter:
         # The value a real parameter had when its unit was planned on meta (a tensor added to
         # a deferred build): kept until `FSDPUnit.allocate` writes it; loaders and inits skip it.
         self.initial = None
+        # In-place writes a meta parameter had when its unit was planned (its version counter):
+        # what the model's constructor did to it, which materialize must be able to replay.
+        self.build_writes = None
         self._requires_grad = requires_grad  # what both faces carried when last in agreement
         self._hooked = False
         self.graphed = False      # a forward with gradients used it with requires_grad set

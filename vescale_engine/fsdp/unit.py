@@ -165,6 +165,8 @@ class FSDPUnit:
                     i = position[placement.name]
                     sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad,
                                           dtensor_specs[i])
+                    if param.is_meta and dtensor_specs[i] is None:
+                        sp.build_writes = param._version  # materialize compares (why: there)
                     if not param.is_meta:  # a meta model gets its values at materialize
                         if buf.is_meta:
                             sp.initial = local[i].detach()  # written at allocate
