@@ -99,6 +99,9 @@ def _worker(rank, world_size, port, tasks, results, env):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if env.get("DS_ACCELERATOR"):  # a pool that runs DeepSpeed: its reference must be right
+        from deepspeed_gloo_fix import install
+        install()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))

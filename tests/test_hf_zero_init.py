@@ -150,6 +150,13 @@ def differing(got, want) -> list:
                   or not torch.equal(got[k], want[k]))
 
 
+def described(got, want, names) -> list:
+    """The differing names with what differs (shape, first values), so that a failure says how."""
+    def show(t):
+        return "missing" if t is None else f"{tuple(t.shape)} {t.flatten()[:3].tolist()}"
+    return [f"{k}: {show(got.get(k))} vs {show(want.get(k))}" for k in names]
+
+
 def relative(got, want) -> float:
     keys = [k for k in want if not k.startswith("buffer:")]
     diff = torch.cat([(got[k].float() - want[k].float()).flatten() for k in keys]).norm()
@@ -320,8 +327,9 @@ def from_config_rank(rank, world):
         partitioned = all(hasattr(p, "ds_id") for p in theirs.parameters())
         with deepspeed.zero.GatheredParameters(list(theirs.parameters())):
             deepspeed_values = {k: v.clone() for k, v in theirs.state_dict().items()}
-        out.append((tied, ours, partitioned, differing(
-            deepspeed_values, {k: v for k, v in want.items() if not k.startswith("buffer:")})))
+        want_params = {k: v for k, v in want.items() if not k.startswith("buffer:")}
+        out.append((tied, ours, partitioned, described(deepspeed_values, want_params,
+                                           differing(deepspeed_values, want_params))))
     return out
 
 
