@@ -268,23 +268,45 @@ class _RankOutput:
         self.prefix = prefix
         self.traceback_at = None
         self.exception = None
-        self._in_frames = False
+        self.in_frames = False
 
     def note(self, line):
         text = _TORCH_RANK_PREFIX.sub("", line.rstrip("\n"), count=1)
         if text.endswith("Traceback (most recent call last):"):
             self.traceback_at = time.monotonic()
-            self._in_frames = True
-        elif self._in_frames and text and not text[0].isspace():
+            self.in_frames = True
+        elif self.in_frames and text and not text[0].isspace():
             self.exception = text
-            self._in_frames = False
+            self.in_frames = False
 
 
-def _pump(stream, output, out, lock):
+class _JobTracebacks:
+    """Which rank's traceback the job shows: the first to start one. The others' tracebacks
+    (the same error raised on every rank, or a collective broken by the first) shrink to their
+    exception line."""
+
+    def __init__(self):
+        self.shown_by = None
+
+
+def _pump(stream, output, out, lock, tracebacks):
+    hidden = 0
     for line in iter(stream.readline, ""):
+        in_frames = output.in_frames
         output.note(line)
+        text = _TORCH_RANK_PREFIX.sub("", line, count=1)  # one prefix: ours
         with lock:
-            out.write(f"{output.prefix}{line}")
+            if output.in_frames and not in_frames:  # a traceback starts
+                if tracebacks.shown_by is None:
+                    tracebacks.shown_by = output
+            if tracebacks.shown_by is not output and (output.in_frames or in_frames):
+                if output.in_frames:
+                    hidden += 1
+                    continue
+                text = f"{text.rstrip()} (traceback of {hidden} lines not shown: " \
+                    f"{tracebacks.shown_by.prefix.strip()} showed one)\n"
+                hidden = 0
+            out.write(f"{output.prefix}{text}")
             out.flush()
     stream.close()
 
@@ -334,6 +356,7 @@ def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
     cores, threads = _local_plan(nproc, threads_per_rank, bind_cores, out)
     port = _free_port()
     lock = threading.Lock()
+    tracebacks = _JobTracebacks()
     ranks = []
     with received_signals() as received, SessionWatcher() as watcher:
         try:
@@ -343,10 +366,10 @@ def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
                 if cores[rank] is None:
-                    ranks.append(_Rank(rank, argv, env, out, lock))
+                    ranks.append(_Rank(rank, argv, env, out, lock, tracebacks))
                 else:
                     with cpu.bound_to(cores[rank]):
-                        ranks.append(_Rank(rank, argv, env, out, lock))
+                        ranks.append(_Rank(rank, argv, env, out, lock, tracebacks))
                 watcher.watch(ranks[-1].child.pid)
         except BaseException:
             _finish(ranks)  # none outlives a launcher that could not start them all
@@ -357,13 +380,14 @@ def run_local(nproc: int, argv: list, threads_per_rank: int | None = None,
 class _Rank:
     """A local rank: its process (own session, killed if the launcher dies) and output."""
 
-    def __init__(self, rank, argv, env, out, lock):
+    def __init__(self, rank, argv, env, out, lock, tracebacks):
         self.rank = rank
         self.child = Child([sys.executable, *argv], env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
         self.output = _RankOutput(f"[rank{rank}] ")
         self.pump = threading.Thread(target=_pump, daemon=True,
-                                     args=(self.child.proc.stdout, self.output, out, lock))
+                                     args=(self.child.proc.stdout, self.output, out, lock,
+                                           tracebacks))
         self.pump.start()
 
     def describe(self) -> str:

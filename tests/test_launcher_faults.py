@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from launcher.run import _RankOutput
+from launcher.run import _JobTracebacks, _RankOutput, _pump
 
 HEADER = """\
 import os, pathlib, signal, subprocess, sys, time
@@ -158,6 +158,8 @@ raise RuntimeError("rank 1 failed; stopping")
     assert status == 1, out
     assert ("vescale run: rank 1 failed first: ValueError: bad batch at step 3 (stopped by "
             "vescale run after its traceback)") in out, out
+    assert "[rank1] Traceback (most recent call last):" in out and "[rank0] Traceback" not in \
+        out and "[rank0] RuntimeError: rank 1 failed; stopping (traceback of " in out, out
     print(f"failing rank: all gone {took:.2f} s after the raise (bound 15 s)")
 
 
@@ -292,6 +294,32 @@ def test_the_exception_line_is_the_last_tracebacks():
                  "[rank1]: ValueError: bad batch at step 2\n"]:
         torch_prefixed.note(line)
     assert torch_prefixed.exception == "ValueError: bad batch at step 2"
+
+
+def test_one_traceback_per_job_with_one_rank_prefix():
+    """torch's excepthook prefixes each line `[rankN]: `; we prefix `[rankN] `: one is shown.
+    The first rank to start a traceback shows it; the others' shrink to their exception line."""
+    import io
+    import threading
+
+    def traceback_of(rank, message):
+        return io.StringIO("".join(f"[rank{rank}]: {line}" for line in [
+            "Traceback (most recent call last):\n", '  File "job.py", line 8, in <module>\n',
+            "    engine.step()\n", f"{message}\n"]) + f"after {rank}\n")
+
+    out, lock, tracebacks = io.StringIO(), threading.Lock(), _JobTracebacks()
+    for rank, message in ((1, "ValueError: bad batch at step 2"),
+                          (0, "RuntimeError: Connection closed by peer")):
+        _pump(traceback_of(rank, message), _RankOutput(f"[rank{rank}] "), out, lock, tracebacks)
+    assert out.getvalue().splitlines() == [
+        "[rank1] Traceback (most recent call last):",
+        '[rank1]   File "job.py", line 8, in <module>',
+        "[rank1]     engine.step()",
+        "[rank1] ValueError: bad batch at step 2",
+        "[rank1] after 1",
+        "[rank0] RuntimeError: Connection closed by peer (traceback of 3 lines not shown: "
+        "[rank1] showed one)",
+        "[rank0] after 0"], out.getvalue()
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])

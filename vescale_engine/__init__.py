@@ -5,7 +5,10 @@ Names are imported lazily so that light tools (`vescale plan`) start without imp
 """
 import importlib
 
+from .logs import install as _install_logging
+
 __version__ = "0.1.0"
+_install_logging()  # progress and checkpoint lines print without any logging setup (logs.py)
 
 _LAZY = {
     "Granularity": "plan.granularity", "parse_granularity": "plan.granularity",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 import os
 import shutil
 import warnings
@@ -86,6 +87,7 @@ def engine_state_dict(engine):
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True,
                     exclude_frozen_parameters=False):
     rank = dist.get_rank()
+    started = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if bad_tag(tag):
         raise CheckpointError(f"save_checkpoint: invalid tag {tag!r}: {bad_tag(tag)}")
@@ -141,6 +143,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         state["files"] = files
         problem = _write_and_publish(state, save_dir, partial, final, tag, save_latest)
     _raise_rank0_problem(problem)  # nobody returns before the checkpoint is visible
+    if rank == 0:
+        size = sum(info.get("bytes", 0) for info in state["files"].values()
+                   if isinstance(info, dict))
+        LOG.info("save_checkpoint: %s (step %d, %.1f MB, %.1f s)", final, engine.global_steps,
+                 size / 2**20, time.perf_counter() - started)
     return final
 
 
@@ -221,13 +228,16 @@ def _frozen_keys(params) -> list:
 # Load.
 
 def resolve(load_dir, tag=None):
-    """The checkpoint directory to load, or None when `load_dir` has no `latest` (DeepSpeed's
-    "nothing to load"). Missing directories and tags, files where directories belong and a
-    damaged `latest` are errors naming the path."""
+    """The checkpoint directory to load, or None when no tag is given and `load_dir` has no
+    `latest` or does not exist (DeepSpeed's "nothing to load": a script's first run). A missing
+    directory or tag when a tag is given, files where directories belong and a damaged `latest`
+    are errors naming the path."""
     load_dir = os.fspath(load_dir)
     if os.path.exists(load_dir) and not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory {load_dir} is a file, not a directory")
     if not os.path.isdir(load_dir):
+        if tag is None:
+            return None
         raise FileNotFoundError(f"checkpoint directory {load_dir} does not exist")
     if os.path.exists(os.path.join(load_dir, STATE_FILE)) and tag is None:
         return load_dir  # given the tag directory itself
@@ -416,13 +426,21 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                     load_module_only=False):
     rank = dist.get_rank()
     path = resolve(load_dir, tag)
-    if path is None and _holds_safetensors(load_dir):
+    if path is None and os.path.isdir(load_dir) and _holds_safetensors(load_dir):
         raise CheckpointError(f"load_checkpoint: {os.fspath(load_dir)} holds a Hugging Face "
                               "safetensors checkpoint, not ours (no `latest`): load it with "
                               "engine.load_hf_checkpoint(path) (vescale_engine.load_hf_checkpoint)")
-    if path is None:
-        warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST_FILE)} not found, "
-                      "nothing to load", stacklevel=3)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, path is not None)  # a directory only some ranks see: stop all
+    if len(set(found)) > 1:
+        raise CheckpointError(f"load_checkpoint: {os.fspath(load_dir)} has a checkpoint on "
+                              f"ranks {[r for r, f in enumerate(found) if f][:8]} but not on "
+                              f"{[r for r, f in enumerate(found) if not f][:8]}: every rank must "
+                              "see the same directory (a shared file system)")
+    if path is None:  # as DeepSpeed: a warning on every rank, nothing loaded
+        message = (f"load_checkpoint: {os.path.join(load_dir, LATEST_FILE)} not found, "
+                   "nothing to load (pass tag= to load a checkpoint without `latest`)")
+        warnings.warn(message, stacklevel=3)
         return None, None
     wait_s = getattr(getattr(engine, "engine_config", None), "checkpoint_import_timeout_s",
                      DEFAULT_IMPORT_TIMEOUT_S)
@@ -488,6 +506,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         if hasattr(engine, "skipped_steps"):
             engine.skipped_steps = state.get("skipped_steps", 0)
         restore_rng(rank, rng)
+    if rank == 0:
+        LOG.info("load_checkpoint: %s (%s)", path, f"step {state['global_steps']}" if full_load
+                 else "module only")
     return path, from_json(state["client_state"])
 
 
@@ -497,6 +518,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
 def consolidate(ckpt_dir, out=None, dtype=torch.float32) -> dict:
     """The model's full state dict (keys as in `model.state_dict()`), in `dtype` (floating
     tensors only); written to `out` (.pt or .safetensors) when given. One process, no group."""
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory {os.fspath(ckpt_dir)} does not exist")
     path = resolve(ckpt_dir)
     if path is None:
         raise FileNotFoundError(f"{ckpt_dir} has no {LATEST_FILE} file and is not a checkpoint")

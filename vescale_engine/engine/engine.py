@@ -37,6 +37,7 @@ from .timers import WallClockBreakdown
 from .weights import guard_save_pretrained, place_model, prepare_weights
 from .deepspeed_moe import refuse_with_experts
 from .wrap import ExpertUnits, device_mesh, wrap_model
+from ..logs import quiet_deepspeed_start
 from ..versions import check_versions
 
 __all__ = ["VeScaleEngine", "initialize"]
@@ -423,6 +424,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, config_params=None):
     """DeepSpeed's initialize: returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    with quiet_deepspeed_start():  # DeepSpeed's start-up warnings that mean nothing here
+        return _initialize(args, model, optimizer, model_parameters, training_data,
+                           lr_scheduler, mpu, dist_init_required, collate_fn, config,
+                           config_params)
+
+
+def _initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
+                dist_init_required, collate_fn, config, config_params):
     check_versions()  # the libraries imported by now, each once (versions.py)
     if model is None:
         raise ValueError("initialize needs a model")

@@ -6,6 +6,7 @@ import inspect
 import logging
 
 import torch
+import torch.distributed as dist
 
 from .. import optim
 
@@ -61,8 +62,9 @@ def build_optimizer(spec, client, params):
                 raise
             # Groups that split a flat buffer (a subset of parameters, or different lr/betas
             # in one buffer): torch's AdamW does the same math per parameter.
-            LOG.info("optimizer AdamW: per-buffer AdamW cannot step these parameter groups "
-                     "(%s); using torch.optim.AdamW", err)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                LOG.info("optimizer AdamW: per-buffer AdamW cannot step these parameter groups "
+                         "(%s); using torch.optim.AdamW", err)
             return torch.optim.AdamW(params, **kwargs)
     return optim.build_optimizer(name, params, kwargs)
 
