@@ -2,9 +2,10 @@
 
 For each model, granularity and world size: our padding (up to --max-buffers buffers per unit),
 our heuristic held to one buffer per unit (the paper's setting), the single-buffer lower bound
-(PAPER.md), the simple alternative of one buffer per block size, and what PyTorch FSDP2 (dim-0
-padding per parameter) and DeepSpeed ZeRO-3 (numel padding per parameter) would pad. Every plan
-is checked against the layout invariants. Writes a Markdown table and one PNG per model.
+(docs/design.md, the lcm trap), the simple alternative of one buffer per block size, and what
+PyTorch FSDP2 (dim-0 padding per parameter) and DeepSpeed ZeRO-3 (numel padding per parameter)
+would pad. Every plan is checked against the layout invariants. Writes a Markdown table and one
+PNG per model.
 
     python benchmarks/plan_padding.py            # writes benchmarks/results/plan_padding.md
 """

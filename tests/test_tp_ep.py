@@ -3,8 +3,10 @@ MLPs and a tiny transformers Llama, fused experts over (efsdp 2, ep 2) with the 
 each against one process on the same global batch; the forward parameter is a DTensor over the
 DBuffer (zero copies); the gradient norm counts every piece once; Muon orthogonalizes TP-split
 matrices whole (fsdp level and through `initialize`), and Muon / AdamW8bit state checkpoints
-load across TP/EP layouts bitwise. The references are built as in
-/work/shared/reference/fsdp2_tp_ep_check.py."""
+load across TP/EP layouts bitwise. The references are built as in a check of PyTorch FSDP2 on
+the same models (fully_shard over DTensor TP, Colwise/Rowwise on a (dp 2, tp 2) mesh, and fused
+[E, I, H] experts Shard(0) over ep 2 with fully_shard on efsdp 2), each compared with one process
+on the same global batch."""
 import copy
 import zlib
 

@@ -61,7 +61,7 @@ __all__ = ["Muon", "newton_schulz", "adjusted_lr", "ns_flops", "is_muon_matrix",
            "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "DEFAULT_EPS", "DEFAULT_ADAMW_PATTERNS",
            "NS_DTYPES", "MODES", "ROUNDS_IN_FLIGHT"]
 
-DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # PAPER.md / torch.optim.Muon
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's; docs/optimizers.md
 DEFAULT_EPS = 1e-7
 DEFAULT_NS_STEPS = 5
 DEFAULT_ADAMW_PATTERNS = MUON_ADAMW_PATTERNS

@@ -1,6 +1,6 @@
 """Whole-model planning from a shapes file, and the padding of the alternatives beside ours.
 
-The shapes format is the one in `shared/models/*.json`:
+The shapes format is the one in `examples/models/*.json` (docs/design.md, "Shapes files"):
 `{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`,
 with an optional "description" (the published config the shapes come from; not read).
 Each group is one FSDP unit, planned once however often it repeats (identical decoder layers),
@@ -273,7 +273,7 @@ def zero3_padding_ratio(model: ModelShapes, world_size: int,
 
 def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:
     """Padding no single-buffer plan can beat: S >= total / world size, and S a multiple of the
-    block of every tensor longer than 2S (PAPER.md, the lcm trap)."""
+    block of every tensor longer than 2S (docs/design.md, the lcm trap)."""
     align = align_elements(model_plan.align_bytes, model_plan.dtype)
     pad = 0
     for group, specs in zip(model_plan.model.groups, model_plan.specs):

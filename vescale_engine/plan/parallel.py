@@ -25,7 +25,7 @@ expert unit is sharded over efsdp = dp_shard * tp / ep ranks. With ep == 1 the e
 follow the TP plan like any other tensor.
 
 A tensor cut by TP on a dim d > 0 keeps RaggedShard's cuts between whole slices of dims >= d
-(TP_EP_DESIGN.md, the lcm rule): `Group.cuts` holds that element count, which the planner's
+(docs/design.md, the lcm rule): `Group.cuts` holds that element count, which the planner's
 block is a multiple of.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Layout planner: lay the tensors of one FSDP unit into flat buffers of equal per-rank shards.
 
-Problem (PAPER.md, "Planning problem"): place every tensor contiguously in a buffer of
+Problem (docs/design.md, "The planning problem"): place every tensor contiguously in a buffer of
 `world_size * S` elements so that each shard boundary `k * S` that falls inside a tensor falls on
 one of its block edges, and minimise the padding `world_size * S - sum(numel)`. It is NP-hard; we
 solve it with a fast heuristic built from three observations:
