@@ -463,6 +463,14 @@ def constructor_init_rank(rank, world):
         example = GPT(cfg)
     out["initialize"] = _message(lambda: vescale_engine.initialize(model=example,
                                                                    config=ENGINE_CONFIG))
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        example = vescale_engine.materialize.use_init_fn(GPT(cfg), GPT._init)
+    engine, *_ = vescale_engine.initialize(model=example, config=ENGINE_CONFIG)
+    full = full_state_dict(engine.module)
+    out["use_init_fn"] = (abs(float(full["wte.weight"].std()) / 0.02 - 1) < 0.15,
+                          bool((full["blocks.0.ln_1.weight"] == 1).all()))
+    engine.destroy()
     sizes = {}
     for size in ("alone", 2, 3):
         g = own_group() if size == "alone" else subgroup(size)
@@ -512,6 +520,7 @@ def test_a_constructor_init_materialize_cannot_replay_is_refused(pool):
             "device, but its reset_parameters writes it 2 time(s)"), out["example"]
         assert "materialize(model, init_fn=...)" in out["example"]
         assert out["initialize"] == out["example"], out["initialize"]
+        assert all(out["use_init_fn"]), out["use_init_fn"]
         assert out["nanogpt"].startswith("wte.weight (Embedding) was written 3 time(s)"), \
             out["nanogpt"]
         assert out["init_fn sizes"] in ([[], []], [[], [], []]), out["init_fn sizes"]

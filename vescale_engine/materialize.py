@@ -5,9 +5,11 @@ loaders). The code lives in fsdp/materialize.py; this module keeps the documente
 import sys
 import types
 
-from .fsdp.materialize import allocate_shards, init_unloaded, materialize, rng_state, set_rng_state
+from .fsdp.materialize import (allocate_shards, init_unloaded, materialize, rng_state,
+                               set_rng_state, use_init_fn)
 
-__all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state"]
+__all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state",
+           "use_init_fn"]
 
 
 class _CallableModule(types.ModuleType):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.hf import load_into
-from ..fsdp.materialize import materialize
+from ..fsdp.materialize import init_fn_of, materialize
 from ..fsdp.guards import meta_leftovers
 from ..init.hf_pretrained import prepare_transformers_weights
 from ..init.record import deferred_record, replayed_generator
@@ -67,7 +67,7 @@ def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
     elif meta_leftovers(module):
         with replayed_generator(record, device):
             _require_one_generator_state(cfg, device)
-            materialize(module, device)
+            materialize(module, device, init_fn=init_fn_of(module))
 
 
 def _require_one_generator_state(cfg, device: torch.device) -> None:

@@ -58,7 +58,10 @@ from .lookup import sharded_parameters, units_under
 
 LOG = logging.getLogger("vescale_engine")
 
-__all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state"]
+__all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state",
+           "use_init_fn", "init_fn_of"]
+
+_INIT_FN = "_vescale_init_fn"  # on a model's __dict__: the init_fn initialize materializes with
 
 
 def _target_device(module: nn.Module, device) -> torch.device:
@@ -112,6 +115,20 @@ def materialize(module: nn.Module, device=None, init_fn=None) -> nn.Module:
     _Initializer(module, pending_params, pending_buffers, init_fn).run()
     require_materialized(module, "the end of materialize")
     return module
+
+
+def use_init_fn(model: nn.Module, init_fn) -> nn.Module:
+    """For `initialize`, which wraps and materializes a meta model itself: materialize `model`
+    with `init_fn` (as `materialize(model, init_fn=...)`). Returns `model`."""
+    if not callable(init_fn):
+        raise TypeError(f"use_init_fn: init_fn must be callable, got {type(init_fn).__name__}")
+    model.__dict__[_INIT_FN] = init_fn
+    return model
+
+
+def init_fn_of(model: nn.Module):
+    """The init_fn `use_init_fn` gave `model`, or None."""
+    return model.__dict__.get(_INIT_FN)
 
 
 def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> None:
@@ -183,8 +200,9 @@ def _refuse_unreplayed_writes(root: nn.Module, pending: dict) -> None:
                 f"{expected.get(key, 0)} time(s): an init in the constructor (e.g. "
                 "self.apply(self._init_weights)) that never ran on meta and that materialize "
                 "cannot replay, so it would train from other weights than a CPU build. Pass "
-                "vescale_engine.materialize(model, init_fn=...) the per-module init after "
-                "fully_shard (docs/big_models.md), or build the model on CPU")
+                "the per-module init: vescale_engine.materialize(model, init_fn=...) after "
+                "fully_shard, or vescale_engine.materialize.use_init_fn(model, init_fn) before "
+                "initialize (docs/big_models.md); or build the model on CPU")
 
 
 def _reset_writes(root: nn.Module, checked: dict) -> dict:
