@@ -27,7 +27,11 @@ def free_port():
         return str(sock.getsockname()[1])
 
 
-def train(cmd, env=None):
+def train(cmd, env=None, out_dir=None):
+    """Run the example; its CSV and plot go to out_dir (a test's temporary directory), not into
+    the repository."""
+    if out_dir is not None:
+        cmd = [*cmd, "--log-csv", os.path.join(out_dir, "metrics.csv")]
     out = run_job(cmd, timeout=600,
                   env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
@@ -38,8 +42,9 @@ def train(cmd, env=None):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    first, last, _ = train([sys.executable, "-m", "launcher.cli", "run", "--nproc", "2", *ARGS])
+def reference(tmp_path_factory):
+    first, last, _ = train([sys.executable, "-m", "launcher.cli", "run", "--nproc", "2", *ARGS],
+                           out_dir=str(tmp_path_factory.mktemp("reference")))
     assert last < first - 0.5
     return first, last
 
@@ -70,7 +75,7 @@ def vescale_deepspeed_cmd(tmp_path):
                          ids=["deepspeed", "mpirun", "vescale-run-mpi", "vescale-run-deepspeed"])
 def test_example_trains_under_launcher(tmp_path, reference, make_cmd):
     cmd, env = make_cmd(tmp_path)
-    first, last, stdout = train(cmd, env)
+    first, last, stdout = train(cmd, env, out_dir=str(tmp_path))
     assert last < first - 0.5
     # Same training as the reference; only the thread layout may differ (round-off).
     assert first == pytest.approx(reference[0], abs=0.01)
@@ -100,7 +105,8 @@ def test_mpirun_job_script_trains_on_one_node(tmp_path, reference):
     first, last, _ = train(["bash", os.path.join(JOBS, "mpirun_multinode.sh"), str(hostfile),
                             *ARGS[3:]],
                            {"PATH": BIN + os.pathsep + os.environ["PATH"], "GPUS_PER_NODE": "2",
-                            "MASTER_PORT": free_port(), "PYTHON": sys.executable})
+                            "MASTER_PORT": free_port(), "PYTHON": sys.executable},
+                           out_dir=str(tmp_path))
     assert (first, last) == pytest.approx(reference, abs=0.01)
 
 
