@@ -43,6 +43,8 @@ def worker(args):
     with open(CONFIG) as f:
         config = json.load(f)
     config["train_micro_batch_size_per_gpu"] = 2
+    # the example config leaves the schedule's length to its script ("auto")
+    config["scheduler"]["params"].update(total_num_steps=100, warmup_num_steps=10)
     cfg = GPTConfig(**({"vocab_size": 512, "block_size": 32, "n_layer": 2, "n_embd": 128,
                         "n_head": 2} if args.smoke else {}))
 
