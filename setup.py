@@ -22,7 +22,6 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    classifiers=["License :: OSI Approved :: Apache Software License"],
     python_requires=">=3.10",
     packages=find_packages(include=["vescale_engine", "vescale_engine.*", "config_schemas",
                                     "launcher"]),

@@ -231,3 +231,28 @@ def rank_pools():
     finally:
         for pool in pools.values():
             pool.close()
+
+
+# DeepSpeed JIT-builds its CPU Adam (C++) the first time it runs an offloaded optimizer on a
+# machine: minutes. Built in a process of its own, so that no rank's timeout includes it.
+CPU_ADAM_BUDGET_S = 1800
+BUILD_CPU_ADAM = """
+import os, time
+from torch.utils.cpp_extension import _get_build_directory
+lock = os.path.join(_get_build_directory("cpu_adam", False), "lock")
+if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > 1200:
+    os.remove(lock)  # left by a build that was killed
+from deepspeed.ops.op_builder import CPUAdamBuilder
+CPUAdamBuilder().load()
+"""
+
+def build_cpu_adam(say=print):
+    """Build (or find built) DeepSpeed's CPU Adam in a process of its own; raises on failure."""
+    started = time.monotonic()
+    say("tests: DeepSpeed's CPU Adam: building it (or finding it built) before the tests that "
+        f"need it (up to {CPU_ADAM_BUDGET_S} s; several minutes on a fresh machine)")
+    built = run_job([sys.executable, "-c", BUILD_CPU_ADAM], timeout=CPU_ADAM_BUDGET_S,
+                    env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    if built.returncode != 0:
+        raise RuntimeError("building DeepSpeed's CPU Adam failed:\n" + built.stderr[-3000:])
+    say(f"tests: DeepSpeed's CPU Adam ready ({time.monotonic() - started:.0f} s)")

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import RankPool, run_job
+from dist_harness import RankPool, build_cpu_adam
 
 WORLD = 2
 SEQ = 16
@@ -392,22 +392,9 @@ def client_adamw_offload_rank(rank, world):
 # rank starts, so that no rank's timeout includes the build (minutes from cold on 2 cores, once
 # per machine). torch's build lock waits forever on a lock that a killed build left: one older
 # than any build is removed first.
-BUILD_CPU_ADAM = """
-import os, time
-from torch.utils.cpp_extension import _get_build_directory
-lock = os.path.join(_get_build_directory("cpu_adam", False), "lock")
-if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > 1200:
-    os.remove(lock)
-from deepspeed.ops.op_builder import CPUAdamBuilder
-CPUAdamBuilder().load()
-"""
-
-
 @pytest.fixture(scope="module")
 def pool():
-    built = run_job([sys.executable, "-c", BUILD_CPU_ADAM], timeout=1500,
-                    env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert built.returncode == 0, built.stderr[-2000:]
+    build_cpu_adam()  # found built when the suite built it up front (conftest.py)
     pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
     yield pool
     pool.close()
