@@ -1,7 +1,8 @@
 """`vescale plan`: RaggedShard layouts of a model's units from a shapes file, their padding
-against FSDP2's and ZeRO-3's, and with --memory each rank's bytes and traffic for one training
-step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each rank
-holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
+against FSDP2's and ZeRO-3's (marked where those cut the blocks, with their padding keeping the
+blocks whole: model_plan.alternatives), and with --memory each rank's bytes and traffic for one
+training step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each
+rank holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -207,6 +208,7 @@ def _run_plan(args) -> int:
     setups = _capacity_setups(args, model)
     estimates = {}
     plans = []
+    sweep = len(args.world_size) * len(args.granularity) > 1
     for granularity in args.granularity:
         for world_size in args.world_size:
             mesh = meshes[world_size]
@@ -218,21 +220,29 @@ def _run_plan(args) -> int:
             if args.verify:
                 plan.verify()
             plans.append(plan)
-            if not args.json and len(plans) == 1 and len(args.world_size) * len(args.granularity) > 1:
+            if not args.json and len(plans) == 1 and sweep:
                 _print_table_header(model, args)
-            if not args.json and len(args.world_size) * len(args.granularity) > 1:
+            if not args.json and sweep:
                 _print_table_row(plan)
+    if not args.json and sweep:
+        print(_FOOTNOTE)
     if setups:
         from vescale_engine.plan import capacity
         cache = capacity.PlanCache()
         uses = capacity.tensor_uses(model.path)
         for plan in plans:
             key = (str(plan.granularity), plan.world)
-            estimates[key] = capacity.estimate(model, setups[key], uses, cache,
-                                               args.device_memory)
+            est = estimates[key] = capacity.estimate(model, setups[key], uses, cache,
+                                                     args.device_memory)
+            for alt in mp.alternatives(plan):   # the same layout's blocks: mark theirs
+                if "unsupported" not in est["memory"][alt.system] and not alt.unsupported:
+                    est["memory"][alt.system].update(
+                        ignores_blocks=alt.ignores_blocks,
+                        whole_blocks_padding_ratio=alt.whole_blocks_padding_ratio)
     if args.json:
         out = [p.to_json() for p in plans]
         for obj, plan in zip(out, plans):
+            obj["alternatives"] = {a.system: a.to_json() for a in mp.alternatives(plan)}
             found = estimates.get((str(plan.granularity), plan.world))
             if found:
                 obj.update(memory=found["memory"], traffic=found["traffic"],
@@ -259,30 +269,45 @@ def _print_table_header(model, args):
         print(f"TP/EP-local shapes, tp {args.tp}, ep {args.ep}: dense units over world/tp ranks,"
               f" expert units over world/ep (efsdp); padding of the local parameters")
     print(f"{'granularity':<12} {'world':>6} {'vescale':>8} {'buffers':>7} {'1-buffer':>9} "
-          f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8} {'ZeRO-3':>8} {'plan s':>7}")
+          f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8}  {'whole':>8} {'ZeRO-3':>8}  "
+          f"{'whole':>8} {'plan s':>7}")
+
+
+_MARK = "*"
+_FOOTNOTE = (f"{_MARK} ignores the block constraint: FSDP2 cuts each tensor's dim 0 into even "
+             "chunks and ZeRO-3 each parameter's elements into even pieces, here cutting blocks;"
+             " whole: that system's padding when each chunk or piece is rounded up to whole "
+             "blocks (or one rank holds the tensor)")
 
 
 def _print_table_row(plan):
     from vescale_engine.plan import model_plan as mp
 
     buffers = max(len(p.buffers) for p in plan.plans)
-    fsdp2, zero3 = _alternatives(plan)
+    (fsdp2, fsdp2_whole), (zero3, zero3_whole) = _alternatives(plan)
     print(f"{str(plan.granularity):<12} {plan.world:>6} {100 * plan.padding_ratio:>7.2f}% "
           f"{buffers:>7} {100 * mp.single_buffer_ratio(plan):>8.2f}% "
           f"{100 * mp.single_buffer_lower_bound_ratio(plan):>8.2f}% "
           f"{100 * mp.per_block_size_ratio(plan):>8.2f}% "
-          f"{fsdp2:>8} {zero3:>8} {plan.plan_seconds:>7.3f}", flush=True)
+          f"{fsdp2:>9} {fsdp2_whole:>8} {zero3:>9} {zero3_whole:>8} "
+          f"{plan.plan_seconds:>7.3f}", flush=True)
 
 
 def _alternatives(plan, digits: int = 2) -> tuple:
-    """FSDP2's and ZeRO-3's padding on the plan's (TP/EP-local) shapes, as text; n/a where
-    FSDP2 cannot shard them (an uneven Shard(1) of experts)."""
+    """((figure, whole-blocks figure) of FSDP2, of ZeRO-3) on the plan's (TP/EP-local) shapes,
+    as text: a figure that ignores the block constraint (its sharding cuts blocks) is marked;
+    n/a where FSDP2 cannot shard them (an uneven Shard(1) of experts)."""
     from vescale_engine.plan import model_plan as mp
 
-    worlds = (plan.model, plan.world_size, plan.expert_world_size)
-    fsdp2 = "n/a" if mp.fsdp2_unsupported(*worlds) else \
-        f"{100 * mp.fsdp2_padding_ratio(*worlds):.{digits}f}%"
-    return fsdp2, f"{100 * mp.zero3_padding_ratio(*worlds):.{digits}f}%"
+    out = []
+    for alt in mp.alternatives(plan):
+        if alt.unsupported:
+            out.append(("n/a ", "n/a"))
+            continue
+        out.append((f"{100 * alt.padding_ratio:.{digits}f}%"
+                    f"{_MARK if alt.ignores_blocks else ' '}",
+                    f"{100 * alt.whole_blocks_padding_ratio:.{digits}f}%"))
+    return tuple(out)
 
 
 def _mesh_line(mesh) -> str:
@@ -306,11 +331,14 @@ def _print_detail(plan):
         for i, buf in enumerate(unit.buffers):
             print(f"    buffer {i}: shard {buf.shard_size:,} elements/rank, "
                   f"{len(buf.placements)} tensors, padding {buf.padding:,}")
-    fsdp2, zero3 = _alternatives(plan, 3)
+    (fsdp2, fsdp2_whole), (zero3, zero3_whole) = _alternatives(plan, 3)
     what = ("TP/EP-local parameters (the tensors of one tp x ep coordinate)"
             if plan.mesh is not None else "parameters")
     print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} {what} "
-          f"(FSDP2 {fsdp2}, ZeRO-3 {zero3}), planned in {plan.plan_seconds:.3f} s")
+          f"(FSDP2 {fsdp2.strip()}, whole blocks {fsdp2_whole}; ZeRO-3 {zero3.strip()}, whole "
+          f"blocks {zero3_whole}), planned in {plan.plan_seconds:.3f} s")
+    if _MARK in fsdp2 + zero3:
+        print(_FOOTNOTE.replace("; whole:", "; whole blocks:"))
 
 
 def _print_memory(model, plans, estimates, device_memory):
@@ -338,6 +366,7 @@ def _print_memory(model, plans, estimates, device_memory):
         print(f"{'system':<7} {'master':>8} {'grad':>8} {'optim':>8} {'gathered':>9} "
               f"{'peak':>8}{left} {'padding':>8} {'gather':>8} {'scatter':>8}"
               + (f" {'all2all':>8}" if ep else ""))
+        cut = []
         for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
             m = est["memory"][name]
             t = est["traffic"] if name == "ours" else est["traffic"][name]
@@ -345,11 +374,18 @@ def _print_memory(model, plans, estimates, device_memory):
                 print(f"{label:<7} n/a: {m['unsupported']}")
                 continue
             room = f" {m['headroom'] / gb:>7.2f}" if device_memory else ""
+            mark = _MARK if m.get("ignores_blocks") else " "
+            if m.get("ignores_blocks"):
+                cut.append(f"{label} {_fine_pct(m['whole_blocks_padding_ratio'])}")
             print(f"{label:<7} {m['master'] / gb:>8.2f} {m['grad'] / gb:>8.2f} "
                   f"{m['optimizer'] / gb:>8.2f} {m['gathered_peak'] / gb:>9.2f} "
-                  f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
+                  f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}%{mark}"
                   f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}"
                   + (f" {t['all_to_all'] / gb:>8.1f}" if ep else ""))
+        if cut:
+            print(f"{_MARK} ignores the block constraint: these figures are for a sharding that "
+                  f"cuts {s['granularity']} blocks; keeping them whole would pad "
+                  f"{', '.join(cut)}")
         work = est["memory"]["ours"].get("shampoo_root_work")
         if work:
             print(f"Shampoo root work per recomputation (sum of k^3 over each rank's L and R): "
@@ -363,6 +399,12 @@ def _print_memory(model, plans, estimates, device_memory):
                     if est["memory"][name].get("headroom", 0) > 0]
             print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
                   f"(left: what remains for activations and the collectives' own buffers)")
+
+
+def _fine_pct(ratio: float) -> str:
+    """A percentage to 2 decimals, or to its first digit where that shows 0.00% for a
+    non-zero ratio."""
+    return f"{100 * ratio:.2f}%" if ratio == 0 or ratio >= 1e-4 else f"{100 * ratio:.1g}%"
 
 
 def _print_offload(est):

@@ -455,3 +455,24 @@ def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
                    "--memory", "--offload-optimizer", "--offload-param")
     assert both.returncode == 0, both.stderr
     assert "offload_param needs" not in both.stdout
+
+
+
+def test_memory_table_marks_alternatives_that_cut_blocks():
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--granularity", "rows:128")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split() and line.split()[0] in ("ours", "FSDP2", "ZeRO-3")}
+    assert rows["ours"][6] == "1.97%" and rows["FSDP2"][6] == "0.00%*" and \
+        rows["ZeRO-3"][6] == "0.00%*"
+    assert ("* ignores the block constraint: these figures are for a sharding that cuts "
+            "rows:128 blocks; keeping them whole would pad FSDP2 20.99%, ZeRO-3 20.99%"
+            in out.stdout)
+    data = json.loads(vescale("plan", "--shapes", "examples/models/llama3-70b.json",
+                              "--world-size", "64", "--memory", "--granularity", "rows:128",
+                              "--json").stdout)
+    for system in ("fsdp2", "zero3"):
+        assert data["memory"][system]["ignores_blocks"] is True
+        assert data["memory"][system]["whole_blocks_padding_ratio"] == \
+            data["alternatives"][system]["whole_blocks_padding_ratio"]
