@@ -1,8 +1,9 @@
 """`vescale plan`: RaggedShard layouts of a model's units from a shapes file, their padding
 against FSDP2's and ZeRO-3's (marked where those cut the blocks, with their padding keeping the
-blocks whole: model_plan.alternatives), and with --memory each rank's bytes and traffic for one
-training step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each
-rank holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
+blocks whole: model_plan.alternatives), a warning naming what helps when a plan pads over 25%
+(vescale_engine.plan.advice), and with --memory each rank's bytes and traffic for one training
+step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each rank
+holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -206,7 +207,8 @@ def _run_plan(args) -> int:
         _require_matplotlib()
     local, meshes = _local(args, model)
     setups = _capacity_setups(args, model)
-    estimates = {}
+    from vescale_engine.plan.advice import padding_warning
+    estimates, warnings = {}, {}
     plans = []
     sweep = len(args.world_size) * len(args.granularity) > 1
     for granularity in args.granularity:
@@ -224,6 +226,11 @@ def _run_plan(args) -> int:
                 _print_table_header(model, args)
             if not args.json and sweep:
                 _print_table_row(plan)
+            warning = padding_warning(plan)
+            warnings[id(plan)] = [warning] if warning else []
+            if warning and not args.json:
+                sys.stdout.flush()
+                print(warning, file=sys.stderr, flush=True)
     if not args.json and sweep:
         print(_FOOTNOTE)
     if setups:
@@ -243,6 +250,7 @@ def _run_plan(args) -> int:
         out = [p.to_json() for p in plans]
         for obj, plan in zip(out, plans):
             obj["alternatives"] = {a.system: a.to_json() for a in mp.alternatives(plan)}
+            obj["warnings"] = warnings[id(plan)]
             found = estimates.get((str(plan.granularity), plan.world))
             if found:
                 obj.update(memory=found["memory"], traffic=found["traffic"],

@@ -227,7 +227,7 @@ def test_alternatives_marked_with_whole_block_figures(hand):
     assert data["alternatives"]["zero3"] == {
         "padding_ratio": 3 / 1536, "ignores_blocks": True, "first_cut_tensor": "g/a",
         "whole_blocks_padding_ratio": 1.0}
-    assert data["padding_ratio"] == 0
+    assert data["padding_ratio"] == 0 and data["warnings"] == []
     rows1 = json.loads(vescale("plan", "--shapes", hand, "--world-size", "3", "--json").stdout)
     assert rows1["alternatives"]["fsdp2"]["ignores_blocks"] is False
     assert rows1["alternatives"]["zero3"]["whole_blocks_padding_ratio"] == 12 / 1536
@@ -245,3 +245,43 @@ def test_alternatives_are_their_own_figures_without_blocks():
     assert zero3.padding_ratio == zero3.whole_blocks_padding_ratio == \
         mp.zero3_padding_ratio(model, 1024) > 0
     assert not fsdp2.ignores_blocks and not zero3.ignores_blocks
+
+
+LLAMA_WARNING = ("warning: rows:128 at 512 ranks pads 237.86% of the parameters (over 25%: its "
+                 "blocks are large next to a rank's share of a unit); what helps: a finer "
+                 "granularity (rows:32 pads 9.58%), fewer ranks per shard group (128 ranks x 4 "
+                 "HSDP replicas pad 9.58%: --world-size 128); no help: "
+                 "more buffers (--max-buffers 16 pads 237.86%)")
+
+
+def test_padding_over_a_quarter_warns_with_what_helps():
+    """Llama-3-70B at rows:128 on 512 ranks: a down_proj block (128 x 28,672 elements) is
+    larger than a rank's share of a layer; rows:32 and 128-rank shard groups bring it under
+    25%, more buffers do not. One line on stderr (a sweep: one per such row); --json lists it."""
+    common = ("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--granularity", "rows:128")
+    out = vescale(*common, "--world-size", "512")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [LLAMA_WARNING]
+    assert "padding 237.857%" in out.stdout
+    data = json.loads(vescale(*common, "--world-size", "512", "--json").stdout)
+    assert data["warnings"] == [LLAMA_WARNING]
+    # what the warning says, checked: the remedies' own plans
+    for args, padding in ((("--granularity", "rows:32", "--world-size", "512"), 0.0958),
+                          (("--world-size", "128"), 0.0958),
+                          (("--world-size", "512", "--max-buffers", "16"), 2.3786)):
+        plan = json.loads(vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json",
+                                  "--granularity", "rows:128", *args, "--json").stdout)
+        assert plan["padding_ratio"] == pytest.approx(padding, abs=1e-4)
+    sweep = vescale(*common, "--world-size", "64,256,512")   # 1.97%, 100.89%, 237.86%
+    lines = sweep.stderr.splitlines()
+    assert len(lines) == 2 and lines[1] == LLAMA_WARNING, sweep.stderr
+    assert lines[0].startswith("warning: rows:128 at 256 ranks pads 100.89%")
+
+
+def test_low_padding_does_not_warn():
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "64,512",
+                  "--granularity", "rows:16")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    data = json.loads(vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size",
+                              "512", "--granularity", "rows:16", "--json").stdout)
+    assert data["padding_ratio"] < 0.25 and data["warnings"] == []
