@@ -2,8 +2,9 @@
 against FSDP2's and ZeRO-3's (marked where those cut the blocks, with their padding keeping the
 blocks whole: model_plan.alternatives), a warning naming what helps when a plan pads over 25%
 (vescale_engine.plan.advice), and with --memory each rank's bytes and traffic for one training
-step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each rank
-holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
+step of the layout shown (vescale_engine.plan.capacity: the optimizer's granularity, a shard
+group's ranks); with --tp / --ep, of the TP/EP-local tensors each rank holds
+(vescale_engine.plan.parallel). Torch-free: the command starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,11 @@ def add_parser(sub):
                    help="shapes file: groups (units) with 'repeat' and tensors with 'shape'")
     p.add_argument("--world-size", required=True, type=_positive_list, metavar="N[,N...]",
                    help="number of ranks; a comma list prints a sweep table")
-    p.add_argument("--granularity", default=[parse_granularity("rows:1")], type=_granularity_list,
-                   metavar="G[,G...]", help=f"atomic block policy: {GRANULARITY_HELP} "
-                                            "(default rows:1); a comma list sweeps them")
+    p.add_argument("--granularity", type=_granularity_list, metavar="G[,G...]",
+                   help=f"atomic block policy: {GRANULARITY_HELP} (default rows:1; with "
+                        "--memory, the optimizer's: AdamW8bit block:256, its quantization "
+                        "block, which a given G is too; Shampoo shampoo:B); a comma list "
+                        "sweeps them")
     p.add_argument("--align-bytes", type=positive_int, default=DEFAULT_ALIGN_BYTES, metavar="B",
                    help=f"shard sizes and tensor offsets are multiples of B bytes "
                         f"(default {DEFAULT_ALIGN_BYTES})")
@@ -75,8 +78,8 @@ def add_parser(sub):
                    help="estimate per-rank memory and traffic (with --json: the `memory` and "
                         "`traffic` keys of each result)")
     m.add_argument("--optimizer", metavar="NAME",
-                   help="AdamW (default), AdamW8bit (shards in its block:256 quantization "
-                        "blocks), Muon or Shampoo (shards rows:B)")
+                   help="AdamW (default), AdamW8bit (quantizes in the blocks it shards in: "
+                        "--granularity, default block:256), Muon or Shampoo (shards shampoo:B)")
     m.add_argument("--max-preconditioner-dim", metavar="B",
                    help="with --optimizer Shampoo: its block size B, also its rows:B sharding "
                         "granularity (default 1024)")
@@ -162,36 +165,45 @@ def _capacity_setups(args, model) -> dict:
     args.tokens = _flag_number(args.tokens, "--tokens", int)
     args.max_preconditioner_dim = _flag_number(args.max_preconditioner_dim,
                                                "--max-preconditioner-dim", int)
-    if args.max_preconditioner_dim and args.optimizer != "Shampoo":
+    optimizer = args.optimizer or "AdamW"
+    if args.max_preconditioner_dim and optimizer != "Shampoo":
         raise capacity.CapacityError("--max-preconditioner-dim needs --optimizer Shampoo")
     offload_ratio = _offload_ratio(args.offload_optimizer)
     root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
                                                  if r.strip())
     setups = {}
-    for granularity in args.granularity:
+    # no --granularity: the optimizer's, as the engine picks it (Setup.layout_granularity)
+    for granularity in args.granularity or [None]:
         for world_size in args.world_size:
             setup = capacity.Setup(
-                world_size, optimizer=args.optimizer or "AdamW",
+                world_size, optimizer=optimizer,
                 param_dtype=args.param_dtype or "bf16", reduce_dtype=args.reduce_dtype,
                 grad_accum=args.grad_accum or 1, hsdp=args.hsdp or 1,
                 reshard_after_forward=args.reshard_after_forward is not False,
-                granularity=str(granularity), align_bytes=args.align_bytes,
+                granularity=None if granularity is None else str(granularity),
+                align_bytes=args.align_bytes,
                 max_buffers=args.max_buffers, root=root, offload_optimizer=offload_ratio,
                 offload_param=bool(args.offload_param), tp=args.tp, ep=args.ep,
                 tokens=args.tokens or 4096,
                 shampoo_block=args.max_preconditioner_dim or capacity.Setup.shampoo_block)
             capacity.check_setup(setup, model)
-            setups[(str(granularity), world_size)] = setup
+            setups[(str(parse_granularity(setup.layout_granularity)), world_size)] = setup
+    # the layouts shown are the ones the memory is estimated for
+    args.granularity = list(dict.fromkeys(parse_granularity(s.layout_granularity)
+                                          for s in setups.values()))
     return setups
 
 
 def _local(args, model) -> tuple:
     """(the model the layouts are planned for, {world size: Mesh or None}): with --tp / --ep
-    the TP/EP-local model and each world size's mesh, checked before any planning."""
-    if args.tp == 1 and args.ep == 1:
-        return model, {w: None for w in args.world_size}
+    the TP/EP-local model and each world size's mesh, checked before any planning; with
+    --memory --hsdp R each world size's mesh of R replicas (the layout of a shard group)."""
     from vescale_engine.plan import parallel
-    meshes = {w: parallel.make_mesh(w, args.tp, args.ep) for w in args.world_size}
+    hsdp = (args.hsdp or 1) if args.memory else 1
+    if args.tp == 1 and args.ep == 1:
+        return model, {w: parallel.make_mesh(w, 1, 1, hsdp) if hsdp > 1 else None
+                       for w in args.world_size}
+    meshes = {w: parallel.make_mesh(w, args.tp, args.ep, hsdp) for w in args.world_size}
     tp_plan, ep_plan, _ = parallel.read_plans(model.path)
     local, _ = parallel.local_model(model, next(iter(meshes.values())), tp_plan, ep_plan)
     return local, meshes
@@ -205,8 +217,9 @@ def _run_plan(args) -> int:
         raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
     if args.plot:
         _require_matplotlib()
+    setups = _capacity_setups(args, model)   # resolves args.granularity; checks first
+    args.granularity = args.granularity or [parse_granularity("rows:1")]
     local, meshes = _local(args, model)
-    setups = _capacity_setups(args, model)
     from vescale_engine.plan.advice import padding_warning
     estimates, warnings = {}, {}
     plans = []
@@ -276,9 +289,16 @@ def _print_table_header(model, args):
     if args.tp > 1 or args.ep > 1:
         print(f"TP/EP-local shapes, tp {args.tp}, ep {args.ep}: dense units over world/tp ranks,"
               f" expert units over world/ep (efsdp); padding of the local parameters")
+    if _replicas(args) > 1:
+        print(f"HSDP {args.hsdp} replicas: each layout is a shard group's, world / "
+              f"{args.hsdp} ranks")
     print(f"{'granularity':<12} {'world':>6} {'vescale':>8} {'buffers':>7} {'1-buffer':>9} "
           f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8}  {'whole':>8} {'ZeRO-3':>8}  "
           f"{'whole':>8} {'plan s':>7}")
+
+
+def _replicas(args) -> int:
+    return (args.hsdp or 1) if args.memory else 1
 
 
 _MARK = "*"
@@ -319,6 +339,9 @@ def _alternatives(plan, digits: int = 2) -> tuple:
 
 
 def _mesh_line(mesh) -> str:
+    if (mesh.tp, mesh.ep) == (1, 1):
+        return (f"HSDP: {mesh.replicate} replicas of {mesh.dp_shard} ranks; the layout is a "
+                f"shard group's")
     local = (["TP-sliced by the shapes file's tp_plan"] if mesh.tp > 1 else []) + \
         ([f"E/{mesh.ep} experts per rank"] if mesh.ep > 1 else [])
     experts = (f", expert units over {mesh.efsdp} (efsdp = dp_shard x tp / ep)"
@@ -341,7 +364,8 @@ def _print_detail(plan):
                   f"{len(buf.placements)} tensors, padding {buf.padding:,}")
     (fsdp2, fsdp2_whole), (zero3, zero3_whole) = _alternatives(plan, 3)
     what = ("TP/EP-local parameters (the tensors of one tp x ep coordinate)"
-            if plan.mesh is not None else "parameters")
+            if plan.mesh is not None and (plan.mesh.tp, plan.mesh.ep) != (1, 1)
+            else "parameters")
     print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} {what} "
           f"(FSDP2 {fsdp2.strip()}, whole blocks {fsdp2_whole}; ZeRO-3 {zero3.strip()}, whole "
           f"blocks {zero3_whole}), planned in {plan.plan_seconds:.3f} s")
@@ -362,7 +386,7 @@ def _print_memory(model, plans, estimates, device_memory):
               f"{'reshard' if s['reshard_after_forward'] else 'no reshard'} after forward, "
               f"granularity {s['granularity']}, root {'+'.join(s['root']) or '(none)'}")
         ep = s.get("ep", 1) > 1
-        if plan.mesh is not None:
+        if plan.mesh is not None and (plan.mesh.tp, plan.mesh.ep) != (1, 1):
             print(_mesh_line(plan.mesh) + (
                 f"; all-to-all: {s['tokens']:,} tokens per data-parallel rank per micro-step, "
                 f"uniform routing; FSDP2: torchtitan's FSDP2+EP, ZeRO-3: DeepSpeed AutoEP"

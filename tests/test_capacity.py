@@ -127,7 +127,9 @@ def test_memory_json_schema():
         setup = r["memory_setup"]
         assert (setup["shard_group_size"], setup["optimizer"], setup["grad_accum"]) == \
             (r["world_size"] // 2, "AdamW8bit", 4)
-        assert setup["granularity"] == "block:256"   # AdamW8bit shards in its blocks
+        # AdamW8bit quantizes in the blocks it is sharded in: the given granularity, the one
+        # the layout of the same object is planned with
+        assert setup["granularity"] == r["granularity"] == "rows:16"
         assert setup["activations"] == "excluded"
         # the plan's own keys are still there
         assert "groups" in r and "padding_ratio" in r
@@ -212,7 +214,7 @@ def test_shampoo_root_work_printed_and_in_json():
              "--memory", "--optimizer", "Shampoo", "--json")
     coarse, fine = (json.loads(vescale(*llama, *b).stdout) for b in
                     ((), ("--max-preconditioner-dim", "256")))
-    assert fine["memory_setup"]["granularity"].startswith("rows:256 ")
+    assert fine["memory_setup"]["granularity"] == fine["granularity"] == "shampoo:256"
     assert coarse["memory"]["ours"]["padding_ratio"] > 2 > 0.1 > \
         fine["memory"]["ours"]["padding_ratio"]
     assert fine["memory"]["ours"]["shampoo_root_work"]["max_over_mean"] < 1.1 < \
@@ -457,6 +459,68 @@ def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
     assert "offload_param needs" not in both.stdout
 
 
+# --------------------------------------------------------------------------------------------
+# The layout shown is the layout the memory is estimated for; --optimizer takes the names
+# `vescale validate` takes.
+
+def _memory_header(stdout):
+    line = next(line for line in stdout.splitlines() if line.startswith("memory per rank"))
+    return line.split("granularity ")[1].split(",")[0]
+
+
+@pytest.mark.parametrize("flags,granularity", [
+    ((), "block:256"),                              # AdamW8bit's default quantization block
+    (("--granularity", "rows:16"), "rows:16"),      # a given granularity is its block
+])
+def test_adamw8bit_layout_and_memory_share_the_granularity(flags, granularity):
+    args = ("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+            "--memory", "--optimizer", "AdamW8bit", *flags)
+    text = vescale(*args)
+    assert text.returncode == 0, text.stderr
+    first = text.stdout.splitlines()[0]
+    assert first.startswith("llama3-70b on 64 ranks, granularity ") and \
+        first.split("granularity ")[1].split(",")[0] == granularity, first
+    assert _memory_header(text.stdout) == granularity
+    data = json.loads(vescale(*args, "--json").stdout)
+    assert data["granularity"] == data["memory_setup"]["granularity"] == granularity
+    # the memory's padding is the shown layout's (but for its root unit: embed_tokens and head
+    # in one unit, as the engine wraps them, where the layout lists the shapes file's groups)
+    assert data["memory"]["ours"]["padding_ratio"] == pytest.approx(data["padding_ratio"],
+                                                                     abs=2e-4)
+    blocks = {t["block"] for g in data["groups"] for b in g["buffers"] for t in b["tensors"]}
+    assert blocks == ({256} if granularity == "block:256" else
+                      {16 * 8192, 16 * 28672, 16})   # rows:16 of the [*, 8192], [*, 28672], 1-D
+
+
+def test_adamw8bit_refuses_a_granularity_it_cannot_quantize_in():
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--optimizer", "AdamW8bit", "--granularity", "element")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "AdamW8bit quantizes in blocks of its sharding granularity" \
+        in lines[0], out.stderr
+
+
+def test_shampoo_and_hsdp_layouts_are_the_memorys():
+    """Shampoo shards shampoo:B (or a given granularity that keeps its blocks whole; one that
+    cuts them is refused, as the engine refuses it), and --hsdp R lays out a shard group of
+    world / R ranks: the layout shown is the one estimated."""
+    common = ("plan", "--shapes", "examples/models/llama3-70b.json", "--memory", "--json")
+    shampoo = json.loads(vescale(*common, "--world-size", "64", "--optimizer",
+                                 "Shampoo").stdout)
+    assert shampoo["granularity"] == shampoo["memory_setup"]["granularity"] == "shampoo:1024"
+    assert shampoo["memory"]["ours"]["padding_ratio"] == pytest.approx(shampoo["padding_ratio"])
+    cut = vescale(*common, "--world-size", "64", "--optimizer", "Shampoo", "--granularity",
+                  "rows:16")
+    assert cut.returncode == 2 and len(cut.stderr.strip().splitlines()) == 1
+    assert "would let a shard boundary cut a 1024x1024 Shampoo block" in cut.stderr
+    hsdp = json.loads(vescale(*common, "--world-size", "512", "--hsdp", "8", "--granularity",
+                              "rows:128").stdout)
+    assert hsdp["mesh"]["dp_shard"] == 64 and hsdp["mesh"]["replicate"] == 8
+    assert {g["shard_group_size"] for g in hsdp["groups"]} == {64}
+    assert hsdp["memory"]["ours"]["padding_ratio"] == pytest.approx(hsdp["padding_ratio"])
+    assert hsdp["padding_ratio"] == pytest.approx(0.0197, abs=1e-4) and hsdp["warnings"] == []
+
 
 def test_memory_table_marks_alternatives_that_cut_blocks():
     out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
@@ -476,3 +540,18 @@ def test_memory_table_marks_alternatives_that_cut_blocks():
         assert data["memory"][system]["ignores_blocks"] is True
         assert data["memory"][system]["whole_blocks_padding_ratio"] == \
             data["alternatives"][system]["whole_blocks_padding_ratio"]
+
+
+def test_shampoo_block_cut_is_the_optimizers():
+    """optim_spec.shampoo_block_cut (torch-free, what `vescale plan` checks a granularity given
+    with Shampoo with) is optim/shampoo.py's block_cut."""
+    from vescale_engine.optim.shampoo import block_cut
+    from vescale_engine.plan.granularity import parse_granularity
+    from vescale_engine.plan.optim_spec import shampoo_block_cut
+    for shape in ((8192,), (4096, 1024), (1000, 300), (8, 512, 1024), (3, 96, 40)):
+        for g in ("rows:1", "rows:16", "rows:32", "rows:1024", "rows:2048", "matrix", "tensor",
+                  "shampoo:32", "shampoo:1024", "block:256"):
+            for B in (32, 1024):
+                size = parse_granularity(g).block_size(shape)
+                assert shampoo_block_cut(shape, size, B) == block_cut(shape, size, B), \
+                    (shape, g, B)

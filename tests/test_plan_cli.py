@@ -250,7 +250,7 @@ def test_alternatives_are_their_own_figures_without_blocks():
 LLAMA_WARNING = ("warning: rows:128 at 512 ranks pads 237.86% of the parameters (over 25%: its "
                  "blocks are large next to a rank's share of a unit); what helps: a finer "
                  "granularity (rows:32 pads 9.58%), fewer ranks per shard group (128 ranks x 4 "
-                 "HSDP replicas pad 9.58%: --world-size 128); no help: "
+                 "HSDP replicas pad 9.58%: --world-size 128, or --memory --hsdp 4); no help: "
                  "more buffers (--max-buffers 16 pads 237.86%)")
 
 

@@ -101,9 +101,10 @@ def padding_warning(plan: ModelPlan, threshold: float = PADDING_WARNING_RATIO) -
     if groups:
         r = mesh.replicate * groups[0]
         shard = mesh.world // (r * mesh.tp)
-        how = f": --world-size {shard}" if (mesh.tp, mesh.ep) == (1, 1) else ""
+        how = f"--world-size {shard}, or --memory --hsdp {r}" if (mesh.tp, mesh.ep) == (1, 1) \
+            else f"--memory --hsdp {r}"
         sort(groups[1], f"fewer ranks per shard group ({shard} ranks x {r} HSDP replicas pad "
-                        f"{_pct(groups[1])}{how})")
+                        f"{_pct(groups[1])}: {how})")
     more = plan.max_buffers * _MORE_BUFFERS
     ratio = _replan(plan, max_buffers=more).padding_ratio
     sort(ratio, f"more buffers (--max-buffers {more} pads {_pct(ratio)})")

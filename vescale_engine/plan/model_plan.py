@@ -154,7 +154,8 @@ class ModelPlan:
         parallel = any(g.cuts for g in self.model.groups)   # a TP/EP-local model
         mesh = {} if self.mesh is None else {"mesh": {
             "tp": self.mesh.tp, "ep": self.mesh.ep, "dp": self.mesh.dp,
-            "dp_shard": self.mesh.dp_shard, "efsdp": self.mesh.efsdp}}
+            "dp_shard": self.mesh.dp_shard, "efsdp": self.mesh.efsdp,
+            **({"replicate": self.mesh.replicate} if self.mesh.replicate > 1 else {})}}
         return {
             "model": self.model.name,
             "world_size": self.world,
@@ -168,8 +169,10 @@ class ModelPlan:
             "groups": [{
                 "name": group.name,
                 "repeat": group.repeat,
-                **({"expert": group.expert, "shard_group_size": self.group_world(group)}
-                   if parallel else {}),
+                **({"expert": group.expert} if parallel else {}),
+                # with a mesh (TP/EP, HSDP) the ranks a group's buffers are laid over
+                **({"shard_group_size": self.group_world(group)}
+                   if parallel or self.mesh is not None else {}),
                 "buffers": [{
                     "shard_size": buf.shard_size,
                     "padding": buf.padding,
