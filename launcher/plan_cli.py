@@ -78,8 +78,10 @@ def add_parser(sub):
                    help="estimate per-rank memory and traffic (with --json: the `memory` and "
                         "`traffic` keys of each result)")
     m.add_argument("--optimizer", metavar="NAME",
-                   help="AdamW (default), AdamW8bit (quantizes in the blocks it shards in: "
-                        "--granularity, default block:256), Muon or Shampoo (shards shampoo:B)")
+                   help="an optimizer.type `vescale validate` accepts, DeepSpeed's names in "
+                        "any case: AdamW (default; Adam runs as AdamW), AdamW8bit (quantizes "
+                        "in the blocks it shards in: --granularity, default block:256), Muon or "
+                        "Shampoo (shards shampoo:B)")
     m.add_argument("--max-preconditioner-dim", metavar="B",
                    help="with --optimizer Shampoo: its block size B, also its rows:B sharding "
                         "granularity (default 1024)")
@@ -165,7 +167,7 @@ def _capacity_setups(args, model) -> dict:
     args.tokens = _flag_number(args.tokens, "--tokens", int)
     args.max_preconditioner_dim = _flag_number(args.max_preconditioner_dim,
                                                "--max-preconditioner-dim", int)
-    optimizer = args.optimizer or "AdamW"
+    args.optimizer_type, optimizer = _optimizer(args.optimizer)
     if args.max_preconditioner_dim and optimizer != "Shampoo":
         raise capacity.CapacityError("--max-preconditioner-dim needs --optimizer Shampoo")
     offload_ratio = _offload_ratio(args.offload_optimizer)
@@ -192,6 +194,34 @@ def _capacity_setups(args, model) -> dict:
     args.granularity = list(dict.fromkeys(parse_granularity(s.layout_granularity)
                                           for s in setups.values()))
     return setups
+
+
+# The optimizer each optimizer.type `vescale validate` accepts is estimated as: the engine runs
+# type "Adam" as AdamW (DeepSpeed's adam_w_mode, true by default; engine/from_config.py).
+_ESTIMATED_AS = {"AdamW": "AdamW", "Adam": "AdamW", "AdamW8bit": "AdamW8bit", "Muon": "Muon",
+                 "Shampoo": "Shampoo"}
+
+
+def _optimizer(text) -> tuple:
+    """(the optimizer.type `vescale validate` reads `text` as, the optimizer estimated): the
+    same names and normalization (the config schema's enum, DeepSpeed's names in any case);
+    anything else is one line naming the valid names."""
+    from vescale_engine.plan.capacity import CapacityError
+    if text is None:
+        return "AdamW", "AdamW"
+    from config_schemas.validate import canonical_config, load_schema
+    node = load_schema()["properties"]["optimizer"]["properties"]["type"]
+    name = canonical_config({"optimizer": {"type": text}})[0]["optimizer"]["type"]
+    if name not in node["enum"]:
+        raise CapacityError(f"unknown optimizer {text!r}: --optimizer takes an optimizer.type "
+                            f"`vescale validate` accepts: {', '.join(node['enum'])} "
+                            f"({', '.join(node.get('x-case-insensitive', []))} in any case)")
+    if name not in _ESTIMATED_AS:
+        raise CapacityError(f"--optimizer {name}: a valid optimizer.type (the engine runs "
+                            f"torch.optim.{name}), but --memory estimates only "
+                            f"{', '.join(n for n in _ESTIMATED_AS if n != 'Adam')} and Adam "
+                            f"(which the engine runs as AdamW)")
+    return name, _ESTIMATED_AS[name]
 
 
 def _local(args, model) -> tuple:
@@ -254,6 +284,8 @@ def _run_plan(args) -> int:
             key = (str(plan.granularity), plan.world)
             est = estimates[key] = capacity.estimate(model, setups[key], uses, cache,
                                                      args.device_memory)
+            if args.optimizer_type != est["setup"]["optimizer"]:   # Adam, run as AdamW
+                est["setup"]["optimizer_type"] = args.optimizer_type
             for alt in mp.alternatives(plan):   # the same layout's blocks: mark theirs
                 if "unsupported" not in est["memory"][alt.system] and not alt.unsupported:
                     est["memory"][alt.system].update(
@@ -381,7 +413,9 @@ def _print_memory(model, plans, estimates, device_memory):
         s = est["setup"]
         shard = (f"{s['shard_group_size']} x {s['hsdp']} replicas" if s["hsdp"] > 1
                  else f"{s['world_size']} ranks")
-        print(f"\nmemory per rank: {model.name} on {shard}, {s['optimizer']}, params "
+        given = s.get("optimizer_type")
+        optimizer = f"{given} (run as {s['optimizer']})" if given else s["optimizer"]
+        print(f"\nmemory per rank: {model.name} on {shard}, {optimizer}, params "
               f"{s['param_dtype']}, reduce {s['reduce_dtype']}, {s['grad_accum']} micro-step(s), "
               f"{'reshard' if s['reshard_after_forward'] else 'no reshard'} after forward, "
               f"granularity {s['granularity']}, root {'+'.join(s['root']) or '(none)'}")

@@ -168,7 +168,7 @@ def test_memory_table_says_activations_are_excluded():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--memory", "--optimizer", "Adam"], "unknown optimizer 'Adam'"),
+    (["--memory", "--optimizer", "Adamm"], "unknown optimizer 'Adamm'"),
     (["--memory", "--hsdp", "3"], "HSDP replicate size 3 does not divide the world size 64"),
     (["--memory", "--grad-accum", "0"], "--grad-accum must be a positive integer"),
     (["--memory", "--param-dtype", "fp8"], "unknown param dtype 'fp8'"),
@@ -540,6 +540,58 @@ def test_memory_table_marks_alternatives_that_cut_blocks():
         assert data["memory"][system]["ignores_blocks"] is True
         assert data["memory"][system]["whole_blocks_padding_ratio"] == \
             data["alternatives"][system]["whole_blocks_padding_ratio"]
+
+
+def test_optimizer_takes_the_names_validate_takes():
+    """Every optimizer.type `vescale validate` accepts (DeepSpeed's names in any case) is a name
+    --optimizer knows, and nothing else is; Adam is estimated as AdamW (the engine runs it so)."""
+    sys.path.insert(0, str(ROOT))
+    from config_schemas.validate import check_config
+    from launcher.plan_cli import _optimizer
+    enum = ["AdamW", "AdamW8bit", "Muon", "Shampoo", "Adam", "SGD", "Adagrad", "RMSprop",
+            "Adamax", "NAdam", "RAdam"]
+    for name in enum + [n.lower() for n in enum] + [n.upper() for n in enum] + ["Adamm", ""]:
+        report = check_config({"train_micro_batch_size_per_gpu": 1,
+                               "optimizer": {"type": name}})
+        accepted = not any("optimizer.type" in e for e in report.errors)
+        try:
+            _optimizer(name)
+            known = True
+        except capacity.CapacityError as err:
+            known = "unknown optimizer" not in str(err)
+        assert known == accepted, (name, report.errors)
+    assert _optimizer("adamw") == ("AdamW", "AdamW")
+    assert _optimizer("adam") == ("Adam", "AdamW")
+    assert _optimizer("MUON") == ("Muon", "Muon")
+
+
+def test_optimizer_adamw_lowercase_works_and_adam_is_adamw():
+    common = ("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+              "--memory", "--json")
+    default, lower, adam = (json.loads(vescale(*common, *flags).stdout) for flags in
+                            ((), ("--optimizer", "adamw"), ("--optimizer", "adam")))
+    assert lower["memory"] == default["memory"] == adam["memory"]
+    assert lower["memory_setup"]["optimizer"] == adam["memory_setup"]["optimizer"] == "AdamW"
+    assert adam["memory_setup"]["optimizer_type"] == "Adam"
+    assert "optimizer_type" not in lower["memory_setup"]
+    text = vescale(*common[:-1], "--optimizer", "adam")
+    assert text.returncode == 0 and ", Adam (run as AdamW), " in text.stdout
+
+
+@pytest.mark.parametrize("name,message", [
+    ("Adamm", "vescale plan: error: unknown optimizer 'Adamm': --optimizer takes an "
+              "optimizer.type `vescale validate` accepts: AdamW, AdamW8bit, Muon, Shampoo, Adam,"
+              " SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam (Adam, AdamW, Adagrad, Muon in any "
+              "case)"),
+    ("SGD", "vescale plan: error: --optimizer SGD: a valid optimizer.type (the engine runs "
+            "torch.optim.SGD), but --memory estimates only AdamW, AdamW8bit, Muon, Shampoo and "
+            "Adam (which the engine runs as AdamW)"),
+])
+def test_optimizer_errors_are_one_line(name, message):
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--optimizer", name)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [message]
 
 
 def test_shampoo_block_cut_is_the_optimizers():
