@@ -2,10 +2,11 @@
 
 For each model, granularity and world size: our padding (up to --max-buffers buffers per unit),
 our heuristic held to one buffer per unit (the paper's setting), the single-buffer lower bound
-(docs/design.md, the lcm trap), the simple alternative of one buffer per block size, and what
-PyTorch FSDP2 (dim-0 padding per parameter) and DeepSpeed ZeRO-3 (numel padding per parameter)
-would pad. Every plan is checked against the layout invariants. Writes a Markdown table and one
-PNG per model.
+(docs/design.md, the lcm trap), the simple alternative of one buffer per block size, and what PyTorch FSDP2 (dim-0
+padding per parameter) and DeepSpeed ZeRO-3 (numel padding per parameter) would pad: their own
+figure, marked where their sharding cuts the granularity's blocks, and their padding when every
+block is kept whole (model_plan.alternatives). Every plan is checked against the layout
+invariants. Writes a Markdown table and one PNG per model.
 
     python benchmarks/plan_padding.py            # writes benchmarks/results/plan_padding.md
 """
@@ -24,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "..", "examples", "models")
 PAPER_MODELS = ("deepseek-v3", "gpt-oss-120b")  # the paper's Fig. 11 models
 WORLD_SIZES = (8, 64, 128, 256, 1024)
+MARK = "\\*"   # Markdown's literal *: an alternative's figure that cuts blocks
 
 
 def target(granularity: str, world_size: int):
@@ -38,6 +40,7 @@ def target(granularity: str, world_size: int):
 def measure(model, granularity, world_size, args):
     plan = mp.plan_model(model, world_size, granularity, max_buffers=args.max_buffers)
     plan.verify()
+    fsdp2, zero3 = mp.alternatives(plan)
     row = {
         "granularity": granularity, "world_size": world_size,
         "ours": plan.padding_ratio,
@@ -45,8 +48,10 @@ def measure(model, granularity, world_size, args):
         "one_buffer": mp.single_buffer_ratio(plan),
         "lower_bound": mp.single_buffer_lower_bound_ratio(plan),
         "per_block": mp.per_block_size_ratio(plan),
-        "fsdp2": mp.fsdp2_padding_ratio(model, world_size),
-        "zero3": mp.zero3_padding_ratio(model, world_size),
+        "fsdp2": fsdp2.padding_ratio, "fsdp2_cuts": fsdp2.ignores_blocks,
+        "fsdp2_whole": fsdp2.whole_blocks_padding_ratio,
+        "zero3": zero3.padding_ratio, "zero3_cuts": zero3.ignores_blocks,
+        "zero3_whole": zero3.whole_blocks_padding_ratio,
         "target": target(granularity, world_size),
     }
     if row["target"] is None:
@@ -114,9 +119,12 @@ def main():
              " is our heuristic held to one buffer per unit (the paper's setting); `1-buf LB` the "
              "single-buffer lower bound (S >= total/world and S a multiple of the block of every "
              "tensor longer than 2S); `per-block` one buffer per distinct block size. FSDP2 and "
-             "ZeRO-3 cut parameters at rows or elements regardless of blocks, so their padding is"
-             " small but they cannot keep a quantization block or a matrix whole. Every plan "
-             "passed the invariant checker.", ""]
+             "ZeRO-3 cut parameters at rows or elements regardless of blocks (FSDP2 each "
+             "tensor's dim 0 in even chunks, ZeRO-3 each parameter's elements in even pieces): "
+             "`*` marks their figure where that cuts the granularity's blocks (it ignores the "
+             "block constraint), and `whole` is what the same rule pads with every chunk or "
+             "piece rounded up to whole blocks (or one rank holding a tensor). Every plan passed "
+             "the invariant checker.", ""]
     missed = worse_than_per_block = 0
     for name in args.models.split(","):
         model = mp.load_shapes(os.path.join(MODELS, f"{name}.json"))
@@ -131,13 +139,15 @@ def main():
                   f"{args.repeats}): **{seconds:.3f} s** (target <= 0.3 s: "
                   f"{'met' if seconds <= 0.3 else 'MISSED'}).", "",
                   "| granularity | world | vescale | buffers | 1-buffer | 1-buf LB | per-block "
-                  "| FSDP2 | ZeRO-3 | target | status |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| FSDP2 | FSDP2 whole | ZeRO-3 | ZeRO-3 whole | target | status |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             lines.append(
                 f"| {r['granularity']} | {r['world_size']} | **{pct(r['ours'])}** | "
                 f"{r['buffers']} | {pct(r['one_buffer'])} | {pct(r['lower_bound'])} | "
-                f"{pct(r['per_block'])} | {pct(r['fsdp2'])} | {pct(r['zero3'])} | "
+                f"{pct(r['per_block'])} | {pct(r['fsdp2'])}{MARK * r['fsdp2_cuts']} | "
+                f"{pct(r['fsdp2_whole'])} | {pct(r['zero3'])}{MARK * r['zero3_cuts']} | "
+                f"{pct(r['zero3_whole'])} | "
                 f"{'' if r['target'] is None else '<= ' + pct(r['target'])} | {r['status']} |")
             worse_than_per_block += r["ours"] > r["per_block"]
             missed += r["status"] == "MISSED" or (

@@ -1,7 +1,10 @@
 """`vescale plan`: RaggedShard layouts of a model's units from a shapes file, their padding
-against FSDP2's and ZeRO-3's, and with --memory each rank's bytes and traffic for one training
-step (vescale_engine.plan.capacity); with --tp / --ep, of the TP/EP-local tensors each rank
-holds (vescale_engine.plan.parallel). Torch-free: the command starts at once."""
+against FSDP2's and ZeRO-3's (marked where those cut the blocks, with their padding keeping the
+blocks whole: model_plan.alternatives), a warning naming what helps when a plan pads over 25%
+(vescale_engine.plan.advice), and with --memory each rank's bytes and traffic for one training
+step of the layout shown (vescale_engine.plan.capacity: the optimizer's granularity, a shard
+group's ranks); with --tp / --ep, of the TP/EP-local tensors each rank holds
+(vescale_engine.plan.parallel). Torch-free: the command starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -41,9 +44,11 @@ def add_parser(sub):
                    help="shapes file: groups (units) with 'repeat' and tensors with 'shape'")
     p.add_argument("--world-size", required=True, type=_positive_list, metavar="N[,N...]",
                    help="number of ranks; a comma list prints a sweep table")
-    p.add_argument("--granularity", default=[parse_granularity("rows:1")], type=_granularity_list,
-                   metavar="G[,G...]", help=f"atomic block policy: {GRANULARITY_HELP} "
-                                            "(default rows:1); a comma list sweeps them")
+    p.add_argument("--granularity", type=_granularity_list, metavar="G[,G...]",
+                   help=f"atomic block policy: {GRANULARITY_HELP} (default rows:1; with "
+                        "--memory, the optimizer's: AdamW8bit block:256, its quantization "
+                        "block, which a given G is too; Shampoo shampoo:B); a comma list "
+                        "sweeps them")
     p.add_argument("--align-bytes", type=positive_int, default=DEFAULT_ALIGN_BYTES, metavar="B",
                    help=f"shard sizes and tensor offsets are multiples of B bytes "
                         f"(default {DEFAULT_ALIGN_BYTES})")
@@ -73,8 +78,10 @@ def add_parser(sub):
                    help="estimate per-rank memory and traffic (with --json: the `memory` and "
                         "`traffic` keys of each result)")
     m.add_argument("--optimizer", metavar="NAME",
-                   help="AdamW (default), AdamW8bit (shards in its block:256 quantization "
-                        "blocks), Muon or Shampoo (shards rows:B)")
+                   help="an optimizer.type `vescale validate` accepts, DeepSpeed's names in "
+                        "any case: AdamW (default; Adam runs as AdamW), AdamW8bit (quantizes "
+                        "in the blocks it shards in: --granularity, default block:256), Muon or "
+                        "Shampoo (shards shampoo:B)")
     m.add_argument("--max-preconditioner-dim", metavar="B",
                    help="with --optimizer Shampoo: its block size B, also its rows:B sharding "
                         "granularity (default 1024)")
@@ -160,36 +167,73 @@ def _capacity_setups(args, model) -> dict:
     args.tokens = _flag_number(args.tokens, "--tokens", int)
     args.max_preconditioner_dim = _flag_number(args.max_preconditioner_dim,
                                                "--max-preconditioner-dim", int)
-    if args.max_preconditioner_dim and args.optimizer != "Shampoo":
+    args.optimizer_type, optimizer = _optimizer(args.optimizer)
+    if args.max_preconditioner_dim and optimizer != "Shampoo":
         raise capacity.CapacityError("--max-preconditioner-dim needs --optimizer Shampoo")
     offload_ratio = _offload_ratio(args.offload_optimizer)
     root = None if args.root is None else tuple(r.strip() for r in args.root.split(",")
                                                  if r.strip())
     setups = {}
-    for granularity in args.granularity:
+    # no --granularity: the optimizer's, as the engine picks it (Setup.layout_granularity)
+    for granularity in args.granularity or [None]:
         for world_size in args.world_size:
             setup = capacity.Setup(
-                world_size, optimizer=args.optimizer or "AdamW",
+                world_size, optimizer=optimizer,
                 param_dtype=args.param_dtype or "bf16", reduce_dtype=args.reduce_dtype,
                 grad_accum=args.grad_accum or 1, hsdp=args.hsdp or 1,
                 reshard_after_forward=args.reshard_after_forward is not False,
-                granularity=str(granularity), align_bytes=args.align_bytes,
+                granularity=None if granularity is None else str(granularity),
+                align_bytes=args.align_bytes,
                 max_buffers=args.max_buffers, root=root, offload_optimizer=offload_ratio,
                 offload_param=bool(args.offload_param), tp=args.tp, ep=args.ep,
                 tokens=args.tokens or 4096,
                 shampoo_block=args.max_preconditioner_dim or capacity.Setup.shampoo_block)
             capacity.check_setup(setup, model)
-            setups[(str(granularity), world_size)] = setup
+            setups[(str(parse_granularity(setup.layout_granularity)), world_size)] = setup
+    # the layouts shown are the ones the memory is estimated for
+    args.granularity = list(dict.fromkeys(parse_granularity(s.layout_granularity)
+                                          for s in setups.values()))
     return setups
+
+
+# The optimizer each optimizer.type `vescale validate` accepts is estimated as: the engine runs
+# type "Adam" as AdamW (DeepSpeed's adam_w_mode, true by default; engine/from_config.py).
+_ESTIMATED_AS = {"AdamW": "AdamW", "Adam": "AdamW", "AdamW8bit": "AdamW8bit", "Muon": "Muon",
+                 "Shampoo": "Shampoo"}
+
+
+def _optimizer(text) -> tuple:
+    """(the optimizer.type `vescale validate` reads `text` as, the optimizer estimated): the
+    same names and normalization (the config schema's enum, DeepSpeed's names in any case);
+    anything else is one line naming the valid names."""
+    from vescale_engine.plan.capacity import CapacityError
+    if text is None:
+        return "AdamW", "AdamW"
+    from config_schemas.validate import canonical_config, load_schema
+    node = load_schema()["properties"]["optimizer"]["properties"]["type"]
+    name = canonical_config({"optimizer": {"type": text}})[0]["optimizer"]["type"]
+    if name not in node["enum"]:
+        raise CapacityError(f"unknown optimizer {text!r}: --optimizer takes an optimizer.type "
+                            f"`vescale validate` accepts: {', '.join(node['enum'])} "
+                            f"({', '.join(node.get('x-case-insensitive', []))} in any case)")
+    if name not in _ESTIMATED_AS:
+        raise CapacityError(f"--optimizer {name}: a valid optimizer.type (the engine runs "
+                            f"torch.optim.{name}), but --memory estimates only "
+                            f"{', '.join(n for n in _ESTIMATED_AS if n != 'Adam')} and Adam "
+                            f"(which the engine runs as AdamW)")
+    return name, _ESTIMATED_AS[name]
 
 
 def _local(args, model) -> tuple:
     """(the model the layouts are planned for, {world size: Mesh or None}): with --tp / --ep
-    the TP/EP-local model and each world size's mesh, checked before any planning."""
-    if args.tp == 1 and args.ep == 1:
-        return model, {w: None for w in args.world_size}
+    the TP/EP-local model and each world size's mesh, checked before any planning; with
+    --memory --hsdp R each world size's mesh of R replicas (the layout of a shard group)."""
     from vescale_engine.plan import parallel
-    meshes = {w: parallel.make_mesh(w, args.tp, args.ep) for w in args.world_size}
+    hsdp = (args.hsdp or 1) if args.memory else 1
+    if args.tp == 1 and args.ep == 1:
+        return model, {w: parallel.make_mesh(w, 1, 1, hsdp) if hsdp > 1 else None
+                       for w in args.world_size}
+    meshes = {w: parallel.make_mesh(w, args.tp, args.ep, hsdp) for w in args.world_size}
     tp_plan, ep_plan, _ = parallel.read_plans(model.path)
     local, _ = parallel.local_model(model, next(iter(meshes.values())), tp_plan, ep_plan)
     return local, meshes
@@ -203,10 +247,13 @@ def _run_plan(args) -> int:
         raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
     if args.plot:
         _require_matplotlib()
+    setups = _capacity_setups(args, model)   # resolves args.granularity; checks first
+    args.granularity = args.granularity or [parse_granularity("rows:1")]
     local, meshes = _local(args, model)
-    setups = _capacity_setups(args, model)
-    estimates = {}
+    from vescale_engine.plan.advice import padding_warning
+    estimates, warnings = {}, {}
     plans = []
+    sweep = len(args.world_size) * len(args.granularity) > 1
     for granularity in args.granularity:
         for world_size in args.world_size:
             mesh = meshes[world_size]
@@ -218,21 +265,37 @@ def _run_plan(args) -> int:
             if args.verify:
                 plan.verify()
             plans.append(plan)
-            if not args.json and len(plans) == 1 and len(args.world_size) * len(args.granularity) > 1:
+            if not args.json and len(plans) == 1 and sweep:
                 _print_table_header(model, args)
-            if not args.json and len(args.world_size) * len(args.granularity) > 1:
+            if not args.json and sweep:
                 _print_table_row(plan)
+            warning = padding_warning(plan)
+            warnings[id(plan)] = [warning] if warning else []
+            if warning and not args.json:
+                sys.stdout.flush()
+                print(warning, file=sys.stderr, flush=True)
+    if not args.json and sweep:
+        print(_FOOTNOTE)
     if setups:
         from vescale_engine.plan import capacity
         cache = capacity.PlanCache()
         uses = capacity.tensor_uses(model.path)
         for plan in plans:
             key = (str(plan.granularity), plan.world)
-            estimates[key] = capacity.estimate(model, setups[key], uses, cache,
-                                               args.device_memory)
+            est = estimates[key] = capacity.estimate(model, setups[key], uses, cache,
+                                                     args.device_memory)
+            if args.optimizer_type != est["setup"]["optimizer"]:   # Adam, run as AdamW
+                est["setup"]["optimizer_type"] = args.optimizer_type
+            for alt in mp.alternatives(plan):   # the same layout's blocks: mark theirs
+                if "unsupported" not in est["memory"][alt.system] and not alt.unsupported:
+                    est["memory"][alt.system].update(
+                        ignores_blocks=alt.ignores_blocks,
+                        whole_blocks_padding_ratio=alt.whole_blocks_padding_ratio)
     if args.json:
         out = [p.to_json() for p in plans]
         for obj, plan in zip(out, plans):
+            obj["alternatives"] = {a.system: a.to_json() for a in mp.alternatives(plan)}
+            obj["warnings"] = warnings[id(plan)]
             found = estimates.get((str(plan.granularity), plan.world))
             if found:
                 obj.update(memory=found["memory"], traffic=found["traffic"],
@@ -258,34 +321,59 @@ def _print_table_header(model, args):
     if args.tp > 1 or args.ep > 1:
         print(f"TP/EP-local shapes, tp {args.tp}, ep {args.ep}: dense units over world/tp ranks,"
               f" expert units over world/ep (efsdp); padding of the local parameters")
+    if _replicas(args) > 1:
+        print(f"HSDP {args.hsdp} replicas: each layout is a shard group's, world / "
+              f"{args.hsdp} ranks")
     print(f"{'granularity':<12} {'world':>6} {'vescale':>8} {'buffers':>7} {'1-buffer':>9} "
-          f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8} {'ZeRO-3':>8} {'plan s':>7}")
+          f"{'1-buf LB':>9} {'per-block':>9} {'FSDP2':>8}  {'whole':>8} {'ZeRO-3':>8}  "
+          f"{'whole':>8} {'plan s':>7}")
+
+
+def _replicas(args) -> int:
+    return (args.hsdp or 1) if args.memory else 1
+
+
+_MARK = "*"
+_FOOTNOTE = (f"{_MARK} ignores the block constraint: FSDP2 cuts each tensor's dim 0 into even "
+             "chunks and ZeRO-3 each parameter's elements into even pieces, here cutting blocks;"
+             " whole: that system's padding when each chunk or piece is rounded up to whole "
+             "blocks (or one rank holds the tensor)")
 
 
 def _print_table_row(plan):
     from vescale_engine.plan import model_plan as mp
 
     buffers = max(len(p.buffers) for p in plan.plans)
-    fsdp2, zero3 = _alternatives(plan)
+    (fsdp2, fsdp2_whole), (zero3, zero3_whole) = _alternatives(plan)
     print(f"{str(plan.granularity):<12} {plan.world:>6} {100 * plan.padding_ratio:>7.2f}% "
           f"{buffers:>7} {100 * mp.single_buffer_ratio(plan):>8.2f}% "
           f"{100 * mp.single_buffer_lower_bound_ratio(plan):>8.2f}% "
           f"{100 * mp.per_block_size_ratio(plan):>8.2f}% "
-          f"{fsdp2:>8} {zero3:>8} {plan.plan_seconds:>7.3f}", flush=True)
+          f"{fsdp2:>9} {fsdp2_whole:>8} {zero3:>9} {zero3_whole:>8} "
+          f"{plan.plan_seconds:>7.3f}", flush=True)
 
 
 def _alternatives(plan, digits: int = 2) -> tuple:
-    """FSDP2's and ZeRO-3's padding on the plan's (TP/EP-local) shapes, as text; n/a where
-    FSDP2 cannot shard them (an uneven Shard(1) of experts)."""
+    """((figure, whole-blocks figure) of FSDP2, of ZeRO-3) on the plan's (TP/EP-local) shapes,
+    as text: a figure that ignores the block constraint (its sharding cuts blocks) is marked;
+    n/a where FSDP2 cannot shard them (an uneven Shard(1) of experts)."""
     from vescale_engine.plan import model_plan as mp
 
-    worlds = (plan.model, plan.world_size, plan.expert_world_size)
-    fsdp2 = "n/a" if mp.fsdp2_unsupported(*worlds) else \
-        f"{100 * mp.fsdp2_padding_ratio(*worlds):.{digits}f}%"
-    return fsdp2, f"{100 * mp.zero3_padding_ratio(*worlds):.{digits}f}%"
+    out = []
+    for alt in mp.alternatives(plan):
+        if alt.unsupported:
+            out.append(("n/a ", "n/a"))
+            continue
+        out.append((f"{100 * alt.padding_ratio:.{digits}f}%"
+                    f"{_MARK if alt.ignores_blocks else ' '}",
+                    f"{100 * alt.whole_blocks_padding_ratio:.{digits}f}%"))
+    return tuple(out)
 
 
 def _mesh_line(mesh) -> str:
+    if (mesh.tp, mesh.ep) == (1, 1):
+        return (f"HSDP: {mesh.replicate} replicas of {mesh.dp_shard} ranks; the layout is a "
+                f"shard group's")
     local = (["TP-sliced by the shapes file's tp_plan"] if mesh.tp > 1 else []) + \
         ([f"E/{mesh.ep} experts per rank"] if mesh.ep > 1 else [])
     experts = (f", expert units over {mesh.efsdp} (efsdp = dp_shard x tp / ep)"
@@ -306,11 +394,15 @@ def _print_detail(plan):
         for i, buf in enumerate(unit.buffers):
             print(f"    buffer {i}: shard {buf.shard_size:,} elements/rank, "
                   f"{len(buf.placements)} tensors, padding {buf.padding:,}")
-    fsdp2, zero3 = _alternatives(plan, 3)
+    (fsdp2, fsdp2_whole), (zero3, zero3_whole) = _alternatives(plan, 3)
     what = ("TP/EP-local parameters (the tensors of one tp x ep coordinate)"
-            if plan.mesh is not None else "parameters")
+            if plan.mesh is not None and (plan.mesh.tp, plan.mesh.ep) != (1, 1)
+            else "parameters")
     print(f"padding {100 * plan.padding_ratio:.3f}% of {plan.model.numel:,} {what} "
-          f"(FSDP2 {fsdp2}, ZeRO-3 {zero3}), planned in {plan.plan_seconds:.3f} s")
+          f"(FSDP2 {fsdp2.strip()}, whole blocks {fsdp2_whole}; ZeRO-3 {zero3.strip()}, whole "
+          f"blocks {zero3_whole}), planned in {plan.plan_seconds:.3f} s")
+    if _MARK in fsdp2 + zero3:
+        print(_FOOTNOTE.replace("; whole:", "; whole blocks:"))
 
 
 def _print_memory(model, plans, estimates, device_memory):
@@ -321,12 +413,14 @@ def _print_memory(model, plans, estimates, device_memory):
         s = est["setup"]
         shard = (f"{s['shard_group_size']} x {s['hsdp']} replicas" if s["hsdp"] > 1
                  else f"{s['world_size']} ranks")
-        print(f"\nmemory per rank: {model.name} on {shard}, {s['optimizer']}, params "
+        given = s.get("optimizer_type")
+        optimizer = f"{given} (run as {s['optimizer']})" if given else s["optimizer"]
+        print(f"\nmemory per rank: {model.name} on {shard}, {optimizer}, params "
               f"{s['param_dtype']}, reduce {s['reduce_dtype']}, {s['grad_accum']} micro-step(s), "
               f"{'reshard' if s['reshard_after_forward'] else 'no reshard'} after forward, "
               f"granularity {s['granularity']}, root {'+'.join(s['root']) or '(none)'}")
         ep = s.get("ep", 1) > 1
-        if plan.mesh is not None:
+        if plan.mesh is not None and (plan.mesh.tp, plan.mesh.ep) != (1, 1):
             print(_mesh_line(plan.mesh) + (
                 f"; all-to-all: {s['tokens']:,} tokens per data-parallel rank per micro-step, "
                 f"uniform routing; FSDP2: torchtitan's FSDP2+EP, ZeRO-3: DeepSpeed AutoEP"
@@ -338,6 +432,7 @@ def _print_memory(model, plans, estimates, device_memory):
         print(f"{'system':<7} {'master':>8} {'grad':>8} {'optim':>8} {'gathered':>9} "
               f"{'peak':>8}{left} {'padding':>8} {'gather':>8} {'scatter':>8}"
               + (f" {'all2all':>8}" if ep else ""))
+        cut = []
         for name, label in (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
             m = est["memory"][name]
             t = est["traffic"] if name == "ours" else est["traffic"][name]
@@ -345,11 +440,18 @@ def _print_memory(model, plans, estimates, device_memory):
                 print(f"{label:<7} n/a: {m['unsupported']}")
                 continue
             room = f" {m['headroom'] / gb:>7.2f}" if device_memory else ""
+            mark = _MARK if m.get("ignores_blocks") else " "
+            if m.get("ignores_blocks"):
+                cut.append(f"{label} {_fine_pct(m['whole_blocks_padding_ratio'])}")
             print(f"{label:<7} {m['master'] / gb:>8.2f} {m['grad'] / gb:>8.2f} "
                   f"{m['optimizer'] / gb:>8.2f} {m['gathered_peak'] / gb:>9.2f} "
-                  f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}% "
+                  f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}%{mark}"
                   f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}"
                   + (f" {t['all_to_all'] / gb:>8.1f}" if ep else ""))
+        if cut:
+            print(f"{_MARK} ignores the block constraint: these figures are for a sharding that "
+                  f"cuts {s['granularity']} blocks; keeping them whole would pad "
+                  f"{', '.join(cut)}")
         work = est["memory"]["ours"].get("shampoo_root_work")
         if work:
             print(f"Shampoo root work per recomputation (sum of k^3 over each rank's L and R): "
@@ -363,6 +465,12 @@ def _print_memory(model, plans, estimates, device_memory):
                     if est["memory"][name].get("headroom", 0) > 0]
             print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
                   f"(left: what remains for activations and the collectives' own buffers)")
+
+
+def _fine_pct(ratio: float) -> str:
+    """A percentage to 2 decimals, or to its first digit where that shows 0.00% for a
+    non-zero ratio."""
+    return f"{100 * ratio:.2f}%" if ratio == 0 or ratio >= 1e-4 else f"{100 * ratio:.1g}%"
 
 
 def _print_offload(est):

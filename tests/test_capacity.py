@@ -127,7 +127,9 @@ def test_memory_json_schema():
         setup = r["memory_setup"]
         assert (setup["shard_group_size"], setup["optimizer"], setup["grad_accum"]) == \
             (r["world_size"] // 2, "AdamW8bit", 4)
-        assert setup["granularity"] == "block:256"   # AdamW8bit shards in its blocks
+        # AdamW8bit quantizes in the blocks it is sharded in: the given granularity, the one
+        # the layout of the same object is planned with
+        assert setup["granularity"] == r["granularity"] == "rows:16"
         assert setup["activations"] == "excluded"
         # the plan's own keys are still there
         assert "groups" in r and "padding_ratio" in r
@@ -166,7 +168,7 @@ def test_memory_table_says_activations_are_excluded():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--memory", "--optimizer", "Adam"], "unknown optimizer 'Adam'"),
+    (["--memory", "--optimizer", "Adamm"], "unknown optimizer 'Adamm'"),
     (["--memory", "--hsdp", "3"], "HSDP replicate size 3 does not divide the world size 64"),
     (["--memory", "--grad-accum", "0"], "--grad-accum must be a positive integer"),
     (["--memory", "--param-dtype", "fp8"], "unknown param dtype 'fp8'"),
@@ -212,7 +214,7 @@ def test_shampoo_root_work_printed_and_in_json():
              "--memory", "--optimizer", "Shampoo", "--json")
     coarse, fine = (json.loads(vescale(*llama, *b).stdout) for b in
                     ((), ("--max-preconditioner-dim", "256")))
-    assert fine["memory_setup"]["granularity"].startswith("rows:256 ")
+    assert fine["memory_setup"]["granularity"] == fine["granularity"] == "shampoo:256"
     assert coarse["memory"]["ours"]["padding_ratio"] > 2 > 0.1 > \
         fine["memory"]["ours"]["padding_ratio"]
     assert fine["memory"]["ours"]["shampoo_root_work"]["max_over_mean"] < 1.1 < \
@@ -455,3 +457,153 @@ def test_offload_param_alone_leaves_ours_as_it_was(offload_model):
                    "--memory", "--offload-optimizer", "--offload-param")
     assert both.returncode == 0, both.stderr
     assert "offload_param needs" not in both.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The layout shown is the layout the memory is estimated for; --optimizer takes the names
+# `vescale validate` takes.
+
+def _memory_header(stdout):
+    line = next(line for line in stdout.splitlines() if line.startswith("memory per rank"))
+    return line.split("granularity ")[1].split(",")[0]
+
+
+@pytest.mark.parametrize("flags,granularity", [
+    ((), "block:256"),                              # AdamW8bit's default quantization block
+    (("--granularity", "rows:16"), "rows:16"),      # a given granularity is its block
+])
+def test_adamw8bit_layout_and_memory_share_the_granularity(flags, granularity):
+    args = ("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+            "--memory", "--optimizer", "AdamW8bit", *flags)
+    text = vescale(*args)
+    assert text.returncode == 0, text.stderr
+    first = text.stdout.splitlines()[0]
+    assert first.startswith("llama3-70b on 64 ranks, granularity ") and \
+        first.split("granularity ")[1].split(",")[0] == granularity, first
+    assert _memory_header(text.stdout) == granularity
+    data = json.loads(vescale(*args, "--json").stdout)
+    assert data["granularity"] == data["memory_setup"]["granularity"] == granularity
+    # the memory's padding is the shown layout's (but for its root unit: embed_tokens and head
+    # in one unit, as the engine wraps them, where the layout lists the shapes file's groups)
+    assert data["memory"]["ours"]["padding_ratio"] == pytest.approx(data["padding_ratio"],
+                                                                     abs=2e-4)
+    blocks = {t["block"] for g in data["groups"] for b in g["buffers"] for t in b["tensors"]}
+    assert blocks == ({256} if granularity == "block:256" else
+                      {16 * 8192, 16 * 28672, 16})   # rows:16 of the [*, 8192], [*, 28672], 1-D
+
+
+def test_adamw8bit_refuses_a_granularity_it_cannot_quantize_in():
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--optimizer", "AdamW8bit", "--granularity", "element")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "AdamW8bit quantizes in blocks of its sharding granularity" \
+        in lines[0], out.stderr
+
+
+def test_shampoo_and_hsdp_layouts_are_the_memorys():
+    """Shampoo shards shampoo:B (or a given granularity that keeps its blocks whole; one that
+    cuts them is refused, as the engine refuses it), and --hsdp R lays out a shard group of
+    world / R ranks: the layout shown is the one estimated."""
+    common = ("plan", "--shapes", "examples/models/llama3-70b.json", "--memory", "--json")
+    shampoo = json.loads(vescale(*common, "--world-size", "64", "--optimizer",
+                                 "Shampoo").stdout)
+    assert shampoo["granularity"] == shampoo["memory_setup"]["granularity"] == "shampoo:1024"
+    assert shampoo["memory"]["ours"]["padding_ratio"] == pytest.approx(shampoo["padding_ratio"])
+    cut = vescale(*common, "--world-size", "64", "--optimizer", "Shampoo", "--granularity",
+                  "rows:16")
+    assert cut.returncode == 2 and len(cut.stderr.strip().splitlines()) == 1
+    assert "would let a shard boundary cut a 1024x1024 Shampoo block" in cut.stderr
+    hsdp = json.loads(vescale(*common, "--world-size", "512", "--hsdp", "8", "--granularity",
+                              "rows:128").stdout)
+    assert hsdp["mesh"]["dp_shard"] == 64 and hsdp["mesh"]["replicate"] == 8
+    assert {g["shard_group_size"] for g in hsdp["groups"]} == {64}
+    assert hsdp["memory"]["ours"]["padding_ratio"] == pytest.approx(hsdp["padding_ratio"])
+    assert hsdp["padding_ratio"] == pytest.approx(0.0197, abs=1e-4) and hsdp["warnings"] == []
+
+
+def test_memory_table_marks_alternatives_that_cut_blocks():
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--granularity", "rows:128")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split() and line.split()[0] in ("ours", "FSDP2", "ZeRO-3")}
+    assert rows["ours"][6] == "1.97%" and rows["FSDP2"][6] == "0.00%*" and \
+        rows["ZeRO-3"][6] == "0.00%*"
+    assert ("* ignores the block constraint: these figures are for a sharding that cuts "
+            "rows:128 blocks; keeping them whole would pad FSDP2 20.99%, ZeRO-3 20.99%"
+            in out.stdout)
+    data = json.loads(vescale("plan", "--shapes", "examples/models/llama3-70b.json",
+                              "--world-size", "64", "--memory", "--granularity", "rows:128",
+                              "--json").stdout)
+    for system in ("fsdp2", "zero3"):
+        assert data["memory"][system]["ignores_blocks"] is True
+        assert data["memory"][system]["whole_blocks_padding_ratio"] == \
+            data["alternatives"][system]["whole_blocks_padding_ratio"]
+
+
+def test_optimizer_takes_the_names_validate_takes():
+    """Every optimizer.type `vescale validate` accepts (DeepSpeed's names in any case) is a name
+    --optimizer knows, and nothing else is; Adam is estimated as AdamW (the engine runs it so)."""
+    sys.path.insert(0, str(ROOT))
+    from config_schemas.validate import check_config
+    from launcher.plan_cli import _optimizer
+    enum = ["AdamW", "AdamW8bit", "Muon", "Shampoo", "Adam", "SGD", "Adagrad", "RMSprop",
+            "Adamax", "NAdam", "RAdam"]
+    for name in enum + [n.lower() for n in enum] + [n.upper() for n in enum] + ["Adamm", ""]:
+        report = check_config({"train_micro_batch_size_per_gpu": 1,
+                               "optimizer": {"type": name}})
+        accepted = not any("optimizer.type" in e for e in report.errors)
+        try:
+            _optimizer(name)
+            known = True
+        except capacity.CapacityError as err:
+            known = "unknown optimizer" not in str(err)
+        assert known == accepted, (name, report.errors)
+    assert _optimizer("adamw") == ("AdamW", "AdamW")
+    assert _optimizer("adam") == ("Adam", "AdamW")
+    assert _optimizer("MUON") == ("Muon", "Muon")
+
+
+def test_optimizer_adamw_lowercase_works_and_adam_is_adamw():
+    common = ("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+              "--memory", "--json")
+    default, lower, adam = (json.loads(vescale(*common, *flags).stdout) for flags in
+                            ((), ("--optimizer", "adamw"), ("--optimizer", "adam")))
+    assert lower["memory"] == default["memory"] == adam["memory"]
+    assert lower["memory_setup"]["optimizer"] == adam["memory_setup"]["optimizer"] == "AdamW"
+    assert adam["memory_setup"]["optimizer_type"] == "Adam"
+    assert "optimizer_type" not in lower["memory_setup"]
+    text = vescale(*common[:-1], "--optimizer", "adam")
+    assert text.returncode == 0 and ", Adam (run as AdamW), " in text.stdout
+
+
+@pytest.mark.parametrize("name,message", [
+    ("Adamm", "vescale plan: error: unknown optimizer 'Adamm': --optimizer takes an "
+              "optimizer.type `vescale validate` accepts: AdamW, AdamW8bit, Muon, Shampoo, Adam,"
+              " SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam (Adam, AdamW, Adagrad, Muon in any "
+              "case)"),
+    ("SGD", "vescale plan: error: --optimizer SGD: a valid optimizer.type (the engine runs "
+            "torch.optim.SGD), but --memory estimates only AdamW, AdamW8bit, Muon, Shampoo and "
+            "Adam (which the engine runs as AdamW)"),
+])
+def test_optimizer_errors_are_one_line(name, message):
+    out = vescale("plan", "--shapes", "examples/models/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--optimizer", name)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [message]
+
+
+def test_shampoo_block_cut_is_the_optimizers():
+    """optim_spec.shampoo_block_cut (torch-free, what `vescale plan` checks a granularity given
+    with Shampoo with) is optim/shampoo.py's block_cut."""
+    from vescale_engine.optim.shampoo import block_cut
+    from vescale_engine.plan.granularity import parse_granularity
+    from vescale_engine.plan.optim_spec import shampoo_block_cut
+    for shape in ((8192,), (4096, 1024), (1000, 300), (8, 512, 1024), (3, 96, 40)):
+        for g in ("rows:1", "rows:16", "rows:32", "rows:1024", "rows:2048", "matrix", "tensor",
+                  "shampoo:32", "shampoo:1024", "block:256"):
+            for B in (32, 1024):
+                size = parse_granularity(g).block_size(shape)
+                assert shampoo_block_cut(shape, size, B) == block_cut(shape, size, B), \
+                    (shape, g, B)

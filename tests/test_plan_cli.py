@@ -70,7 +70,8 @@ def test_sweep_table_verify_and_plot(tmp_path):
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("rows:")]
     assert [(r[0], r[1]) for r in rows] == [(g, w) for g in ("rows:1", "rows:16")
                                             for w in ("8", "64", "256")]
-    assert all(len(r) == 10 for r in rows)  # ours, buffers, 1-buffer, LB, per-block, FSDP2, ZeRO-3
+    # ours, buffers, 1-buffer, LB, per-block, FSDP2 and ZeRO-3 each with its whole-blocks figure
+    assert all(len(r) == 12 for r in rows)
     assert "every invariant holds" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -175,3 +176,112 @@ def test_offload_table_and_json():
     assert "offload_optimizer" not in plain_est["memory_setup"]
     assert "pcie" not in plain_est["traffic"] and "host" not in plain_est["memory"]["ours"]
     assert "offload:" not in vescale(*common).stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The output explains itself: FSDP2's and ZeRO-3's figures that ignore the block constraint are
+# marked, with what they would pad keeping blocks whole; a plan padding over 25% warns.
+
+# Hand-computable: a [256, 4] and d [128, 4] at 3 ranks, rows:128 (blocks of 128 rows = 512
+# elements; 1,536 elements in all). Ours: S = 512, a's two blocks on ranks 0 and 1, d on rank 2:
+# no padding. FSDP2: dim-0 chunks of 86 and 43 rows (258 + 129 rows stored: 3 + 1 padded rows,
+# 12 elements, 0.78%), which cut the blocks; whole, each chunk rounded up to 128 rows: 384 rows
+# of a, 384 of d, 2 x 256 padded rows = 1,536 elements, 100%. ZeRO-3: pieces of 342 and 171
+# elements (2 + 1 padded, 0.20%), cutting blocks; whole, pieces of 512: 1,536 padded, 100%.
+# rows:1: FSDP2's chunks are whole rows (no mark); ZeRO-3's pieces of 342 and 171 elements cut
+# rows of 4: whole, 344 and 172: 8 + 4 = 12 padded (0.78%).
+HAND = {"name": "hand", "groups": [{"name": "g", "tensors": [
+    {"name": "a", "shape": [256, 4]}, {"name": "d", "shape": [128, 4]}]}]}
+
+
+@pytest.fixture
+def hand(tmp_path):
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps(HAND))
+    return str(path)
+
+
+def test_alternatives_marked_with_whole_block_figures(hand):
+    out = vescale("plan", "--shapes", hand, "--world-size", "3", "--granularity",
+                  "rows:1,rows:128")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.startswith("rows:")}
+    # ours, then FSDP2 / whole / ZeRO-3 / whole (the mark follows a figure that cuts blocks)
+    assert rows["rows:128"][2] == "0.00%"
+    assert rows["rows:128"][7:11] == ["0.78%*", "100.00%", "0.20%*", "100.00%"]
+    assert rows["rows:1"][7:11] == ["0.78%", "0.78%", "0.20%*", "0.78%"]
+    lines = out.stdout.splitlines()
+    foot = lines.index(next(line for line in lines if line.startswith("* ")))
+    assert foot == len(lines) - 1 and lines[foot - 1].startswith("rows:128")
+    assert "ignores the block constraint" in lines[foot] and "whole:" in lines[foot]
+    detail = vescale("plan", "--shapes", hand, "--world-size", "3", "--granularity", "rows:128")
+    assert ("(FSDP2 0.781%*, whole blocks 100.000%; ZeRO-3 0.195%*, whole blocks 100.000%)"
+            in detail.stdout), detail.stdout
+    assert "* ignores the block constraint" in detail.stdout
+    data = json.loads(vescale("plan", "--shapes", hand, "--world-size", "3", "--granularity",
+                              "rows:128", "--json").stdout)
+    assert data["alternatives"]["fsdp2"] == {
+        "padding_ratio": 12 / 1536, "ignores_blocks": True, "first_cut_tensor": "g/a",
+        "whole_blocks_padding_ratio": 1.0}
+    assert data["alternatives"]["zero3"] == {
+        "padding_ratio": 3 / 1536, "ignores_blocks": True, "first_cut_tensor": "g/a",
+        "whole_blocks_padding_ratio": 1.0}
+    assert data["padding_ratio"] == 0 and data["warnings"] == []
+    rows1 = json.loads(vescale("plan", "--shapes", hand, "--world-size", "3", "--json").stdout)
+    assert rows1["alternatives"]["fsdp2"]["ignores_blocks"] is False
+    assert rows1["alternatives"]["zero3"]["whole_blocks_padding_ratio"] == 12 / 1536
+
+
+def test_alternatives_are_their_own_figures_without_blocks():
+    """The whole-blocks figures come from the same loops as the figures the table always had:
+    with element blocks they are those figures, unmarked."""
+    from vescale_engine.plan import model_plan as mp
+    model = mp.load_shapes(f"{MODELS}/deepseek-v3.json")
+    plan = mp.plan_model(model, 1024, "element")
+    fsdp2, zero3 = mp.alternatives(plan)
+    assert fsdp2.padding_ratio == fsdp2.whole_blocks_padding_ratio == \
+        mp.fsdp2_padding_ratio(model, 1024) > 0
+    assert zero3.padding_ratio == zero3.whole_blocks_padding_ratio == \
+        mp.zero3_padding_ratio(model, 1024) > 0
+    assert not fsdp2.ignores_blocks and not zero3.ignores_blocks
+
+
+LLAMA_WARNING = ("warning: rows:128 at 512 ranks pads 237.86% of the parameters (over 25%: its "
+                 "blocks are large next to a rank's share of a unit); what helps: a finer "
+                 "granularity (rows:32 pads 9.58%), fewer ranks per shard group (128 ranks x 4 "
+                 "HSDP replicas pad 9.58%: --world-size 128, or --memory --hsdp 4); no help: "
+                 "more buffers (--max-buffers 16 pads 237.86%)")
+
+
+def test_padding_over_a_quarter_warns_with_what_helps():
+    """Llama-3-70B at rows:128 on 512 ranks: a down_proj block (128 x 28,672 elements) is
+    larger than a rank's share of a layer; rows:32 and 128-rank shard groups bring it under
+    25%, more buffers do not. One line on stderr (a sweep: one per such row); --json lists it."""
+    common = ("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--granularity", "rows:128")
+    out = vescale(*common, "--world-size", "512")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [LLAMA_WARNING]
+    assert "padding 237.857%" in out.stdout
+    data = json.loads(vescale(*common, "--world-size", "512", "--json").stdout)
+    assert data["warnings"] == [LLAMA_WARNING]
+    # what the warning says, checked: the remedies' own plans
+    for args, padding in ((("--granularity", "rows:32", "--world-size", "512"), 0.0958),
+                          (("--world-size", "128"), 0.0958),
+                          (("--world-size", "512", "--max-buffers", "16"), 2.3786)):
+        plan = json.loads(vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json",
+                                  "--granularity", "rows:128", *args, "--json").stdout)
+        assert plan["padding_ratio"] == pytest.approx(padding, abs=1e-4)
+    sweep = vescale(*common, "--world-size", "64,256,512")   # 1.97%, 100.89%, 237.86%
+    lines = sweep.stderr.splitlines()
+    assert len(lines) == 2 and lines[1] == LLAMA_WARNING, sweep.stderr
+    assert lines[0].startswith("warning: rows:128 at 256 ranks pads 100.89%")
+
+
+def test_low_padding_does_not_warn():
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "64,512",
+                  "--granularity", "rows:16")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    data = json.loads(vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size",
+                              "512", "--granularity", "rows:16", "--json").stdout)
+    assert data["padding_ratio"] < 0.25 and data["warnings"] == []

@@ -19,7 +19,7 @@ from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, Tenso
 
 __all__ = ["ShapesError", "Group", "ModelShapes", "load_shapes", "model_specs", "ModelPlan",
            "plan_model", "fsdp2_padding_ratio", "fsdp2_shard_dim", "fsdp2_unsupported",
-           "zero3_padding_ratio", "single_buffer_ratio",
+           "zero3_padding_ratio", "Alternative", "alternatives", "single_buffer_ratio",
            "single_buffer_lower_bound_ratio", "per_block_size_ratio", "DTYPE_BYTES",
            "DEFAULT_MAX_BUFFERS"]
 
@@ -154,7 +154,8 @@ class ModelPlan:
         parallel = any(g.cuts for g in self.model.groups)   # a TP/EP-local model
         mesh = {} if self.mesh is None else {"mesh": {
             "tp": self.mesh.tp, "ep": self.mesh.ep, "dp": self.mesh.dp,
-            "dp_shard": self.mesh.dp_shard, "efsdp": self.mesh.efsdp}}
+            "dp_shard": self.mesh.dp_shard, "efsdp": self.mesh.efsdp,
+            **({"replicate": self.mesh.replicate} if self.mesh.replicate > 1 else {})}}
         return {
             "model": self.model.name,
             "world_size": self.world,
@@ -168,8 +169,10 @@ class ModelPlan:
             "groups": [{
                 "name": group.name,
                 "repeat": group.repeat,
-                **({"expert": group.expert, "shard_group_size": self.group_world(group)}
-                   if parallel else {}),
+                **({"expert": group.expert} if parallel else {}),
+                # with a mesh (TP/EP, HSDP) the ranks a group's buffers are laid over
+                **({"shard_group_size": self.group_world(group)}
+                   if parallel or self.mesh is not None else {}),
                 "buffers": [{
                     "shard_size": buf.shard_size,
                     "padding": buf.padding,
@@ -244,31 +247,123 @@ def fsdp2_unsupported(model: ModelShapes, world_size: int,
     return None
 
 
+def _fsdp2_chunk(shape: tuple, dim: int, world: int, block: int) -> tuple:
+    """(rows FSDP2 gives each rank of `shape` on `dim`, the rows it would need for no chunk
+    boundary to cut a `block`-element block): each rank's piece is `shape` with `dim` cut to
+    c rows (padded), so the cuts fall every c slices of `dim` within each leading index."""
+    outer = math.prod(shape[:dim])
+    size, inner = shape[dim], math.prod(shape[dim + 1:])
+    native = -(-size // world)
+
+    def whole(c):  # c rows per rank cut no block: one rank holds it all, or every cut (within
+        # each leading index, and between them) falls on a block boundary
+        return c >= size or (c * inner % block == 0 and (outer == 1 or size * inner % block == 0))
+    if whole(native):
+        return native, native
+    if outer > 1 and size * inner % block:
+        return native, size   # blocks straddle the leading index: only one rank holding it all
+    step = block // math.gcd(block, inner)
+    return native, min(-(-native // step) * step, size)
+
+
+def _fsdp2_padding(model: ModelShapes, world_size: int, expert_world_size: int | None,
+                   blocks: list | None) -> tuple:
+    """(padded elements, padded elements keeping every block whole, the first tensor whose
+    blocks FSDP2's chunks cut or None); `blocks`: per group, each tensor's block (None: no
+    block constraint, the last two as the first)."""
+    pad = whole_pad = 0
+    cut = None
+    for i, group in enumerate(model.groups):
+        m = expert_world_size if group.expert and expert_world_size else world_size
+        for j, (name, shape) in enumerate(group.tensors):
+            dim = fsdp2_shard_dim(group, shape, m)
+            per_row = math.prod(shape) // shape[dim]   # elements of one index of `dim`
+            native, kept = _fsdp2_chunk(shape, dim, m, blocks[i][j] if blocks else 1)
+            pad += group.repeat * (native * m - shape[dim]) * per_row
+            whole_pad += group.repeat * (kept * m - shape[dim]) * per_row
+            if kept != native and cut is None:
+                cut = f"{group.name}/{name}"
+    return pad, whole_pad, cut
+
+
 def fsdp2_padding_ratio(model: ModelShapes, world_size: int,
                         expert_world_size: int | None = None) -> float:
     """PyTorch FSDP2: every parameter is Shard(0), dim 0 padded to a multiple of world size
     (expert units over their own shard group, on the dim fsdp2_shard_dim says)."""
-    pad = 0
-    for group in model.groups:
+    return _fsdp2_padding(model, world_size, expert_world_size, None)[0] / model.numel
+
+
+def _zero3_padding(model: ModelShapes, world_size: int, expert_world_size: int | None,
+                   blocks: list | None) -> tuple:
+    """As _fsdp2_padding, for ZeRO-3's rule: each parameter's elements in `world` equal pieces
+    (numel padded to a multiple of the world size); kept whole, each piece a whole number of
+    blocks (or one rank holding the parameter)."""
+    pad = whole_pad = 0
+    cut = None
+    for i, group in enumerate(model.groups):
         m = expert_world_size if group.expert and expert_world_size else world_size
-        for _, shape in group.tensors:
-            dim = fsdp2_shard_dim(group, shape, m)
-            rest = math.prod(shape) // shape[dim]
-            pad += group.repeat * (-(-shape[dim] // m) * m - shape[dim]) * rest
-    return pad / model.numel
+        for j, (name, shape) in enumerate(group.tensors):
+            n = math.prod(shape)
+            block = blocks[i][j] if blocks else 1
+            piece = -(-n // m)
+            kept = piece if piece >= n or piece % block == 0 else \
+                min(-(-piece // block) * block, n)
+            pad += group.repeat * (piece * m - n)
+            whole_pad += group.repeat * (kept * m - n)
+            if kept != piece and cut is None:
+                cut = f"{group.name}/{name}"
+    return pad, whole_pad, cut
 
 
 def zero3_padding_ratio(model: ModelShapes, world_size: int,
                         expert_world_size: int | None = None) -> float:
     """DeepSpeed ZeRO-3: every parameter's numel is padded to a multiple of world size
     (AutoEP's experts: of their expert-data-parallel group)."""
-    pad = 0
-    for group in model.groups:
-        m = expert_world_size if group.expert and expert_world_size else world_size
-        for _, shape in group.tensors:
-            n = math.prod(shape)
-            pad += group.repeat * (-(-n // m) * m - n)
-    return pad / model.numel
+    return _zero3_padding(model, world_size, expert_world_size, None)[0] / model.numel
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """Another system's padding on a plan's shapes, beside ours: its own figure, whether its
+    sharding rule cuts any of the plan's atomic blocks (then that figure ignores the block
+    constraint) and the first tensor it cuts, and its padding when each tensor must be cut only
+    at block boundaries under its own rule (FSDP2: dim-0 chunks rounded up to whole blocks;
+    ZeRO-3: each parameter's even pieces rounded up to whole blocks). `unsupported`: why the
+    system cannot shard the model this way at all (then no figures)."""
+    system: str
+    padding_ratio: float | None
+    whole_blocks_padding_ratio: float | None
+    cuts: str | None = None
+    unsupported: str | None = None
+
+    @property
+    def ignores_blocks(self) -> bool:
+        return self.cuts is not None
+
+    def to_json(self) -> dict:
+        if self.unsupported:
+            return {"unsupported": self.unsupported}
+        return {"padding_ratio": self.padding_ratio, "ignores_blocks": self.ignores_blocks,
+                "first_cut_tensor": self.cuts,
+                "whole_blocks_padding_ratio": self.whole_blocks_padding_ratio}
+
+
+def alternatives(model_plan: ModelPlan) -> tuple:
+    """(FSDP2's, ZeRO-3's) Alternative on the plan's (TP/EP-local) shapes and blocks."""
+    model, worlds = model_plan.model, (model_plan.world_size, model_plan.expert_world_size)
+    # the granularity's blocks (a TP-local tensor's planner block is also a multiple of its TP
+    # cut: our layout's need, not the block constraint)
+    blocks = [[model_plan.granularity.block_size(shape) for _, shape in g.tensors]
+              for g in model.groups]
+    out = []
+    for system, count in (("fsdp2", _fsdp2_padding), ("zero3", _zero3_padding)):
+        why = fsdp2_unsupported(model, *worlds) if system == "fsdp2" else None
+        if why:
+            out.append(Alternative(system, None, None, unsupported=why))
+            continue
+        pad, whole_pad, cut = count(model, *worlds, blocks)
+        out.append(Alternative(system, pad / model.numel, whole_pad / model.numel, cut))
+    return tuple(out)
 
 
 def single_buffer_lower_bound_ratio(model_plan: ModelPlan) -> float:

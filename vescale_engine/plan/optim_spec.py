@@ -4,9 +4,11 @@ orthogonalizes. The optimizers import them from here, and so does the capacity p
 from __future__ import annotations
 
 import fnmatch
+import math
 
 __all__ = ["OPTIMIZERS", "ADAMW8BIT_BLOCK", "QUANT_CHUNK_ELEMENTS", "MUON_ADAMW_PATTERNS",
            "MUON_ROUNDS_IN_FLIGHT", "SHAMPOO_DEFAULTS", "SHAMPOO_BLOCK", "is_muon_matrix",
+           "shampoo_block_cut",
            "shampoo_statistics", "shampoo_granularity_for", "shampoo_root_work"]
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo")
@@ -45,6 +47,22 @@ def shampoo_granularity_for(block: int) -> str:
     B-row runs (rows:B), or whole matrices for a stack whose row count is not a multiple of B
     (plan/granularity.py; optim/shampoo.py)."""
     return f"shampoo:{block}"
+
+
+def shampoo_block_cut(shape, granularity_block: int, block: int):
+    """The first flat element at which sharding a tensor of `shape` in atomic blocks of
+    `granularity_block` elements may cut a Shampoo block of B = `block` rows (None when it never
+    does: tensors of fewer than 2 dims, rows:B or a multiple of B, whole matrices). The same
+    rule as optim/shampoo.py's block_cut, without torch (tests/test_capacity.py compares them)."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel == 0:
+        return None
+    m, n = shape[-2], shape[-1]
+    for element in range(granularity_block, numel, granularity_block):
+        if element % n or (element // n) % m % block:
+            return element
+    return None
 
 
 def shampoo_statistics(shape, rows: int, block: int) -> int:

@@ -19,12 +19,13 @@ from .fsdp2 import pcie_fsdp2, simulate_fsdp2, traffic_fsdp2
 from .ours import (ADAMW8BIT_STEP_BYTES_PER_ELEMENT, ADAMW8BIT_TABLE_BYTES, PlanCache,
                    offloaded_buffers, pcie, simulate_ours, traffic)
 from .report import ACTIVATIONS_NOTE, estimate
-from .request import MASTER_BYTES, CapacityError, Setup, check_setup
+from .request import MASTER_BYTES, CapacityError, Setup, check_setup, default_granularity
 from .shampoo_work import root_work_balance, root_work_per_rank
 from .units import Tensor, Unit, default_root, model_units, tensor_uses
 from .zero3 import ZERO3_DEFAULTS, estimate_zero3, pcie_zero3, sub_groups, traffic_zero3
 
-__all__ = ["CapacityError", "Setup", "check_setup", "estimate", "PlanCache", "tensor_uses",
+__all__ = ["CapacityError", "Setup", "check_setup", "default_granularity", "estimate",
+           "PlanCache", "tensor_uses",
            "default_root", "model_units", "Tensor", "Unit", "simulate_ours", "simulate_fsdp2",
            "estimate_zero3", "traffic", "traffic_fsdp2", "traffic_zero3", "MASTER_BYTES",
            "ACTIVATIONS_NOTE", "ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES",

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES
-from ..optim_spec import (ADAMW8BIT_BLOCK, MUON_ROUNDS_IN_FLIGHT, QUANT_CHUNK_ELEMENTS,
-                          is_muon_matrix, shampoo_granularity_for, shampoo_statistics)
+from ..optim_spec import (MUON_ROUNDS_IN_FLIGHT, QUANT_CHUNK_ELEMENTS, is_muon_matrix,
+                          shampoo_statistics)
 from ..planner import TensorSpec, plan_unit
 from .request import MASTER_BYTES, CapacityError, Setup, add_traffic
 from .timeline import Timeline
@@ -69,18 +69,16 @@ class PlanCache:
         self.plans = {}
 
     def plan(self, unit: Unit, setup: Setup) -> _Planned:
-        granularity = parse_granularity(ADAMW8BIT_BLOCK if setup.optimizer == "AdamW8bit"
-                                        else setup.granularity)
+        # the engine's granularity: the one given, else the optimizer's (AdamW8bit's
+        # quantization block, Shampoo's shampoo:B: check_setup refuses a given one that cuts a
+        # Shampoo block); AdamW8bit quantizes in the blocks it is sharded with
+        granularity = parse_granularity(setup.layout_granularity)
         itemsize = min(MASTER_BYTES, DTYPE_BYTES[setup.param_dtype])
         align = max(1, setup.align_bytes // itemsize)   # fully_shard's alignment rule
         M = setup.group_size(unit)
-        def block(t):  # Shampoo: rows:B (or whole matrices) for what it preconditions
-            if setup.optimizer == "Shampoo" and len(t.shape) >= 2:
-                return parse_granularity(shampoo_granularity_for(setup.shampoo_block)) \
-                    .block_size(t.shape)
-            return granularity.block_size(t.shape)
         try:
-            specs = tuple(TensorSpec(t.name, t.shape, math.lcm(block(t), t.cut))
+            specs = tuple(TensorSpec(t.name, t.shape,
+                                     math.lcm(granularity.block_size(t.shape), t.cut))
                           for t in unit.tensors)
         except ValueError as err:
             raise CapacityError(f"unit {unit.name!r}: {err}") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES, ModelShapes, fsdp2_unsupported
-from ..optim_spec import ADAMW8BIT_BLOCK
 from ..parallel import local_model, read_plans
 from .fsdp2 import pcie_fsdp2, simulate_fsdp2, traffic_fsdp2
 from .ours import PlanCache, pcie, simulate_ours, traffic
@@ -103,10 +102,7 @@ def estimate(model: ModelShapes, setup: Setup, uses: dict | None = None,
                   "param_dtype": setup.param_dtype, "reduce_dtype": setup.reduce,
                   "grad_accum": setup.grad_accum,
                   "reshard_after_forward": setup.reshard_after_forward,
-                  "granularity": ADAMW8BIT_BLOCK if setup.optimizer == "AdamW8bit"
-                  else f"rows:{setup.shampoo_block} (or matrix) for tensors of 2+ dims"
-                  if setup.optimizer == "Shampoo"
-                  else str(parse_granularity(setup.granularity)),
+                  "granularity": str(parse_granularity(setup.layout_granularity)),
                   "root": list(root_groups), "activations": "excluded", **offload,
                   **parallel},
         "activations": ACTIVATIONS_NOTE,

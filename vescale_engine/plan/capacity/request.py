@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES, ModelShapes
-from ..optim_spec import OPTIMIZERS, SHAMPOO_BLOCK
+from ..optim_spec import (ADAMW8BIT_BLOCK, OPTIMIZERS, SHAMPOO_BLOCK, shampoo_block_cut,
+                          shampoo_granularity_for)
 from ..parallel import Mesh, make_mesh
 from ..planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 
-__all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup", "add_traffic"]
+__all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup", "add_traffic",
+           "default_granularity"]
 
 MASTER_BYTES = 4             # master weights, gradient shards and optimizer moments are fp32
 
@@ -38,7 +40,7 @@ class Setup:
     grad_accum: int = 1                # micro-steps per optimizer step
     hsdp: int = 1                      # replicate size: shard over world_size / hsdp ranks
     reshard_after_forward: bool = True
-    granularity: str = "rows:1"
+    granularity: str | None = None     # None: the optimizer's (`layout_granularity`)
     align_bytes: int = DEFAULT_ALIGN_BYTES
     max_buffers: int = DEFAULT_MAX_BUFFERS
     root: tuple | None = None          # groups the root unit owns (None: see default_root)
@@ -50,6 +52,15 @@ class Setup:
     ep: int = 1                        # expert-parallel size (borrowed from dp_shard x tp)
     tokens: int = 4096                 # tokens per data-parallel rank per micro-step (EP)
     shampoo_block: int = SHAMPOO_BLOCK  # Shampoo's max_preconditioner_dim (its rows:B)
+
+    @property
+    def layout_granularity(self) -> str:
+        """The granularity every tensor is sharded with, as the engine picks it: the one given,
+        else the optimizer's (AdamW8bit: its quantization block, block:256; Shampoo:
+        shampoo:B; else rows:1). AdamW8bit quantizes in the blocks it is sharded with, so a
+        given granularity is also its quantization block (`"params": {"block": ...}`)."""
+        return self.granularity if self.granularity is not None else \
+            default_granularity(self.optimizer, self.shampoo_block)
 
     @property
     def offloads(self) -> bool:
@@ -89,6 +100,16 @@ class Setup:
         return {"all_gather": n * (M - 1) * gathered * pb,
                 "reduce_scatter": n * (M - 1) * reduced * rb,
                 "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+
+
+def default_granularity(optimizer: str, shampoo_block: int = SHAMPOO_BLOCK) -> str:
+    """The granularity the engine shards with for `optimizer` when the config sets none
+    (optim.sharding_granularity)."""
+    if optimizer == "AdamW8bit":
+        return ADAMW8BIT_BLOCK
+    if optimizer == "Shampoo":
+        return shampoo_granularity_for(shampoo_block)
+    return "rows:1"
 
 
 def add_traffic(*parts: dict) -> dict:
@@ -144,9 +165,16 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
         raise CapacityError("offload is not estimated for Muon (its momentum and Newton-Schulz "
                             "traffic are not modelled); use AdamW or AdamW8bit")
     try:
-        parse_granularity(setup.granularity)
+        granularity = parse_granularity(setup.layout_granularity)
     except ValueError as err:
         raise CapacityError(str(err)) from None
+    if setup.optimizer == "AdamW8bit" and granularity.kind in ("element", "tensor"):
+        raise CapacityError(f"AdamW8bit quantizes in blocks of its sharding granularity, and "
+                            f"{granularity} is not 8-bit block-wise quantization (one scale per "
+                            f"{granularity.kind}): use block:N, rows:K or tile:RxC (default "
+                            f"{ADAMW8BIT_BLOCK})")
+    if setup.optimizer == "Shampoo" and setup.granularity is not None and model is not None:
+        _check_shampoo_granularity(granularity, setup.shampoo_block, model)
     if model is not None and setup.root is not None:
         names = [g.name for g in model.groups]
         unknown = [r for r in setup.root if r not in names]
@@ -157,3 +185,20 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
         if repeated:
             raise CapacityError(f"root group {repeated[0]!r} repeats: a repeated group is one "
                                 "unit per repeat, not part of the root")
+
+
+def _check_shampoo_granularity(granularity, block: int, model: ModelShapes) -> None:
+    """A granularity given with Shampoo must keep every B x B block on one rank, as the engine
+    requires (optim/shampoo.py's shampoo_granularity)."""
+    for group in model.groups:
+        for name, shape in group.tensors:
+            try:
+                cut = shampoo_block_cut(shape, granularity.block_size(shape), block)
+            except ValueError as err:
+                raise CapacityError(f"group {group.name!r}, tensor {name!r}: {err}") from None
+            if cut is not None:
+                raise CapacityError(
+                    f"granularity {granularity} would let a shard boundary cut a {block}x{block} "
+                    f"Shampoo block of {group.name}/{name} {list(shape)} (at element {cut}; the "
+                    f"engine refuses it): use shampoo:{block} (the default with --optimizer "
+                    f"Shampoo), rows:{block} or a multiple of it, or matrix")
