@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
+from dist_harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
@@ -338,12 +338,6 @@ def resume_job(out, runs):
         report[f"{run_dir}:{tag}"] = {"resumed_at": start, "problems": problems}
     with open(out.format(rank=rank), "w") as f:
         json.dump(report, f)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Job:

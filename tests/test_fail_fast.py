@@ -19,6 +19,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from dist_harness import free_port
 from vescale_engine.launch import collective_timeout, rendezvous
 from vescale_engine.launch.env import LaunchError, Placement
 
@@ -150,12 +151,6 @@ def script(tmp_path):
     path = tmp_path / "job.py"
     path.write_text(JOB)
     return str(path)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def vescale_run(job):
