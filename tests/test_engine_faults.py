@@ -27,7 +27,9 @@ MICRO, ACCUM, STEPS = 2, 2, 6
 SLOW_S = 0.15  # per micro-step in the interrupted runs: signals land mid-step
 JOB_TIMEOUT_S = 120
 STOP_BOUND_S = 5    # the (SIGTERM to a launcher): stopped within 5 s of the signal
-GONE_BOUND_S = 15   # the (a failing rank): all processes gone within 15 s
+GONE_BOUND_S = 20   # the 15 s (a failing rank: all processes gone), widened to 3x
+# the up to 6.0 s measured from SIGTERM to the last exit on a loaded 2-core machine (and
+# STOP_BOUND_S is 3x the up to 1.6 s measured there from SIGTERM to Preempted)
 
 BASE = {
     "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
