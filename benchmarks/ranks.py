@@ -80,6 +80,8 @@ def peak() -> int:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the one helper for benchmarks/;
+    tests/ have dist_harness.free_port, launcher/ its own for `vescale run`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

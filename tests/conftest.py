@@ -4,6 +4,8 @@ import os
 import sys
 import time
 
+import pytest
+
 # Make `dist_harness` importable by the test modules and by the spawned ranks.
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -65,6 +67,75 @@ def pytest_runtest_logreport(report):
 def pytest_configure(config):
     global _config
     _config = config
+    for tier, what in TIER_HELP.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+# -- test tiers ---------------------------------------------------------------------------------
+# `pytest -m core tests`: the sharding core (plan, shard, fsdp, optim, checkpoint) with no other
+# library than torch, a few minutes on 2 cores; `pytest -m integration tests`: the tests of other
+# libraries (DeepSpeed's engine and launcher, transformers, PEFT, TRL, Accelerate, mpirun).
+# Every other test file is in the "engine" tier (the engine, launch, config, docs, examples,
+# benchmarks), but for the few tests of other launchers named in INTEGRATION_TESTS, which are
+# integration. Each test gets its file's marker (or that one); tests/test_tiers.py checks that
+# every test file is in exactly one tier and that the integration tier holds
+# .ci/integration-tests.txt.
+TIER_HELP = {
+    "core": "plan, shard, fsdp, optim and checkpoint tests, torch only (pytest -m core)",
+    "integration": "tests of other libraries: DeepSpeed, transformers, PEFT, TRL, Accelerate, "
+                   "mpirun (pytest -m integration)",
+    "engine": "every other test: the engine, launch, config, docs, examples, benchmarks",
+}
+TIERS = {
+    "core": {
+        "test_planner.py", "test_plan_ep.py", "test_ragged.py", "test_fsdp.py",
+        "test_shampoo.py", "test_checkpoint_faults.py", "test_wrap_policy.py", "test_layering.py",
+    },
+    "integration": {
+        # .ci/integration-tests.txt (CI runs them again at the lowest supported versions)
+        "test_hf_trainer.py", "test_hf_trainer_reentrant.py", "test_hf_lora.py", "test_trl.py",
+        "test_deepspeed_parity.py", "test_deepspeed_api.py", "test_deepspeed_params.py",
+        "test_hf_checkpoint.py", "test_hf_zero_init.py", "test_versions.py",
+        "test_autograd_features.py",
+        # and the other tests of other libraries
+        "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
+    },
+    "engine": {
+        "test_adamw8bit.py", "test_benchmark_ranks.py", "test_capacity.py", "test_checkpoint.py",
+        "test_colocation.py", "test_config_schema.py", "test_device.py",
+        "test_device_hygiene.py", "test_docs.py", "test_engine.py", "test_engine_config.py",
+        "test_engine_faults.py", "test_engine_tp_ep.py", "test_example.py", "test_fail_fast.py",
+        "test_gpu_check.py", "test_launch_env.py", "test_launcher_faults.py", "test_logging.py",
+        "test_materialize.py", "test_moe_benchmark.py", "test_muon.py", "test_offload.py",
+        "test_offload_benchmark.py", "test_package.py", "test_plan_cli.py",
+        "test_requires_grad.py", "test_tiers.py", "test_tp_ep.py", "test_vescale_run.py",
+    },
+}
+
+
+# Tests of another launcher (mpirun, DeepSpeed's) in files of the engine tier: integration.
+INTEGRATION_TESTS = {
+    "test_vescale_run.py::test_a_failing_rank_fails_the_job_under_mpirun_and_deepspeed",
+    "test_launcher_faults.py::"
+    "test_sigterm_under_mpirun_or_deepspeed_reaches_the_ranks_with_the_grace",
+    "test_launch_env.py::test_rank_zero_shares_its_address_over_mpi",
+}
+
+
+def tier_of(filename: str):
+    """The tier a test file is in (None: in none, which tests/test_tiers.py reports)."""
+    found = [tier for tier, files in TIERS.items() if filename in files]
+    return found[0] if len(found) == 1 else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item.path.name)
+        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in INTEGRATION_TESTS:
+            tier = "integration"
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def pytest_terminal_summary(terminalreporter):

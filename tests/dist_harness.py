@@ -87,7 +87,8 @@ def _signal_session(sid: int) -> int:
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the one helper for tests/)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -129,7 +130,7 @@ class RankPool:
 
     def _start(self):
         ctx = _context()
-        port = _free_port()
+        port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fsdp_models as fm
-from dist_harness import rank_pools, scratch_dir
+from dist_harness import free_port, rank_pools, scratch_dir
 
 GLOBAL, SAVE_AT, AFTER = 12, 2, 2
 OPT = {"lr": 3e-3, "eps": 1e-6, "weight_decay": 0.01}
@@ -360,10 +360,7 @@ engine.save_checkpoint(sys.argv[1])
 
 
 def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, pools):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(root), str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

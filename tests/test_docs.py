@@ -12,7 +12,7 @@ import pytest
 
 from config_schemas import make_reference
 from config_schemas.validate import load_schema, validate_config
-from dist_harness import run_job
+from dist_harness import free_port, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATION = ROOT / "examples" / "migrate_from_deepspeed.md"
@@ -183,7 +183,7 @@ def test_migration_loop_runs_under_the_deepspeed_launcher(tmp_path):
     launcher = Path(sys.executable).parent / "deepspeed"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     out = run_job([str(launcher), "--num_gpus", "2", "--master_port",
-                  str(_free_port()), str(script), "--deepspeed_config",
+                  str(free_port()), str(script), "--deepspeed_config",
                   str(tmp_path / "config.json")], cwd=tmp_path, env=env,
                   timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -192,11 +192,6 @@ def test_migration_loop_runs_under_the_deepspeed_launcher(tmp_path):
         assert (tmp_path / f"done{rank}").read_text() == f"2 {4 // accum} 4"
 
 
-def _free_port():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _is_main_guard(node):

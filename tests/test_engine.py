@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool, engine_log_messages, value_errors
+from dist_harness import RankPool, engine_log_messages, free_port, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, unit_of
 
@@ -232,12 +232,9 @@ def test_llama_default_wrap_policy_trains_like_one_process(pool):
 def test_a_rank_that_never_joins_is_a_clear_error(tmp_path):
     """Rank 0 of 2 starts alone: a one-line error after the configured timeout, no hang."""
     import os
-    import socket
     import subprocess
     import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = ("import sys; sys.path.insert(0, 'tests'); import fsdp_models as fm, vescale_engine\n"
               "vescale_engine.initialize(model=fm.make('gpt'), config={"
               "'train_batch_size': 2, 'vescale': {'process_group_timeout_s': 3}})\n")

@@ -146,15 +146,27 @@ def test_checks_that_need_no_world_size_run_in_the_validator_too():
         build_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, world_size=3)
 
 
+def test_our_gradient_clipping_default_is_the_installed_deepspeeds():
+    """Our copy of DeepSpeed's GRADIENT_CLIPPING_DEFAULT (we do not read their source for it):
+    if a DeepSpeed changes it, this says so, naming both."""
+    import deepspeed
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from vescale_engine.engine.config import DEEPSPEED_GRADIENT_CLIPPING_DEFAULT
+    assert DEEPSPEED_GRADIENT_CLIPPING_DEFAULT == GRADIENT_CLIPPING_DEFAULT, (
+        f"vescale_engine.engine.config.DEEPSPEED_GRADIENT_CLIPPING_DEFAULT is "
+        f"{DEEPSPEED_GRADIENT_CLIPPING_DEFAULT!r} but the installed DeepSpeed "
+        f"{deepspeed.__version__}'s deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT is "
+        f"{GRADIENT_CLIPPING_DEFAULT!r}: update ours (and docs/config_reference.md)")
+
+
 def test_unset_gradient_clipping_is_deepspeeds_default():
     """DeepSpeed 0.19 clips at GRADIENT_CLIPPING_DEFAULT (1.0) when a config does not set
     gradient_clipping (LLaVA-NeXT's zero2_offload.json, for one): so does ours, or the same
     config would train differently in silence. Set explicitly, the value is taken."""
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
-    from vescale_engine.engine.config import build_config, deepspeed_default
-    assert deepspeed_default("GRADIENT_CLIPPING_DEFAULT") == GRADIENT_CLIPPING_DEFAULT
-    assert deepspeed_default("NO_SUCH_CONSTANT") is None
+    from vescale_engine.engine.config import build_config
     for config, want in (({"train_batch_size": 2}, GRADIENT_CLIPPING_DEFAULT),
                          ({"train_batch_size": 2, "gradient_clipping": 0.0}, 0.0),
                          ({"train_batch_size": 2, "gradient_clipping": 0.5}, 0.5)):

@@ -8,12 +8,11 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
 import pytest
-from dist_harness import run_job
+from dist_harness import free_port, run_job
 
 ARGS = ["examples/train_gpt.py", "--steps", "12", "--layers", "2", "--dim", "64", "--seq", "64"]
 
@@ -31,9 +30,7 @@ def test_example_trains_and_loss_falls(launcher, tmp_path):
         cmd = [sys.executable, "-m", "launcher.cli", "run", "--nproc", "2",
                "--threads-per-rank", "1", *ARGS]
     else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(port), *ARGS]
     cmd += ["--log-csv", str(tmp_path / "metrics.csv")]  # not into the repository

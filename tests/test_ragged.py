@@ -20,6 +20,15 @@ DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
 # ----------------------------------------------------------------------------- block math
 
+def test_the_redistributions_are_public_api():
+    """docs/architecture.md ("Two redistributions"): exported by vescale_engine.shard too."""
+    import vescale_engine.shard as shard
+    from vescale_engine.shard import ragged
+    for name in ("ragged_to_replicate", "ragged_to_ragged", "ragged_to_root", "root_to_ragged",
+                 "Redistribution"):
+        assert name in shard.__all__ and getattr(shard, name) is getattr(ragged, name), name
+
+
 def test_block_math_with_short_last_block():
     spec = RaggedShard((5, 7), block=10, local_units=(2, 0, 2))
     assert (spec.numel, spec.num_blocks, spec.world_size) == (35, 4, 3)

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,9 @@ PUBLIC = REPO / "tests" / "configs_in_the_wild" / "public"
 RESULTS = REPO / "benchmarks" / "results" / "recipes.md"
 CASES = ("full", "lora", "offload")
 ENGINES = ("deepspeed", "vescale")
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: ranks.py, the benchmarks' shared helpers
+from ranks import free_port  # noqa: E402  (standard library only)
+
 TIMEOUT_S = 1800  # one run; the whole run of one engine on 2 shared cores takes a few minutes
 
 # The framework's shipped DeepSpeed configs (verbatim copies, sources in PUBLIC/README.md).
@@ -251,13 +253,6 @@ def command(framework, engine, venv, cfg_path, script, port):
     if engine == "deepspeed":  # what `axolotl train CONFIG --launcher accelerate` runs
         return launch + ["-m", "axolotl.cli.train", str(cfg_path)]
     return launch + [str(script), str(cfg_path)]
-
-
-def free_port():
-    """A port nothing listens on now (other jobs on this machine start rendezvous too)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_one(framework, case, engine, root):

@@ -5,6 +5,8 @@ DBuffer (one flat buffer per BufferLayout: master, gradient and full storage, on
 needed). Must not know about modules, hooks, optimizers or the config.
 """
 from .dbuffer import DBuffer
-from .ragged import RaggedShard
+from .ragged import (RaggedShard, Redistribution, ragged_to_ragged, ragged_to_replicate,
+                     ragged_to_root, root_to_ragged)
 
-__all__ = ["RaggedShard", "DBuffer"]
+__all__ = ["RaggedShard", "DBuffer", "Redistribution", "ragged_to_replicate", "ragged_to_ragged",
+           "ragged_to_root", "root_to_ragged"]

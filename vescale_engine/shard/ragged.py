@@ -8,6 +8,12 @@ tensor of `spec.local_numel(rank)` elements.
 Redistributions use only collectives that gloo and NCCL both accept with these shapes: an
 equal-size all-gather (pieces padded to the longest), an all-to-all with uneven splits, and
 async work handles. gloo rejects all_gather with unequal sizes, so it is never used.
+
+The redistributions (ragged_to_replicate, ragged_to_ragged, ragged_to_root, root_to_ragged;
+also exported by `vescale_engine.shard`) are public API for code holding one sharded tensor and
+its RaggedShard (tests/test_ragged.py). The engine's own traffic does not go through them:
+DBuffers gather and reduce whole buffers (collectives.py) and Muon has its own per-matrix-owner
+exchange (docs/architecture.md, "Two redistributions").
 """
 from __future__ import annotations
 
