@@ -184,8 +184,8 @@ def _capacity_setups(args, model) -> dict:
 
 
 def _local(args, model) -> tuple:
-    """(the model the layouts are planned for, {world size: Mesh or None}): with --tp / --ep
-    the TP/EP-local model and each world size's mesh, checked before any planning."""
+    """(the model the layouts are planned for, {world size: ParallelSizes or None}): with --tp /
+    --ep the TP/EP-local model and each world size's mesh, checked before any planning."""
     if args.tp == 1 and args.ep == 1:
         return model, {w: None for w in args.world_size}
     from vescale_engine.plan import parallel
