@@ -5,9 +5,10 @@ DCP chunks (dcp.py), named entries and plain-data IO (entries.py) and directory 
 docstring): this package must not know any optimizer class, the engine's config or how models
 are built.
 """
-from .dcp import CheckpointError, CheckpointWriteError, RaggedPiece
+from .dcp import CheckpointError, CheckpointWriteError
 from .hf import load_hf_checkpoint, save_hf_checkpoint
 from .layout import LATEST_FILE, STATE_FILE
+from .piece import RaggedPiece
 from .sharded import consolidate, load_checkpoint, save_checkpoint
 from .zero import convert_zero
 

@@ -49,13 +49,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, RaggedPiece,
-                  SafeReader, SavePlanner, write_error)
+from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, SafeReader,
+                  SavePlanner, write_error)
 from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
                       optimizer_state, persistent_buffers, piece, read_checked_json, restore_rng,
                       rng_entries, sharded_params, to_json, write_checked_json)
 from .layout import (FORMAT, LATEST_FILE, STATE_FILE, bad_tag, partial_dir, publish, read_latest,
                      remove_partials, write_latest)
+from .piece import RaggedPiece
 from .safetensors_format import save_file
 from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
