@@ -225,7 +225,7 @@ def _optimizer(text) -> tuple:
 
 
 def _local(args, model) -> tuple:
-    """(the model the layouts are planned for, {world size: Mesh or None}): with --tp / --ep
+    """(the model the layouts are planned for, {world size: ParallelSizes or None}): with --tp / --ep
     the TP/EP-local model and each world size's mesh, checked before any planning; with
     --memory --hsdp R each world size's mesh of R replicas (the layout of a shard group)."""
     from vescale_engine.plan import parallel

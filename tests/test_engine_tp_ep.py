@@ -557,7 +557,7 @@ def strided_boxes(rank, world):
     dim 0 and 1, _StridedShard as transformers' packed gate/up, FSDP2's 2-D expert placement):
     [(placements, global shape, [(offsets, values)])]."""
     from torch.distributed.tensor import distribute_tensor
-    from vescale_engine.checkpoint.dcp import RaggedPiece
+    from vescale_engine.checkpoint.piece import RaggedPiece
     from vescale_engine.fsdp.dtensor_params import local_index_maps
     full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
     out = []
@@ -741,7 +741,8 @@ def test_optimizer_state_in_its_own_shape_must_be_mapped_for_tp_ep_parameters():
     index maps (AdamW8bit does); an unmapped one is one line, never written as if global."""
     from types import SimpleNamespace
     from torch.distributed.tensor import Shard
-    from vescale_engine.checkpoint.dcp import CheckpointError, RaggedPiece
+    from vescale_engine.checkpoint.dcp import CheckpointError
+    from vescale_engine.checkpoint.piece import RaggedPiece
     from vescale_engine.checkpoint.entries import optimizer_entries
     p = torch.zeros(4)
     p._vescale = SimpleNamespace(dtensor_spec=SimpleNamespace(placements=(Shard(0),)))

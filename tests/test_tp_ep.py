@@ -814,7 +814,7 @@ def _state_vs_checkpoint(engine, full):
     how many entries were compared: element-wise state (momentum, 8-bit codes) by its TP/EP
     piece of the global tensor, own-shape state (per-block scales) by its boxes, steps."""
     from test_engine_tp_ep import local_piece
-    from vescale_engine.checkpoint.dcp import RaggedPiece
+    from vescale_engine.checkpoint.piece import RaggedPiece
     from vescale_engine.checkpoint.entries import optimizer_state
     from vescale_engine.fsdp.lookup import sharded_parameters
     state = optimizer_state(engine.optimizer, create=False)

@@ -1,8 +1,7 @@
-"""A rank's ragged flat piece of a tensor as DCP chunks of the tensor's true shape.
-
-A RaggedShard range is cut by `box_decomposition` into rectangular boxes (each a contiguous flat
-range, so each is a view of the local piece); each box is one DCP chunk. The two planners
-subclass DCP's default ones only to write and read those boxes.
+"""A rank's ragged flat pieces of tensors (piece.py's RaggedPiece) as DCP chunks of the tensors'
+true shapes: each box of a piece is one DCP chunk. The two planners subclass DCP's default ones
+only to write and read those boxes. Also: the checkpoint errors, the reader that never unpickles
+and the writer that takes every file's CRC32 while writing.
 """
 from __future__ import annotations
 
@@ -19,14 +18,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import StorageMeta
 
-from ..shard.ragged import box_decomposition, map_box
+from .piece import RaggedPiece
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "RaggedPiece", "SavePlanner",
-           "LoadPlanner", "SafeReader", "CrcWriter", "write_error"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "SavePlanner", "LoadPlanner", "SafeReader",
+           "CrcWriter", "write_error"]
 
 
 class CheckpointError(ValueError):
@@ -67,50 +64,6 @@ def _free_bytes(path) -> str:
     except OSError:
         return "?"
     return str(st.f_bavail * st.f_frsize)
-
-
-class RaggedPiece:
-    """This rank's flat range [start, start + numel) of a tensor of `shape`, as the boxes DCP
-    reads and writes. Every box of `box_decomposition` covers a contiguous flat range, so each
-    box is a view of `local` and loading writes straight into it.
-
-    Under tensor/expert parallelism the range is one of a TP/EP-local tensor of `local_shape`,
-    and `index_maps` (fsdp.dtensor_params.local_index_maps) place its boxes on the global
-    `shape`: shifted by the rank's TP/EP offset, split where the local dim is not one run of
-    global indices (`_StridedShard`); such a box is a strided view of `local`."""
-
-    def __init__(self, local: torch.Tensor, shape, start: int, local_shape=None,
-                 index_maps=None):
-        self.local = local
-        self.shape = torch.Size(shape)
-        self.mapped = index_maps is not None  # placed through TP/EP index maps (or identity)
-        local_shape = self.shape if local_shape is None else torch.Size(local_shape)
-        maps = index_maps or [None] * len(local_shape)
-        self.boxes = {}  # global offsets -> (sizes, flat begin in local, local box, offsets in it)
-        at = 0
-        for offsets, sizes in box_decomposition(local_shape, start, start + local.numel()):
-            for inner, part, global_offsets in map_box(offsets, sizes, maps):
-                within = tuple(i - o for i, o in zip(inner, offsets))
-                self.boxes[torch.Size(global_offsets)] = (torch.Size(part), at, sizes, within)
-            at += math.prod(sizes)
-
-    def chunks(self):
-        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, (s, *_) in self.boxes.items()]
-
-    def write_items(self, fqn):
-        props = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(o, s),
-                                                      properties=props, size=self.shape))
-                for o, (s, *_) in self.boxes.items()]
-
-    def box(self, offsets) -> torch.Tensor:
-        part, at, sizes, within = self.boxes[torch.Size(offsets)]
-        view = self.local[at:at + math.prod(sizes)].view(sizes)
-        for d, (o, n) in enumerate(zip(within, part)):
-            if n != view.shape[d]:
-                view = view.narrow(d, o, n)
-        return view
 
 
 class SavePlanner(DefaultSavePlanner):

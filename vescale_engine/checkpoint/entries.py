@@ -14,7 +14,8 @@ import torch
 
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..shard.ragged import RaggedShard
-from .dcp import CheckpointError, RaggedPiece, write_error
+from .dcp import CheckpointError, write_error
+from .piece import RaggedPiece
 
 __all__ = ["sharded_params", "piece", "persistent_buffers", "optimizer_info", "optimizer_state",
            "optimizer_entries", "rng_entries", "restore_rng", "to_json", "from_json",

@@ -20,6 +20,12 @@ Atomicity: everything is written into `SAVE_DIR/.TAG.partial`; once every rank h
 fsynced, rank 0 renames it to `SAVE_DIR/TAG` and then replaces `latest` by rename. A process
 killed before that leaves the previous checkpoint and `latest` untouched.
 
+What is saved is a training state (state.py's TrainingState, handed in by its owner: the
+engine's is engine/training_state.py): its module's parameters and buffers, its optimizer's
+state and hyperparameters, and its plain values (`state_dict()`, each a top-level key of
+`vescale_state.json`, given back to `load_state_dict()` on load). This module never reads or
+writes an engine.
+
 Optimizer state interface (how an optimizer plugs in): `optimizer.checkpoint_state(create)`
 returns `{parameter: {name: tensor}}` where each tensor is either a 1-D view with exactly the
 parameter's local numel (element-wise state: saved with the parameter's global shape, so it
@@ -30,9 +36,9 @@ runs after loading (e.g. to convert from other quantization blocks). An optimize
 `checkpoint_info()` (plain data on its state's format, kept in vescale_state.json) gets
 `checkpoint_state(create, saved_info)`: its own info when saving, the checkpoint's on load.
 Every optimizer in vescale_engine.optim implements it; torch's element-wise optimizers (AdamW,
-Adam, SGD, ...) need no such method (entries.py adapts them). Modules: dcp.py (pieces as DCP
-chunks), entries.py (named entries, plain data), layout.py (the directory layout and its atomic
-publication), zero.py (DeepSpeed import).
+Adam, SGD, ...) need no such method (entries.py adapts them). Modules: state.py (the training
+state), piece.py (RaggedPiece), dcp.py (pieces as DCP chunks), entries.py (named entries, plain
+data), layout.py (the directory layout and its atomic publication), zero.py (DeepSpeed import).
 """
 from __future__ import annotations
 
@@ -49,13 +55,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, RaggedPiece,
-                  SafeReader, SavePlanner, write_error)
+from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, SafeReader,
+                  SavePlanner, write_error)
 from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
                       optimizer_state, persistent_buffers, piece, read_checked_json, restore_rng,
                       rng_entries, sharded_params, to_json, write_checked_json)
 from .layout import (FORMAT, LATEST_FILE, STATE_FILE, bad_tag, partial_dir, publish, read_latest,
                      remove_partials, write_latest)
+from .piece import RaggedPiece
 from .safetensors_format import save_file
 from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
@@ -69,9 +76,15 @@ LOG = logging.getLogger("vescale_engine")
 # ---------------------------------------------------------------------------------------------
 # Save.
 
-def engine_state_dict(engine):
-    """Everything DCP holds for this rank, plus the names of each parameter."""
-    params = sharded_params(engine.module)
+# The top-level keys of vescale_state.json that are the checkpoint's own; every other key is a
+# plain value of the training state (state.py), handed back to its load_state_dict.
+OWN_KEYS = frozenset({"format", "tag", "world_size", "optimizer", "client_state",
+                      "excludes_frozen_parameters", "model_keys", "files", "imported_from"})
+
+
+def model_state_dict(module):
+    """Everything DCP holds of the model for this rank, plus the names of each parameter."""
+    params = sharded_params(module)
     names_of = {id(p): names for p, names in params}
     sd = {}
     for p, names in params:
@@ -79,43 +92,55 @@ def engine_state_dict(engine):
                       else p.detach())
         for name in names:
             sd[f"model.{name}"] = entry
-    for name, b in persistent_buffers(engine.module):
+    for name, b in persistent_buffers(module):
         sd[f"model.{name}"] = b.detach()
     return sd, params, names_of
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True,
+def _training_values(training) -> dict:
+    """The training state's plain values as JSON, each a top-level key of vescale_state.json."""
+    values = training.state_dict()
+    clash = sorted(set(values) & OWN_KEYS)
+    if clash:
+        raise CheckpointError(f"save_checkpoint: the training state's values {clash} have the "
+                              "names of the checkpoint's own keys")
+    return {k: to_json(v, k) for k, v in values.items()}
+
+
+def _optimizer_values(optimizer) -> dict:
+    """The optimizer's plain values: its class, its hyperparameters (each param group but its
+    parameters) and what it records on its state's format (`checkpoint_info`)."""
+    values = {"class": type(optimizer).__name__,
+              "param_groups": [{k: to_json(v, f"param_groups[{i}][{k!r}]")
+                                for k, v in g.items() if k != "params"}
+                               for i, g in enumerate(optimizer.param_groups)]}
+    info = optimizer_info(optimizer)
+    if info is not None:
+        values["checkpoint_info"] = to_json(info, "optimizer.checkpoint_info")
+    return values
+
+
+def save_checkpoint(training, save_dir, tag=None, client_state=None, save_latest=True,
                     exclude_frozen_parameters=False):
+    """`training` (a state.TrainingState) saved as SAVE_DIR/TAG, TAG `global_step<step>`
+    unless given; the checkpoint's path."""
     rank = dist.get_rank()
     started = time.perf_counter()
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag = str(tag) if tag is not None else f"global_step{training.step}"
     if bad_tag(tag):
         raise CheckpointError(f"save_checkpoint: invalid tag {tag!r}: {bad_tag(tag)}")
+    optimizer = training.optimizer
     state = {"format": FORMAT, "tag": tag, "world_size": dist.get_world_size(),
-             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-             "micro_steps": engine.micro_steps,
-             "skipped_steps": getattr(engine, "skipped_steps", 0),  # fp16 overflow skips
-             "optimizer": {"class": type(engine.optimizer).__name__,
-                           "param_groups": [{k: to_json(v, f"param_groups[{i}][{k!r}]")
-                                             for k, v in g.items() if k != "params"}
-                                            for i, g in enumerate(engine.optimizer.param_groups)]},
+             **_training_values(training),
+             "optimizer": _optimizer_values(optimizer),
              "client_state": to_json(dict(client_state or {}), "client_state")}
-    info = optimizer_info(engine.optimizer)
-    if info is not None:
-        state["optimizer"]["checkpoint_info"] = to_json(info, "optimizer.checkpoint_info")
-    if engine.lr_scheduler is not None:
-        state["lr_scheduler"] = to_json(engine.lr_scheduler.state_dict(), "lr_scheduler")
-    scaler = getattr(engine, "loss_scaler", None)
-    if scaler is not None:
-        state["loss_scaler"] = to_json(scaler.state_dict(), "loss_scaler")
 
-    sd, params, names_of = engine_state_dict(engine)
+    sd, params, names_of = model_state_dict(training.module)
     if exclude_frozen_parameters:  # DeepSpeed's option: the frozen parameters are not saved
         for key in _frozen_keys(params):
             del sd[key]
         state["excludes_frozen_parameters"] = True
-    sd.update(optimizer_entries(engine.optimizer, names_of,
-                                 optimizer_state(engine.optimizer, create=False)))
+    sd.update(optimizer_entries(optimizer, names_of, optimizer_state(optimizer, create=False)))
     sd.update(rng_entries(rank))
     state["model_keys"] = sorted(k[6:] for k in sd if k.startswith("model."))
 
@@ -146,7 +171,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     if rank == 0:
         size = sum(info.get("bytes", 0) for info in state["files"].values()
                    if isinstance(info, dict))
-        LOG.info("save_checkpoint: %s (step %d, %.1f MB, %.1f s)", final, engine.global_steps,
+        LOG.info("save_checkpoint: %s (step %d, %.1f MB, %.1f s)", final, training.step,
                  size / 2**20, time.perf_counter() - started)
     return final
 
@@ -421,9 +446,25 @@ def _optimizer_targets(path, metadata, optimizer, params, names_of, skipped, sav
     return entries
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
-                    load_optimizer_states=True, load_lr_scheduler_states=True,
-                    load_module_only=False):
+def _load_param_groups(path, optimizer, groups):
+    """The saved hyperparameters into the optimizer's param groups (the keys it has)."""
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {path}: {len(groups)} optimizer param groups, "
+                              f"the engine has {len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        for k, v in from_json(saved).items():
+            if k in group:
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def load_checkpoint(training, load_dir, tag=None, load_module_strict=True,
+                    load_optimizer_states=True, load_module_only=False,
+                    import_timeout_s=DEFAULT_IMPORT_TIMEOUT_S):
+    """The checkpoint `load_dir` (`latest`, or `tag`) into `training` (a state.TrainingState:
+    its model; unless `load_module_only`, its optimizer's state and hyperparameters when
+    `load_optimizer_states`, its plain values and the RNG states); (path, client state), or
+    (None, None) with a warning on every rank when there is nothing to load. A DeepSpeed ZeRO
+    tag directory is imported first (other ranks wait up to `import_timeout_s`)."""
     rank = dist.get_rank()
     path = resolve(load_dir, tag)
     if path is None and os.path.isdir(load_dir) and _holds_safetensors(load_dir):
@@ -442,14 +483,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                    "nothing to load (pass tag= to load a checkpoint without `latest`)")
         warnings.warn(message, stacklevel=3)
         return None, None
-    wait_s = getattr(getattr(engine, "engine_config", None), "checkpoint_import_timeout_s",
-                     DEFAULT_IMPORT_TIMEOUT_S)
-    path = ensure_vescale_checkpoint(path, wait_s)
+    path = ensure_vescale_checkpoint(path, import_timeout_s)
     state = read_state(path)
     verify_files(path, state, names={".metadata"})
     metadata = read_metadata(path)
 
-    sd, params, names_of = engine_state_dict(engine)
+    sd, params, names_of = model_state_dict(training.module)
+    optimizer = training.optimizer
     if state.get("excludes_frozen_parameters"):  # saved without them: the model keeps its own
         for key in _frozen_keys(params):
             if key not in metadata.state_dict_metadata:
@@ -462,7 +502,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         warnings.warn(message, stacklevel=3)
     full_load = not load_module_only
     if full_load and load_optimizer_states:
-        sd.update(_optimizer_targets(path, metadata, engine.optimizer, params, names_of,
+        sd.update(_optimizer_targets(path, metadata, optimizer, params, names_of,
                                      set(skipped),
                                      from_json(state["optimizer"].get("checkpoint_info"))))
     rng = {k: torch.empty(metadata.state_dict_metadata[k].size,  # generator states: host
@@ -482,32 +522,17 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         raise CheckpointError(next(p for p in problems if p))
 
     _load(sd, path, per_item)
-    if hasattr(engine.optimizer, "checkpoint_state_loaded") and full_load and load_optimizer_states:
-        engine.optimizer.checkpoint_state_loaded()
+    if hasattr(optimizer, "checkpoint_state_loaded") and full_load and load_optimizer_states:
+        optimizer.checkpoint_state_loaded()
 
     if full_load:
         if load_optimizer_states:
-            groups = state["optimizer"]["param_groups"]
-            if len(groups) != len(engine.optimizer.param_groups):
-                raise CheckpointError(f"checkpoint {path}: {len(groups)} optimizer param groups, "
-                                      f"the engine has {len(engine.optimizer.param_groups)}")
-            for group, saved in zip(engine.optimizer.param_groups, groups):
-                for k, v in from_json(saved).items():
-                    if k in group:
-                        group[k] = tuple(v) if isinstance(group[k], tuple) else v
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in state:
-            engine.lr_scheduler.load_state_dict(from_json(state["lr_scheduler"]))
-        scaler = getattr(engine, "loss_scaler", None)
-        if scaler is not None and "loss_scaler" in state:
-            scaler.load_state_dict(from_json(state["loss_scaler"]))
-        engine.global_steps = state["global_steps"]
-        engine.global_samples = state["global_samples"]
-        engine.micro_steps = state["micro_steps"]
-        if hasattr(engine, "skipped_steps"):
-            engine.skipped_steps = state.get("skipped_steps", 0)
+            _load_param_groups(path, optimizer, state["optimizer"]["param_groups"])
+        training.load_state_dict({k: from_json(v) for k, v in state.items()
+                                  if k not in OWN_KEYS})
         restore_rng(rank, rng)
     if rank == 0:
-        LOG.info("load_checkpoint: %s (%s)", path, f"step {state['global_steps']}" if full_load
+        LOG.info("load_checkpoint: %s (%s)", path, f"step {training.step}" if full_load
                  else "module only")
     return path, from_json(state["client_state"])
 

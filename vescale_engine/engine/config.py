@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from config_schemas.validate import (ConfigError, offload_param_below_stage_3, read_config,
                                      validate_config)
 
+from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
+
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
            "parallel_sizes", "SaveOnSignal",
            "EngineConfig", "build_config", "DEEPSPEED_GRADIENT_CLIPPING_DEFAULT",
@@ -94,43 +96,10 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int,
     return BatchSizes(total, micro, accum)
 
 
-@dataclass(frozen=True)
-class ParallelSizes:
-    """How the world's ranks are laid out (docs/parallelism.md). Dense layers: (replicate,
-    shard, tp) with TP innermost, so a TP group is `tp` consecutive ranks and the data-parallel
-    rank is rank // tp. Experts: (replicate, efsdp, ep) over the same data-parallel ranks (tp is
-    1 with EP): EP borrows ranks from the data-parallel shard dim, every rank stays a
-    data-parallel rank with its own micro-batch."""
-    world: int
-    tp: int = 1
-    ep: int = 1
-    replicate: int = 1  # HSDP replicas (stage 0: every data-parallel rank)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: the batch arithmetic's and the sampler's size."""
-        return self.world // self.tp
-
-    @property
-    def shard(self) -> int:
-        return self.dp // self.replicate
-
-    @property
-    def efsdp(self) -> int:
-        """The ranks one expert's shards spread over (per replica)."""
-        return self.shard // self.ep
-
-    @property
-    def enabled(self) -> bool:
-        return self.tp > 1 or self.ep > 1
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
-
-
 def parallel_sizes(config: dict, world_size: int) -> ParallelSizes:
     """tensor_parallel.autotp_size, expert_parallel and vescale.hsdp_replicate_size checked
-    against the world size; each problem is one ConfigError line naming the keys."""
+    against the world size; each problem is one ConfigError line naming the keys. The layout
+    is plan.parallel's ParallelSizes, the type the planner's --tp/--ep make (make_mesh)."""
     tp = config.get("tensor_parallel", {}).get("autotp_size", 0) or 1
     section = config.get("expert_parallel", {})
     ep = section.get("autoep_size", 1) if section.get("enabled", False) else 1

@@ -34,6 +34,7 @@ from .progress import Progress
 from .rank_agreement import config_facts, require_same_config
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
+from .training_state import EngineTrainingState
 from .weights import guard_save_pretrained, place_model, prepare_weights
 from .deepspeed_moe import refuse_with_experts
 from .wrap import ExpertUnits, device_mesh, wrap_model
@@ -325,16 +326,17 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         self._colocation.require_on_device("engine.save_checkpoint")
         refuse_with_experts(self.module, "engine.save_checkpoint")  # TP/EP pieces: mapped
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                               exclude_frozen_parameters)
+        return save_checkpoint(EngineTrainingState(self), save_dir, tag, client_state,
+                               save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         self._colocation.require_on_device("engine.load_checkpoint")
         refuse_with_experts(self.module, "engine.load_checkpoint")  # TP/EP pieces: mapped
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        return load_checkpoint(EngineTrainingState(self, load_lr_scheduler_states), load_dir, tag,
+                               load_module_strict, load_optimizer_states, load_module_only,
+                               self.engine_config.checkpoint_import_timeout_s)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""

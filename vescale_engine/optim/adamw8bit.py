@@ -25,7 +25,8 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ..checkpoint.dcp import CheckpointError, RaggedPiece
+from ..checkpoint.dcp import CheckpointError
+from ..checkpoint.piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.dcp import RaggedPiece
+from ..checkpoint.piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.optim_spec import SHAMPOO_DEFAULTS, shampoo_granularity_for
 from ..shard.ragged import RaggedShard

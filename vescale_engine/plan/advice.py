@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from .granularity import Granularity
 from .model_plan import ModelPlan, ShapesError, plan_model
-from .parallel import Mesh, make_mesh
+from .parallel import ParallelSizes, make_mesh
 
 __all__ = ["PADDING_WARNING_RATIO", "finer_granularities", "padding_warning"]
 
@@ -82,7 +82,7 @@ def padding_warning(plan: ModelPlan, threshold: float = PADDING_WARNING_RATIO) -
     """One line when `plan` pads more than `threshold` of the parameters, else None."""
     if plan.padding_ratio <= threshold:
         return None
-    mesh = plan.mesh or Mesh(plan.world_size)
+    mesh = plan.mesh or ParallelSizes(plan.world_size)
     helps, short, useless = [], [], []
 
     def sort(ratio, text):

@@ -124,7 +124,7 @@ class ModelPlan:
     specs: tuple          # one spec list per group
     plan_seconds: float
     expert_world_size: int | None = None   # expert groups' shard group (EP: efsdp)
-    mesh: object = None   # with TP/EP, the parallel.Mesh: world_size is then its dp_shard
+    mesh: object = None   # with TP/EP, the parallel.ParallelSizes: world_size is then its dp_shard
 
     @property
     def world(self) -> int:

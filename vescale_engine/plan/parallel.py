@@ -1,6 +1,7 @@
 """Tensor and expert parallelism in the planning tier: how a world of ranks splits into meshes
-(`Mesh`, `make_mesh`), and the TP/EP-local shapes a rank holds of each tensor of a shapes file
-(`local_model`), which the planner and capacity/ then shard as they shard any tensor.
+(`ParallelSizes`, the engine's config uses the same type; `make_mesh`), and the TP/EP-local
+shapes a rank holds of each tensor of a shapes file (`local_model`), which the planner and
+capacity/ then shard as they shard any tensor.
 
 The shapes file says how the model is cut, in transformers' conventions (keys are tensor names
 inside a group, or the module a `.weight` / `.bias` belongs to; `*` matches one name part):
@@ -16,9 +17,9 @@ inside a group, or the module a `.weight` / `.bias` belongs to; `*` matches one 
 - `"moe": {"experts_per_token": k, "hidden_size": H}`: what a token sends to the experts it is
   routed to, for the all-to-all dispatch bytes.
 
-Meshes (`Mesh`): world = replicate x dp_shard x tp, TP innermost. Dense tensors (attention,
-router, shared experts, embeddings) are sharded over dp_shard. EP borrows its ranks from the
-dp_shard x tp ranks of a replica, as transformers (`efsdp_size = fsdp_size * tp_size //
+Meshes (`ParallelSizes`): world = replicate x dp_shard x tp, TP innermost. Dense tensors
+(attention, router, shared experts, embeddings) are sharded over dp_shard. EP borrows its ranks
+from the dp_shard x tp ranks of a replica, as transformers (`efsdp_size = fsdp_size * tp_size //
 ep_size`), torchtitan's default (expert_tensor_parallel_degree 1) and DeepSpeed's AutoEP
 (expert_tensor_parallel_size 1) lay them: with ep > 1 the experts are not TP-split, and each
 expert unit is sharded over efsdp = dp_shard * tp / ep ranks. With ep == 1 the expert tensors
@@ -36,8 +37,8 @@ from dataclasses import dataclass
 
 from .model_plan import Group, ModelShapes, ShapesError
 
-__all__ = ["TP_STYLES", "EP_STYLES", "Mesh", "make_mesh", "MoE", "read_plans", "local_model",
-           "EXPERT_SUFFIX"]
+__all__ = ["TP_STYLES", "EP_STYLES", "ParallelSizes", "make_mesh", "MoE", "read_plans",
+           "local_model", "EXPERT_SUFFIX"]
 
 TP_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "rowwise",
              "rowwise_rep", "rowwise_split_input")
@@ -46,30 +47,52 @@ EXPERT_SUFFIX = ".experts"   # a group's expert unit is named after the group wi
 
 
 @dataclass(frozen=True)
-class Mesh:
-    """How `world` ranks split: replicate x dp_shard x tp; EP over ep of a replica's ranks."""
+class ParallelSizes:
+    """How `world` ranks are laid out, the one type the engine's config, the planner's --tp/--ep
+    and the capacity model share (docs/parallelism.md). Dense layers: (replicate, dp_shard, tp)
+    with TP innermost, so a TP group is `tp` consecutive ranks and the data-parallel rank is
+    rank // tp. Experts: (replicate, efsdp, ep): EP borrows its ranks from the dp_shard x tp
+    ranks of a replica, so replicate x efsdp x ep is the world, and every rank stays a
+    data-parallel rank with its own micro-batch. Torch-free."""
     world: int
     tp: int = 1
     ep: int = 1
-    replicate: int = 1
-
-    @property
-    def dp_shard(self) -> int:
-        return self.world // (self.replicate * self.tp)
+    replicate: int = 1  # HSDP replicas (the engine at stage 0: every data-parallel rank)
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: the ranks that see different batches (world / tp)."""
+        """Data-parallel ranks, the ranks that see different batches: the batch arithmetic's
+        and the sampler's size (world / tp)."""
         return self.world // self.tp
 
     @property
+    def dp_shard(self) -> int:
+        """The ranks a dense unit is sharded over (per replica): world / (replicate x tp)."""
+        return self.dp // self.replicate
+
+    @property
+    def shard(self) -> int:
+        """dp_shard, by the name engine/parallel_plan.py's build_meshes reads."""
+        return self.dp_shard
+
+    @property
     def efsdp(self) -> int:
-        """The ranks each expert unit is sharded over (per replica)."""
+        """The ranks each expert unit is sharded over (per replica): dp_shard x tp / ep. The
+        engine refuses tp > 1 with ep > 1 and builds no expert mesh with ep == 1, so where it
+        uses this, tp == 1 and it is dp_shard / ep."""
         return self.dp_shard * self.tp // self.ep
 
+    @property
+    def enabled(self) -> bool:
+        """Whether tensor or expert parallelism is on (the engine then builds meshes)."""
+        return self.tp > 1 or self.ep > 1
 
-def make_mesh(world: int, tp: int = 1, ep: int = 1, replicate: int = 1) -> Mesh:
-    """The mesh, or one line saying which size does not divide which."""
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+
+def make_mesh(world: int, tp: int = 1, ep: int = 1, replicate: int = 1) -> ParallelSizes:
+    """The planner's --tp/--ep layout, or one line saying which size does not divide which."""
     for what, value in (("world size", world), ("--tp", tp), ("--ep", ep),
                         ("HSDP replicate size", replicate)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -82,7 +105,7 @@ def make_mesh(world: int, tp: int = 1, ep: int = 1, replicate: int = 1) -> Mesh:
         raise ShapesError(f"ep {ep} does not divide the {per_replica} ranks of a replica "
                           f"(world size {world} / HSDP replicate {replicate}): EP borrows its "
                           f"ranks from data (and tensor) parallelism")
-    return Mesh(world, tp, ep, replicate)
+    return ParallelSizes(world, tp, ep, replicate)
 
 
 @dataclass(frozen=True)
@@ -156,7 +179,7 @@ def _tp_local(shape: tuple, style: str, tp: int, what: str) -> tuple:
     return local, (math.prod(local[dim:]) if dim > 0 else 1)
 
 
-def local_model(model: ModelShapes, mesh: Mesh, tp_plan: list, ep_plan: list) -> tuple:
+def local_model(model: ModelShapes, mesh: ParallelSizes, tp_plan: list, ep_plan: list) -> tuple:
     """(local ModelShapes, {group name: number of experts E}): every group with its tensors'
     TP-local shapes; with ep > 1 the tensors the EP plan names move to a group of their own,
     named `<group>.experts`, right after it, with [E / ep, ...] shapes. One-line errors for a

@@ -17,7 +17,7 @@ from ..granularity import parse_granularity
 from ..model_plan import DTYPE_BYTES, ModelShapes
 from ..optim_spec import (ADAMW8BIT_BLOCK, OPTIMIZERS, SHAMPOO_BLOCK, shampoo_block_cut,
                           shampoo_granularity_for)
-from ..parallel import Mesh, make_mesh
+from ..parallel import ParallelSizes, make_mesh
 from ..planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 
 __all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup", "add_traffic",
@@ -67,13 +67,13 @@ class Setup:
         return self.offload_optimizer > 0 or self.offload_param
 
     @property
-    def mesh(self) -> Mesh:
-        return Mesh(self.world_size, self.tp, self.ep, self.hsdp)
+    def mesh(self) -> ParallelSizes:
+        return ParallelSizes(self.world_size, self.tp, self.ep, self.hsdp)
 
     @property
     def shard_size(self) -> int:
         """Ranks a dense unit is sharded over (dp_shard)."""
-        return self.world_size // (self.hsdp * self.tp)
+        return self.mesh.dp_shard
 
     @property
     def expert_shard_size(self) -> int:
