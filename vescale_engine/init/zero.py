@@ -5,9 +5,10 @@ enters it for every model it builds under a ZeRO-3 config (`from_pretrained`, `f
 and plain scripts write `with deepspeed.zero.Init(config_dict_or_path=cfg): model = Net()`.
 After `patch_deepspeed()` (vescale_engine/integrations/deepspeed.py replaces `zero.Init` and
 `GatheredParameters`, calling `zero_init_config`, `MetaInit` and `refuse_gathering` here), a
-config with a "vescale" section makes it a context that builds on `meta` instead: shapes only, no storage, no random numbers drawn. `initialize` wraps the model,
-then gives it values shard by shard (engine/weights.py's prepare_weights), so no rank ever
-holds the whole model. Without a vescale section DeepSpeed's own Init runs, unchanged.
+config with a "vescale" section makes it a context that builds on `meta` instead: shapes only,
+no storage, no random numbers drawn. `initialize` wraps the model, then gives it values shard
+by shard (engine/weights.py's prepare_weights), so no rank ever holds the whole model. Without
+a vescale section DeepSpeed's own Init runs, unchanged.
 
 Every module that registers a tensor inside the context carries its `DeferredInit` record:
 - the generator state at entry: `initialize` draws the init from it (and gives the caller's
@@ -20,8 +21,8 @@ dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.Gathere
 on their parameters once the build is over is an error naming the caller: there is nothing to
 gather, and DeepSpeed's own would silently do nothing. (During the build it passes: a model
 that gathers in `__init__` writes nothing that is kept.) On parameters vescale has sharded
-(after initialize) it gathers them: fsdp/deepspeed_params.py's GatheredShards; any others in the same
-call go to DeepSpeed's own.
+(after initialize) it gathers them: fsdp/deepspeed_params.py's GatheredShards; any others in
+the same call go to DeepSpeed's own.
 """
 from __future__ import annotations
 

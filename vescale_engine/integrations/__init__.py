@@ -4,15 +4,18 @@ remove it all: `patch_deepspeed()` and `unpatch()` (`vescale_engine.patch_deepsp
 `vescale_engine.unpatch` are these).
 
 The core (plan, shard, fsdp, checkpoint, optim, init, engine, ...) never imports this package
-and never assigns another library's attributes (tests/test_layering.py checks both): the
+and never assigns another library's attributes (tests/test_layering.py checks both). The one
+way in is the package root's lazy names `vescale_engine.patch_deepspeed` / `unpatch` (by name,
+not an import statement); `vescale_engine.initialize` installs nothing (it checks versions
+only, versions.py), so a script that never calls patch_deepspeed() runs unpatched. The
 replacement functions here decide when our engine is concerned and call into the core (our
 engine, init/zero.py's MetaInit, fsdp/deepspeed_params.py's GatheredShards, ...).
 
-Every patch goes through `replace` (registry.py), which first checks that the library still has the name it
-replaces (an ImportError of one line naming the library, its version, the name and the
-supported range, versions.py) and records (owner, name, original); `unpatch()` puts every
-original back, latest first, and stops watching imports. `installed()` lists what is patched
-now.
+Every patch goes through `replace` (registry.py), which first checks that the library still
+has the name it replaces (an ImportError of one line naming the library, its version, the name
+and the supported range, versions.py) and records (owner, name, original); `unpatch()` puts
+every original back, latest first, and stops watching imports. `installed()` lists what is
+patched now.
 
 When a patch goes in does not depend on import order: `patch_deepspeed()` installs DeepSpeed's
 and Accelerate's (it imports both), and transformers', PEFT's and TRL's either at once, when
