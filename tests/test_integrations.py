@@ -6,7 +6,8 @@
 - The order of imports does not matter: transformers, PEFT and TRL imported before or after
   `patch_deepspeed()` end with the same names patched (subprocesses), and after `unpatch()`
   importing them patches nothing.
-- A name DeepSpeed no longer has is one line naming the library, its version and the name.
+- A name DeepSpeed no longer has is one line naming the library, its version and the name,
+  and nothing of that patch_deepspeed() call stays patched.
 """
 import json
 import os
@@ -96,20 +97,21 @@ def missing_name_rank(rank, world):
     from vescale_engine import integrations
     original = deepspeed.tp_model_init
     del deepspeed.tp_model_init
-    message = None
+    message = left = None
     try:
         integrations.patch_deepspeed()
     except ImportError as err:
-        message = str(err)
+        message, left = str(err), integrations.installed()  # nothing of the call stays
     finally:
         deepspeed.tp_model_init = original
         integrations.unpatch()
-    return message, deepspeed.__version__
+    return message, left, deepspeed.__version__
 
 
 def test_a_name_deepspeed_moved_is_one_line_naming_library_version_and_name(pool):
     from vescale_engine.versions import supported_range
-    for message, version in pool.run(missing_name_rank):
+    for message, left, version in pool.run(missing_name_rank):
+        assert left == [], left
         assert message == (f"deepspeed {version} has no deepspeed.tp_model_init "
                            "(vescale_engine.integrations.deepspeed supports "
                            f"deepspeed{supported_range('deepspeed')})"), message

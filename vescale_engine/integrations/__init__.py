@@ -28,7 +28,7 @@ import importlib
 import sys
 
 from ..versions import check_versions
-from .registry import installed, missing_name, replace, restore_all
+from .registry import count, installed, missing_name, replace, restore_all
 
 __all__ = ["patch_deepspeed", "unpatch", "installed", "replace", "missing_name"]
 
@@ -53,17 +53,23 @@ def patch_deepspeed() -> None:
     unwraps our engine, and transformers, PEFT and TRL work with the model it builds, whenever
     they are imported (idempotent). DeepSpeed's launcher, `deepspeed.comm` and
     `init_distributed` are untouched. A library below the versions we support is an error here
-    (versions.py)."""
+    (versions.py), and so is a name one of them no longer has: then nothing of this call stays
+    patched."""
     import deepspeed  # noqa: F401  (imported, so that its version is checked with the rest)
 
     from . import accelerate, deepspeed as ours
     check_versions()
-    ours.install()
-    accelerate.install()
+    before = count()
+    try:
+        ours.install()
+        accelerate.install()
+        for module_name in list(_WATCHED):
+            if module_name in sys.modules:
+                _install(module_name)
+    except BaseException:
+        restore_all(before)
+        raise
     _Finder.add()
-    for module_name in list(_WATCHED):
-        if module_name in sys.modules:
-            _install(module_name)
 
 
 def _install(module_name: str) -> None:

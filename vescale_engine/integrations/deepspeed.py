@@ -14,13 +14,15 @@ every other config). Supported: deepspeed versions.SUPPORTED["deepspeed"] (0.19.
   `deepspeed.zero.GatheredParameters` gathers our sharded parameters
   (fsdp/deepspeed_params.py's GatheredShards), refusing parameters a vescale Init left on meta;
   any others in the same call go to DeepSpeed's own.
-- `torch.nn.Parameter.ds_status` / `ds_shape`: descriptors that answer for our parameters, keep
-  the values DeepSpeed stores on its own, and raise AttributeError (hasattr is False) for every
-  other parameter, as without them (fsdp/deepspeed_params.py says who reads them).
+- `torch.nn.Parameter.ds_status` / `ds_shape` (torch's class, patched for DeepSpeed's
+  surface): descriptors that answer for our parameters, keep the values DeepSpeed stores on its
+  own, and raise AttributeError (hasattr is False) for every other parameter, as without them
+  (fsdp/deepspeed_params.py says who reads them).
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Iterable
 
@@ -50,10 +52,20 @@ def _is_ours(value) -> bool:
     return hasattr(value, "__vescale_original__")
 
 
+# DeepSpeed's private names the core reads (not patched), checked here with the patched ones:
+# the expert-data-parallel groups of its MoE layers (engine/deepspeed_moe.py) and the status
+# ds_status answers with.
+_READ = (("deepspeed.utils.groups", "_get_expert_data_parallel_group_dict"),
+         ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"))
+
+
 def install() -> None:
     """Every patch of the module docstring (idempotent)."""
     import deepspeed
     from deepspeed import checkpointing, zero
+    for module_name, name in _READ:
+        if not hasattr(importlib.import_module(module_name), name):
+            raise missing_name("deepspeed", f"{module_name}.{name}")
     for owner, name, make in ((deepspeed, "initialize", _initialize),
                               (deepspeed, "tp_model_init", _tp_model_init),
                               (checkpointing, "configure", _configure),

@@ -6,7 +6,7 @@ import sys
 
 from ..versions import supported_range
 
-__all__ = ["replace", "missing_name", "installed", "restore_all"]
+__all__ = ["replace", "missing_name", "installed", "restore_all", "count"]
 
 _ABSENT = object()
 _PATCHES = []  # (owner, name, original or _ABSENT), in installation order
@@ -42,9 +42,14 @@ def installed() -> list:
     return sorted({f"{_owner_name(owner)}.{name}" for owner, name, _ in _PATCHES})
 
 
-def restore_all() -> None:
-    """Every original back, latest patch first."""
-    while _PATCHES:
+def count() -> int:
+    """How many patches are recorded now (`restore_all(count())` undoes the ones after)."""
+    return len(_PATCHES)
+
+
+def restore_all(keep: int = 0) -> None:
+    """Every original back, latest patch first, down to the first `keep` patches."""
+    while len(_PATCHES) > keep:
         owner, name, original = _PATCHES.pop()
         if original is _ABSENT:
             if name in vars(owner):
