@@ -36,7 +36,7 @@ from torch import nn
 from ..checkpoint.hf import checkpoint_files, load_into, read_stored
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from ..versions import supported_range
-from .record import deferred_record, replayed_generator
+from .record import replayed_generator
 
 __all__ = ["SOURCE", "CheckpointRecord", "PretrainedWeights", "record_checkpoint",
            "prepare_transformers_weights", "init_like_transformers"]
