@@ -384,7 +384,7 @@ def test_attributes_forward_to_the_model_and_accelerate_unwraps_the_engine(pool)
 def test_unwrap_patch_names_the_version_when_accelerate_moved_its_function(monkeypatch):
     import accelerate
     import accelerate.utils.other as other
-    from vescale_engine.engine.deepspeed_compat import patch_accelerate_unwrap
+    from vescale_engine.integrations.accelerate import patch_accelerate_unwrap
     monkeypatch.delattr(other, "extract_model_from_parallel")
     with pytest.raises(ImportError, match=f"accelerate {accelerate.__version__} has no "
                        "accelerate.utils.other.extract_model_from_parallel"):

@@ -506,7 +506,7 @@ def errors_rank(rank, world, directory):
     model = pretrained()  # initialize wraps it before it finds out
     out["part"] = _error(lambda: vescale_engine.initialize(model=model.model, config=CONFIG))
 
-    from vescale_engine.init.hf_pretrained import check_transformers
+    from vescale_engine.integrations.transformers import check_transformers
     check_transformers()  # this transformers has every name the steps rely on
     out["transformers"] = _error(lambda: check_transformers(
         [("transformers.modeling_utils", "PreTrainedModel.renamed_away")]), ImportError)

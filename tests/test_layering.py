@@ -6,6 +6,10 @@ line per layer, lowest first, `layer: modules` (indented lines continue it), a m
 layer and the layers below. Every import statement counts, at module level and inside functions;
 only those under `if TYPE_CHECKING:` are exempt (type-only back references). A module the table
 does not place, or a name in the table that is no module, is an error too.
+
+Other libraries are patched in vescale_engine/integrations/ only: no other module imports it
+(the package root reaches it by name, for its lazy `patch_deepspeed` and `unpatch`), and no
+other module sets or deletes an attribute of torch, DeepSpeed or the Hugging Face libraries.
 """
 from __future__ import annotations
 
@@ -318,3 +322,194 @@ def test_every_module_declares_what_others_import_from_it():
                         problems.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
                                         f"{alias.name} from {source}, whose __all__ lacks it")
     assert not problems, "\n".join(problems)
+
+
+# -- other libraries are patched in vescale_engine/integrations/ only ----------------------------
+
+INTEGRATIONS = f"{PACKAGE}.integrations"
+# The entry points that may reach integrations: the package root, whose lazy names
+# `patch_deepspeed` and `unpatch` point into it (by name, through importlib: no import statement).
+MAY_IMPORT_INTEGRATIONS = (PACKAGE,)
+
+
+def integrations_importers(root: pathlib.Path = ROOT) -> list:
+    """'file:line: module imports vescale_engine.integrations...' for every core module that
+    imports the integrations package, at any depth of the file."""
+    modules = package_modules(root)
+    out = []
+    for src, dst, path, line in imports(modules):
+        inside = src == INTEGRATIONS or src.startswith(INTEGRATIONS + ".")
+        if (dst == INTEGRATIONS or dst.startswith(INTEGRATIONS + ".")) and not inside and \
+                src not in MAY_IMPORT_INTEGRATIONS:
+            out.append(f"{path.relative_to(root)}:{line}: {src} imports {dst}")
+    for name, path in modules.items():  # importlib.import_module(".integrations", ...) too
+        if name in MAY_IMPORT_INTEGRATIONS or name.startswith(INTEGRATIONS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") \
+                    and any(isinstance(a, ast.Constant) and "integrations" in str(a.value)
+                            for a in node.args):
+                out.append(f"{path.relative_to(root)}:{node.lineno}: {name} imports "
+                           f"{INTEGRATIONS} by name")
+    return out
+
+
+def _root_name(node):
+    """The name an attribute chain (`a.b.c`, `a[0].b`) starts from, else None."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+# The libraries whose attributes only integrations/ may set: those the issue names and torch
+# (the standard library's process state, sys.excepthook and the like, is not in scope).
+OTHER_LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "trl", "accelerate",
+                   "safetensors", "datasets")
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _imported_libraries(tree) -> set:
+    """The names a file binds, anywhere, to OTHER_LIBRARIES' modules or objects by import."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.asname or alias.name.split(".")[0] for alias in node.names
+                         if alias.name.split(".")[0] in OTHER_LIBRARIES)
+        elif isinstance(node, ast.ImportFrom) and not node.level and \
+                (node.module or "").split(".")[0] in OTHER_LIBRARIES:
+            found.update(alias.asname or alias.name for alias in node.names)
+    return found
+
+
+def _scope_nodes(scope):
+    """The nodes of one scope (a module or a function body), nested functions left out."""
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, _FUNCTIONS):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _aliases(nodes, foreign: set) -> set:
+    """Names a scope binds to another library's objects: assigned (or looped) from an
+    attribute chain of one (`zero = deepspeed.zero`), or looked up by module name
+    (`importlib.import_module(...)`, `sys.modules.get(...)`, `sys.modules[...]`,
+    `for m in list(sys.modules.values())`)."""
+    foreign, nodes, changed = set(foreign), list(nodes), True
+    while changed:
+        changed = False
+        for node in nodes:
+            if not isinstance(node, (ast.Assign, ast.For)):
+                continue
+            value = node.value if isinstance(node, ast.Assign) else node.iter
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            text = ast.unparse(value)
+            looked_up = text.startswith(("importlib.import_module(", "import_module(",
+                                         "sys.modules.get(", "sys.modules[",
+                                         "list(sys.modules.values())", "sys.modules.values()"))
+            rooted = isinstance(value, (ast.Attribute, ast.Name, ast.Subscript)) and \
+                _root_name(value) in foreign
+            if looked_up or rooted:
+                for target in targets:
+                    names = target.elts if isinstance(target, ast.Tuple) else [target]
+                    for name in names:  # plain names only: `x.y = lib` binds no alias
+                        if isinstance(name, ast.Name) and name.id not in foreign:
+                            foreign.add(name.id)
+                            changed = True
+    return foreign
+
+
+def _patches_in(tree) -> list:
+    """[(line, text)] of every statement that sets or deletes another library's attribute."""
+    imported, found = _imported_libraries(tree), []
+    module_level = _aliases(_scope_nodes(tree), imported)
+    scopes = [(tree, module_level)]
+    for node in ast.walk(tree):
+        if isinstance(node, _FUNCTIONS):
+            args = node.args
+            params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                      *filter(None, (args.vararg, args.kwarg)))}
+            scopes.append((node, _aliases(_scope_nodes(node), module_level - params)))
+    for scope, foreign in scopes:
+        for node in _scope_nodes(scope):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("setattr", "delattr") and node.args:
+                if _root_name(node.args[0]) in foreign:
+                    found.append((node.lineno, ast.unparse(node)))
+                continue
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for sub in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(sub, ast.Attribute) and _root_name(sub) in foreign:
+                        found.append((node.lineno, f"del {ast.unparse(sub)}"
+                                      if isinstance(node, ast.Delete) else
+                                      f"{ast.unparse(sub)} = ..."))
+    return sorted(found)
+
+
+def patches_of_other_libraries(root: pathlib.Path = ROOT, skip=(INTEGRATIONS,)) -> list:
+    """'file:line: code' for every statement outside `skip` that sets or deletes an attribute
+    of another library's module or class (OTHER_LIBRARIES): `<library name>.<attr> = ...` (and
+    `+=`, `del`), `setattr(<library name>..., ...)`, `delattr(...)`, the library name bound by
+    an import or an alias of one in the same scope (so `torch.nn.Parameter.x = ...`,
+    `nn.Parameter.x = ...` and `zero = deepspeed.zero; zero.Init = ...` all count)."""
+    out = []
+    for name, path in package_modules(root).items():
+        if any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        out += [f"{path.relative_to(root)}:{line}: {text}"
+                for line, text in _patches_in(ast.parse(path.read_text()))]
+    return out
+
+
+def test_no_core_module_imports_integrations():
+    problems = integrations_importers()
+    assert not problems, "\n".join(problems)
+
+
+def test_only_integrations_patches_other_libraries():
+    problems = patches_of_other_libraries()
+    assert not problems, "only vescale_engine/integrations/ may patch another library:\n" + \
+        "\n".join(problems)
+
+
+def test_the_patch_checker_sees_each_way_of_patching(tmp_path):
+    """The two checkers on a small package: every spelling of a patch outside integrations is
+    reported, and the same code inside integrations, or on our own objects, is not."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "integrations").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "integrations" / "__init__.py").write_text("")
+    patching = ("import importlib, sys\nimport deepspeed\nimport torch\nfrom torch import nn\n"
+                "from accelerate import Accelerator\n"
+                "def f(new, model):\n"
+                "    deepspeed.initialize = new\n"
+                "    setattr(deepspeed.zero, 'Init', new)\n"
+                "    torch.nn.Parameter.ds_status = new\n"
+                "    nn.Parameter.ds_shape = new\n"
+                "    Accelerator.get_state_dict = new\n"
+                "    zero = deepspeed.zero\n"
+                "    zero.GatheredParameters = new\n"
+                "    peft = importlib.import_module('peft.tuners')\n"
+                "    del peft.LoraModel\n"
+                "    for module in list(sys.modules.values()):\n"
+                "        module.extract_model_from_parallel = new\n"
+                "    model.forward = new\n"            # our own objects: fine
+                "    layer = nn.Linear(1, 1)\n"
+                "    layer.weight = new\n")
+    (pkg / "core" / "bad.py").write_text(patching)
+    (pkg / "integrations" / "ok.py").write_text(patching)
+    (pkg / "core" / "uses.py").write_text("def g():\n    from ..integrations import ok\n")
+    found = patches_of_other_libraries(tmp_path)
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "deepspeed.initialize = ...", "setattr(deepspeed.zero, 'Init', new)",
+        "torch.nn.Parameter.ds_status = ...", "nn.Parameter.ds_shape = ...",
+        "Accelerator.get_state_dict = ...", "zero.GatheredParameters = ...",
+        "del peft.LoraModel", "module.extract_model_from_parallel = ..."], found
+    assert all(line.startswith(f"{PACKAGE}/core/bad.py:") for line in found)
+    assert integrations_importers(tmp_path) == [
+        f"{PACKAGE}/core/uses.py:2: {PACKAGE}.core.uses imports {PACKAGE}.integrations.ok"]

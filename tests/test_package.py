@@ -30,9 +30,11 @@ def test_public_paths_survive_the_subpackages():
             "assert all(callable(getattr(f, n)) for n in ('full_state_dict', 'sharded_parameters',"
             " 'gathered_parameters', 'fully_shard', 'sharded_state_dict', 'no_sync'))\n"
             "assert callable(m) and m.allocate_shards is v.allocate_shards and m.init_unloaded\n"
-            "from vescale_engine.engine import initialize, VeScaleEngine, patch_deepspeed\n"
+            "from vescale_engine.engine import initialize, VeScaleEngine\n"
+            "from vescale_engine.integrations import patch_deepspeed, unpatch\n"
             "from vescale_engine.checkpoint import consolidate, save_checkpoint, load_checkpoint\n"
             "assert initialize is v.initialize and patch_deepspeed is v.patch_deepspeed\n"
+            "assert unpatch is v.unpatch\n"
             "assert v.load_hf_checkpoint and v.save_hf_checkpoint and v.MixedPrecisionPolicy\n"
             "assert v.optim.AdamW8bit and v.optim.Muon and v.clip_grad_norm_ and v.add_config_arguments\n"
             "print('ok')")

@@ -21,7 +21,7 @@ _LAZY = {
     "allocate_shards": "materialize",
     "clip_grad_norm_": "optim.clip", "global_grad_norm": "optim.clip",
     "add_config_arguments": "engine.config", "initialize": "engine.engine",
-    "VeScaleEngine": "engine.engine", "patch_deepspeed": "engine.deepspeed_compat",
+    "VeScaleEngine": "engine.engine", "patch_deepspeed": "integrations", "unpatch": "integrations",
     "Preempted": "engine.preemption",
 }
 # `materialize` is a callable submodule: vescale_engine.materialize(model) initializes,

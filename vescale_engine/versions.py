@@ -5,9 +5,9 @@ first pass). setup.py declares the same ranges; tests/test_versions.py keeps the
 `check_versions()` runs at `patch_deepspeed()` and at `initialize`: each library that is
 imported by then is checked once, and one below its range is a one-line ImportError naming the
 library, its version and the range. Within the range, the integration code finds what each
-release offers by feature detection (init/hf_pretrained.py, init/peft_adapters.py); a newer
-release than the range is not refused here (setup.py keeps pip within it), and a private name
-it lacks is reported where it is used.
+release offers by feature detection; a newer release than the range is not refused here
+(setup.py keeps pip within it), and a name it lacks is reported where it is patched
+(vescale_engine/integrations/: each module checks every name it replaces at install).
 
 Torch-free: it reads versions from the modules already imported and imports none.
 """

@@ -3,14 +3,14 @@
 (config.py), optimizer/scheduler from the config (from_config.py), the wrap policy (wrap.py),
 what Trainer/Accelerate call besides the loop (surface.py), where the model's weights go and
 come from (weights.py), the same config on every rank (rank_agreement.py), the preemption
-save on a signal (preemption.py), fp16 loss scaling, timers, monitors, progress, and patch_deepspeed
-(deepspeed_compat.py). It may import every layer below; nothing below imports it. Names load
-lazily, so `engine.config` stays free of torch.
+save on a signal (preemption.py), fp16 loss scaling, timers, monitors and progress. It may
+import every layer below; nothing below imports it (patch_deepspeed, which patches DeepSpeed to
+return this engine, is in vescale_engine/integrations/). Names load lazily, so `engine.config`
+stays free of torch.
 """
 import importlib
 
-_LAZY = {"initialize": "engine", "VeScaleEngine": "engine", "patch_deepspeed": "deepspeed_compat",
-         "Preempted": "preemption"}
+_LAZY = {"initialize": "engine", "VeScaleEngine": "engine", "Preempted": "preemption"}
 
 __all__ = sorted(_LAZY)
 

@@ -30,9 +30,9 @@ purpose: `ds_numel`. PEFT reads it only where `p.numel() == 0` (ModulesToSaveWra
 then enters GatheredParameters); our shards are empty on some ranks only, so those ranks
 alone would enter a collective and hang.
 
-`install()` puts `ds_status` and `ds_shape` on `torch.nn.Parameter` as descriptors that
-answer for vescale's parameters, keep the values DeepSpeed stores on its own, and raise
-AttributeError (hasattr is False) for every other parameter, as before.
+What gives the libraries these names (the ds_* descriptors on `torch.nn.Parameter`,
+`deepspeed.zero.GatheredParameters`, TRL's two functions) is in vescale_engine/integrations/
+(deepspeed.py, trl.py): this module only answers them.
 """
 from __future__ import annotations
 
@@ -43,14 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..versions import supported_range
 from .guards import require_materialized
 from .lookup import units_under
 from .state_dict import gather_selected
 from .unit import forward_in_progress, running_backward
 
-__all__ = ["sharded_of", "holds_full", "install", "GatheredShards", "suspend_hooks",
-           "resume_hooks", "patch_trl_generation"]
+__all__ = ["sharded_of", "holds_full", "GatheredShards", "suspend_hooks", "resume_hooks"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
@@ -73,51 +71,6 @@ def holds_full(p, sp) -> bool:
     return False
 
 
-# -- the attributes ------------------------------------------------------------------------------
-
-class _Attribute:
-    """A ds_* attribute of nn.Parameter: a value stored on the object (DeepSpeed's own params)
-    wins; vescale's parameters compute it; any other parameter has none."""
-
-    def __init__(self, name, compute):
-        self.name = name
-        self.compute = compute
-
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self
-        stored = obj.__dict__.get(self.name, _Attribute)
-        if stored is not _Attribute:
-            return stored
-        sp = sharded_of(obj)
-        if sp is None:
-            raise AttributeError(f"'{type(obj).__name__}' object has no attribute '{self.name}'")
-        return self.compute(obj, sp)
-
-    def __set__(self, obj, value):
-        obj.__dict__[self.name] = value
-
-    def __delete__(self, obj):
-        if obj.__dict__.pop(self.name, _Attribute) is _Attribute:
-            raise AttributeError(self.name)
-
-
-def _ds_status(p, sp):
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    return ZeroParamStatus.AVAILABLE if holds_full(p, sp) else ZeroParamStatus.NOT_AVAILABLE
-
-
-def _ds_shape(p, sp):
-    return torch.Size(sp.shape)
-
-
-def install() -> None:
-    """The ds_* attributes on nn.Parameter (idempotent)."""
-    for name, compute in (("ds_status", _ds_status), ("ds_shape", _ds_shape)):
-        if not isinstance(nn.Parameter.__dict__.get(name), _Attribute):
-            setattr(nn.Parameter, name, _Attribute(name, compute))
-
-
 # -- GatheredParameters ------------------------------------------------------------------------
 
 class GatheredShards:
@@ -138,7 +91,6 @@ class GatheredShards:
                 "(vescale.wrap_policy)")
 
     def __enter__(self):
-        patch_trl_generation()  # TRL calls remove_hooks right after gathering
         todo = []
         for p, sp in self.requested:
             if holds_full(p, sp):
@@ -279,32 +231,3 @@ _SUSPENDED = weakref.WeakKeyDictionary()  # unit -> the hooks suspend_hooks repl
 
 def _inert(*args):
     return None
-
-
-def patch_trl_generation() -> None:
-    """trl.models.utils.remove_hooks / add_hooks (once TRL is imported) suspend and restore our
-    units' hooks for a VeScaleEngine, and run TRL's own for anything else."""
-    utils = sys.modules.get("trl.models.utils")
-    if utils is None or hasattr(getattr(utils, "remove_hooks", None), "__vescale_original__"):
-        return
-    missing = [n for n in ("remove_hooks", "add_hooks") if not callable(getattr(utils, n, None))]
-    if missing:
-        version = getattr(sys.modules.get("trl"), "__version__", "?")
-        raise ImportError(f"trl {version} has no trl.models.utils.{missing[0]} (supported: "
-                          f"trl{supported_range('trl')}): vescale_engine cannot make "
-                          "unwrap_model_for_generation's gathered generation work with this "
-                          "version")
-    for name, ours in (("remove_hooks", suspend_hooks), ("add_hooks", resume_hooks)):
-        setattr(utils, name, _for_our_engine(getattr(utils, name), ours))
-
-
-def _for_our_engine(original, ours):
-    import functools
-
-    @functools.wraps(original)
-    def patched(model, *args, **kwargs):
-        if getattr(type(model), "is_vescale_engine", False):  # our engine: hooks of its units
-            return ours(model.module)
-        return original(model, *args, **kwargs)
-    patched.__vescale_original__ = original
-    return patched

@@ -19,18 +19,15 @@ and `initialize` does the work after wrapping, each rank holding its shard plus 
   and DeepSpeed's `from_config` (no `reset_parameters` draws: transformers builds under
   `no_init_weights`).
 
-Those three are transformers' private names: `install` checks them (and the loading helpers
-used here) once and names the installed version if one is missing. init/zero.py installs this
-at the first vescale Init that finds transformers imported: nothing here imports it first.
+Those three are transformers' private names: vescale_engine/integrations/transformers.py
+replaces them (checking them, and the loading helpers used here, against the installed
+version) and calls the functions here; nothing here imports transformers first.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import inspect
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,23 +36,10 @@ from torch import nn
 from ..checkpoint.hf import checkpoint_files, load_into, read_stored
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from ..versions import supported_range
-from .peft_adapters import install as install_peft
-from .record import deferred_record, replayed_generator
+from .record import replayed_generator
 
 __all__ = ["SOURCE", "CheckpointRecord", "PretrainedWeights", "record_checkpoint",
-           "prepare_transformers_weights", "init_like_transformers", "check_transformers",
-           "install"]
-
-_NEEDED = (("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model"),
-           ("transformers.modeling_utils", "PreTrainedModel._initialize_missing_keys"),
-           ("transformers.modeling_utils", "PreTrainedModel._initialize_weights"),
-           ("transformers.integrations.deepspeed", "initialize_weights_zero3"),
-           ("transformers.core_model_loading", "rename_source_key"),
-           ("transformers.core_model_loading", "WeightConverter"),
-           ("transformers.core_model_loading", "WeightRenaming"),
-           ("transformers.utils.loading_report", "LoadStateDictInfo"),
-           ("transformers.initialization", "guard_torch_init_functions"))
-
+           "prepare_transformers_weights", "init_like_transformers"]
 
 SOURCE = "_vescale_checkpoint_keys"  # module attribute: its CheckpointRecord
 
@@ -364,80 +348,3 @@ def _same_checkpoint(path, files) -> bool:
     except (OSError, ValueError):
         return False
     return sorted(map(os.path.realpath, named)) == sorted(map(os.path.realpath, files))
-
-
-# -- installing ---------------------------------------------------------------------------------
-
-def _lookup(module_name, dotted):
-    value = importlib.import_module(module_name)
-    for part in dotted.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value
-
-
-def check_transformers(needed=_NEEDED) -> None:
-    """An ImportError naming every name in `needed` (module, dotted attribute) the installed
-    transformers lacks, and its version; `_load_pretrained_model`'s signature is checked too."""
-    import transformers
-    absent = [f"{m}.{n}" for m, n in needed if _lookup(m, n) is None]
-    load = importlib.import_module("transformers.modeling_utils").PreTrainedModel.__dict__.get(
-        "_load_pretrained_model")
-    if not isinstance(load, staticmethod) or list(inspect.signature(
-            load.__func__).parameters)[:4] != ["model", "state_dict", "checkpoint_files",
-                                               "load_config"]:
-        absent.append("PreTrainedModel._load_pretrained_model(model, state_dict, "
-                      "checkpoint_files, load_config, ...)")
-    if absent:
-        raise ImportError(f"vescale's deferred from_pretrained/from_config needs "
-                          f"{', '.join(absent)}, which transformers {transformers.__version__} "
-                          f"does not have (supported: {supported_range('transformers')})")
-
-
-def install() -> None:
-    """Take over the three steps of the module docstring (idempotent). A name this needs that
-    the installed transformers lacks is an error naming it and the version."""
-    modeling = importlib.import_module("transformers.modeling_utils")
-    integration = importlib.import_module("transformers.integrations.deepspeed")
-    pretrained = modeling.PreTrainedModel
-    if "peft" in sys.modules:  # adapters added to a deferred model keep their values
-        install_peft()
-    if hasattr(pretrained._initialize_missing_keys, "__vescale_original__"):
-        return
-    check_transformers()
-    original_load = pretrained.__dict__["_load_pretrained_model"].__func__
-
-    @functools.wraps(original_load)
-    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
-                               **kwargs):
-        record = deferred_record(model)
-        if record is None:
-            return original_load(model, state_dict, checkpoint_files, load_config, *args,
-                                 **kwargs)
-        return record_checkpoint(model, record, state_dict, checkpoint_files, load_config), None
-
-    original_missing = pretrained._initialize_missing_keys
-
-    @functools.wraps(original_missing)
-    def _initialize_missing_keys(self, *args, **kwargs):
-        if deferred_record(self) is None:
-            return original_missing(self, *args, **kwargs)
-        return None  # initialize initializes them, after loading (init_like_transformers)
-
-    original_zero3 = integration.initialize_weights_zero3
-
-    @functools.wraps(original_zero3)
-    def initialize_weights_zero3(model):
-        record = deferred_record(model)
-        if record is None:
-            return original_zero3(model)
-        record.builder, record.root, record.init_like_transformers = "from_config", model, True
-        return None
-
-    _load_pretrained_model.__vescale_original__ = original_load
-    _initialize_missing_keys.__vescale_original__ = original_missing
-    initialize_weights_zero3.__vescale_original__ = original_zero3
-    pretrained._load_pretrained_model = staticmethod(_load_pretrained_model)
-    integration.initialize_weights_zero3 = initialize_weights_zero3
-    pretrained._initialize_missing_keys = _initialize_missing_keys  # last: marks it installed

@@ -3,10 +3,12 @@
 DeepSpeed's `zero.Init` partitions each parameter as its module is constructed. Transformers
 enters it for every model it builds under a ZeRO-3 config (`from_pretrained`, `from_config`),
 and plain scripts write `with deepspeed.zero.Init(config_dict_or_path=cfg): model = Net()`.
-After `patch_deepspeed()`, a config with a "vescale" section makes it a context that builds on
-`meta` instead: shapes only, no storage, no random numbers drawn. `initialize` wraps the model,
-then gives it values shard by shard (engine/weights.py's prepare_weights), so no rank ever
-holds the whole model. Without a vescale section DeepSpeed's own Init runs, unchanged.
+After `patch_deepspeed()` (vescale_engine/integrations/deepspeed.py replaces `zero.Init` and
+`GatheredParameters`, calling `zero_init_config`, `MetaInit` and `refuse_gathering` here), a
+config with a "vescale" section makes it a context that builds on `meta` instead: shapes only,
+no storage, no random numbers drawn. `initialize` wraps the model, then gives it values shard
+by shard (engine/weights.py's prepare_weights), so no rank ever holds the whole model. Without
+a vescale section DeepSpeed's own Init runs, unchanged.
 
 Every module that registers a tensor inside the context carries its `DeferredInit` record:
 - the generator state at entry: `initialize` draws the init from it (and gives the caller's
@@ -19,29 +21,25 @@ dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.Gathere
 on their parameters once the build is over is an error naming the caller: there is nothing to
 gather, and DeepSpeed's own would silently do nothing. (During the build it passes: a model
 that gathers in `__init__` writes nothing that is kept.) On parameters vescale has sharded
-(after initialize) it gathers them: deepspeed_params.GatheredShards; any others in the same
-call go to DeepSpeed's own.
+(after initialize) it gathers them: fsdp/deepspeed_params.py's GatheredShards; any others in
+the same call go to DeepSpeed's own.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import os
 import sys
 import types
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ..fsdp.deepspeed_params import GatheredShards, sharded_of
 from ..fsdp.guards import apply_caller
 from ..fsdp.materialize import rng_state
 from .record import MARK, DeferredInit
 
 __all__ = ["MetaInit", "config_dtype", "refuse_changed_meaning", "require_not_partitioned",
-           "install"]
+           "zero_init_config", "refuse_gathering"]
 
 
 # -- the context --------------------------------------------------------------------------------
@@ -59,9 +57,6 @@ class MetaInit:
         self.record = None
         self._stack = None
         self._builder = _transformers_builder()
-        if "transformers.modeling_utils" in sys.modules:  # the steps after the build
-            from .hf_pretrained import install
-            install()
 
     def __enter__(self):
         if not self.enabled:  # DeepSpeed's enabled=False: an ordinary build
@@ -175,7 +170,7 @@ def _whole_world(group) -> bool:
     return dist.is_initialized() and dist.get_world_size(group) == dist.get_world_size()
 
 
-def _config_of(arguments: dict) -> dict | None:
+def zero_init_config(arguments: dict) -> dict | None:
     """The config this Init is given (or the one Hugging Face holds, when none is given), if
     it has a "vescale" section."""
     source = arguments.get("config_dict_or_path")
@@ -232,7 +227,7 @@ def _deferred_apply(self, fn, recurse=True):
     return type(self)._apply(self, adapted, recurse)
 
 
-def _refuse_gathering(params) -> None:
+def refuse_gathering(params) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             continue
@@ -256,51 +251,3 @@ def _callers(limit: int = 3) -> str:
             names.append(getattr(code, "co_qualname", code.co_name))
         frame = frame.f_back
     return " <- ".join(names)
-
-
-# -- installing --------------------------------------------------------------------------------
-
-def _patched_init(original):
-    signature = inspect.signature(original.__init__)
-
-    @functools.wraps(original, updated=())
-    def Init(*args, **kwargs):
-        try:
-            arguments = signature.bind(None, *args, **kwargs).arguments
-        except TypeError:
-            return original(*args, **kwargs)  # DeepSpeed's own message
-        config = _config_of(arguments)
-        return original(*args, **kwargs) if config is None else MetaInit(config, arguments)
-    Init.__vescale_original__ = original
-    return Init
-
-
-def _patched_gathered_parameters(original):
-    @functools.wraps(original, updated=())
-    def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):
-        if not enabled or not isinstance(params, (torch.Tensor, Iterable)):
-            return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module,
-                            enabled=enabled)
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        _refuse_gathering(params)
-        ours = [p for p in params if sharded_of(p) is not None]
-        if not ours:
-            return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module)
-        rest = [p for p in params if sharded_of(p) is None]  # DeepSpeed's, or plain ones
-        return GatheredShards(ours, modifier_rank, fwd_module,
-                              others=original(rest, modifier_rank=modifier_rank,
-                                              fwd_module=fwd_module) if rest else None)
-    GatheredParameters.__vescale_original__ = original
-    return GatheredParameters
-
-
-def install() -> None:
-    """`deepspeed.zero.Init` and `GatheredParameters` as the module docstring says
-    (idempotent). The transformers steps (init/hf_pretrained.py) install themselves at the first
-    vescale Init that finds transformers imported."""
-    import deepspeed
-    zero = deepspeed.zero
-    if not hasattr(zero.Init, "__vescale_original__"):
-        zero.Init = _patched_init(zero.Init)
-    if not hasattr(zero.GatheredParameters, "__vescale_original__"):
-        zero.GatheredParameters = _patched_gathered_parameters(zero.GatheredParameters)
