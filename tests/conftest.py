@@ -90,6 +90,7 @@ TIERS = {
     "core": {
         "test_planner.py", "test_plan_ep.py", "test_ragged.py", "test_fsdp.py",
         "test_shampoo.py", "test_checkpoint_faults.py", "test_wrap_policy.py", "test_layering.py",
+        "test_parallel_layout.py",
     },
     "integration": {
         # .ci/integration-tests.txt (CI runs them again at the lowest supported versions)
@@ -99,6 +100,7 @@ TIERS = {
         "test_autograd_features.py",
         # and the other tests of other libraries
         "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
+        "test_integrations.py",
     },
     "engine": {
         "test_adamw8bit.py", "test_benchmark_ranks.py", "test_capacity.py", "test_checkpoint.py",
@@ -109,6 +111,7 @@ TIERS = {
         "test_materialize.py", "test_moe_benchmark.py", "test_muon.py", "test_offload.py",
         "test_offload_benchmark.py", "test_package.py", "test_plan_cli.py",
         "test_requires_grad.py", "test_tiers.py", "test_tp_ep.py", "test_vescale_run.py",
+        "test_training_state.py",
     },
 }
 
