@@ -146,10 +146,10 @@ def resume(engine, args):
                                      for n in os.listdir(source)):  # one checkpoint (ours or
         # DeepSpeed's), not a save dir: DeepSpeed's API takes its parent and its tag
         load_dir, tag = os.path.split(os.path.normpath(source))
-    # A missing directory is "nothing to resume" (DeepSpeed's load_checkpoint returns
-    # (None, None) then; older versions of ours raise, hence the check here).
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag) \
-        if os.path.isdir(load_dir) else (None, None)
+    # Every rank calls it (it is collective): a missing directory, or one without `latest`, is
+    # "nothing to resume", (None, None) with a warning, as under DeepSpeed. Deciding per rank
+    # with os.path.isdir would race with rank 0 creating --save-dir for the CSV.
+    path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     if path is None:
         return None
     client_state = dict(client_state or {})
