@@ -311,8 +311,12 @@ def accelerate_rank(rank, world, model_dir, out_dir, cfg, accum):
         if len(steps) == STEPS:
             break
     state_dict = accelerator.get_state_dict(model)
-    accelerator.unwrap_model(model).save_pretrained(
-        out_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
+    # DeepSpeed's is None off rank 0 (ours is {}); transformers before 5.15 then writes that
+    # rank's own state_dict(), its empty ZeRO-3 partitions, over rank 0's file: a race in the
+    # reference, so a rank with None does not save
+    if state_dict is not None:
+        accelerator.unwrap_model(model).save_pretrained(
+            out_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     accelerator.wait_for_everyone()
     with torch.no_grad():
         logits = model(input_ids=probe_input()).logits
@@ -485,11 +489,6 @@ class Runs:
 
     def accelerate(self, engine, accum):
         own = accum == 2  # accumulation 2: the script's own optimizer and scheduler
-        if not any(key[0] == accelerate_rank.__name__ for key in self._done):
-            # Fresh ranks for the Accelerate scripts: at the lowest versions (transformers
-            # 5.6, accelerate 1.11, deepspeed 0.19.3) DeepSpeed's own Accelerate run saved
-            # empty tensors in ranks that had run the Trainer scripts (cause not found).
-            self.pool._restart()
         return self.get(accelerate_rank, (engine, str(accum)), self.model_dir,
                         self.out_dir("accelerate", engine, str(accum)),
                         accelerate_config(engine, optimizer=not own, scheduler=not own), accum)
