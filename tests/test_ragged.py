@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dist_harness import RankPool
 from vescale_engine.shard.ragged import (
     RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate, ragged_to_root,
-    root_to_ragged, shard_tensor,
+    ragged_to_roots, root_to_ragged, roots_to_ragged, shard_tensor,
 )
 
 SEED = 1234
@@ -21,11 +21,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 # ----------------------------------------------------------------------------- block math
 
 def test_the_redistributions_are_public_api():
-    """docs/architecture.md ("Two redistributions"): exported by vescale_engine.shard too."""
+    """docs/architecture.md ("Redistributions"): exported by vescale_engine.shard too."""
     import vescale_engine.shard as shard
     from vescale_engine.shard import ragged
     for name in ("ragged_to_replicate", "ragged_to_ragged", "ragged_to_root", "root_to_ragged",
-                 "Redistribution"):
+                 "ragged_to_roots", "roots_to_ragged", "Redistribution"):
         assert name in shard.__all__ and getattr(shard, name) is getattr(ragged, name), name
 
 
@@ -290,6 +290,40 @@ def run_async(rank, world_size, count):
     return len(pending)
 
 
+def run_batched(rank, world_size, count):
+    """ragged_to_roots / roots_to_ragged: many tensors of different layouts, a root holding
+    none, one or several of them (what Muon's rounds move), each gathered whole onto its
+    root and scattered back exactly; async handles waited out of order."""
+    rng = random.Random(SEED + world_size)
+    cases = [src for src, _ in _cases(world_size, count)]
+    checks = 0
+    for trial in range(6):
+        dtype = DTYPES[trial % len(DTYPES)]
+        picked = rng.sample(range(len(cases)), k=min(len(cases), 1 + trial * 2))
+        specs = [cases[i] for i in picked]
+        # trial 0..: one tensor; then roots drawn so that some rank roots several, some none
+        roots = [rng.randrange(world_size) for _ in specs]
+        fulls = [_full(spec, dtype, 100 * trial + i) for i, spec in enumerate(specs)]
+        locals_ = [shard_tensor(full, spec, rank).clone() for full, spec in zip(fulls, specs)]
+        gathered = ragged_to_roots(locals_, specs, roots, async_op=trial % 2 == 1)
+        if trial % 2:
+            gathered = gathered.wait()
+        mine = [i for i, root in enumerate(roots) if root == rank]
+        assert len(gathered) == len(mine), (roots, len(gathered))
+        for i, got in zip(mine, gathered):
+            assert _same(got, fulls[i]), (specs[i], roots)
+        back = roots_to_ragged([gathered[mine.index(i)] if i in mine else None
+                                for i in range(len(specs))], specs, roots,
+                               dtype=dtype, device="cpu")
+        assert len(back) == len(specs)
+        for got, want in zip(back, locals_):
+            assert _same(got, want), (roots,)
+        checks += len(specs)
+    assert ragged_to_roots([], [], []) == [] and roots_to_ragged([], [], [], dtype=torch.float32,
+                                                                   device="cpu") == []
+    return checks
+
+
 def _expect_error(match, fn, *args, **kwargs):
     try:
         fn(*args, **kwargs)
@@ -371,6 +405,11 @@ def test_round_trips(pool):
 
 def test_async_matches_sync(pool):
     assert pool.run(run_async, 30) == [120] * pool.world_size
+
+
+def test_batched_roots_round_trip(pool):
+    checks = pool.run(run_batched, 12)
+    assert len(set(checks)) == 1 and checks[0] > 12, checks
 
 
 def test_errors_before_any_collective(pool):

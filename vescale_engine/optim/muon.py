@@ -4,7 +4,8 @@ Per matrix (every 2-D weight, and each expert matrix of a stacked 3-D expert ten
 momentum on the local shard; the matrix gathered whole on one root rank; Newton-Schulz there;
 the result scattered back; the update applied to the local shard. Roots are chosen once,
 deterministically, to balance Newton-Schulz FLOPs over ranks. Matrices move in rounds (every
-rank's j-th matrix together, one uneven all-to-all each way); a bounded number of rounds is
+rank's j-th matrix together, one uneven all-to-all each way: shard/ragged.py's
+ragged_to_roots and roots_to_ragged); a bounded number of rounds is
 gathered ahead, so a round's communication overlaps the round before it, no rank waits on
 another's Newton-Schulz, and a root never holds more than a few gathered matrices at once.
 
@@ -52,7 +53,7 @@ from torch.distributed.tensor import Replicate
 
 from ..fsdp.dtensor_params import global_shape, local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
-from ..shard.ragged import RaggedShard
+from ..shard.ragged import RaggedShard, ragged_to_roots, roots_to_ragged
 from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
 from .offload import OptimizerOffload, faces_in
@@ -123,21 +124,24 @@ class _Matrix:
     def numel(self) -> int:
         return self.rows * self.cols
 
-    def assemble(self, pieces) -> torch.Tensor:
-        """The whole matrix from every rank's piece (in exchange-group rank order)."""
-        if self.tp is None:
-            return torch.cat(pieces).view(self.rows, self.cols)
-        return self.tp.assemble(pieces, self.rows, self.cols)
+    @property
+    def spec(self) -> RaggedShard:
+        """How its pieces lie over the exchange group: rank r's `units[r]` elements, in rank
+        order (for a flat matrix that order is the matrix's; a TP-split one is placed by
+        `tp`)."""
+        return RaggedShard((sum(self.units),), 1, self.units)
 
-    def split(self, out: torch.Tensor) -> list:
-        """Each rank's piece of the matrix `out` (rows x cols), in exchange-group rank order."""
+    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The whole matrix from every rank's piece, concatenated in exchange-rank order."""
         if self.tp is None:
-            flat = out.reshape(-1)
-            bounds = [0]
-            for n in self.units:
-                bounds.append(bounds[-1] + n)
-            return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
-        return self.tp.split(out)
+            return gathered.view(self.rows, self.cols)
+        return self.tp.assemble(list(gathered.split(self.units)), self.rows, self.cols)
+
+    def split(self, out: torch.Tensor) -> torch.Tensor:
+        """The matrix `out` (rows x cols) as every rank's piece in exchange-rank order."""
+        if self.tp is None:
+            return out.reshape(-1)
+        return torch.cat(self.tp.split(out))
 
 
 @dataclass
@@ -406,28 +410,37 @@ class Muon(torch.optim.Optimizer):
                   for j in range(max(map(len, by_root)))]  # rounds[j][r]: matrix or None
         ahead = max(1, self.rounds_in_flight)
 
-        def piece(k, r):  # how many elements of matrix k rank r holds
-            return todo[k].units[r] if k is not None else 0
-
         def on_device(k):  # this rank's piece of matrix k, in the Newton-Schulz dtype
             m = todo[k]
             local = updates[m.param][m.lo:m.hi]
             self._count_pcie(m.param, local.numel() * dtype.itemsize, to_host=False)
             return local.to(device=device, dtype=dtype)
 
-        def gather(j):
-            row = rounds[j]
+        def gather(j):  # every rank's piece of round j's matrices onto their roots
+            moving = [k for k in rounds[j] if k is not None]
             self._log("gather", j)
-            return self._exchange(
-                [[on_device(k)] if k is not None else [] for k in row],
-                [piece(row[rank], s) for s in range(world)], dtype, device, pg)
+            self.bytes_sent += sum(todo[k].units[rank] for k in moving
+                                   if todo[k].root != rank) * dtype.itemsize
+            return ragged_to_roots([on_device(k) for k in moving],
+                                   [todo[k].spec for k in moving],
+                                   [todo[k].root for k in moving], group=pg, async_op=True)
+
+        def scatter(j, out):  # round j's results back into every rank's piece
+            moving = [k for k in rounds[j] if k is not None]
+            self._log("scatter", j)
+            mine = rounds[j][rank]
+            if mine is not None:
+                self.bytes_sent += (todo[mine].numel - todo[mine].units[rank]) * dtype.itemsize
+            return moving, roots_to_ragged(
+                [out if k == mine else None for k in moving], [todo[k].spec for k in moving],
+                [todo[k].root for k in moving], group=pg, async_op=True, dtype=dtype,
+                device=device)
 
         results = [None] * len(todo)
 
-        def finish_scatter(j, scattered):
-            for k, local in zip(rounds[j], scattered()):
-                if k is not None:
-                    results[k] = local
+        def finish_scatter(moving, handle):
+            for k, local in zip(moving, handle.wait()):
+                results[k] = local
 
         gathers = {j: gather(j) for j in range(min(ahead, len(rounds)))}
         for k, m in enumerate(todo):  # matrices already whole here, while the gathers run
@@ -437,45 +450,23 @@ class Muon(torch.optim.Optimizer):
                                            **ns).reshape(-1)
         scatters = []
         for j, row in enumerate(rounds):
-            gathered = gathers.pop(j)()  # waits for round j's pieces
+            gathered = gathers.pop(j).wait()  # round j's pieces: the matrix this rank roots
             k = row[rank]
-            send = [[] for _ in range(world)]
+            out = None
             if k is not None:
                 m = todo[k]
                 self._log("ns", k)
-                out = newton_schulz(m.assemble(gathered), **ns)
-                send = [[piece] for piece in m.split(out)]
+                out = m.split(newton_schulz(m.assemble(gathered[0]), **ns))
             del gathered
-            self._log("scatter", j)
-            scatters.append((j, self._exchange(
-                send, [piece(row[r], rank) for r in range(world)], dtype, device, pg)))
+            scatters.append(scatter(j, out))
             if j + ahead < len(rounds):
                 gathers[j + ahead] = gather(j + ahead)
             if len(scatters) > ahead:  # the oldest result has had `ahead` rounds to arrive
                 finish_scatter(*scatters.pop(0))
-        for j, scattered in scatters:
-            finish_scatter(j, scattered)
+        for moving, handle in scatters:
+            finish_scatter(moving, handle)
         empty = torch.empty(0, dtype=dtype, device=device)
         return [empty if out is None else out for out in results]
-
-    def _exchange(self, send, recv_sizes, dtype, device, pg):
-        """Start one uneven all-to-all: send[d] (tensors, concatenated) goes to rank d; rank s
-        sends recv_sizes[s] elements here. Returns a function that waits and gives the
-        received pieces, one per source rank."""
-        rank = dist.get_rank(pg)
-        send_sizes = [sum(t.numel() for t in pieces) for pieces in send]
-        flat = [t.to(dtype) for pieces in send for t in pieces]
-        source = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-        target = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        work = dist.all_to_all_single(target, source, output_split_sizes=recv_sizes,
-                                      input_split_sizes=send_sizes, group=pg, async_op=True)
-        self.bytes_sent += (sum(send_sizes) - send_sizes[rank]) * source.element_size()
-
-        def received():
-            work.wait()
-            return list(target.split(recv_sizes))
-        received.keep = source  # alive until the collective is done
-        return received
 
     def _log(self, what, index):
         if self.record_trace:

@@ -6,7 +6,7 @@ needed). Must not know about modules, hooks, optimizers or the config.
 """
 from .dbuffer import DBuffer
 from .ragged import (RaggedShard, Redistribution, ragged_to_ragged, ragged_to_replicate,
-                     ragged_to_root, root_to_ragged)
+                     ragged_to_root, ragged_to_roots, root_to_ragged, roots_to_ragged)
 
 __all__ = ["RaggedShard", "DBuffer", "Redistribution", "ragged_to_replicate", "ragged_to_ragged",
-           "ragged_to_root", "root_to_ragged"]
+           "ragged_to_root", "root_to_ragged", "ragged_to_roots", "roots_to_ragged"]

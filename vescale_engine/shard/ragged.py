@@ -9,11 +9,12 @@ Redistributions use only collectives that gloo and NCCL both accept with these s
 equal-size all-gather (pieces padded to the longest), an all-to-all with uneven splits, and
 async work handles. gloo rejects all_gather with unequal sizes, so it is never used.
 
-The redistributions (ragged_to_replicate, ragged_to_ragged, ragged_to_root, root_to_ragged;
-also exported by `vescale_engine.shard`) are public API for code holding one sharded tensor and
-its RaggedShard (tests/test_ragged.py). The engine's own traffic does not go through them:
-DBuffers gather and reduce whole buffers (collectives.py) and Muon has its own per-matrix-owner
-exchange (docs/architecture.md, "Two redistributions").
+The redistributions (ragged_to_replicate, ragged_to_ragged, ragged_to_root, root_to_ragged,
+and their batched forms ragged_to_roots / roots_to_ragged that move many tensors, each to or
+from its own root, in one all-to-all; also exported by `vescale_engine.shard`) are public API
+for code holding sharded tensors and their RaggedShards (tests/test_ragged.py). Muon gathers
+each matrix onto the rank that orthogonalizes it and scatters the result back through the
+batched forms; DBuffers gather and reduce whole buffers (collectives.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from . import collectives
 
 __all__ = [
     "RaggedShard", "box_decomposition", "map_box", "shard_tensor", "Redistribution", "ragged_to_replicate",
-    "ragged_to_ragged", "ragged_to_root", "root_to_ragged",
+    "ragged_to_ragged", "ragged_to_root", "root_to_ragged", "ragged_to_roots", "roots_to_ragged",
 ]
 
 
@@ -278,24 +279,22 @@ def ragged_to_ragged(local: torch.Tensor, src: RaggedShard, dst: RaggedShard, gr
     src_ranges, dst_ranges = src.ranges(), dst.ranges()
     send_sizes = [_overlap(src_ranges[rank], d) for d in dst_ranges]
     recv_sizes = [_overlap(s, dst_ranges[rank]) for s in src_ranges]
-    out = local.new_empty(dst.local_numel(rank))
     if src.numel == 0:  # known on every rank: no rank sends anything
-        return _done(Redistribution([], lambda: out), async_op)
-
-    send = local.contiguous()
-    work = dist.all_to_all_single(out, send, output_split_sizes=recv_sizes,
-                                  input_split_sizes=send_sizes, group=group, async_op=True)
-    return _done(Redistribution([work], lambda: out, (send, out)), async_op)
+        return _done(Redistribution([], lambda: local.new_empty(0)), async_op)
+    handle = _uneven_all_to_all(local.contiguous(), send_sizes, recv_sizes, group,
+                                lambda out: out, local.dtype, local.device)
+    return _done(handle, async_op)
 
 
 def ragged_to_root(local: torch.Tensor, spec: RaggedShard, root: int, group=None,
                    async_op: bool = False):
     """Gather the whole tensor on `root` (shaped there; an empty 1-D tensor elsewhere)."""
-    one_hot = RaggedShard.on_rank(spec.shape, spec.block, spec.world_size, root)
-    rank = _group_rank(spec, group)
-    handle = ragged_to_ragged(local, spec, one_hot, group=group, async_op=True)
-    shape = spec.shape if rank == root else (0,)
-    return _done(Redistribution([handle], lambda: handle.wait().view(shape)), async_op)
+    handle = ragged_to_roots([local], [spec], [root], group=group, async_op=True)
+
+    def finish():
+        mine = handle.wait()
+        return mine[0] if mine else local.new_empty(0)
+    return _done(Redistribution([], finish, (handle,)), async_op)
 
 
 def root_to_ragged(full: torch.Tensor | None, spec: RaggedShard, root: int, group=None,
@@ -306,19 +305,119 @@ def root_to_ragged(full: torch.Tensor | None, spec: RaggedShard, root: int, grou
     Off the root the contents of `full` are ignored, but the result needs a dtype and device:
     they come from `full` when it is a tensor, else from `dtype=` and `device=`.
     """
-    one_hot = RaggedShard.on_rank(spec.shape, spec.block, spec.world_size, root)
-    rank = _group_rank(spec, group)
-    if rank == root:
-        if full is None or tuple(full.shape) != spec.shape:
+    if full is not None and dtype is None and device is None:
+        dtype, device = full.dtype, full.device
+    handle = roots_to_ragged([full], [spec], [root], group=group, async_op=True, dtype=dtype,
+                             device=device)
+    return _done(Redistribution([], lambda: handle.wait()[0], (handle,)), async_op)
+
+
+def _check_batch(specs, roots, group) -> int:
+    """This rank's number in `group` after checking that the specs and roots agree with it."""
+    if len(specs) != len(roots):
+        raise ValueError(f"{len(specs)} specs but {len(roots)} roots")
+    world_size = dist.get_world_size(group)
+    for spec, root in zip(specs, roots):
+        _group_rank(spec, group)
+        if not 0 <= root < world_size:
+            raise ValueError(f"root {root} is outside world size {world_size}")
+    return dist.get_rank(group)
+
+
+def _uneven_all_to_all(source, send_sizes, recv_sizes, group, finish, dtype, device):
+    """One uneven all-to-all of `source` (send_sizes[d] elements to rank d, in rank order)
+    into a new buffer (recv_sizes[s] from rank s); `finish(received)` shapes the result."""
+    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    work = dist.all_to_all_single(out, source, output_split_sizes=recv_sizes,
+                                  input_split_sizes=send_sizes, group=group, async_op=True)
+    return Redistribution([work], lambda: finish(out), (source, out))
+
+
+def ragged_to_roots(pieces, specs, roots, group=None, async_op: bool = False):
+    """Gather several tensors, each whole onto its own root, with one uneven all-to-all.
+
+    Tensor i has layout `specs[i]`, this rank's 1-D piece `pieces[i]`, and goes to
+    `roots[i]`; every rank passes the same specs and roots, and pieces of one dtype and
+    device. The result (after `wait()` when async) is the list of the tensors this rank is
+    root of, in the order given, each shaped: a rank that roots one tensor gets the receive
+    buffer itself (pieces arrive in rank order, which is the tensor's order), so gathering
+    one tensor per root (Muon's rounds, ragged_to_root) copies nothing on arrival.
+    """
+    rank = _check_batch(specs, roots, group)
+    for piece, spec in zip(pieces, specs):
+        _check_local(piece, spec, rank)
+    world_size = dist.get_world_size(group)
+    mine = [i for i, root in enumerate(roots) if root == rank]
+    if all(spec.numel == 0 for spec in specs):  # known on every rank: nothing moves
+        return _done(Redistribution([], lambda: [pieces[i].new_empty(specs[i].shape)
+                                                 for i in mine]), async_op)
+    by_root = sorted(range(len(specs)), key=lambda i: roots[i])  # stable: given order per root
+    send_sizes = [0] * world_size
+    for i in by_root:
+        send_sizes[roots[i]] += pieces[i].numel()
+    source = (pieces[0].contiguous() if len(pieces) == 1 else
+              torch.cat([pieces[i] for i in by_root]))
+    sizes = [[specs[i].local_numel(s) for i in mine] for s in range(world_size)]
+
+    def finish(received):
+        if len(mine) == 1:
+            return [received.view(specs[mine[0]].shape)]
+        parts = [chunk.split(sizes[s]) for s, chunk in enumerate(received.split(
+            [sum(row) for row in sizes]))]
+        return [torch.cat([parts[s][j] for s in range(world_size)]).view(specs[i].shape)
+                for j, i in enumerate(mine)]
+
+    handle = _uneven_all_to_all(source, send_sizes, [sum(row) for row in sizes], group, finish,
+                                source.dtype, source.device)
+    return _done(handle, async_op)
+
+
+def roots_to_ragged(fulls, specs, roots, group=None, async_op: bool = False, *,
+                    dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    """Scatter several tensors, each from its root, into their layouts with one uneven
+    all-to-all: the inverse of ragged_to_roots. `fulls[i]` is read on `roots[i]` only (it may
+    be None elsewhere); the result is this rank's piece of every tensor, in the order given,
+    views of one receive buffer. The dtype and device come from a full tensor this rank
+    roots, else from `dtype=` and `device=`. A root that scatters one tensor sends it as it
+    is (its ranks' ranges are consecutive in rank order): no packing."""
+    rank = _check_batch(specs, roots, group)
+    world_size = dist.get_world_size(group)
+    mine = [i for i, root in enumerate(roots) if root == rank]
+    for i in mine:
+        full = fulls[i]
+        if full is None or tuple(full.shape) != specs[i].shape:
             got = None if full is None else list(full.shape)
-            raise ValueError(
-                f"root {root} needs the full tensor of shape {list(spec.shape)}, got {got}")
-        local = full.reshape(-1)
-    elif full is not None:
-        local = full.new_empty(0)
-    elif dtype is not None and device is not None:
-        local = torch.empty(0, dtype=dtype, device=device)
-    else:
+            raise ValueError(f"root {rank} needs the full tensor of shape "
+                             f"{list(specs[i].shape)}, got {got}")
+    if mine:
+        dtype, device = fulls[mine[0]].dtype, fulls[mine[0]].device
+    elif dtype is None or device is None:
         raise ValueError(f"root_to_ragged on non-root rank {rank} needs `full` or both dtype= "
                          "and device= to know what it receives")
-    return ragged_to_ragged(local, one_hot, spec, group=group, async_op=async_op)
+    recv = [[specs[i].local_numel(rank) for i, root in enumerate(roots) if root == s]
+            for s in range(world_size)]
+
+    def finish(received):
+        out = [None] * len(specs)
+        chunks = received.split([sum(row) for row in recv])
+        for s, chunk in enumerate(chunks):
+            senders = [i for i, root in enumerate(roots) if root == s]
+            for i, part in zip(senders, chunk.split(recv[s])):
+                out[i] = part
+        return out
+
+    if all(spec.numel == 0 for spec in specs):  # known on every rank: nothing moves
+        return _done(Redistribution([], lambda: finish(torch.empty(0, dtype=dtype,
+                                                                   device=device))), async_op)
+    flats = [fulls[i].reshape(-1) for i in mine]
+    send_sizes = [sum(specs[i].local_numel(d) for i in mine) for d in range(world_size)]
+    if len(mine) == 1:
+        source = flats[0].contiguous()
+    elif mine:
+        source = torch.cat([flat[slice(*specs[i].local_range(d))] for d in range(world_size)
+                            for i, flat in zip(mine, flats)])
+    else:
+        source = torch.empty(0, dtype=dtype, device=device)
+    handle = _uneven_all_to_all(source, send_sizes, [sum(row) for row in recv], group, finish,
+                                dtype, device)
+    return _done(handle, async_op)
