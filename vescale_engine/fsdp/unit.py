@@ -532,7 +532,7 @@ class FSDPUnit:
             with explain_timeout(f"the replicas' all-reduce of unit {self.name}'s gradients"):
                 pending.finish()
             for p in members:
-                p.sharded.grad = buf.grad_view(p.index)
+                p.set_sharded_grad()
         self._finishers = []
 
 

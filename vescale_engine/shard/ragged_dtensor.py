@@ -69,7 +69,7 @@ from . import ragged_ops
 from .ragged import RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate
 from .ragged_placement import RaggedPlacement
 
-__all__ = ["RaggedDTensor", "RaggedPlacement", "ragged_dtensor", "mesh_of_group"]
+__all__ = ["RaggedDTensor", "RaggedPlacement", "ragged_dtensor", "mesh_of_group", "local_of"]
 
 
 class RaggedDTensor(DTensor):
@@ -249,6 +249,12 @@ def ragged_dtensor(local: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh, *
                          f"{expected} elements")
     spec = ragged_ops.layout_spec(mesh, RaggedPlacement.of(layout), layout.shape, local.dtype)
     return RaggedDTensor(local, spec, requires_grad=requires_grad)
+
+
+def local_of(t):
+    """A RaggedDTensor's local piece (without autograd), anything else as it is: for code that
+    computes on this rank's flat pieces (our optimizers) and must not pay a dispatch per op."""
+    return t._local_tensor if isinstance(t, RaggedDTensor) else t
 
 
 _MESHES: dict = {}

@@ -297,6 +297,10 @@ def _over_mesh(values, tensors, how: str, p: float | None = None, keepdim=False,
         flat = torch.stack([values[i] for i in indices])
         if p is not None:
             flat = flat.to(torch.float32 if value_dtype.itemsize < 4 else value_dtype).pow(p)
+        if flat.device.type != mesh.device_type:
+            # Pieces in host memory on a device mesh (an offloaded master): the all-reduce runs
+            # where the group's backend does, and the result stays there, as a DTensor's would.
+            flat = flat.to(mesh.device_type)
         dist.all_reduce(flat, op=_REDUCE_OPS[how], group=mesh.get_group())
         if p is not None:
             flat = flat.pow(1.0 / p).to(value_dtype)
