@@ -926,7 +926,7 @@ def moves_after_initialize(rank, world):
     model = engine.module
 
     def attached():
-        return all(sp.sharded.untyped_storage().data_ptr() ==
+        return all(sp.sharded.to_local().untyped_storage().data_ptr() ==
                    sp.buffer.master.untyped_storage().data_ptr()
                    for sp in (p._vescale for p in model.parameters()))
     noops = {"to(same)": lambda: model.to(torch.device("cpu"), torch.float32),
