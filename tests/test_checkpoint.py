@@ -487,7 +487,8 @@ def resume_from_deepspeed(rank, world, ds_dir):
     params = dict(engine.module.named_parameters())
     for fqn, (local, spec) in sharded_state_dict(engine.module).items():
         state = engine.optimizer.state[params[fqn]]
-        moments[fqn] = {k: ragged_to_replicate(state[k], spec) for k in ("exp_avg", "exp_avg_sq")}
+        moments[fqn] = {k: ragged_to_replicate(state[k].to_local(), spec)  # RaggedDTensors
+                        for k in ("exp_avg", "exp_avg_sq")}
     steps = engine.global_steps
     return path, weights, moments, steps, train(engine, rank, world, AFTER)
 
