@@ -56,7 +56,8 @@ class ShardedParameter:
         master or gradient shard): a RaggedDTensor of the parameter's global shape, so torch's
         clip_grad_norm_, state_dict, DCP and optimizers see the whole tensor (FSDP2's
         contract). A TP/EP parameter keeps the plain piece: its shard group and mesh make a
-        2-D mesh, which RaggedDTensor does not take yet."""
+        2-D mesh, which RaggedDTensor does not take yet. Gap: torch's clip_grad_norm_ over such
+        pieces returns this rank's norm; vescale_engine.optim.clip_grad_norm_ is right."""
         if self.dtensor_spec is not None:
             return piece
         buf = self.buffer
