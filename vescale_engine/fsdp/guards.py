@@ -28,7 +28,19 @@ def guard_apply(module: nn.Module) -> None:
 
 def _guarded_apply(self, fn, recurse=True):
     _check_apply(self, fn)
-    return type(self)._apply(self, fn, recurse)
+    # Every managed parameter is left as it is, but torch swaps a DTensor-subclass parameter for
+    # a new Parameter even then (losing `_vescale`, what ties it to its buffer): the sharded
+    # faces sit the recursion out, their slots None (which _apply skips) so the order stays.
+    held = [(module, name, p.sharded) for _, p in sharded_parameters(self)
+            for module, name in p.registrations
+            if module._parameters.get(name) is p.sharded]
+    for module, name, _ in held:
+        module._parameters[name] = None
+    try:
+        return type(self)._apply(self, fn, recurse)
+    finally:
+        for module, name, param in held:
+            module._parameters[name] = param
 
 
 def _check_apply(module, fn):
