@@ -57,8 +57,10 @@ class ShardedParameter:
         clip_grad_norm_, state_dict, DCP and optimizers see the whole tensor (FSDP2's
         contract). A TP/EP parameter keeps the plain piece: its shard group and mesh make a
         2-D mesh, which RaggedDTensor does not take yet. Gap: torch's clip_grad_norm_ over such
-        pieces returns this rank's norm; vescale_engine.optim.clip_grad_norm_ is right."""
-        if self.dtensor_spec is not None:
+        pieces returns this rank's norm; vescale_engine.optim.clip_grad_norm_ is right. With
+        fully_shard(flat_parameters=True) (the engine) every parameter keeps its plain piece,
+        as DeepSpeed ZeRO-3 does."""
+        if self.dtensor_spec is not None or self.unit.flat_parameters:
             return piece
         buf = self.buffer
         layout = RaggedShard(self.shape, self.block,
