@@ -60,7 +60,7 @@ def run(granularity, quant_map, group):
         model(idx, tgt).backward()  # gradient storage; the values are replaced just below
         for fqn, sp in named:
             start, end = spec_of(sp).local_range(sp.buffer.rank)
-            sp.sharded.grad.copy_(synthetic_gradient(fqn, sp.shape, step).reshape(-1)[start:end])
+            sp.sharded.grad.to_local().copy_(synthetic_gradient(fqn, sp.shape, step).reshape(-1)[start:end])
         opt.step()
         opt.zero_grad()
     out = {"param." + k: v for k, v in full_state_dict(model).items()}

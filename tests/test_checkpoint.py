@@ -487,7 +487,8 @@ def resume_from_deepspeed(rank, world, ds_dir):
     params = dict(engine.module.named_parameters())
     for fqn, (local, spec) in sharded_state_dict(engine.module).items():
         state = engine.optimizer.state[params[fqn]]
-        moments[fqn] = {k: ragged_to_replicate(state[k], spec) for k in ("exp_avg", "exp_avg_sq")}
+        moments[fqn] = {k: ragged_to_replicate(state[k].to_local(), spec)  # RaggedDTensors
+                        for k in ("exp_avg", "exp_avg_sq")}
     steps = engine.global_steps
     return path, weights, moments, steps, train(engine, rank, world, AFTER)
 
@@ -926,7 +927,7 @@ def moves_after_initialize(rank, world):
     model = engine.module
 
     def attached():
-        return all(sp.sharded.untyped_storage().data_ptr() ==
+        return all(sp.sharded.to_local().untyped_storage().data_ptr() ==
                    sp.buffer.master.untyped_storage().data_ptr()
                    for sp in (p._vescale for p in model.parameters()))
     noops = {"to(same)": lambda: model.to(torch.device("cpu"), torch.float32),

@@ -365,8 +365,10 @@ def _train_step(engine, rank, step, poison=False):
         engine.backward(loss)
         losses.append(loss.float().item())
         if poison and k == ACCUM - 1 and rank == 0:
-            grad = next(p.grad for p in engine.module.parameters()
-                        if p.grad is not None and p.grad.numel())
+            from torch.distributed.tensor import DTensor
+            pieces = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                      for p in engine.module.parameters() if p.grad is not None)
+            grad = next(g for g in pieces if g.numel())  # a gradient piece this rank holds
             grad[0] = float("inf")
         engine.step()
     return sum(losses) / len(losses)

@@ -19,6 +19,7 @@ from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_sh
                                  gathered_parameters, no_sync, sharded_parameters,
                                  sharded_state_dict, unit_of)
 from vescale_engine.shard.ragged import ragged_to_replicate
+from vescale_engine.shard.ragged_dtensor import RaggedDTensor
 
 GLOBAL_BATCH = 24
 STEPS = 3
@@ -544,7 +545,7 @@ def gathered_rank(rank, world):
         seen, peak = _gather_peak(inside)
         same = all(seen[k][0] == tuple(reference.get_parameter(k).shape) and
                    torch.equal(seen[k][2], reference.get_parameter(k)) for k in seen) \
-            if keeps else all(len(shape) == 1 for shape, _, _ in seen.values())
+            if keeps else all(isinstance(v, RaggedDTensor) for _, _, v in seen.values())
         out["inside", rank0_only, cpu_offload] = (same, peak)
     for cpu_offload in (False, True):
         with gathered_parameters(model, writeback=True, cpu_offload=cpu_offload):
@@ -559,7 +560,8 @@ def gathered_rank(rank, world):
             pass
     except ValueError as err:
         out["writeback rank0_only"] = str(err)
-    sharded_shape = tuple(model.blocks[0].fc.weight.shape)
+    weight = model.blocks[0].fc.weight  # between steps: a RaggedDTensor of the global shape
+    sharded_shape = (tuple(weight.shape), tuple(weight.to_local().shape))
     rebuilt = {fqn: ragged_to_replicate(local, spec)
                for fqn, (local, spec) in sharded_state_dict(model).items()}
     same = all(torch.equal(rebuilt[k], full[k]) for k in rebuilt)
@@ -589,7 +591,7 @@ def test_gathered_parameters_and_sharded_state_dict(pool):
             "gathered_parameters: writeback=True needs the full parameters on every rank; it "
             "cannot be combined with rank0_only=True")
         sharded_shape, same, names = out["sharded"]
-        assert len(sharded_shape) == 1 and same
+        assert sharded_shape[0] == (256, 64) and len(sharded_shape[1]) == 1 and same
         assert names  # the tied head is the embedding, listed once
 
 

@@ -103,7 +103,7 @@ def bitwise_rank(rank, world):
             returned = materialize(model)
             rng_matches = torch.equal(torch.get_rng_state(), after_reference)
             pieces = [fqn for fqn, p in sharded_parameters(model)
-                      if not torch.equal(p.sharded.detach(),
+                      if not torch.equal(p.sharded.to_local().detach(),
                                          ref[fqn].reshape(-1)[slice(*p.flat_range)])]
             full = full_state_dict(model)
             differ = sorted(k for k in ref if not torch.equal(full[k], ref[k]))
@@ -553,7 +553,7 @@ def allocate_rank(rank, world):
     on_cpu = {str(p.device) for p in model.parameters()}
     with torch.no_grad():
         for fqn, p in sharded_parameters(model):
-            p.sharded.copy_(reference[fqn].reshape(-1)[slice(*p.flat_range)])
+            p.sharded.to_local().copy_(reference[fqn].reshape(-1)[slice(*p.flat_range)])
     full = full_state_dict(model)
     rng = torch.get_rng_state()
     materialize(model)  # nothing on meta: a no-op, no draws
@@ -570,7 +570,7 @@ def allocate_rank(rank, world):
     allocate_shards(mixed.blocks[1])
     with torch.no_grad():
         for fqn, p in sharded_parameters(mixed.blocks[1]):
-            p.sharded.copy_(reference[f"blocks.1.{fqn}"].reshape(-1)[slice(*p.flat_range)] + 1)
+            p.sharded.to_local().copy_(reference[f"blocks.1.{fqn}"].reshape(-1)[slice(*p.flat_range)] + 1)
     materialize(mixed)
     values = full_state_dict(mixed)
     before = ("wte.", "wpe.", "blocks.0.", "head.")  # head.weight is wte.weight
@@ -656,7 +656,7 @@ def loader_flow_rank(rank, world):
     with torch.no_grad():
         for fqn, p in sharded_parameters(model):
             if fqn != "lm_head.weight":
-                p.sharded.copy_(ref[fqn].reshape(-1)[slice(*p.flat_range)])
+                p.sharded.to_local().copy_(ref[fqn].reshape(-1)[slice(*p.flat_range)])
     rotary = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
     init_unloaded(model, rotary + ["lm_head.weight"])
     full = full_state_dict(model)

@@ -79,6 +79,7 @@ def buffers_of(engine):
 def within(tensor, host) -> bool:
     """Whether `tensor`'s memory lies inside the host allocation `host`."""
     lo = host.storage.data_ptr()
+    tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded face: its local piece
     ptr = tensor.data_ptr()
     return lo <= ptr and ptr + tensor.numel() * tensor.element_size() <= lo + host.storage.numel()
 
@@ -91,7 +92,7 @@ def layout_facts(engine):
         state = engine.optimizer.state[buf.master]
         first = "exp_avg" if "exp_avg" in state else "exp_avg_codes"  # AdamW8bit's
         host = off._hosts.get(id(buf))
-        faces = [sp.sharded for sp in buf_faces(engine, buf) if sp.sharded.numel()]
+        faces = [sp.sharded for sp in buf_faces(engine, buf) if sp.local().numel()]
         if host is None:  # master, gradient and state on the device
             facts.append({"offloaded": off.offloads(buf), "compute": buf.compute is None,
                           "step": float(state["step"]), "device_grad": not buf.grad_on_host})

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from vescale_engine.shard.ragged_dtensor import local_of
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
@@ -126,7 +127,7 @@ def worst_relative(model, reference):
     for sp, name in managed(model):
         piece = reference_piece(sp, ref[name])
         if piece.numel():
-            diff = (sp.sharded.detach() - piece).double()
+            diff = (sp.local() - piece).double()
             worst = max(worst, diff.abs().max().item() / ref[name].detach().abs().max().item())
             sums += torch.stack([diff.square().sum(), piece.double().square().sum()])
     t = torch.tensor(worst)
@@ -142,7 +143,7 @@ def gradient_ratios(model, reference):
     sums = torch.zeros(len(names), 2, dtype=torch.float64)
     for sp, name in managed(model):
         piece = reference_piece(sp, ref[name].grad)
-        sums[names.index(name), 0] += sp.sharded.grad.double().square().sum()
+        sums[names.index(name), 0] += local_of(sp.sharded.grad).double().square().sum()
         sums[names.index(name), 1] += piece.double().square().sum()
     dist.all_reduce(sums)
     return {n: (sums[i, 0] / sums[i, 1]).sqrt().item() for i, n in enumerate(names)}
@@ -677,7 +678,7 @@ def synthetic_grads(model, reference, step):
         full = torch.randn(shape, generator=g) * torch.logspace(-4, 0, shape[-1])
         for sp, n in managed(model) + managed(reference):
             if n == name:
-                sp.sharded.grad.copy_(reference_piece(sp, full))
+                local_of(sp.sharded.grad).copy_(reference_piece(sp, full))
 
 
 def adamw8bit_run(rank, world, kind, block):
@@ -717,8 +718,8 @@ def adamw8bit_run(rank, world, kind, block):
     full = _full_values(ref)
     worst = 0.0
     for sp, name in managed(model):
-        if sp.sharded.numel():
-            diff = sp.sharded.detach() - reference_piece(sp, full[name])
+        if sp.local().numel():
+            diff = sp.local() - reference_piece(sp, full[name])
             worst = max(worst, diff.abs().max().item())
     return worst
 

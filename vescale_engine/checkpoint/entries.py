@@ -14,6 +14,7 @@ import torch
 
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..shard.ragged import RaggedShard
+from ..shard.ragged_dtensor import local_of
 from .dcp import CheckpointError, write_error
 from .piece import RaggedPiece
 
@@ -44,7 +45,7 @@ def _local_start(p) -> int:
     buf = sp.buffer
     placement = buf.layout.placements[sp.index]
     start, end = RaggedShard(sp.shape, sp.block, placement.local_units(buf.world_size)).local_range(buf.rank)
-    assert end - start == p.numel(), (sp.fqn, start, end, p.numel())
+    assert end - start == local_of(p).numel(), (sp.fqn, start, end, local_of(p).numel())
     return start
 
 
@@ -97,6 +98,7 @@ def optimizer_entries(optimizer, names_of, state):
     entries = {}
     for p, named in state.items():
         for name, t in named.items():
+            t = local_of(t)  # a torch optimizer's state of a RaggedDTensor parameter: its piece
             key = f"optim.state.{names_of[id(p)][0]}.{name}"
             if isinstance(t, RaggedPiece):  # the optimizer placed it in its own global shape
                 if not t.mapped and sharded_mesh_dims(
@@ -107,11 +109,12 @@ def optimizer_entries(optimizer, names_of, state):
                 entries[key] = t
             elif t.dim() == 0:
                 entries[key] = t
-            elif t.dim() == 1 and t.numel() == p.numel():
+            elif t.dim() == 1 and t.numel() == local_of(p).numel():
                 entries[key] = piece(p, t)
             else:
                 raise CheckpointError(f"optimizer state {key} has shape {list(t.shape)}; the "
-                                      f"checkpoint interface takes 0-d or {p.numel()} elements")
+                                      "checkpoint interface takes 0-d or "
+                                      f"{local_of(p).numel()} elements")
     return entries
 
 

@@ -174,7 +174,7 @@ def _tp_ep_piece(sp):
     """A TP/EP parameter's shard as boxes of its global tensor (None for other parameters)."""
     if not sharded_mesh_dims(sp.dtensor_spec):
         return None
-    return RaggedPiece(sp.sharded.detach(), sp.dtensor_spec.shape, sp.flat_range[0],
+    return RaggedPiece(sp.local(), sp.dtensor_spec.shape, sp.flat_range[0],
                        local_shape=sp.shape, index_maps=local_index_maps(sp.dtensor_spec))
 
 
@@ -349,7 +349,7 @@ def _load(module, plan, result):
                 if sp is not None:
                     begin, end = sp.flat_range
                     if end > begin:
-                        reader.read(entry, begin, end, sp.sharded.detach())
+                        reader.read(entry, begin, end, sp.local())
                     continue
                 before = reader.bytes_read
                 value = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")

@@ -63,6 +63,7 @@ from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_
 from .layout import (FORMAT, LATEST_FILE, STATE_FILE, bad_tag, partial_dir, publish, read_latest,
                      remove_partials, write_latest)
 from .piece import RaggedPiece
+from ..shard.ragged_dtensor import RaggedDTensor, local_of
 from .safetensors_format import save_file
 from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 
@@ -89,7 +90,7 @@ def model_state_dict(module):
     sd = {}
     for p, names in params:
         entry = piece(p, p.detach().reshape(-1) if getattr(p, "_vescale", None) is None
-                      else p.detach())
+                      else local_of(p).detach())
         for name in names:
             sd[f"model.{name}"] = entry
     for name, b in persistent_buffers(module):
@@ -407,6 +408,8 @@ def torch_state_target(p, group, md) -> torch.Tensor:
     loads: element-wise state on p's device; 0-d state (`step`) on the host, as torch keeps it,
     unless the group is fused or capturable, whose kernels read it on the parameter's device."""
     if len(md.size):
+        if isinstance(p, RaggedDTensor):  # state of p's layout, loaded through its local piece
+            return torch.zeros_like(p, dtype=md.properties.dtype)
         return torch.zeros(p.numel(), dtype=md.properties.dtype, device=p.device)
     on_device = group.get("fused") or group.get("capturable")
     return torch.zeros((), dtype=md.properties.dtype, device=p.device if on_device else "cpu")

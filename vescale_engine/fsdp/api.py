@@ -42,7 +42,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                 max_buffers: int = DEFAULT_MAX_BUFFERS,
                 align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
                 max_reuse_distance: int = 0, native_collectives: bool = False,
-                gradient_divide_factor: float | None = None) -> nn.Module:
+                gradient_divide_factor: float | None = None,
+                flat_parameters: bool = False) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
@@ -69,6 +70,11 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     `parallelize_module` or `distribute_tensor(w, ep_mesh, [Shard(0)])`): their local tensor is
     what is sharded over `mesh`; in forward the module holds a DTensor with the original mesh
     and placements over the gathered buffer (docs/architecture.md, "DTensor parameters").
+    `flat_parameters`: between steps the module holds each parameter as FSDP2 does, a DTensor
+    of its global shape (a RaggedDTensor, its local tensor this rank's range of the buffer), so
+    torch's clip_grad_norm_, state-dict utilities, DCP and optimizers see whole tensors; True
+    keeps plain 1-D pieces instead (DeepSpeed ZeRO-3's view, which the engine uses so that
+    deepspeed.zero.GatheredParameters can fill a parameter in place).
     Errors (no parameters, mixed devices, a mesh this rank is not in, a DTensor that is not
     Shard/Replicate or is on meta, a second call on the same module) are raised here, before
     any collective.
@@ -85,7 +91,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
     unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
                     granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                    native_collectives, gradient_divide_factor)
+                    native_collectives, gradient_divide_factor, flat_parameters)
     module._vescale_unit = unit
     guard_apply(module)
     guard_reset_parameters(unit)

@@ -42,6 +42,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .guards import require_materialized
 from .lookup import units_under
@@ -101,6 +102,12 @@ class GatheredShards:
                         "enclosing GatheredParameters): changes would not reach its shard; "
                         "write to it outside the forward, in one context")
                 continue
+            if isinstance(p, DTensor) and sp.dtensor_spec is None:
+                raise RuntimeError(
+                    f"deepspeed.zero.GatheredParameters on {_name(sp)}: fully_shard made it a "
+                    "DTensor of its global shape (FSDP2's view), which cannot be filled in "
+                    "place; shard with fully_shard(..., flat_parameters=True) (DeepSpeed "
+                    "ZeRO-3's view, what the engine uses) or read it with full_tensor()")
             if p is not sp.sharded:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters on the full-shape parameter of "

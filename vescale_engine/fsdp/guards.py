@@ -7,6 +7,7 @@ import types
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .lookup import sharded_parameters
 
@@ -27,7 +28,19 @@ def guard_apply(module: nn.Module) -> None:
 
 def _guarded_apply(self, fn, recurse=True):
     _check_apply(self, fn)
-    return type(self)._apply(self, fn, recurse)
+    # Every managed parameter is left as it is, but torch swaps a DTensor-subclass parameter for
+    # a new Parameter even then (losing `_vescale`, what ties it to its buffer): the sharded
+    # faces sit the recursion out, their slots None (which _apply skips) so the order stays.
+    held = [(module, name, p.sharded) for _, p in sharded_parameters(self)
+            for module, name in p.registrations
+            if module._parameters.get(name) is p.sharded]
+    for module, name, _ in held:
+        module._parameters[name] = None
+    try:
+        return type(self)._apply(self, fn, recurse)
+    finally:
+        for module, name, param in held:
+            module._parameters[name] = param
 
 
 def _check_apply(module, fn):
@@ -110,10 +123,16 @@ def guard_reset_parameters(unit) -> None:
             module.reset_parameters = types.MethodType(_guarded_reset_parameters, module)
 
 
+def _is_piece(param) -> bool:
+    """A managed parameter as held between steps: a RaggedDTensor over this rank's flat piece
+    (its shape is the global one, but random inits refuse it), or a TP/EP one's plain piece."""
+    sp = getattr(param, "_vescale", None)
+    return sp is not None and param is sp.sharded and \
+        (isinstance(param, DTensor) or tuple(param.shape) != tuple(sp.shape))
+
+
 def _guarded_reset_parameters(self, *args, **kwargs):
-    flat = [name for name, param in self._parameters.items()
-            if getattr(param, "_vescale", None) is not None and param is param._vescale.sharded
-            and tuple(param.shape) != tuple(param._vescale.shape)]
+    flat = [name for name, param in self._parameters.items() if _is_piece(param)]
     if flat:
         raise RuntimeError(
             f"{type(self).__name__}.reset_parameters(): {flat[0]} is a flat piece of the sharded "
@@ -136,9 +155,7 @@ def guard_init_weights(module: nn.Module) -> None:
 
 
 def _guarded_init_weights(self, *args, **kwargs):
-    flat = next((name for name, p in self.named_parameters()
-                 if getattr(p, "_vescale", None) is not None and p is p._vescale.sharded
-                 and tuple(p.shape) != tuple(p._vescale.shape)), None)
+    flat = next((name for name, p in self.named_parameters() if _is_piece(p)), None)
     if flat is not None:
         raise RuntimeError(
             f"{type(self).__name__}.init_weights(): {flat} is a flat piece of the sharded master "

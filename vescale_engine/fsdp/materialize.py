@@ -500,7 +500,7 @@ class _Initializer:
         piece = local_of_global(value, sp.dtensor_spec).reshape(-1)[begin:end]
         written = ~torch.isnan(piece)
         with torch.no_grad():
-            sp.sharded[written] = piece[written]
+            sp.local()[written] = piece[written]
 
     def _name(self, mod, attr) -> str:
         prefix = self.names.get(id(mod), "")

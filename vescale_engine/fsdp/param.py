@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..shard.ragged import RaggedShard
+from ..shard.ragged_dtensor import mesh_of_group, ragged_dtensor
 from .dtensor_params import LocalLeafRoute, dtensor_face, grad_face, grad_in_placements
 
 __all__ = ["ShardedParameter"]
@@ -31,7 +33,9 @@ class ShardedParameter:
         self.dtensor_spec = dtensor_spec
         self.shape = spec.shape
         self.block = spec.block
-        self.sharded = nn.Parameter(buffer.master_view(index), requires_grad=requires_grad)
+        self._grad_face = None    # (gradient shard it views, its RaggedDTensor over it)
+        self.sharded = nn.Parameter(self._face(buffer.master_view(index)),
+                                    requires_grad=requires_grad)
         self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
         self._unsharded = None
         self._local_leaf = None  # a DTensor face's to_local() leaf, once asked for
@@ -46,6 +50,37 @@ class ShardedParameter:
         self.graphed = False      # a forward with gradients used it with requires_grad set
         self.unreduced = False    # its gradient sits in a no_sync full buffer, not yet reduced
         self.backward_flag = None  # requires_grad when its unit's backward began
+
+    def _face(self, piece: torch.Tensor) -> torch.Tensor:
+        """What the module holds between steps, over `piece` (this rank's flat range of the
+        master or gradient shard): a RaggedDTensor of the parameter's global shape, so torch's
+        clip_grad_norm_, state_dict, DCP and optimizers see the whole tensor (FSDP2's
+        contract). A TP/EP parameter keeps the plain piece: its shard group and mesh make a
+        2-D mesh, which RaggedDTensor does not take yet. Gap: torch's clip_grad_norm_ over such
+        pieces returns this rank's norm; vescale_engine.optim.clip_grad_norm_ is right. With
+        fully_shard(flat_parameters=True) (the engine) every parameter keeps its plain piece,
+        as DeepSpeed ZeRO-3 does."""
+        if self.dtensor_spec is not None or self.unit.flat_parameters:
+            return piece
+        buf = self.buffer
+        layout = RaggedShard(self.shape, self.block,
+                             buf.layout.placements[self.index].local_units(buf.world_size))
+        # The compute device's mesh (an offloaded master is on the host, its collectives are
+        # not); on meta, a placeholder until bind_storage.
+        device_type = "cpu" if buf.device.type == "meta" else buf.device.type
+        return ragged_dtensor(piece, layout, mesh_of_group(buf.shard_group, device_type))
+
+    def local(self) -> torch.Tensor:
+        """This rank's flat piece of the master (the plain tensor the engine computes on)."""
+        return self.buffer.master_view(self.index)
+
+    def set_sharded_grad(self) -> None:
+        """`sharded.grad` to the reduced gradient, a face over its range of the gradient shard:
+        made again only when that shard is another tensor (offload, allocation)."""
+        source = self.buffer.grad
+        if self._grad_face is None or self._grad_face[0] is not source:
+            self._grad_face = (source, self._face(self.buffer.grad_view(self.index)))
+        self.sharded.grad = self._grad_face[1]
 
     @property
     def unsharded(self) -> nn.Parameter:
@@ -160,7 +195,8 @@ class ShardedParameter:
         reference taken while it was on meta (`model.parameters()`, registrations) stays valid,
         with the attributes set on it."""
         attributes = dict(self.sharded.__dict__)
-        fresh = nn.Parameter(self.buffer.master_view(self.index),
+        fresh = nn.Parameter(self._face(self.buffer.master_view(self.index)),
                              requires_grad=self.requires_grad)
+        self._grad_face = None
         torch.utils.swap_tensors(self.sharded, fresh)  # swaps the __dict__s too
         self.sharded.__dict__.update(attributes)

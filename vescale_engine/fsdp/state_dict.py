@@ -396,5 +396,5 @@ def sharded_state_dict(module: nn.Module) -> dict:
     for fqn, p in sharded_parameters(module):
         placement = p.buffer.layout.placements[p.index]
         spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))
-        out[fqn] = (p.sharded.detach(), spec)
+        out[fqn] = (p.local(), spec)
     return out

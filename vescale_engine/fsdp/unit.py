@@ -77,8 +77,9 @@ class _ForwardToken:
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
                  granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                 native_collectives=False, gradient_divide_factor=None):
+                 native_collectives=False, gradient_divide_factor=None, flat_parameters=False):
         self.module = module
+        self.flat_parameters = flat_parameters  # sharded faces: plain pieces, not RaggedDTensors
         self.gradient_divide_factor = gradient_divide_factor
         self.native_collectives = native_collectives
         self.grads_in_place = grads_in_place
@@ -532,7 +533,7 @@ class FSDPUnit:
             with explain_timeout(f"the replicas' all-reduce of unit {self.name}'s gradients"):
                 pending.finish()
             for p in members:
-                p.sharded.grad = buf.grad_view(p.index)
+                p.set_sharded_grad()
         self._finishers = []
 
 

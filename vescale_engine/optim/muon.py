@@ -54,6 +54,7 @@ from torch.distributed.tensor import Replicate
 from ..fsdp.dtensor_params import global_shape, local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
 from ..shard.ragged import RaggedShard, ragged_to_roots, roots_to_ragged
+from ..shard.ragged_dtensor import local_of
 from .adamw import adamw_update, new_adamw_state
 from .flat import evaluate_closure
 from .offload import OptimizerOffload, faces_in
@@ -359,9 +360,10 @@ class Muon(torch.optim.Optimizer):
         for i in with_grad:
             state = self.state[params[i]]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(params[i].grad)
+                state["momentum_buffer"] = torch.zeros_like(local_of(params[i].grad))
             bufs.append(state["momentum_buffer"])
-        grads = [params[i].grad for i in with_grad]
+        # This rank's flat pieces (the parameters are RaggedDTensors): sliced and stepped as such.
+        grads = [local_of(params[i].grad) for i in with_grad]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         updates = dict(zip(with_grad, [g.lerp(b, momentum) for g, b in zip(grads, bufs)]
                            if group["nesterov"] else bufs))
@@ -375,10 +377,10 @@ class Muon(torch.optim.Optimizer):
                 results[k] = out
         lr, decay = group["lr"], group["weight_decay"]
         for i in with_grad:
-            params[i].mul_(1 - lr * decay)
+            local_of(params[i]).mul_(1 - lr * decay)
         for m, local in zip(todo, results):
             if m.hi > m.lo:
-                target = params[m.param][m.lo:m.hi]
+                target = local_of(params[m.param])[m.lo:m.hi]
                 if local.device != target.device:  # the device's result to the host master
                     local = local.to(target.device)
                 self._count_pcie(m.param, local.numel() * local.element_size(), to_host=True)
@@ -481,23 +483,23 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if create and not self.state.get(p):
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if group["use_muon"] \
-                        else new_adamw_state(p)
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(local_of(p))} \
+                        if group["use_muon"] else new_adamw_state(local_of(p))
                 if self.state.get(p):
                     out[p] = dict(self.state[p])
         return out
 
     def _adamw_step(self, group):
-        params = [p for p in group["params"] if p.grad is not None and p.numel()]
+        params = [p for p in group["params"] if p.grad is not None and local_of(p).numel()]
         if not params:
             return
         for p in params:
             if not self.state.get(p):
-                self.state[p] = new_adamw_state(p)
+                self.state[p] = new_adamw_state(local_of(p))
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         # torch.optim.AdamW's update over all of them in one fused call (one pass over memory).
-        adamw_update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+        adamw_update([local_of(p) for p in params], [local_of(p.grad) for p in params], [s["exp_avg"] for s in states],
                      [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"])

@@ -43,6 +43,7 @@ from ..checkpoint.piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.optim_spec import SHAMPOO_DEFAULTS, shampoo_granularity_for
 from ..shard.ragged import RaggedShard
+from ..shard.ragged_dtensor import local_of
 from .flat import evaluate_closure
 
 __all__ = ["Shampoo", "shampoo_blocks", "block_cut", "shampoo_granularity", "inverse_fourth_root",
@@ -229,8 +230,9 @@ class Shampoo(torch.optim.Optimizer):
         # step whose statistics QL, QR are the roots of (0: none yet)
         state = {"step": torch.zeros((), dtype=torch.int64),
                  "roots": torch.zeros((), dtype=torch.int64),
-                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                 "exp_avg": torch.zeros_like(local_of(p), memory_format=torch.preserve_format),
+                 "exp_avg_sq": torch.zeros_like(local_of(p),
+                                                memory_format=torch.preserve_format)}
         lay = self._layouts.get(id(p))
         if lay is not None:
             for name in STATISTICS:
@@ -264,7 +266,9 @@ class Shampoo(torch.optim.Optimizer):
     def _step_params(self, group, t, refresh, params):
         beta1, beta2 = group["betas"]
         start = group["start_preconditioning_step"]
-        grads = [p.grad for p in params]
+        # This rank's flat pieces: the math is per piece, with no DTensor dispatch per op.
+        grads = [local_of(p.grad) for p in params]
+        pieces = [local_of(p) for p in params]
         states = [self.state[p] for p in params]
         # Adam grafting, element-wise over every parameter at once
         squares = [s["exp_avg_sq"] for s in states]
@@ -312,8 +316,8 @@ class Shampoo(torch.optim.Optimizer):
         torch._foreach_add_(moments, directions, alpha=1 - beta1)
         lr = group["lr"]
         if group["weight_decay"]:
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_add_(params, moments, alpha=-lr / (1 - beta1 ** t))
+            torch._foreach_mul_(pieces, 1 - lr * group["weight_decay"])
+        torch._foreach_add_(pieces, moments, alpha=-lr / (1 - beta1 ** t))
 
     # -- checkpoints (the interface vescale_engine.checkpoint documents) ------------------------
 

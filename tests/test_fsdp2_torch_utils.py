@@ -1,0 +1,156 @@
+"""torch's FSDP2 user code on our fully_shard, against torch's own fully_shard (2 gloo ranks,
+fp32, the same initial values): torch.nn.utils.clip_grad_norm_ in the loop (losses, norms,
+parameters), torch.optim.AdamW (foreach and fused) on our sharded parameters, `.grad` after
+backward, get_model_state_dict(full_state_dict, cpu_offload), and model.state_dict() through
+dcp.save / dcp.load into a differently seeded model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from dist_harness import RankPool, scratch_dir
+
+STEPS = 3
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+class Tiny(nn.Module):
+    # Uneven sizes: our pieces of each tensor differ between the ranks (torch's are Shard(0)).
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 10)
+        self.b = nn.Linear(10, 3)
+        self.scale = nn.Parameter(torch.rand(3) + 0.5)  # the root unit's own parameter
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) * self.scale
+
+
+def _make(seed):
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def _ours(model):
+    from vescale_engine.fsdp import fully_shard
+    fully_shard(model.a)
+    fully_shard(model.b)
+    return fully_shard(model)
+
+
+def _torch(model):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch_fully_shard(model.a, mesh=mesh)
+    torch_fully_shard(model.b, mesh=mesh)
+    return torch_fully_shard(model, mesh=mesh)
+
+
+def _batch(step, rank, world):
+    gen = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 6, generator=gen), 5 * torch.randn(8, 3, generator=gen)
+    per = len(x) // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def _value(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(model, rank, world, fused=False, clip=True):
+    """3 steps of torch user code; (losses, norms, full parameters, .grad types)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None)
+    losses, norms, grads = [], [], []
+    for step in range(STEPS):
+        x, y = _batch(step, rank, world)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        grads = [(type(p.grad).__name__, tuple(p.grad.shape), tuple(p.shape))
+                 for p in model.parameters()]
+        if clip:
+            norms.append(float(_value(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: _value(v).detach().clone() for k, v in model.named_parameters()}
+    return losses, norms, params, grads
+
+
+def _close(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(
+        a[k].shape == b[k].shape and torch.allclose(a[k], b[k], rtol=0, atol=TOL) for k in a)
+
+
+def train_rank(rank, world, fused, clip):
+    ours = _train(_ours(_make(0)), rank, world, fused, clip)
+    theirs = _train(_torch(_make(0)), rank, world, fused, clip)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("fused,clip", [(False, True), (True, True), (False, False)],
+                         ids=["foreach-clip", "fused-clip", "foreach"])
+def test_torch_training_loop_matches_torch_fsdp2(pool, fused, clip):
+    for (losses, norms, params, grads), (t_losses, t_norms, t_params, t_grads) in \
+            pool.run(train_rank, fused, clip):
+        # the norms first: on plain 1-D pieces clip_grad_norm_ returns each rank's own norm
+        assert norms == pytest.approx(t_norms, abs=TOL)
+        assert losses == pytest.approx(t_losses, abs=TOL)
+        if clip:
+            assert max(norms) > 1.0  # clipping did scale the gradients
+        assert _close(params, t_params)
+        # `.grad` after backward: a DTensor of the parameter's global shape, as torch's
+        assert all(name == "RaggedDTensor" and g == s for name, g, s in grads), grads
+        assert [(g, s) for _, g, s in grads] == [(g, s) for _, g, s in t_grads]
+
+
+def state_dict_rank(rank, world, path):
+    ours, theirs = _ours(_make(0)), _torch(_make(0))
+    _train(ours, rank, world)
+    _train(theirs, rank, world)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full, t_full = get_model_state_dict(ours, options=options), \
+        get_model_state_dict(theirs, options=options)
+    shapes = {k: (type(v).__name__, tuple(v.shape)) for k, v in ours.state_dict().items()}
+    t_shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    # DCP round trip: model.state_dict() saved, loaded into a differently seeded model
+    dcp.save(ours.state_dict(), checkpoint_id=path)
+    other = _ours(_make(7))
+    before = {k: v.full_tensor() for k, v in other.state_dict().items()}
+    loaded = other.state_dict()
+    dcp.load(loaded, checkpoint_id=path)
+    after = {k: v.full_tensor() for k, v in other.state_dict().items()}
+    saved = {k: v.full_tensor() for k, v in ours.state_dict().items()}
+    # and training goes on from the loaded values as from the saved ones
+    x, y = _batch(0, rank, world)
+    resumed = (nn.functional.mse_loss(other(x), y).item(),
+               nn.functional.mse_loss(ours(x), y).item())
+    return dict(full=full, t_full=t_full, shapes=shapes, t_shapes=t_shapes,
+                changed=not _close(before, saved), restored=_close(after, saved),
+                resumed=resumed)
+
+
+def test_state_dicts_and_dcp_round_trip(pool):
+    path = scratch_dir()
+    for rank, out in enumerate(pool.run(state_dict_rank, path)):
+        assert sorted(out["full"]) == sorted(out["t_full"])
+        if rank == 0:  # cpu_offload: rank 0 holds the values, as torch's
+            assert all(v.device.type == "cpu" and not isinstance(v, DTensor)
+                       for v in out["full"].values())
+            assert _close(out["full"], out["t_full"])
+        assert {k: s for k, (_, s) in out["shapes"].items()} == out["t_shapes"]
+        assert {name for name, _ in out["shapes"].values()} == {"RaggedDTensor"}
+        assert out["changed"] and out["restored"], out
+        assert out["resumed"][0] == out["resumed"][1]

@@ -1,0 +1,276 @@
+"""RaggedDTensor: a RaggedShard-sharded tensor as a DTensor of its global shape.
+
+What it is. `ragged_dtensor(local, layout, mesh)` wraps this rank's flat piece of a tensor
+(`local`: 1-D, `layout.local_numel(rank)` elements, in practice a view of a DBuffer's master or
+gradient shard) as a `torch.distributed.tensor.DTensor` subclass with the tensor's global
+shape, the 1-D mesh of the shard group and one placement, `RaggedPlacement(block,
+local_units)` (ragged_placement.py). `_local_tensor` *is* `local` (the same object: no copy)
+and `to_local()` returns it; gradients and optimizer state made from it (`zeros_like`,
+element-wise results) are RaggedDTensors of the same layout, so torch optimizers' foreach and
+fused kernels run once on the local tensors. `isinstance(t, DTensor)` holds, which is what
+torch's state-dict utilities and DCP check.
+
+What works (ragged_ops.py has the rules): element-wise ops, `_foreach_*` and fused
+Adam/AdamW/SGD/Adagrad between tensors of one layout, with scalars and 0-d tensors; reductions
+over every element (vector norms, `_foreach_norm`, sum, mean, amax/amin, all/any) all-reduced
+over the mesh at once and returned as Replicate DTensors, so `clip_grad_norm_` and `.item()`
+give global values; `full_tensor()` and `redistribute(mesh, [Replicate()])` (our gather,
+`ragged_to_replicate`; full_tensor is differentiable); `redistribute` to another
+RaggedPlacement (`ragged_to_ragged`); `to_local()`, `placements`, `device_mesh`; views that
+keep the flat order (view, reshape, flatten); `copy_` from a whole plain tensor (so
+`nn.Module.load_state_dict` of full tensors works); torch.save and deepcopy; DCP's
+`__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`, where this rank's
+range is the boxes of `box_decomposition` (at most 2 * ndim - 1), each a view of the local
+tensor, so a load writes straight into it, in any other layout; `get_model_state_dict`, full
+or sharded.
+
+What raises (NotImplementedError naming the op and the placement), and why: shape-aware ops
+(matmul, t, indexing, cat, reductions over some dims) would compute on a flat piece as if it
+were the tensor; random fills would not draw an unsharded tensor's values; `out=` variants,
+operands of another layout or non-0-d tensors of any other kind, redistribute to Shard or
+Partial, a mesh of more than one dimension. torch's own `distribute_tensor` refuses the
+placement, so `set_model_state_dict(full_state_dict=True)` raises in torch.
+
+Why a subclass and not a Placement carried by plain DTensor (torch 2.13): plain DTensor's ops
+go through a C++ fast path and torch's sharding rules, which know Shard, _StridedShard,
+Replicate and Partial only. A `Shard` subclass cannot even be put in a spec
+(_dtensor_spec.py:392: `_verify_shard_order` wants each shard placement equal to
+`Shard(dim)`), and made equal to it, it would be taken for an even split of a dimension. A bare
+`Placement` subclass gets no sharded strategy for element-wise ops
+(_ops/single_dim_strategy.py:138-149 builds candidates only as Shard or _StridedShard), so
+`a + b` asks to redistribute to Replicate, which _redistribute.py:1659 refuses ("redistribute
+from ... to R not supported yet"), as does `full_tensor()`; norms and sums fail in propagation
+(_ops/_math_ops.py:222, "Expected Shard/_StridedShard"). Making those work means patching
+torch's rule tables (what veScale's own DTensor does). A subclass with its own
+`__torch_dispatch__` never enters that path (torch keeps DTensor.__torch_dispatch__ for
+subclasses, _api.py:427), so the rules are ours and complete for what FSDP code reaches.
+Reductions are reduced at once, not left as torch's lazy `Partial`: in torch 2.13 `.item()` on
+a Partial DTensor returns the local value (Partial("sum") of 1 and 2 reads 1.0 on rank 0), so
+`grad.norm().item()` would silently be this rank's norm.
+
+Cost: no copies; one Python dispatch per op (a foreach op: one for the whole list); a
+collective only where a whole tensor is asked for (full_tensor, redistribute) and one
+all-reduce per reduction (a `_foreach_norm`: one for the whole list).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.optim.optimizer as _optimizer
+import torch.utils._foreach_utils as _foreach_utils
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from . import ragged_ops
+from .ragged import RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate
+from .ragged_placement import RaggedPlacement
+
+__all__ = ["RaggedDTensor", "RaggedPlacement", "ragged_dtensor", "mesh_of_group", "local_of"]
+
+
+class RaggedDTensor(DTensor):
+    """A DTensor whose one placement is a RaggedPlacement (see the module docstring)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return ragged_ops.dispatch(cls, func, args, kwargs or {})
+
+    @property
+    def ragged_shard(self) -> RaggedShard:
+        """Its RaggedShard (not `layout`: that is every tensor's torch.strided)."""
+        return self._spec.placements[0].layout(self.shape)
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """[start, end) of this rank's piece in the tensor flattened row-major."""
+        return self.ragged_shard.local_range(self._spec.mesh.get_local_rank())
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        """Only another RaggedDTensor of this layout: torch's setter would take the new
+        tensor's metadata and keep the old local piece, silently ignoring the values."""
+        if not ragged_ops.is_ragged(value) or \
+                ragged_ops.layout_key(value) != ragged_ops.layout_key(self):
+            raise NotImplementedError(
+                f"RaggedDTensor.data = {type(value).__name__} of shape {list(value.shape)}: only "
+                "a RaggedDTensor of the same layout can replace it; to write whole values, "
+                "copy_ a full tensor into it")
+        torch.Tensor.data.__set__(self, value)  # dtype and the other tensor metadata
+        self._local_tensor = value._local_tensor
+
+    def __repr__(self):
+        return (f"RaggedDTensor(shape={list(self.shape)}, {self._spec.placements[0]}, "
+                f"local_tensor={self._local_tensor}, device_mesh={self._spec.mesh})")
+
+    # -- the whole tensor, another layout, the local piece ---------------------------------------
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        if grad_placements is not None:
+            raise NotImplementedError("RaggedDTensor.full_tensor: grad_placements is not "
+                                      "supported (the gradient keeps the tensor's layout)")
+        return _Gather.apply(self)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None, *,
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> DTensor:
+        """To [Replicate()] (the gather) or to another RaggedPlacement (one all-to-all).
+        Synchronous whatever `async_op` says: the result is ready when returned."""
+        mesh = self._spec.mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise NotImplementedError("RaggedDTensor.redistribute to another mesh "
+                                      f"({device_mesh}) is not supported")
+        placements = tuple(self.placements if placements is None else placements)
+        if backward_dtype is not None:
+            raise NotImplementedError("RaggedDTensor.redistribute: backward_dtype is not "
+                                      "supported")
+        source = self if forward_dtype in (None, self.dtype) else self.to(forward_dtype)
+        if placements == tuple(self.placements):
+            return source
+        if placements == (Replicate(),):
+            return DTensor.from_local(_Gather.apply(source), mesh, [Replicate()],
+                                      run_check=False)
+        if len(placements) == 1 and isinstance(placements[0], RaggedPlacement):
+            if torch.is_grad_enabled() and source.requires_grad:
+                raise NotImplementedError("RaggedDTensor.redistribute to another "
+                                          "RaggedPlacement is not differentiable")
+            target = placements[0].layout(self.shape)
+            local = ragged_to_ragged(source._local_tensor, source.ragged_shard, target,
+                                     group=mesh.get_group())
+            return ragged_dtensor(local, target, mesh)
+        raise NotImplementedError(f"RaggedDTensor.redistribute from {self.placements[0]} to "
+                                  f"{list(placements)} is not supported; only [Replicate()] "
+                                  "and another RaggedPlacement")
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's flat piece: the local tensor itself (a differentiable view of it while
+        gradients are recorded for this tensor)."""
+        if grad_placements is not None and tuple(grad_placements) != tuple(self.placements):
+            raise NotImplementedError("RaggedDTensor.to_local: gradients in other placements "
+                                      f"({list(grad_placements)}) are not supported")
+        if not (torch.is_grad_enabled() and self.requires_grad):
+            return self._local_tensor
+        return _ToLocal.apply(self)
+
+    # -- torch.distributed.checkpoint --------------------------------------------------------
+
+    def _boxes(self):
+        """{global offsets: (sizes, flat begin in the local tensor)} of this rank's range."""
+        start, end = self.flat_range
+        boxes, at = {}, 0
+        for offsets, sizes in box_decomposition(self.shape, start, end):
+            boxes[torch.Size(offsets)] = (torch.Size(sizes), at)
+            at += math.prod(sizes)
+        if self.numel() == 0 and self._spec.mesh.get_local_rank() == 0:
+            # An empty tensor still needs one chunk in the checkpoint: rank 0 writes it.
+            boxes[torch.Size([0] * self.dim())] = (self.shape, 0)
+        return boxes
+
+    def __create_write_items__(self, fqn: str, object):
+        properties = TensorProperties.create_from_tensor(self._local_tensor)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets, sizes),
+                              properties=properties, size=self.shape))
+                for offsets, (sizes, _) in self._boxes().items()]
+
+    def __create_chunk_list__(self):
+        return [ChunkStorageMetadata(offsets, sizes)
+                for offsets, (sizes, _) in self._boxes().items()]
+
+    def __get_tensor_shard__(self, index):
+        box = self._boxes().get(torch.Size(index.offset or ()))
+        if box is None:
+            raise ValueError(f"{index.fqn}: this rank holds no box of it at {index.offset}")
+        sizes, at = box
+        return self._local_tensor[at:at + math.prod(sizes)].view(sizes)
+
+    # -- tracing (torch.compile rebuilds subclasses from these) ----------------------------
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        layout = flatten_spec[0][0].layout(outer_size)  # (placements, meta, order, grad)
+        return ragged_dtensor(inner_tensors["_local_tensor"], layout,
+                              inner_tensors["device_mesh"], requires_grad=flatten_spec[3])
+
+
+class _Gather(torch.autograd.Function):
+    """full_tensor: the gather forward; backward each rank keeps its range of the gradient
+    (the consumer of a whole tensor is replicated, as DTensor's Shard -> Replicate)."""
+
+    @staticmethod
+    def forward(ctx, x: RaggedDTensor):
+        ctx.like = x
+        group = x._spec.mesh.get_group()
+        return ragged_to_replicate(x._local_tensor, x.ragged_shard, group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.like
+        start, end = x.flat_range
+        return ragged_dtensor(grad.reshape(-1)[start:end], x.ragged_shard, x._spec.mesh)
+
+
+class _ToLocal(torch.autograd.Function):
+    """to_local while recording: a view of the piece whose gradient comes back as a
+    RaggedDTensor of the same layout (the parameter's `.grad` type)."""
+
+    @staticmethod
+    def forward(ctx, x: RaggedDTensor):
+        ctx.like = x
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.like
+        return ragged_dtensor(grad, x.ragged_shard, x._spec.mesh)
+
+
+def ragged_dtensor(local: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh, *,
+                   requires_grad: bool = False) -> RaggedDTensor:
+    """`local` (this rank's piece of `layout`, 1-D) as a RaggedDTensor of the global shape,
+    without a copy: its `_local_tensor` is `local` itself."""
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"a RaggedDTensor lives on a 1-D mesh, got {mesh.ndim} dims "
+                                  "(tensor/expert-parallel meshes are not supported yet)")
+    if mesh.size() != layout.world_size:
+        raise ValueError(f"the layout is for {layout.world_size} ranks, the mesh has "
+                         f"{mesh.size()}")
+    expected = layout.local_numel(mesh.get_local_rank())
+    if local.dim() != 1 or local.numel() != expected:
+        raise ValueError(f"the local piece has shape {list(local.shape)}, expected 1-D with "
+                         f"{expected} elements")
+    spec = ragged_ops.layout_spec(mesh, RaggedPlacement.of(layout), layout.shape, local.dtype)
+    return RaggedDTensor(local, spec, requires_grad=requires_grad)
+
+
+def local_of(t):
+    """A RaggedDTensor's local piece (without autograd), anything else as it is: for code that
+    computes on this rank's flat pieces (our optimizers) and must not pay a dispatch per op."""
+    return t._local_tensor if isinstance(t, RaggedDTensor) else t
+
+
+_MESHES: dict = {}
+
+
+def mesh_of_group(group, device_type: str) -> DeviceMesh:
+    """The 1-D DeviceMesh over a process group (one per group and device type, made once)."""
+    key = (group, device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type)
+    return _MESHES[key]
+
+
+# As torch registers DTensor (torch/distributed/tensor/__init__.py): optimizers and
+# clip_grad_norm_ choose their foreach paths for these tensors by default where the device
+# has foreach kernels.
+for _types in (_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+    if RaggedDTensor not in _types:
+        _types.append(RaggedDTensor)
