@@ -594,7 +594,8 @@ def prefetch_rank(rank, world):
         model = shard(build(), fn)
         b0, b1 = model.blocks
         model.set_modules_to_forward_prefetch([b0, b1])
-        b1.set_modules_to_backward_prefetch([b0])
+        model.set_modules_to_backward_prefetch([b1, b0])
+        b1.set_modules_to_backward_prefetch([])
         return train(model, rank, world), model
     diff = both(rank, world, run)
     model = run(fully_shard)[1]
@@ -611,12 +612,13 @@ def prefetch_rank(rank, world):
 def test_set_modules_to_forward_and_backward_prefetch(pool):
     for diff, events, b0, b1, root in pool.run(prefetch_rank):
         assert diff < TOL, diff
-        # the root's forward issues both blocks' all-gathers before its own forward runs;
-        # block 1's backward issues block 0's before block 1's backward
+        # the root's forward issues both blocks' all-gathers before its own forward runs (by
+        # default only the next unit's); the root's backward issues block 0's before block 1's
+        # backward begins (by default block 1's backward does)
         forward = events[:events.index(("forward", root))]
         assert ("unshard_issue", b0) in forward and ("unshard_issue", b1) in forward, events
-        back = events[events.index(("backward", b1)):]
-        assert back.index(("unshard_issue", b0)) < back.index(("backward", b0)), events
+        back = events[events.index(("backward", root)):]
+        assert back.index(("unshard_issue", b0)) < back.index(("backward", b1)), events
 
 
 def divide_rank(rank, world):
@@ -715,12 +717,20 @@ def unshard_rank(rank, world):
         def before(model, k, accum):
             model.blocks[1].unshard(async_op=True)
         losses.append(train(m := shard(build(), fn), rank, world, before=before))
-    return torch.equal(values[0], values[2]), values[1], values[3], losses[0] == losses[1]
+    gathers = []  # the forward uses what the explicit unshard gathered: no second all-gather
+    for explicit in (False, True):
+        model = shard(build(), fully_shard)
+        STATS.reset()
+        train(model, rank, world, steps=2,
+              before=(lambda m, k, a: m.blocks[1].unshard(async_op=True)) if explicit else None)
+        gathers.append(STATS.all_gathers)
+    return (torch.equal(values[0], values[2]), values[1], values[3], losses[0] == losses[1],
+            gathers[0] == gathers[1])
 
 
 def test_unshard_and_reshard(pool):
-    for same, ours_sharded, their_sharded, same_losses in pool.run(unshard_rank):
-        assert same and ours_sharded and their_sharded and same_losses
+    for same, ours_sharded, their_sharded, same_losses, no_regather in pool.run(unshard_rank):
+        assert same and ours_sharded and their_sharded and same_losses and no_regather
 
 
 def reset_iter_rank(rank, world):
