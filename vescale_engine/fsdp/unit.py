@@ -114,7 +114,6 @@ class FSDPUnit:
         self.requires_all_reduce = True     # False (HSDP): reduce-scatter, no replica all-reduce
         self.reshard_after_backward = True  # False: stays unsharded from backward to forward
         self.unshard_in_backward = True     # False: backward does not all-gather (embeddings)
-        self.reduce_unused = False          # gradients for parameters no forward used too
         self.forward_prefetch = None        # units to all-gather in forward (None: the next)
         self.backward_prefetch = None       # in backward (None: the one before in forward)
         self.post_optim_event = None        # waited for before the root's first all-gather
@@ -348,8 +347,7 @@ class FSDPUnit:
                 raise RuntimeError(
                     f"{p.fqn}: got a gradient with requires_grad=False at the start of its "
                     f"unit's backward ({self.name}); set requires_grad before backward starts")
-        return [p for p in self.params
-                if ((p.graphed or self.reduce_unused) and p.requires_grad) or p.unreduced]
+        return [p for p in self.params if (p.graphed and p.requires_grad) or p.unreduced]
 
     @property
     def numel(self) -> int:
