@@ -234,6 +234,26 @@ def test_a_list_of_modules_is_one_unit(pool):
         assert gathers == 3, gathers
 
 
+def empty_root_rank(rank, world):
+    """Every parameter in an inner unit (the head and its norm one group): the root has none
+    of its own, which FSDP2 accepts."""
+    def run(fn):
+        model = build()
+        fn(model.embed)
+        for block in model.blocks:
+            fn(block)
+        fn([model.norm, model.head])
+        fn(model)
+        return train(model, rank, world), model
+    return both(rank, world, run), len(unit_of(run(fully_shard)[1]).params)
+
+
+def test_a_root_without_parameters_of_its_own(pool):
+    for diff, root_params in pool.run(empty_root_rank):
+        assert diff < TOL, diff
+        assert root_params == 0
+
+
 def reshard_rank(rank, world):
     out = {}
     for name, blocks, root in (("int world", {"reshard_after_forward": world}, None),

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..launch.collective_timeout import explain_timeout
 from ..plan.planner import TensorSpec, plan_unit
+from ..shard.collectives import default_device
 from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
 from .guards import is_deferred, require_materialized
 from .dtensor_params import dtensor_spec_of, layout_key, local_tensor, tp_block
@@ -153,9 +154,9 @@ class FSDPUnit:
         # the planner's names: unique over the unit (a group's modules may share names)
         plan_name = {i: found[i][0] if len(self.modules) == 1 else f"{home[i][0]}/{found[i][0]}"
                      for i in order}
-        if not order:
-            raise ValueError(f"fully_shard({self.name}): the module has no parameters that "
-                             "another unit does not already manage")
+        if not order:  # (as FSDP2: a root whose parameters the inner units all manage)
+            self.device = default_device(group)
+            return
         devices = {found[i][1].device for i in order}
         on_meta = [i for i in order if found[i][1].is_meta]
         if on_meta and len(on_meta) < len(order):
