@@ -789,6 +789,30 @@ def forward_method_rank(rank, world):
     return out
 
 
+def block_first_rank(rank, world):
+    """A block's registered method (or forward) run alone first, then the model trains: the
+    block was a root for that call only."""
+    def run(fn):
+        model = shard(build(), fn)
+        if fn is fully_shard:  # (FSDP2 refuses a model whose block ran first)
+            register_fsdp_forward_method(model.blocks[0], "forward")
+            with torch.no_grad():
+                model.blocks[0].forward(torch.zeros(2, 3, DIM))
+        losses = train(model, rank, world)
+        if fn is fully_shard:  # resharded after its forward inside the model's, as a block
+            loss = model(*micro_batches(0, rank, world)[0])
+            run.resharded = not unit_of(model.blocks[0]).is_unsharded
+            loss.backward()
+        return losses, model
+    return both(rank, world, run), run.resharded
+
+
+def test_a_block_run_alone_first_is_not_the_root_afterwards(pool):
+    for diff, resharded in pool.run(block_first_rank):
+        assert diff < TOL, diff
+        assert resharded
+
+
 def test_register_fsdp_forward_method(pool):
     for out in pool.run(forward_method_rank):
         for name in ("ours", "torch's on ours", "fsdp2"):

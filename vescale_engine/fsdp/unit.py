@@ -438,6 +438,8 @@ class FSDPUnit:
                                    "modules and runs first, as the root; a root must be one "
                                    "module (call fully_shard on the model around them)")
             self._begin_root_forward()
+        elif self.is_root and _ACTIVE.ctx is not self.ctx:
+            self.is_root = False  # ran alone before (an evaluation, a registered method)
         ctx = self.ctx = _ACTIVE.ctx
         if self not in ctx.order:
             ctx.order.append(self)
