@@ -208,6 +208,37 @@ def engine_hf_meta(rank, world, pretrained, reference, strict_path):
     raise AssertionError("a checkpoint lacking a key loaded into a meta model")
 
 
+def llama_names(rank, world, path):
+    """What transformers reads off a model fully_shard wrapped: class names (Trainer's label
+    shift for causal LMs, _no_split_modules, the architectures save_pretrained writes), and
+    `generate` once registered as a forward method, against the unwrapped model."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_MAPPING_NAMES)
+    from transformers.trainer_pt_utils import get_module_class_from_name
+    from vescale_engine.fsdp import full_state_dict, register_fsdp_forward_method
+    reference = make_llama(SEED)
+    model = shard_llama(make_llama(SEED), "rows:1")
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    register_fsdp_forward_method(model, "generate")
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    generated = model.generate(ids, **kwargs)
+    out = {"fsdp module": isinstance(model, FSDPModule) and
+           isinstance(model.model.layers[0], FSDPModule),
+           "name": type(model).__name__, "causal lm": model._get_name() in
+           MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(),
+           "base model name": model.__class__.__name__ in MODEL_MAPPING_NAMES,
+           "no split found": set(model._no_split_modules) <=
+           {type(m).__name__ for m in model.modules()},
+           "class from name": get_module_class_from_name(model, "LlamaDecoderLayer") is
+           type(model.model.layers[0]),
+           "generate": torch.equal(generated, reference.generate(ids, **kwargs))}
+    state = full_state_dict(model)
+    if rank == 0:
+        model.save_pretrained(path, state_dict=state)
+    return out
+
+
 # -- the tests -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -393,3 +424,13 @@ def test_initialize_meta_model_from_hf_checkpoint(pools, pretrained, root):
     for same, err in results:
         assert same, "logits differ from the source model's"
         assert "model.norm.weight" in err and lacking in err, err
+
+
+def test_a_sharded_model_keeps_the_class_names_transformers_reads(pools, root):
+    path = os.path.join(root, "names")
+    for out in pools(2).run(llama_names, path):
+        assert out == {"fsdp module": True, "name": "LlamaForCausalLM", "causal lm": True,
+                       "base model name": False, "no split found": True,
+                       "class from name": True, "generate": True}, out
+    config = json.load(open(os.path.join(path, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"]

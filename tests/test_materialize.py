@@ -17,6 +17,7 @@ from dist_harness import RankPool, engine_log_messages
 import vescale_engine
 from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
                                  sharded_parameters)
+from vescale_engine.fsdp.guards import meta_leftovers
 from vescale_engine.materialize import allocate_shards, init_unloaded, materialize
 
 WORLD = 3
@@ -331,7 +332,6 @@ def errors_rank(rank, world):
     idx, tgt = fm.batch("gpt", 0, 2)
     out["forward"] = _message(lambda: gpt(idx, tgt))
     out["full_state_dict"] = _message(lambda: full_state_dict(gpt))
-    out["to_empty"] = _message(lambda: gpt.to_empty(device="cpu"))
     out["half"] = _message(lambda: gpt.half())
     out["to"] = _message(lambda: gpt.to("cpu"))
     with no_sync(gpt):  # a context made before the first forward must not skip the check
@@ -348,6 +348,17 @@ def errors_rank(rank, world):
 
     unsharded = nn.Sequential(nn.Linear(2, 2, device="meta"))
     out["unmanaged"] = _message(lambda: allocate_shards(unsharded))
+
+    # FSDP2's meta init, step one: to_empty gives the shards storage (test_fsdp_module.py
+    # checks the values reset_parameters then writes); before it, reset_parameters is an error
+    with torch.device("meta"):
+        empty = fm.GPT()
+    for block in empty.blocks:
+        fully_shard(block)
+    fully_shard(empty)
+    out["reset on meta"] = _message(lambda: empty.blocks[0].fc.reset_parameters())
+    out["to_empty"] = _message(lambda: empty.to_empty(device="cpu"))
+    out["left on meta"] = meta_leftovers(empty)
 
     # the same modules with an init_fn that sets what their own init leaves alone
     def init_fn(module):
@@ -367,7 +378,13 @@ def errors_rank(rank, world):
     for block in real.blocks:
         fully_shard(block)
     fully_shard(real)
-    out["reset"] = _message(lambda: real.blocks[0].fc.reset_parameters())
+    torch.manual_seed(7)
+    real.blocks[0].fc.reset_parameters()  # flat pieces between steps: run at full shape
+    torch.manual_seed(7)
+    expected = nn.Linear(64, 256)
+    fc = full_state_dict(real)
+    out["reset"] = torch.equal(fc["blocks.0.fc.weight"], expected.weight.detach()) and \
+        torch.equal(fc["blocks.0.fc.bias"], expected.bias.detach())
     torch.manual_seed(5)
     with gathered_parameters(real, writeback=True):
         real.blocks[0].fc.reset_parameters()
@@ -383,8 +400,11 @@ def test_meta_failures_are_errors_that_name_the_parameter(pool):
         assert out["forward"].startswith("wte.weight (and ") and \
             "still on the meta device at forward" in out["forward"], out["forward"]
         assert "at gathering full parameters" in out["full_state_dict"]
-        assert "to_empty" in out["to_empty"] and "vescale_engine.materialize(model)" in \
-            out["to_empty"], out["to_empty"]
+        assert out["reset on meta"].startswith("Linear.reset_parameters(): its shards are "
+                                               "still on the meta device; call model.to_empty"), \
+            out["reset on meta"]
+        assert out["to_empty"] == "no error" and out["left on meta"] == [], \
+            (out["to_empty"], out["left on meta"])
         assert "GPT.half(...)" in out["half"], out["half"]
         assert out["to"].startswith("GPT.to(...) on a module sharded by fully_shard") and \
             "vescale_engine.materialize(model)" in out["to"], out["to"]
@@ -398,8 +418,7 @@ def test_meta_failures_are_errors_that_name_the_parameter(pool):
         assert out["unmanaged"].startswith("allocate_shards: 0.weight is on the meta device but "
                                            "no fully_shard unit manages it"), out["unmanaged"]
         assert out["init_fn NoInit"] and out["init_fn HalfInit"] and out["init_fn MaskBuffer"]
-        assert out["reset"].startswith("Linear.reset_parameters(): weight is a flat piece") and \
-            "vescale_engine.materialize(model)" in out["reset"], out["reset"]
+        assert out["reset"] is True
         assert out["reset_gathered"]
 
 

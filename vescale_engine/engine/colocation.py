@@ -188,8 +188,8 @@ class Colocation:
         self._moved = moved
         self.offloaded = state_types
         self.bytes_offloaded = sum(m.nbytes for m in moved)
-        self._hooks = [unit.module.register_forward_pre_hook(self._refuse_forward, prepend=True)
-                       for unit in units_under(self.module)]
+        self._hooks = [mod.register_forward_pre_hook(self._refuse_forward, prepend=True)
+                       for unit in units_under(self.module) for mod in unit.modules]
 
     def reload(self, non_blocking: bool = False) -> None:
         if self.offloaded is None:

@@ -91,7 +91,8 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=MixedPrecisionPolicy(
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
-                      reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None))
+                      reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None,
+                      cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
     if experts is not None:
         for module in experts.modules:
@@ -107,7 +108,9 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
         fully_shard(module, **{**kwargs, **expert})
         for buf in unit_of(module).buffers if expert else ():
             buf.norm_group = None  # the norm counts every expert-parallel rank's experts once
-    fully_shard(model, **kwargs)
+    # the root stays unsharded from forward into backward, which starts with it (FSDP2's
+    # default for the root: reshard_after_forward=None)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None})
     if ds_experts is not None:  # what checkpoints refuse (deepspeed_moe.refuse_with_experts)
         model._vescale_expert_units = tuple(m for m in choice.modules if ds_experts.sharding(m))
     if dist.get_rank() == 0:

@@ -1,17 +1,20 @@
 """The FSDP runtime: fully_shard and what it makes, in the order its modules import each other:
 policy.py (MixedPrecisionPolicy, granularity per parameter) < param.py (ShardedParameter) <
-lookup.py (the units and parameters under a module) < guards.py (moves, casts, reset_parameters,
+lookup.py (the units and parameters under a module) < guards.py (moves, casts, init_weights,
 meta leftovers) < unit.py (FSDPUnit: wrap-time build, hooks, prefetch, accumulation, no_sync
-and HSDP gradients) < api.py (fully_shard, no_sync, release) < state_dict.py
-(gathered_parameters, full/sharded state dicts, the one per-DBuffer gather) < materialize.py
-(meta-device materialization; users call `vescale_engine.materialize`) < deepspeed_params.py
-(what DeepSpeed-aware libraries read on our parameters). Must not know about checkpoint files,
+and HSDP gradients) < module_class.py (the FSDPModule class a wrapped module gets, its
+methods on the unit) < fsdp2_args.py (FSDP2's fully_shard arguments in our terms) <
+materialize.py (meta-device materialization, users call `vescale_engine.materialize`;
+reset_parameters at full shape) < api.py (fully_shard, no_sync, release) < state_dict.py
+(gathered_parameters, full/sharded state dicts, the one per-DBuffer gather) <
+deepspeed_params.py (what DeepSpeed-aware libraries read on our parameters). Must not know about checkpoint files,
 optimizer classes, the config or the engine.
 """
-from .api import fully_shard, no_sync
+from .api import fully_shard, no_sync, register_fsdp_forward_method
 from .lookup import sharded_parameters, unit_of
 from .policy import MixedPrecisionPolicy
 from .state_dict import full_state_dict, gathered_parameters, sharded_state_dict
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "no_sync", "gathered_parameters",
-           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of"]
+           "full_state_dict", "sharded_state_dict", "sharded_parameters", "unit_of",
+           "register_fsdp_forward_method"]

@@ -1,5 +1,5 @@
-"""`fully_shard`, the call that makes FSDP units, and what undoes or suspends them (`release`,
-`no_sync`)."""
+"""`fully_shard`, the call that makes FSDP units (FSDP2's signature; its modules become
+FSDPModules), and what undoes or suspends them (`release`, `no_sync`)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +8,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
-from .guards import guard_apply, guard_init_weights, guard_reset_parameters
+from . import fsdp2_args
+from .guards import guard_apply, guard_init_weights
 from .lookup import unit_of, units_under
-from .policy import MixedPrecisionPolicy
+from .materialize import install_full_shape_reset
+from .module_class import register_fsdp_forward_method, restore_class, to_fsdp_class
+from .policy import as_policy
 from .unit import FSDPUnit, UnitContext
 
-__all__ = ["fully_shard", "no_sync", "release"]
+__all__ = ["fully_shard", "no_sync", "release", "register_fsdp_forward_method"]
 
 
 def _resolve_mesh(mesh):
@@ -37,15 +40,28 @@ def _resolve_mesh(mesh):
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None, granularity="rows:1",
+def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None = None,
+                shard_placement_fn=None, mp_policy=None, offload_policy=None,
+                ignored_params=None, dp_mesh_dims=None, granularity="rows:1",
                 max_buffers: int = DEFAULT_MAX_BUFFERS,
                 align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
                 max_reuse_distance: int = 0, native_collectives: bool = False,
                 gradient_divide_factor: float | None = None,
-                flat_parameters: bool = False) -> nn.Module:
+                flat_parameters: bool = False):
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
+    FSDP2's signature, FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
+    refused): `module` one module or a list of them (one unit, one all-gather for all);
+    `reshard_after_forward` None (True, but the root stays unsharded into backward), a bool,
+    or an int (the shard group's size is True, 1 is False; other sizes are refused);
+    `shard_placement_fn` (None or Shard(0) per parameter; other dims refused); `mp_policy`
+    (ours or torch's MixedPrecisionPolicy, every field); `offload_policy` (OffloadPolicy() or
+    CPUOffloadPolicy(): shards in host memory); `ignored_params` (left as they are, not
+    sharded nor reduced); `dp_mesh_dims` (refused). The module becomes a
+    `torch.distributed.fsdp.FSDPModule` (fsdp/module_class.py) keeping its class name; it is
+    returned (the list, for a list).
+
+    Ours besides:
     `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
     policy, "overrides": {parameter-name glob: policy}}; names are relative to `module`.
     `grads_in_place` lets backward write each gradient over its own full parameter once that
@@ -76,28 +92,45 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     keeps plain 1-D pieces instead (DeepSpeed ZeRO-3's view, which the engine uses so that
     deepspeed.zero.GatheredParameters can fill a parameter in place).
     Errors (no parameters, mixed devices, a mesh this rank is not in, a DTensor that is not
-    Shard/Replicate or is on meta, a second call on the same module) are raised here, before
-    any collective.
+    Shard/Replicate or is on meta, a second call on the same module, an argument refused) are
+    raised here, before any collective.
     """
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group "
                            "(torch.distributed.init_process_group)")
-    if getattr(module, "_vescale_unit", None) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = fsdp2_args.root_modules(module) if isinstance(module, (list, tuple)) \
+        else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
+    for m in modules:
+        if getattr(m, "_vescale_unit", None) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
     group, replicate_group = _resolve_mesh(mesh)
+    reshard_after_forward = fsdp2_args.reshard_after_forward_of(
+        reshard_after_forward, dist.get_world_size(group))
+    offload = fsdp2_args.offload_of(offload_policy)
+    mp_policy = as_policy(mp_policy)
     if gradient_divide_factor is not None and not gradient_divide_factor > 0:
         raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
     if max_reuse_distance < 0:
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
-    unit = FSDPUnit(module, group, replicate_group, reshard_after_forward, mp_policy,
-                    granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                    native_collectives, gradient_divide_factor, flat_parameters)
-    module._vescale_unit = unit
-    guard_apply(module)
-    guard_reset_parameters(unit)
-    guard_init_weights(module)
-    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
+    unit = FSDPUnit(modules if isinstance(module, (list, tuple)) else module, group,
+                    replicate_group, reshard_after_forward, mp_policy, granularity, max_buffers,
+                    align_bytes, grads_in_place, max_reuse_distance, native_collectives,
+                    gradient_divide_factor, ignored=fsdp2_args.ignored_ids(ignored_params),
+                    placement=fsdp2_args.placement_of(shard_placement_fn),
+                    flat_parameters=flat_parameters)
+    if offload is not None:
+        unit.offload_to_host(offload)
+    install_full_shape_reset(unit)
+    for m in modules:
+        m._vescale_unit = unit
+        to_fsdp_class(m)
+        guard_apply(m)
+        guard_init_weights(m)
+        m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        m.register_forward_hook(unit.post_forward)
     return module
 
 
@@ -124,17 +157,24 @@ def no_sync(module: nn.Module):
 
 def release(module: nn.Module) -> None:
     """Undo fully_shard's runtime on every unit under `module`: reshard, free gradient and full
-    buffers, and remove the forward hooks, so nothing of the engine runs or stays allocated."""
+    buffers, remove the forward hooks and give each module its own class back (no longer an
+    FSDPModule), so nothing of the engine runs or stays allocated."""
+    released = set()
     for sub in module.modules():
         unit = unit_of(sub)
         if unit is None:
             continue
-        unit.reshard()
-        for buf in unit.buffers:
-            buf.release_grad()
-            buf.drop_full_grad()
-        for p in unit.params:
-            p.sharded.grad = None
+        if id(unit) not in released:
+            released.add(id(unit))
+            unit.reshard()
+            for buf in unit.buffers:
+                buf.release_grad()
+                buf.drop_full_grad()
+            for p in unit.params:
+                p.sharded.grad = None
+            for mod, _ in {id(m): (m, n) for p in unit.params
+                           for m, n in p.registrations}.values():
+                mod.__dict__.pop("reset_parameters", None)
         for hooks, fn in ((sub._forward_pre_hooks, unit.pre_forward),
                           (sub._forward_hooks, unit.post_forward)):
             for handle_id, hook in list(hooks.items()):
@@ -142,6 +182,5 @@ def release(module: nn.Module) -> None:
                     del hooks[handle_id]
                     sub._forward_pre_hooks_with_kwargs.pop(handle_id, None)
         sub.__dict__.pop("_apply", None)  # fully_shard's guards
-        for mod, _ in {id(m): (m, n) for p in unit.params for m, n in p.registrations}.values():
-            mod.__dict__.pop("reset_parameters", None)
         del sub._vescale_unit
+        restore_class(sub)

@@ -218,8 +218,9 @@ def suspend_hooks(module: nn.Module) -> None:
         if unit in _SUSPENDED:
             continue
         saved = []
-        for hooks, fn in ((unit.module._forward_pre_hooks, unit.pre_forward),
-                          (unit.module._forward_hooks, unit.post_forward)):
+        for hooks, fn in [pair for mod in unit.modules  # (a unit may span several modules)
+                          for pair in ((mod._forward_pre_hooks, unit.pre_forward),
+                                       (mod._forward_hooks, unit.post_forward))]:
             for key, hook in list(hooks.items()):
                 if hook == fn:
                     hooks[key] = _inert

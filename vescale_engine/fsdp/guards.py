@@ -1,6 +1,7 @@
 """Guards on a sharded module: moves and casts that would cut parameters off from their
-DBuffers, `reset_parameters` on flat pieces, and what must hold before values are used on a
-model built on the meta device (nothing left there)."""
+DBuffers, torchtitan's `init_weights` on flat pieces, and what must hold before values are
+used on a model built on the meta device (nothing left there). (`reset_parameters` works on a
+sharded module: fsdp/materialize.py runs it at full shape.)"""
 from __future__ import annotations
 
 import types
@@ -12,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from .lookup import sharded_parameters
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
-           "require_materialized", "guard_reset_parameters", "guard_init_weights"]
+           "require_materialized", "guard_init_weights", "flat_parameters"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -22,7 +23,9 @@ def guard_apply(module: nn.Module) -> None:
     """Route `module._apply` (behind .to/.cuda/.half/.float/.to_empty/...) through a check:
     torch would replace each parameter's data with a new tensor, silently cutting it off from
     its DBuffer. A call that leaves every managed parameter as it is (`.to` its own device and
-    dtype, `.float()` on fp32) still runs; anything else raises before touching the module."""
+    dtype, `.float()` on fp32) still runs, and so does `to_empty` on shards still on meta (the
+    module's class gives them storage: fsdp/module_class.py); anything else raises before
+    touching the module."""
     module._apply = types.MethodType(_guarded_apply, module)  # parents' recursion calls it too
 
 
@@ -47,6 +50,8 @@ def _check_apply(module, fn):
     call = apply_caller(fn)
     for _, p in sharded_parameters(module):
         before = p.sharded
+        if call == "to_empty" and before.is_meta:
+            continue  # storage for the shards: fsdp/module_class.py's _apply gives it
         try:
             with torch.no_grad():
                 after = fn(before)
@@ -112,34 +117,18 @@ def require_materialized(module: nn.Module, when: str) -> None:
                            "vescale_engine.materialize(model) (or load_hf_checkpoint) first")
 
 
-def guard_reset_parameters(unit) -> None:
-    """Between steps a managed parameter is a flat 1-D piece of the shard, so a module's
-    `reset_parameters()` would fail deep inside torch.nn.init (or init the pieces wrongly).
-    Route it through a check that names what to call instead; it runs as usual while the module
-    holds full-shape parameters (inside `gathered_parameters`, or materialize's own calls)."""
-    for module in {id(m): m for p in unit.params for m, _ in p.registrations}.values():
-        if callable(getattr(type(module), "reset_parameters", None)) and \
-                "reset_parameters" not in module.__dict__:
-            module.reset_parameters = types.MethodType(_guarded_reset_parameters, module)
-
-
 def _is_piece(param) -> bool:
-    """A managed parameter as held between steps: a RaggedDTensor over this rank's flat piece
-    (its shape is the global one, but random inits refuse it), or a TP/EP one's plain piece."""
+    """A managed parameter as held between steps: a RaggedDTensor over this rank's piece (its
+    shape is the global one, but its values are not all here), or a plain 1-D piece."""
     sp = getattr(param, "_vescale", None)
     return sp is not None and param is sp.sharded and \
         (isinstance(param, DTensor) or tuple(param.shape) != tuple(sp.shape))
 
 
-def _guarded_reset_parameters(self, *args, **kwargs):
-    flat = [name for name, param in self._parameters.items() if _is_piece(param)]
-    if flat:
-        raise RuntimeError(
-            f"{type(self).__name__}.reset_parameters(): {flat[0]} is a flat piece of the sharded "
-            "master between steps, not a full tensor; initialize through "
-            "vescale_engine.materialize(model) on a model built on the meta device, or inside "
-            "`with gathered_parameters(model, writeback=True):`")
-    return type(self).reset_parameters(self, *args, **kwargs)
+def flat_parameters(module: nn.Module) -> list:
+    """Names of `module`'s own managed parameters it holds as pieces of the shard (between
+    steps), not at full shape."""
+    return [name for name, param in module._parameters.items() if _is_piece(param)]
 
 
 def guard_init_weights(module: nn.Module) -> None:

@@ -17,15 +17,22 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
 
 
 def units_under(module):
-    """Every FSDP unit under `module` (itself included), in module order."""
-    return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
+    """Every FSDP unit under `module` (itself included), in module order, each once (a unit
+    over several modules, FSDP2's `fully_shard([a, b])`, is found at its first)."""
+    units, seen = [], set()
+    for unit in (unit_of(m) for m in module.modules()):
+        if unit is not None and id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units
 
 
 def sharded_parameters(module: nn.Module):
     """(fqn, ShardedParameter) for every managed parameter under `module`."""
     for unit in units_under(module):
         for p in unit.params:
-            yield p.fqn if unit.module is module else _qualify(module, unit.module, p.fqn), p
+            home = getattr(p, "home", unit.module)  # the module its fqn is relative to
+            yield p.fqn if home is module else _qualify(module, home, p.fqn), p
 
 
 def _qualify(root, sub, fqn):

@@ -47,19 +47,20 @@ import contextlib
 import logging
 import math
 import time
+import types
 
 import torch
 from torch import nn
 
 from ..shard.collectives import default_device
 from .dtensor_params import global_shape, local_of_global
-from .guards import require_materialized
+from .guards import flat_parameters, require_materialized
 from .lookup import sharded_parameters, units_under
 
 LOG = logging.getLogger("vescale_engine")
 
 __all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state",
-           "use_init_fn", "init_fn_of"]
+           "use_init_fn", "init_fn_of", "install_full_shape_reset"]
 
 _INIT_FN = "_vescale_init_fn"  # on a model's __dict__: the init_fn initialize materializes with
 
@@ -168,6 +169,39 @@ def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> No
         if owns or any(id(b) in pending_buffers for b in sub._buffers.values()):
             sub.__dict__.pop("_is_hf_initialized", None)
     _Initializer(module, pending, pending_buffers, init_fn, ancestors).run()
+
+
+# ---------------------------------------------------------------------------------------------
+# reset_parameters() on a sharded module (FSDP2's meta init: to_empty, then reset_parameters()
+# on every module).
+
+def install_full_shape_reset(unit) -> None:
+    """Each module holding a parameter of `unit` gets a `reset_parameters` that works between
+    steps, when it holds flat pieces: its class's init runs on full-shape tensors (as
+    materialize runs it, from the same generator on every rank) and this rank's range of what
+    it wrote goes into the master shard. So `to_empty(device=...)` then `reset_parameters()`
+    on every module (FSDP2's recipe) gives bitwise what the same calls give an unsharded model,
+    and a reset later re-initializes the module. Held at full shape (inside forward or
+    `gathered_parameters`), the class's own runs."""
+    for module in {id(m): m for p in unit.params for m, _ in p.registrations}.values():
+        if callable(getattr(type(module), "reset_parameters", None)) and \
+                "reset_parameters" not in module.__dict__:
+            module.reset_parameters = types.MethodType(_reset_at_full_shape, module)
+
+
+def _reset_at_full_shape(self, *args, **kwargs):
+    reset = type(self).reset_parameters
+    if not flat_parameters(self):
+        return reset(self, *args, **kwargs)
+    pending = {id(p._vescale): p._vescale for p in self.parameters()
+               if getattr(p, "_vescale", None) is not None and p is p._vescale.sharded}
+    if any(sp.buffer.is_meta for sp in pending.values()):
+        raise RuntimeError(f"{type(self).__name__}.reset_parameters(): its shards are still on "
+                           "the meta device; call model.to_empty(device=...) first (or "
+                           "vescale_engine.materialize(model), which also initializes)")
+    init = _Initializer(self, pending, set(), None)
+    init._init_module(self, lambda mod: reset(mod, *args, **kwargs))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

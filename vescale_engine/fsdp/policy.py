@@ -2,6 +2,7 @@
 sharding granularity. Plain types at the bottom of the FSDP runtime; nothing here knows units."""
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 
@@ -9,15 +10,37 @@ import torch
 
 from ..plan.granularity import parse_granularity
 
-__all__ = ["MixedPrecisionPolicy", "granularity_of"]
+__all__ = ["MixedPrecisionPolicy", "as_policy", "granularity_of"]
 
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """param_dtype: compute and all-gather dtype; reduce_dtype: gradient reduction dtype. The
-    master shard keeps the parameters' own dtype (fp32)."""
+    """FSDP2's fields, with FSDP2's meaning and defaults (torch's MixedPrecisionPolicy is
+    accepted as well; `as_policy` converts it). param_dtype: compute and all-gather dtype;
+    reduce_dtype: gradient reduction dtype (None: param_dtype); output_dtype: floating forward
+    outputs of the unit cast to it; cast_forward_inputs: the unit's floating forward inputs
+    cast to param_dtype (when set). The master shard keeps the parameters' own dtype (fp32)."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def as_policy(policy) -> MixedPrecisionPolicy:
+    """Ours from ours, torch's FSDP2 MixedPrecisionPolicy (every field read), or None."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    ours = [f.name for f in dataclasses.fields(MixedPrecisionPolicy)]
+    if not dataclasses.is_dataclass(policy) or not all(hasattr(policy, f) for f in ours):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (vescale_engine.fsdp's or "
+                        f"torch.distributed.fsdp's), got {type(policy).__name__}")
+    for field in dataclasses.fields(policy):  # a field a later torch adds: refused if set
+        if field.name not in ours and getattr(policy, field.name) != field.default:
+            raise NotImplementedError(f"mp_policy.{field.name}={getattr(policy, field.name)!r} "
+                                      "is not supported by vescale_engine's fully_shard")
+    return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in ours})
 
 
 def granularity_of(granularity):

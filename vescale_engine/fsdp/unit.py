@@ -25,17 +25,19 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..launch.collective_timeout import explain_timeout
 from ..plan.planner import TensorSpec, plan_unit
+from ..shard.collectives import default_device
 from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
 from .guards import is_deferred, require_materialized
 from .dtensor_params import dtensor_spec_of, layout_key, local_tensor, tp_block
 from .param import ShardedParameter
-from .policy import MixedPrecisionPolicy, granularity_of
+from .policy import as_policy, granularity_of
 
-__all__ = ["FSDPUnit", "UnitContext", "forward_in_progress", "running_backward"]
+__all__ = ["FSDPUnit", "UnitContext", "forward_in_progress", "running_backward", "reset_iteration"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,6 +72,17 @@ class UnitContext:
         return len(self.live_forwards) > 0
 
 
+def _not_traced(method):
+    """torch.compile does not trace into the forward hooks (collectives, Python state): a
+    compiled module's call runs them eagerly around its graph, as FSDP2's hooks are run."""
+    @functools.wraps(method)
+    def hook(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return method(*args, **kwargs)
+        return torch._dynamo.disable(method, recursive=True)(*args, **kwargs)
+    return hook
+
+
 class _ForwardToken:
     """Held by one forward's autograd graph (see UnitContext.live_forwards)."""
 
@@ -77,16 +90,39 @@ class _ForwardToken:
 class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
                  granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                 native_collectives=False, gradient_divide_factor=None, flat_parameters=False):
-        self.module = module
+                 native_collectives=False, gradient_divide_factor=None, *, ignored=(),
+                 placement=None, flat_parameters=False):
+        """`module`: one module, or several (FSDP2's `fully_shard([a, b])`: one unit, one
+        all-gather, over all of them). `reshard_after_forward` None: True, but not for the
+        root (FSDP2's default); an explicit True reshards the root too. `ignored`: ids of
+        parameters left as they are (FSDP2's ignored_params). `placement(fqn, param, policy)`:
+        the granularity a parameter gets instead of `policy` (FSDP2's shard_placement_fn)."""
+        self.modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+        self.module = self.modules[0]
         self.flat_parameters = flat_parameters  # sharded faces: plain pieces, not RaggedDTensors
         self.gradient_divide_factor = gradient_divide_factor
+        self.force_sum = False
         self.native_collectives = native_collectives
         self.grads_in_place = grads_in_place
-        self.name = f"{type(module).__name__}#{next(_UNIT_IDS)}"  # unique, for logs and errors
-        self.reshard_after_forward = reshard_after_forward
+        self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
+        self.auto_reshard_after_forward = reshard_after_forward is None
+        self.reshard_after_forward = reshard_after_forward in (None, True)
         self.max_reuse_distance = max_reuse_distance
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.mp_policy = as_policy(mp_policy)
+        self._ignored = frozenset(ignored)
+        self._placement = placement
+        # FSDP2's per-module switches (FSDPModule's setters, fsdp/module_class.py)
+        self.requires_gradient_sync = True  # False: gradients kept unreduced (as no_sync)
+        self.requires_all_reduce = True     # False (HSDP): reduce-scatter, no replica all-reduce
+        self.reshard_after_backward = True  # False: stays unsharded from backward to forward
+        self.unshard_in_backward = True     # False: backward does not all-gather (embeddings)
+        self.forward_prefetch = None        # units to all-gather in forward (None: the next)
+        self.backward_prefetch = None       # in backward (None: the one before in forward)
+        self.post_optim_event = None        # waited for before the root's first all-gather
+        self.is_last_backward = True        # a hint only: every backward finishes reductions
+        self._to_run = set()                # modules of a grouped unit yet to run this pass
+        self._keep = False  # unsharded by an explicit unshard() or kept after backward
+        self.offload = None  # CPUOffloadPolicy's pin_memory, once offloaded (None: not)
         self.params = []
         self.buffers = []
         self.ctx = None
@@ -102,21 +138,26 @@ class FSDPUnit:
     # -- wrap time -----------------------------------------------------------------------------
 
     def _build(self, group, replicate_group, granularity, max_buffers, align_bytes):
-        managed = _managed_ids(self.module)
-        found, order = {}, []
-        for mod_name, mod in self.module.named_modules(remove_duplicate=False):
-            for pname, param in list(mod._parameters.items()):
-                if param is None or id(param) in managed:
-                    continue
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
-                if id(param) not in found:
-                    found[id(param)] = (fqn, param, [])
-                    order.append(id(param))
-                if (mod, pname) not in found[id(param)][2]:
-                    found[id(param)][2].append((mod, pname))
-        if not order:
-            raise ValueError(f"fully_shard({self.name}): the module has no parameters that "
-                             "another unit does not already manage")
+        managed = set().union(*(_managed_ids(m) for m in self.modules)) | self._ignored
+        found, order, home = {}, [], {}
+        for k, root in enumerate(self.modules):
+            for mod_name, mod in root.named_modules(remove_duplicate=False):
+                for pname, param in list(mod._parameters.items()):
+                    if param is None or id(param) in managed:
+                        continue
+                    fqn = f"{mod_name}.{pname}" if mod_name else pname
+                    if id(param) not in found:
+                        found[id(param)] = (fqn, param, [])
+                        order.append(id(param))
+                        home[id(param)] = (k, root)  # the module its fqn is relative to
+                    if (mod, pname) not in found[id(param)][2]:
+                        found[id(param)][2].append((mod, pname))
+        # the planner's names: unique over the unit (a group's modules may share names)
+        plan_name = {i: found[i][0] if len(self.modules) == 1 else f"{home[i][0]}/{found[i][0]}"
+                     for i in order}
+        if not order:  # (as FSDP2: a root whose parameters the inner units all manage)
+            self.device = default_device(group)
+            return
         devices = {found[i][1].device for i in order}
         on_meta = [i for i in order if found[i][1].is_meta]
         if on_meta and len(on_meta) < len(order):
@@ -147,12 +188,14 @@ class FSDPUnit:
             param_dtype = self.mp_policy.param_dtype or dtype
             itemsize = min(torch.empty(0, dtype=dtype).element_size(),
                            torch.empty(0, dtype=param_dtype).element_size())
-            specs = tuple(TensorSpec(found[i][0], tuple(local[i].shape),
-                                     tp_block(granularity(found[i][0]).block_size(local[i].shape),
+            specs = tuple(TensorSpec(plan_name[i], tuple(local[i].shape),
+                                     tp_block(self._granularity(granularity, found[i][0],
+                                                                found[i][1], local[i].shape)
+                                              .block_size(local[i].shape),
                                               local[i].shape, dtensor_specs[i]))
                           for i in ids)
             plan = _cached_plan(specs, world_size, max(1, align_bytes // itemsize), max_buffers)
-            position = {found[i][0]: i for i in ids}
+            position = {plan_name[i]: i for i in ids}
             for b, layout in enumerate(plan.buffers):
                 buf = DBuffer(layout, dtype=dtype, device=self.device, shard_group=group,
                               replicate_group=replicate_group, param_dtype=param_dtype,
@@ -166,6 +209,7 @@ class FSDPUnit:
                     i = position[placement.name]
                     sp = ShardedParameter(self, fqn, registrations, buf, k, param.requires_grad,
                                           dtensor_specs[i])
+                    sp.home = home[i][1]
                     if param.is_meta and dtensor_specs[i] is None:
                         sp.build_writes = param._version  # materialize compares (why: there)
                     if not param.is_meta:  # a meta model gets its values at materialize
@@ -176,6 +220,12 @@ class FSDPUnit:
                     sp.register(sp.sharded)
                     self.params.append(sp)
 
+    def _granularity(self, granularity, fqn, param, shape):
+        policy = granularity(fqn)
+        if self._placement is None:
+            return policy
+        return self._placement(fqn, param, policy, tuple(shape))
+
     # -- per-iteration state -------------------------------------------------------------------
 
     def _reset_iteration(self):
@@ -184,6 +234,7 @@ class FSDPUnit:
         self.calls_without_hook = 0  # calls that recorded a graph, no input requiring grad
         self.reentrant_calls = 0     # calls without gradients inside a forward that has them
         self._hook_recompute = False
+        self._to_run = set()
         for p in self.params:
             p.graphed = False
         self._end_backward()
@@ -224,6 +275,51 @@ class FSDPUnit:
                     p.buffer.load_full_tensor(p.index, p.initial.to(device))
                 p.initial = None
         self.device = torch.device(device)
+        if self.offload is not None:
+            self.offload_to_host(self.offload)
+
+    def set_gradient_divide_factor(self, factor) -> None:
+        """What the summed gradients are divided by from the next reduction on."""
+        if factor is not None and not factor > 0:
+            raise ValueError(f"gradient_divide_factor must be > 0, got {factor}")
+        self.gradient_divide_factor = factor
+        for buf in self.buffers:
+            buf.set_reduction(factor, self.force_sum)
+
+    def set_force_sum(self, enable: bool) -> None:
+        """SUM in every collective and one divide after (FSDP2's force-sum reduction)."""
+        self.force_sum = enable
+        for buf in self.buffers:
+            buf.set_reduction(self.gradient_divide_factor, enable)
+
+    def offload_to_host(self, pin_memory: bool) -> None:
+        """FSDP2's CPUOffloadPolicy: the master and gradient shards live in host memory (pinned
+        on an accelerator when asked), the sharded parameters view them, so any optimizer over
+        `model.parameters()` steps on the host; each all-gather copies this rank's shard in the
+        compute dtype from the host (DBuffer.move_master_to_host, ZeRO-Offload's offload_param).
+        A unit still on meta moves at allocate."""
+        self.offload = pin_memory
+        if self.is_meta:
+            return
+        for buf in self.buffers:
+            if buf.compute is not None:
+                continue
+            pin = pin_memory and buf.device.type != "cpu"
+            S = buf.shard_size
+            master, grad = (torch.empty(S, dtype=buf.master.dtype, pin_memory=pin)
+                            for _ in range(2))
+            compute = torch.empty(S, dtype=buf.param_dtype, pin_memory=pin) \
+                if buf.param_dtype != buf.master.dtype else None
+            buf.move_master_to_host(master, grad, compute_on_host=True, host_compute=compute)
+        for p in self.params:
+            p.bind_storage()
+
+    def refresh_host_shards(self) -> None:
+        """Offloaded buffers: the compute-dtype shard cast again from the host master (a fused
+        optimizer step writes it without moving its version counter)."""
+        for buf in self.buffers:
+            if buf.compute is not None:
+                buf.compute.refresh(force=True)
 
     @property
     def trainable(self):
@@ -263,8 +359,11 @@ class FSDPUnit:
     # -- unshard / reshard ---------------------------------------------------------------------
 
     def unshard(self, async_op: bool = True):
-        """Issue this unit's all-gathers unless they are done or in flight."""
+        """Issue this unit's all-gathers unless they are done or in flight (or the unit said
+        its backward needs no parameters: set_unshard_in_backward(False))."""
         if self._unsharded or self._pending_gather:
+            return
+        if not self.unshard_in_backward and running_backward():
             return
         STATS.log("unshard_issue", self.name)
         self._pending_gather = [buf.all_gather(async_op=True) for buf in self.buffers]
@@ -273,6 +372,9 @@ class FSDPUnit:
 
     def wait_unshard(self):
         if self._unsharded:
+            return
+        if not self._pending_gather and not self.unshard_in_backward and running_backward():
+            self._unshard_without_gather()
             return
         if not self._pending_gather:
             self.unshard(async_op=True)
@@ -285,7 +387,18 @@ class FSDPUnit:
             p.register(p.unsharded)
         self._unsharded = True
 
+    def _unshard_without_gather(self):
+        """Full-shape parameters over zeroed full buffers, no all-gather: backward computes
+        this unit's gradients without reading its parameters (set_unshard_in_backward(False),
+        e.g. an embedding); the zeros keep the buffers' padding a zero gradient."""
+        for buf in self.buffers:
+            buf._allocate("full").zero_()
+        for p in self.params:
+            p.register(p.unsharded)
+        self._unsharded = True
+
     def reshard(self):
+        self._keep = False
         if self._pending_gather:  # a prefetch nobody used: finish it before freeing its target
             with explain_timeout(f"the all-gather of unit {self.name}'s parameters"):
                 for work in self._pending_gather:
@@ -303,7 +416,9 @@ class FSDPUnit:
 
     # -- hooks ---------------------------------------------------------------------------------
 
+    @_not_traced
     def pre_forward(self, module, args, kwargs):
+        args, kwargs = self._cast_inputs(args, kwargs)
         if running_backward():  # an activation checkpoint's recomputation
             if torch.is_grad_enabled() and not (self.recomputes_left or self.forward_calls or
                                                 self.calls_without_hook):
@@ -319,10 +434,18 @@ class FSDPUnit:
                 args, kwargs = self._hook_reentrant_recompute(args, kwargs)
             return args, kwargs
         if _ACTIVE.ctx is None:
+            if len(self.modules) > 1:
+                raise RuntimeError(f"fully_shard: {self.name} groups {len(self.modules)} "
+                                   "modules and runs first, as the root; a root must be one "
+                                   "module (call fully_shard on the model around them)")
             self._begin_root_forward()
+        elif self.is_root and _ACTIVE.ctx is not self.ctx:
+            self.is_root = False  # ran alone before (an evaluation, a registered method)
         ctx = self.ctx = _ACTIVE.ctx
         if self not in ctx.order:
             ctx.order.append(self)
+        if len(self.modules) > 1 and not self._to_run:  # a group's pass begins
+            self._to_run = {id(m) for m in self.modules}
         # The next unit's all-gather goes out before we wait for ours (which nothing
         # prefetched if we run first): it moves while ours finishes instead of after.
         self.unshard(async_op=True)
@@ -360,14 +483,19 @@ class FSDPUnit:
         self._hook_recompute = True
         return args, kwargs
 
+    @_not_traced
     def post_forward(self, module, args, output):
         if running_backward():
             if self._hook_recompute:
                 self._hook_recompute = False
                 self._hook_outputs(output, None)
-            return output
+            return self._cast_output(output)
         if torch.is_grad_enabled():
             self._hook_outputs(output, self.ctx.token)
+        if len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
+            self._to_run.discard(id(module))
+            if self._to_run:
+                return self._cast_output(output)
         if self.is_root:
             _ACTIVE.ctx = None
             self.ctx.token = None  # from now on only the graph holds it
@@ -376,9 +504,23 @@ class FSDPUnit:
                 for unit in self.ctx.order:
                     unit.reshard()
                     unit._reset_iteration()
+            elif self.reshard_after_forward and not self.auto_reshard_after_forward:
+                self.reshard()  # asked for explicitly: backward gathers the root again
         elif self.reshard_after_forward and not self._reused_soon():
             self.reshard()
-        return output
+        return self._cast_output(output)
+
+    def _cast_inputs(self, args, kwargs):
+        """FSDP2's cast_forward_inputs: floating tensors among the inputs to param_dtype."""
+        dtype = self.mp_policy.param_dtype
+        if not (self.mp_policy.cast_forward_inputs and dtype):
+            return args, kwargs
+        return _cast_floating((args, kwargs), dtype)
+
+    def _cast_output(self, output):
+        """FSDP2's output_dtype: floating tensors among the outputs cast to it."""
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else _cast_floating(output, dtype)
 
     def _hook_outputs(self, output, token):
         hook = _OutputGradHook(self, token)
@@ -405,10 +547,18 @@ class FSDPUnit:
             self.ctx = UnitContext()
         ctx = self.ctx
         ctx.token = None  # (left behind by a forward that raised)
+        if self.post_optim_event is not None:  # (FSDP2: a no-op on CPU, which has no streams)
+            if self.device.type != "cpu":
+                self.post_optim_event.wait()  # all-gathers go out on this stream
+            self.post_optim_event = None
         if not ctx.backward_pending:
+            for unit in ctx.order:  # a new iteration: the optimizer may have stepped
+                if unit.offload is not None:
+                    unit.refresh_host_shards()
             # Only a forward whose graph is gone left state behind: no backward comes for it.
             for unit in ctx.order:
-                unit.reshard()
+                if not unit._keep:  # (an explicit unshard, reshard_after_backward=False)
+                    unit.reshard()
                 unit._reset_iteration()
                 unit.release_dropped_gradients()
             ctx.last_order, ctx.order = ctx.order, []
@@ -424,6 +574,11 @@ class FSDPUnit:
         _ACTIVE.ctx = ctx
 
     def _prefetch_forward(self):
+        if self.forward_prefetch is not None:  # set_modules_to_forward_prefetch
+            for unit in self.forward_prefetch:
+                if unit is not self:
+                    unit.unshard(async_op=True)
+            return
         order = self.ctx.last_order
         if self in order:
             i = order.index(self)
@@ -451,16 +606,21 @@ class FSDPUnit:
         # uses are not in this graph but in its nested backward's: `accumulated` tells.
         self.delivers_grads = any(_accumulates(p) for p in trainable)
         # A gradient may be written over its parameter once complete, unless something reads
-        # the value after that: a retained graph's next backward, or the next recomputation
-        # of a reentrant checkpoint (each has a nested backward of its own).
-        in_place = self.grads_in_place and ctx.require_sync and \
-            not self.reentrant_calls and not _keeps_graph()
+        # the value after that: a retained graph's next backward, the next recomputation of a
+        # reentrant checkpoint (each has a nested backward of its own), or the next forward
+        # (the unit stays unsharded after backward: set_reshard_after_backward(False)).
+        in_place = self.grads_in_place and self.syncs_gradients and \
+            not self.reentrant_calls and not _keeps_graph() and self.reshard_after_backward
         for buf in {id(p.buffer): p.buffer for p in trainable}.values():
             buf.begin_backward(grads_in_place=in_place)
         for p in trainable:
             p.preset_grad()
         order = ctx.order
-        if self.is_root:  # backward reaches the last unit of the forward first
+        if self.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            for unit in self.backward_prefetch:
+                if unit is not self:
+                    unit.unshard(async_op=True)
+        elif self.is_root:  # backward reaches the last unit of the forward first
             if order and order[-1] is not self:
                 order[-1].unshard(async_op=True)
         elif self in order:  # the unit backward reaches next is the one before us in forward
@@ -493,7 +653,7 @@ class FSDPUnit:
         delivered = self.in_backward and (self.delivers_grads or self.accumulated)
         gradients = self._gradient_members() if delivered else []
         if gradients:
-            if not self.ctx.require_sync:
+            if not self.syncs_gradients:
                 for buf in self.buffers:
                     buf.keep_grads_unreduced()
                 for p in gradients:
@@ -504,10 +664,38 @@ class FSDPUnit:
                     if members:
                         self._finishers.append((buf, members, buf.reduce_scatter(
                             accumulate=_prepare_accumulation(
-                                buf, [p for p in self.params if p.buffer is buf]))))
+                                buf, [p for p in self.params if p.buffer is buf]),
+                            all_reduce=self.requires_all_reduce)))
                 for p in gradients:
                     p.unreduced = False
-        self.reshard()
+        self.reshard_after_its_backward()
+
+    @property
+    def syncs_gradients(self) -> bool:
+        """Backward reduces gradients (neither no_sync nor set_requires_gradient_sync(False))."""
+        return self.ctx.require_sync and self.requires_gradient_sync
+
+    def reshard_after_its_backward(self):
+        """Reshard, unless set_reshard_after_backward(False) keeps the unit unsharded for the
+        next forward (its `.grad` views of the full gradient buffers are dropped)."""
+        if self.reshard_after_backward or not self._unsharded:
+            self.reshard()
+            return
+        for p in self.params:
+            p.drop_full_grads()
+        self._keep = True
+
+    def abandon_iteration(self):
+        """This unit's part of `reset_iteration`."""
+        for _, _, pending in self._finishers:
+            pending.discard()
+        self._finishers = []
+        for buf in self.buffers:
+            buf.discard_unreduced()
+        for p in self.params:
+            p.unreduced = False
+        self.reshard()  # (waits for an all-gather in flight)
+        self._reset_iteration()
 
     def release_dropped_gradients(self):
         """Free a buffer's gradient shard once the user dropped every gradient in it
@@ -532,9 +720,31 @@ class FSDPUnit:
         for buf, members, pending in self._finishers:
             with explain_timeout(f"the replicas' all-reduce of unit {self.name}'s gradients"):
                 pending.finish()
+            if pending.deferred:  # HSDP, no all-reduce yet: the shard's gradient is not due
+                continue
             for p in members:
                 p.set_sharded_grad()
         self._finishers = []
+
+
+def reset_iteration(units) -> None:
+    """FSDP2's reset_iter_state over `units` (the root's and everything under it) after a
+    forward or backward that raised: what is in flight is waited for, this iteration's
+    gradients that have not reached a gradient shard are discarded (reduce-scatters in
+    flight, HSDP partial sums, no_sync accumulation), every unit is resharded and forgets the
+    iteration, and their context starts clean."""
+    ctxs = {id(u.ctx): u.ctx for u in units if u.ctx is not None}
+    for unit in units:
+        unit.abandon_iteration()
+    for ctx in ctxs.values():
+        if _ACTIVE.ctx is ctx:
+            _ACTIVE.ctx = None
+        ctx.order, ctx.last_order, ctx.reuse_distance = [], [], {}
+        ctx.callback_queued = False
+        ctx.reducing, ctx.all_reducing = [], []
+        ctx.backward_task = None
+        ctx.live_forwards = weakref.WeakSet()
+        ctx.token = None
 
 
 def _reuse_distances(order) -> dict:
@@ -569,7 +779,7 @@ def _final_callback(ctx):
         unit.advance_gradients()
     for unit in reversed(ctx.order):
         unit.finish_gradients()
-        unit.reshard()
+        unit.reshard_after_its_backward()
         unit._end_backward()
     for unit in ctx.order:  # host gradient shards (offload) copied during backward: arrived
         for buf in unit.buffers:
@@ -660,6 +870,14 @@ def _register_post_backward(unit, args, kwargs, token):
         flat[i] = t
     args, kwargs = tree_unflatten(flat, spec)
     return args, kwargs, True
+
+
+def _cast_floating(tree, dtype):
+    """Floating tensors anywhere in `tree` (containers, dataclasses, model outputs) cast to
+    `dtype`, as FSDP2 casts them (torch.distributed.utils' walk)."""
+    def cast(t):
+        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+    return _apply_to_tensors(cast, tree)
 
 
 def _managed_ids(module):

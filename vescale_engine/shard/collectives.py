@@ -86,7 +86,8 @@ class GradientReduction:
 def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
                        shard_backend: str, replicate_backend: str | None = None,
                        exchange: bool = False,
-                       divide_factor: float | None = None) -> GradientReduction:
+                       divide_factor: float | None = None,
+                       force_sum: bool = False) -> GradientReduction:
     """The reduction for gradients in `dtype` over `shard_size` ranks times `replicas`,
     divided by `divide_factor` (None: that number of ranks, the average).
 
@@ -96,7 +97,8 @@ def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
     nearest below sqrt(W) first, by the rest after. The exchange sums itself (SUM). A factor
     other than the group's size (experts: their group is a part of the data-parallel world,
     their gradients are divided by all of it) is SUM and a divide after, never PREMUL_SUM
-    (gloo rejects it)."""
+    (gloo rejects it). `force_sum`: SUM in every collective and one divide after, even where
+    the backend averages (FSDP2's set_force_sum_reduction_for_comms)."""
     world = shard_size * replicas
     factor = float(world if divide_factor is None else divide_factor)
     if factor <= 0:
@@ -110,8 +112,8 @@ def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
         return GradientReduction(float(pre), dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor / pre)
     if factor != world:
         return GradientReduction(1.0, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor)
-    rs_avg = shard_size > 1 and not exchange and shard_backend in _AVG_BACKENDS
-    ar_avg = replicas > 1 and replicate_backend in _AVG_BACKENDS
+    rs_avg = shard_size > 1 and not exchange and shard_backend in _AVG_BACKENDS and not force_sum
+    ar_avg = replicas > 1 and replicate_backend in _AVG_BACKENDS and not force_sum
     post = (1 if rs_avg else shard_size) * (1 if ar_avg else replicas)
     return GradientReduction(1.0, dist.ReduceOp.AVG if rs_avg else dist.ReduceOp.SUM,
                              dist.ReduceOp.AVG if ar_avg else dist.ReduceOp.SUM, float(post))

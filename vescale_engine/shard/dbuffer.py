@@ -195,6 +195,10 @@ class DBuffer:
         self._native_requested = native_collectives
         self._replicas = replicas
         self.divide_factor = divide_factor  # None: the average over shard group x replicas
+        self.force_sum = False  # SUM collectives and one divide after (set_force_sum)
+        # HSDP micro-steps that skip the replicas' all-reduce (FSDP2's set_requires_all_reduce
+        # False): the sum of their reduce-scatter outputs, all-reduced with the next one's
+        self.partial = None
         # set by move_master_to_host (ZeRO-Offload): what all-gather sends, the host gradient
         # shard's state and the offload's byte counters
         self.compute = None
@@ -238,7 +242,16 @@ class DBuffer:
             collectives.tensor_backend(self.shard_group, self.master),
             None if self.replicate_group is None else
             collectives.tensor_backend(self.replicate_group, self.master),
-            exchange=not self.native, divide_factor=self.divide_factor)
+            exchange=not self.native, divide_factor=self.divide_factor,
+            force_sum=self.force_sum)
+
+    def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
+        """What gradients are divided by (None: the ranks, the average) and whether every
+        collective sums; takes effect from the next reduction."""
+        self.divide_factor = divide_factor
+        self.force_sum = force_sum
+        if not self.is_meta:  # (a meta buffer chooses at allocate)
+            self._choose_collectives()
 
     # -- deferred (meta-device) storage ---------------------------------------------------------
 
@@ -495,10 +508,13 @@ class DBuffer:
             self._grad_copied.synchronize()
             self._grad_copied = None
 
-    def reduce_scatter(self, accumulate: bool) -> "PendingReduction":
+    def reduce_scatter(self, accumulate: bool, all_reduce: bool = True) -> "PendingReduction":
         """Reduce the full gradients into the local gradient shard, in place, averaged over the
         data parallel ranks (`self.reduction` says how); with `accumulate`, add to what the
-        shard already holds. Returns the pending reduction, to be finished later."""
+        shard already holds. Returns the pending reduction, to be finished later. HSDP with
+        `all_reduce` False: the reduce-scatter's output is added to `partial` instead, and
+        the gradient shard is left alone (the next reduction with the all-reduce takes it)."""
+        defer = self.replicate_group is not None and not all_reduce
         source = self.full_grad
         if self.grads_in_full:
             self._zero_unwritten()
@@ -509,12 +525,12 @@ class DBuffer:
             self._reducing_full = True  # read in flight: reshard leaves `full` to the reduction
         if self.reduction.pre_divide != 1.0:  # fp16: keep the sum over ranks finite
             source.div_(self.reduction.pre_divide)  # in place: the source is dead after this
-        if not accumulate and not self.has_grad:
+        if not accumulate and not self.has_grad and not defer:
             if self.grad_on_host:
                 self._host_grad_live = True
             else:
                 self.grad.untyped_storage().resize_(self._grad_bytes)  # fully overwritten below
-        direct = not accumulate and self.reduce_dtype == self.grad.dtype and \
+        direct = not accumulate and not defer and self.reduce_dtype == self.grad.dtype and \
             not self.grad_on_host
         out = self.grad if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
                                                    device=self.device)
@@ -524,7 +540,7 @@ class DBuffer:
         work = collectives.reduce_scatter(out, source, self.shard_group,
                                           op=self.reduction.reduce_scatter_op, native=self.native)
         return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct,
-                                source)
+                                source, deferred=defer)
 
     def _free_reduced_source(self) -> None:
         if self._reducing_full:
@@ -540,6 +556,15 @@ class DBuffer:
             if not written:
                 p = self.layout.placements[i]
                 self.full[p.offset:p.offset + p.numel].zero_()
+
+    def discard_unreduced(self) -> None:
+        """Forget gradients not yet in the gradient shard (FSDP2's reset_iter_state): the
+        no_sync accumulation, the HSDP partial sum, this backward's gradients in `full`."""
+        self.drop_full_grad()
+        self.partial = None
+        self._deferred = {}
+        self._reducing_full = False
+        self.free_full()
 
     def drop_full_grad(self) -> None:
         """Free the separate full gradient buffer (after its reduce-scatter, or at teardown)."""
@@ -577,7 +602,7 @@ class PendingReduction:
     what is left of the average, and put the result into (or add it to) the gradient shard."""
 
     def __init__(self, buffer: DBuffer, work, out: torch.Tensor, accumulate: bool,
-                 direct: bool, source: torch.Tensor | None = None):
+                 direct: bool, source: torch.Tensor | None = None, deferred: bool = False):
         self.buffer = buffer
         self.work = work
         # The collective's input lives until it is done, whatever the backend keeps (NCCL and
@@ -588,6 +613,7 @@ class PendingReduction:
         self.direct = direct
         self.all_reduce = None
         self.finished = False
+        self.deferred = deferred  # HSDP without the all-reduce: into buffer.partial only
 
     @property
     def all_reducing(self) -> bool:
@@ -601,6 +627,12 @@ class PendingReduction:
         self.work = self.source = None
         buf = self.buffer
         buf._free_reduced_source()
+        if self.deferred:  # summed with the other skipped micro-steps', reduced later
+            buf.partial = self.out if buf.partial is None else buf.partial.add_(self.out)
+            return
+        if buf.partial is not None:
+            self.out.add_(buf.partial)
+            buf.partial = None
         if buf.replicate_group is not None:
             STATS.all_reduces += 1
             STATS.log("all_reduce", buf.name)
@@ -608,10 +640,24 @@ class PendingReduction:
                                    group=buf.replicate_group, async_op=True)
             self.all_reduce = _TimedWork(work, buf.device)
 
+    def discard(self) -> None:
+        """Wait for the collectives in flight, keep nothing of their result."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.source = None
+            self.buffer._free_reduced_source()
+        if self.all_reduce is not None:
+            self.all_reduce.wait()
+            self.all_reduce = None
+        self.finished = True
+
     def finish(self) -> None:
         if self.finished:
             return
         self.wait_reduce_scatter()
+        if self.deferred:
+            self.finished = True
+            return
         if self.all_reduce is not None:
             self.all_reduce.wait()
             self.all_reduce = None

@@ -1,0 +1,124 @@
+"""FSDP2's `fully_shard` arguments in our terms: what each one means for a unit, or a one-line
+error before any collective where we cannot honour it.
+
+- `reshard_after_forward`: None (FSDP2's default: True but for the root), a bool, or an int:
+  the shard group's size is True and 1 is False (as FSDP2 maps them); any other divisor (a
+  second, smaller group to reshard to after forward) is refused.
+- `shard_placement_fn(param)`: None or Shard(0) keeps each dim-0 slice whole on one rank,
+  as FSDP2's Shard(0) does: the parameter's granularity becomes one whose blocks are whole
+  dim-0 slices (rows:1 for a matrix or a vector, block:<slice> above); Shard(d) for d > 0
+  (columns on a rank: not one flat range) and per-parameter meshes are refused, naming the
+  parameter.
+- `offload_policy`: OffloadPolicy() (no offload) or CPUOffloadPolicy(pin_memory): the unit's
+  master and gradient shards in host memory (FSDPUnit.offload_to_host).
+- `ignored_params`: ids of the parameters no unit manages.
+- `dp_mesh_dims`: refused (pass the data-parallel sub-mesh as `mesh`).
+"""
+from __future__ import annotations
+
+import math
+
+from ..plan.granularity import Granularity, parse_granularity
+
+__all__ = ["reshard_after_forward_of", "placement_of", "offload_of", "ignored_ids",
+           "check_dp_mesh_dims", "root_modules"]
+
+
+def reshard_after_forward_of(value, shard_size: int):
+    """None, True or False for a unit, from FSDP2's bool-or-int (or None)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError("reshard_after_forward should be a bool or an int representing the "
+                         f"group size to reshard to, not {value}")
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ValueError("If passing reshard_after_forward as an int, it should be a factor of "
+                         f"{shard_size}, not {value}")
+    if value == shard_size:
+        return True
+    if value == 1:
+        return False
+    raise NotImplementedError(
+        f"reshard_after_forward={value}: resharding to groups of {value} ranks after forward "
+        "(FSDP2 then all-gathers over those in backward) is not supported by vescale_engine's "
+        f"fully_shard; pass True (reshard to all {shard_size}) or False (keep unsharded)")
+
+
+def placement_of(shard_placement_fn):
+    """(fqn, param, policy, shape) -> Granularity, from FSDP2's shard_placement_fn; None
+    when there is none (the granularity argument alone decides)."""
+    if shard_placement_fn is None:
+        return None
+    from torch.distributed.tensor import Shard
+
+    def placement(fqn, param, policy, shape):
+        result = shard_placement_fn(param)
+        if result is not None and not isinstance(result, Shard):
+            raise NotImplementedError(
+                f"shard_placement_fn returned {type(result).__name__} for {fqn}: a mesh per "
+                "parameter is not supported by vescale_engine's fully_shard (shard experts "
+                "with their own fully_shard call and mesh); return None or Shard(0)")
+        dim = 0 if result is None else result.dim
+        if len(shape) and dim < 0:
+            dim += len(shape)
+        if dim != 0:
+            raise NotImplementedError(
+                f"shard_placement_fn returned Shard({result.dim}) for {fqn}: vescale_engine's "
+                "fully_shard keeps each rank's piece one flat range, so it shards along dim 0 "
+                "only; return None or Shard(0)")
+        return dim0_granularity(policy, shape)
+    return placement
+
+
+def dim0_granularity(policy, shape) -> Granularity:
+    """`policy` if its blocks are whole dim-0 slices of `shape`, else the smallest policy
+    whose are: rows:1 up to two dimensions (a slice is a row), block:<slice elements> above."""
+    policy = parse_granularity(policy)
+    per_slice = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if per_slice == 0 or policy.block_size(shape) % per_slice == 0:
+        return policy
+    return Granularity("rows", 1) if len(shape) <= 2 else Granularity("block", rows=per_slice)
+
+
+def offload_of(offload_policy):
+    """pin_memory of a CPUOffloadPolicy; None for no offload (None or OffloadPolicy())."""
+    if offload_policy is None:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        return bool(offload_policy.pin_memory)
+    if type(offload_policy) is OffloadPolicy:
+        return None
+    raise NotImplementedError(f"offload_policy={offload_policy!r} is not supported by "
+                              "vescale_engine's fully_shard: OffloadPolicy() or "
+                              "CPUOffloadPolicy(pin_memory=...)")
+
+
+def ignored_ids(ignored_params) -> set:
+    if ignored_params is None:
+        return set()
+    from torch import nn
+    ids = set()
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p)}")
+        ids.add(id(p))
+    return ids
+
+
+def check_dp_mesh_dims(dp_mesh_dims) -> None:
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "dp_mesh_dims is not supported by vescale_engine's fully_shard: pass the data-"
+            "parallel mesh itself as mesh (its dp sub-mesh; TP/EP parameters keep their own "
+            "mesh as DTensors)")
+
+
+def root_modules(modules) -> list:
+    """FSDP2's list argument: the modules not inside another module of the list, in order,
+    each once."""
+    modules = list(dict.fromkeys(modules))
+    inside = set()
+    for m in modules:
+        inside.update(id(sub) for sub in m.modules() if sub is not m)
+    return [m for m in modules if id(m) not in inside]
