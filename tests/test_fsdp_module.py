@@ -266,8 +266,8 @@ def reshard_rank(rank, world):
     model = shard(build(), fully_shard, blocks={"reshard_after_forward": False},
                   root={"reshard_after_forward": True})
     loss = model(*micro_batches(0, rank, world)[0])
-    out["held"] = (model.blocks[0].fc1.weight.shape == (2 * DIM, DIM),
-                   model.head.weight.dim() == 1)
+    out["held"] = (not isinstance(model.blocks[0].fc1.weight, DTensor),
+                   isinstance(model.head.weight, DTensor))  # sharded: a DTensor, as FSDP2's
     loss.backward()
     try:
         fully_shard(build(), reshard_after_forward=3)
@@ -592,7 +592,8 @@ def reshard_after_forward_method_rank(rank, world):
     model = shard(build(), fully_shard)
     model.blocks[1].set_reshard_after_forward(False, recurse=False)
     loss = model(*micro_batches(0, rank, world)[0])
-    held = (model.blocks[0].fc1.weight.dim(), model.blocks[1].fc1.weight.dim())
+    # held sharded (a DTensor, as FSDP2's) or full (a plain tensor)
+    held = tuple(1 if isinstance(model.blocks[k].fc1.weight, DTensor) else 2 for k in (0, 1))
     loss.backward()
     try:
         model.set_reshard_after_forward(2)
@@ -730,7 +731,7 @@ def unshard_rank(rank, world):
         assert model.blocks[0].unshard() is None
         model.blocks[0].reshard()
         resharded = model.blocks[0].fc1.weight
-        sharded = resharded.dim() == 1 if fn is fully_shard else isinstance(resharded, DTensor)
+        sharded = isinstance(resharded, DTensor)  # as FSDP2's: the sharded face is a DTensor
         values.append(sharded)
     losses = []
     for fn in (fully_shard, torch_fully_shard):  # explicit unshard before forward, then train
@@ -783,7 +784,7 @@ def forward_method_rank(rank, world):
         with torch.no_grad():
             out[name] = model.logits_of(idx)
         if fn is fully_shard:  # resharded after (FSDP2 keeps its root unsharded instead)
-            out[name + " after"] = model.head.weight.dim() == 1
+            out[name + " after"] = isinstance(model.head.weight, DTensor)
     with torch.no_grad():
         out["plain"] = build().logits_of(idx)
     return out
