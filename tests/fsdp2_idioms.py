@@ -34,6 +34,7 @@ import copy
 import math
 import os
 import queue
+import shutil
 import sys
 import time
 import traceback
@@ -1416,6 +1417,7 @@ def main(argv=None) -> int:
             results.append(result)
     finally:
         ranks.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
     print()
     print_table(results)
     print(f"\n{len(results)} idioms in {time.perf_counter() - started:.0f} s")
