@@ -287,9 +287,9 @@ def _wrap(model, case, dtypes):
         mp = MixedPrecisionPolicy(param_dtype=dtypes[case["param_dtype"]],
                                   reduce_dtype=dtypes[case["reduce_dtype"]])
         granularity = optim.DEFAULT_BLOCK if case["optimizer"] == "AdamW8bit" else "rows:1"
-        for module in (*model.layers, model):
-            fully_shard(module, mesh=mesh, reshard_after_forward=raf, mp_policy=mp,
-                        granularity=granularity)
+        for module in (*model.layers, model):  # the root with the default, as FSDP2's below
+            fully_shard(module, mesh=mesh, reshard_after_forward=raf if module is not model
+                        else None, mp_policy=mp, granularity=granularity)
         opt = getattr(optim, case["optimizer"])(model.parameters(), lr=1e-3)
         buffers = [b for m in model.modules() if unit_of(m) for b in unit_of(m).buffers]
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 IDIOMS: dict = {}  # name -> function, in the order they are defined
 TOLERANCE = 1e-6
@@ -330,6 +331,8 @@ def zero_grad_set_to_none_false(rank, world, engine, tmpdir):
     2 micro-batches per step."""
     model = shard(build(0), engine)
     opt = adamw(model.parameters())
+    if after_optimizer is not None:
+        after_optimizer(model)
     rec = {"losses": [], "grad_norms": []}
     for step in range(2):
         for k in range(2):
@@ -745,7 +748,7 @@ def unshard_async_wait(rank, world, engine, tmpdir):
 
 
 def _train_with(rank, engine, setup=None, before_micro=None, micro_batches=1, steps=2,
-                after_step=None, shard_embedding=False):
+                after_step=None, shard_embedding=False, after_optimizer=None):
     """Train with an FSDPModule method called by `setup(model)` (after sharding) and/or
     `before_micro(model, k, last)`."""
     model = build(0)
@@ -755,6 +758,8 @@ def _train_with(rank, engine, setup=None, before_micro=None, micro_batches=1, st
     if setup is not None:
         setup(model)
     opt = adamw(model.parameters())
+    if after_optimizer is not None:
+        after_optimizer(model)
     rec = {"losses": [], "grad_norms": []}
     for step in range(steps):
         part = train(model, opt, rank, 1, start=step, micro_batches=micro_batches,
@@ -778,13 +783,16 @@ def method_set_reshard_after_backward(rank, world, engine, tmpdir):
 @idiom
 def method_set_reshard_after_forward(rank, world, engine, tmpdir):
     """`model.set_reshard_after_forward(False)` for an evaluation under no_grad, `True` again
-    for training."""
-    def setup(m):
+    for training. The optimizer is built first, while every parameter is sharded: built after
+    such an evaluation, FSDP2's gets the root's unsharded parameters (FSDP2 leaves the root
+    unsharded after a no_grad forward), whose updates are lost (step 2's gradient norm 1.220
+    instead of 0.872 here); ours reshards after inference, so both orders train alike."""
+    def evaluate(m):
         m.set_reshard_after_forward(False)
         with torch.no_grad():
             loss_of(m, 100, rank)
         m.set_reshard_after_forward(True)
-    return _train_with(rank, engine, setup=setup)
+    return _train_with(rank, engine, after_optimizer=evaluate)
 
 
 @idiom
@@ -960,11 +968,22 @@ def reshard_after_forward_false(rank, world, engine, tmpdir):
     return _reshard_after_forward(rank, engine, False)
 
 
+def _rows_whole(p) -> bool:
+    """Whether every rank holds whole dim-0 slices of `p` (what Shard(0) promises). FSDP2 says
+    so with `Shard(0)`; ours with a RaggedPlacement whose blocks are whole slices (a rank's
+    local tensor is its flat range, 1-D: a documented difference of representation)."""
+    placement = p.placements[0]
+    if isinstance(placement, Shard):
+        return placement.dim == 0
+    block = getattr(placement, "block", None)
+    return block is not None and block % math.prod(p.shape[1:]) == 0
+
+
 def _placement_fn_run(rank, engine, dim):
     from torch.distributed.tensor import Shard
     model = shard(build(0), engine,
                   shard_placement_fn=lambda p: Shard(dim) if p.ndim == 2 else Shard(0))
-    rec = {"wq_placements": str(model.layers[0].attention.wq.weight.placements)}
+    rec = {"wq_rows_whole": _rows_whole(model.layers[0].attention.wq.weight)}
     rec.update(train(model, adamw(model.parameters()), rank, 2))
     rec["params"] = full_params(model, engine)
     return rec
@@ -1110,12 +1129,20 @@ def grads_as_dtensors(rank, world, engine, tmpdir):
 
 @idiom
 def params_as_dtensors(rank, world, engine, tmpdir):
-    """`p.to_local().shape`, `p.placements`, `p.device_mesh` and `p.full_tensor()` for each
-    parameter (what DTensor-aware code reads)."""
+    """What DTensor-aware code reads on each parameter: `isinstance(p, DTensor)`, its global
+    shape, `p.device_mesh`, `p.full_tensor()`, the elements of `p.to_local()` over all ranks,
+    and whether the pieces are whole dim-0 slices. Not compared, by design: the placement's
+    class (RaggedPlacement, not Shard(0)) and the local tensor's shape (a rank's flat range,
+    1-D, not a block of rows)."""
     model = shard(build(0), engine)
-    return {n: {"local_shape": list(p.to_local().shape), "placements": str(p.placements),
-                "mesh": p.device_mesh.mesh.tolist(), "full": p.full_tensor()}
-            for n, p in model.named_parameters()}
+    out = {}
+    for n, p in model.named_parameters():
+        local = torch.tensor([p.to_local().numel()])
+        dist.all_reduce(local)
+        out[n] = {"is_dtensor": isinstance(p, DTensor), "shape": list(p.shape),
+                  "mesh": p.device_mesh.mesh.tolist(), "full": p.full_tensor(),
+                  "local_elements": int(local), "rows_whole": _rows_whole(p)}
+    return out
 
 
 # -- running an idiom on the ranks ------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 import fsdp_models as fm
 from dist_harness import free_port, rank_pools, scratch_dir
+from vescale_engine.shard.ragged_dtensor import local_of
 
 GLOBAL, SAVE_AT, AFTER = 12, 2, 2
 OPT = {"lr": 3e-3, "eps": 1e-6, "weight_decay": 0.01}
@@ -487,7 +488,7 @@ def resume_from_deepspeed(rank, world, ds_dir):
     params = dict(engine.module.named_parameters())
     for fqn, (local, spec) in sharded_state_dict(engine.module).items():
         state = engine.optimizer.state[params[fqn]]
-        moments[fqn] = {k: ragged_to_replicate(state[k].to_local(), spec)  # RaggedDTensors
+        moments[fqn] = {k: ragged_to_replicate(local_of(state[k]), spec)
                         for k in ("exp_avg", "exp_avg_sq")}
     steps = engine.global_steps
     return path, weights, moments, steps, train(engine, rank, world, AFTER)
@@ -927,7 +928,7 @@ def moves_after_initialize(rank, world):
     model = engine.module
 
     def attached():
-        return all(sp.sharded.to_local().untyped_storage().data_ptr() ==
+        return all(local_of(sp.sharded).untyped_storage().data_ptr() ==
                    sp.buffer.master.untyped_storage().data_ptr()
                    for sp in (p._vescale for p in model.parameters()))
     noops = {"to(same)": lambda: model.to(torch.device("cpu"), torch.float32),

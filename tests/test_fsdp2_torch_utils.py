@@ -154,3 +154,23 @@ def test_state_dicts_and_dcp_round_trip(pool):
         assert {name for name, _ in out["shapes"].values()} == {"RaggedDTensor"}
         assert out["changed"] and out["restored"], out
         assert out["resumed"][0] == out["resumed"][1]
+
+
+def noop_move_rank(rank, world):
+    """`.to(its device)` and `.float()` on an fp32 model sharded by fully_shard change nothing:
+    the DTensor parameters stay the ones tied to their buffers (torch swaps a DTensor-subclass
+    parameter for a new one even then, unless fully_shard's guard keeps it out), and the model
+    trains as one never moved."""
+    model = _ours(_make(0))
+    before = list(model.parameters())
+    model.to(torch.device("cpu"))
+    model.float()
+    after = list(model.parameters())
+    kept = all(a is b and getattr(a, "_vescale", None) is not None for a, b in zip(before, after))
+    return kept, _train(model, rank, world)[:3], _train(_ours(_make(0)), rank, world)[:3]
+
+
+def test_noop_moves_keep_the_dtensor_parameters(pool):
+    for kept, moved, plain in pool.run(noop_move_rank):
+        assert kept
+        assert moved[0] == plain[0] and moved[1] == plain[1] and _close(moved[2], plain[2])
