@@ -330,6 +330,15 @@ def run_state_dict(rank, world):
               copy.deepcopy(model.inner.weight)]
     kept_by_copies = all(_same_layout(c, model.inner.weight) and
                          torch.equal(c.full_tensor(), doubled["inner.weight"]) for c in copies)
+    # a piece at an offset of a larger storage (a buffer's later parameter) deep-copies too
+    storage = torch.arange(100, dtype=torch.float32)
+    layout = RaggedShard.even((4, 5), 3, world)
+    n = layout.local_numel(rank)
+    later = nn.Parameter(ragged_dtensor(storage[7:7 + n], layout, mesh))
+    copied = copy.deepcopy(later)
+    kept_by_copies = kept_by_copies and _same_layout(copied, later) and \
+        torch.equal(copied.to_local(), storage[7:7 + n]) and \
+        copied.to_local().untyped_storage().data_ptr() != storage.untyped_storage().data_ptr()
     # Module-wide casts swap in cast copies; .data takes a RaggedDTensor of the same layout
     model.to(torch.float64)
     cast = all(p.dtype == p.to_local().dtype == torch.float64 and

@@ -106,6 +106,20 @@ class RaggedDTensor(DTensor):
         torch.Tensor.data.__set__(self, value)  # dtype and the other tensor metadata
         self._local_tensor = value._local_tensor
 
+    def __deepcopy__(self, memo):
+        """A copy that owns its piece. torch's deepcopy rebuilds a wrapper subclass over a copy
+        of the local tensor's whole storage at the local tensor's offset, which fails for a
+        piece that does not start its storage (every parameter after a buffer's first)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            local = self._local_tensor.clone()
+        out = RaggedDTensor(local, self._spec, requires_grad=self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
     def __repr__(self):
         return (f"RaggedDTensor(shape={list(self.shape)}, {self._spec.placements[0]}, "
                 f"local_tensor={self._local_tensor}, device_mesh={self._spec.mesh})")
