@@ -331,8 +331,6 @@ def zero_grad_set_to_none_false(rank, world, engine, tmpdir):
     2 micro-batches per step."""
     model = shard(build(0), engine)
     opt = adamw(model.parameters())
-    if after_optimizer is not None:
-        after_optimizer(model)
     rec = {"losses": [], "grad_norms": []}
     for step in range(2):
         for k in range(2):
