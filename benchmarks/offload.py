@@ -261,6 +261,13 @@ def _mb(b):
     return f"{b / 1e6:.2f}"
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to 0.1, or two significant digits below that (a smoke run's host kernel
+    can take 40 us: never shown as 0.0)."""
+    ms = 1e3 * seconds
+    return f"{ms:.1f}" if ms >= 0.1 else f"{ms:.2g}"
+
+
 def report(runs, kernels, est, args) -> tuple:
     import torch
     import deepspeed
@@ -294,8 +301,8 @@ def report(runs, kernels, est, args) -> tuple:
               "whole step (ms) |", "|---|---:|---:|---:|---:|"]
     for s in SYSTEMS:
         lines.append(f"| {LABELS[s]} | " + " | ".join(
-            f"{1e3 * med[s][k]:.1f}" for k in ("kernel_s", "optimizer_step_s",
-                                               "engine_step_s", "step_s")) + " |")
+            _ms(med[s][k]) for k in ("kernel_s", "optimizer_step_s", "engine_step_s",
+                                     "step_s")) + " |")
     lines += [
         "",
         f"- Host optimizer step as each engine runs it (engine.step: gradient norm, clipping, "
