@@ -10,6 +10,8 @@ gathered to full tensors, state-dict keys and shapes, ...), measured the same wa
 engines; the two records are compared rank by rank and the idiom gets a verdict:
 
     equal          ran with both, every number within 1e-6 of FSDP2's (or bitwise equal)
+    equal (unsharded)  for an idiom of UNSHARDED_REFERENCE, where FSDP2 on CPU is no
+                   reference: ours within 1e-6 of the same code on an unsharded model
     raises         ours raised on some rank (the exception, its message and the idiom's line;
                    a peer that went on and waits in a collective for it is shown as hanging,
                    given PEER_GRACE_S: a launcher would end the job there)
@@ -23,8 +25,7 @@ Run all idioms and print the table (2 to 4 minutes on 2 cores):
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python tests/fsdp2_idioms.py [IDIOM ...]
 
-tests/test_fsdp2_idioms.py turns each idiom into a test (skipped unless VESCALE_FSDP2_IDIOMS=1
-until ours implements them). An idiom is independent of the others: the ranks that ran it are
+tests/test_fsdp2_idioms.py turns each idiom into a test. An idiom is independent of the others: the ranks that ran it are
 replaced whenever either engine raised, crashed or hung, so no half-finished collective or
 module state leaks into the next idiom.
 """
@@ -116,10 +117,21 @@ class TinyLM(nn.Module):
         return self.lm_head(self.norm(x))
 
     def init_weights(self):
-        """torchtitan/nanoGPT style: (re)initialize every submodule in place."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        """torchtitan style: nn.init on the parameters themselves (a truncated normal per
+        layer depth, zero biases), the norms' own reset_parameters."""
+        nn.init.normal_(self.tok_embeddings.weight)
+        for depth, layer in enumerate(self.layers):
+            std = 0.02 / (2 * (depth + 1)) ** 0.5
+            for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv,
+                           layer.attention.wo, layer.feed_forward.w1, layer.feed_forward.w2):
+                nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        nn.init.trunc_normal_(self.lm_head.weight, std=DIM ** -0.5, a=-3 * DIM ** -0.5,
+                              b=3 * DIM ** -0.5)
 
     @torch.no_grad()
     def generate(self, tokens, steps: int):
@@ -241,6 +253,25 @@ def train(model, opt, rank, steps, start=0, clip=None, micro_batches=1, before_m
         out["grad_norms"].append(grad_norm(model))
         if clip is not None:
             out.setdefault("clip", []).append(clip(model))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def train_unsharded(model, opt, rank, world, steps):
+    """`train`'s numbers for an unsharded model in one process: each step's gradient is the
+    mean over every rank's batch (what data-parallel training computes), the losses recorded
+    are this rank's batch's, the norm is the whole gradient's (nothing to all-reduce)."""
+    out = {"losses": [], "grad_norms": []}
+    for step in range(steps):
+        for r in range(world):
+            loss = loss_of(model, step, r)
+            (loss / world).backward()
+            if r == rank:
+                out["losses"].append(loss.item())
+        out["grad_norms"].append(math.sqrt(sum(p.grad.detach().double().pow(2).sum().item()
+                                               for p in model.parameters()
+                                               if p.grad is not None)))
         opt.step()
         opt.zero_grad()
     return out
@@ -665,11 +696,11 @@ def accelerate_load_full_state_dict(rank, world, engine, tmpdir):
     meta is sharded; for each `model.state_dict()` entry rank 0 broadcasts the full tensor,
     every rank `distribute_tensor(full, v.device_mesh, v.placements)`s it, and
     `model.load_state_dict(sharded_sd, assign=True)`; then training."""
-    from torch.distributed.tensor import distribute_tensor
     full_sd = build(0).state_dict() if rank == 0 else None
     with torch.device("meta"):
         model = TinyLM()
     shard(model, engine)
+    from torch.distributed.tensor import distribute_tensor  # where Accelerate imports it
     sharded_sd = {}
     for name, meta_value in model.state_dict().items():
         full = full_sd[name].contiguous() if rank == 0 else \
@@ -1057,25 +1088,47 @@ def ignored_params(rank, world, engine, tmpdir):
     return rec
 
 
-@idiom
-def meta_init_to_empty_reset_parameters(rank, world, engine, tmpdir):
-    """torchtitan/nanoGPT: build under `torch.device("meta")`, `fully_shard`,
-    `model.to_empty(device="cpu")`, then `model.init_weights()` (each submodule's
-    `reset_parameters()`) under a seed; then training."""
+def _meta_init(rank, world, engine, init):
+    """Build under `torch.device("meta")`, `fully_shard`, `model.to_empty(device="cpu")`,
+    `init(model)` under a seed, two steps; and the same numbers for an unsharded model (the
+    reference: see UNSHARDED_REFERENCE)."""
     with torch.device("meta"):
         model = TinyLM()
     shard(model, engine)
     model.to_empty(device="cpu")
     torch.manual_seed(42)
-    model.init_weights()
+    init(model)
     rec = {"init": full_params(model, engine)}
     rec["train"] = train(model, adamw(model.parameters()), rank, 2)
+    rec["params"] = full_params(model, engine)
     plain = build(0)
     torch.manual_seed(42)
-    plain.init_weights()
-    rec["info"] = {"init equals an unsharded model's init_weights under the same seed": all(
-        torch.equal(rec["init"][n], p) for n, p in plain.named_parameters())}
+    init(plain)
+    unsharded = {"init": {canonical(n): p.detach().clone() for n, p in plain.named_parameters()}}
+    unsharded["train"] = train_unsharded(plain, adamw(plain.parameters()), rank, world, 2)
+    unsharded["params"] = {canonical(n): p.detach().clone() for n, p in plain.named_parameters()}
+    rec["unsharded"] = unsharded
     return rec
+
+
+def _reset_every_module(model):
+    for module in model.modules():
+        if module is not model and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+@idiom
+def meta_init_to_empty_reset_parameters(rank, world, engine, tmpdir):
+    """FSDP2's documented recipe: on meta, `fully_shard`, `model.to_empty(device="cpu")`, then
+    every submodule's `reset_parameters()` under a seed; then training."""
+    return _meta_init(rank, world, engine, _reset_every_module)
+
+
+@idiom
+def meta_init_to_empty_init_weights(rank, world, engine, tmpdir):
+    """torchtitan / nanoGPT: the same with `model.init_weights()`, which calls nn.init's
+    normal_ / trunc_normal_ / zeros_ on the parameters themselves."""
+    return _meta_init(rank, world, engine, TinyLM.init_weights)
 
 
 @idiom
@@ -1302,7 +1355,30 @@ def _first_failure(outcomes):
         "".join(f"; rank {rank}: ok" for rank, o in enumerate(outcomes) if o["status"] == "ok")
 
 
+# Idioms where FSDP2 on CPU is no reference, and why; the idiom's record carries an
+# "unsharded" record of the same code on an unsharded model, which each engine is held to.
+UNSHARDED_REFERENCE = {
+    name: "torch's DTensor random ops are correct only on CUDA-like meshes (_random.py, "
+          "is_rng_supported_mesh): on CPU each rank draws its shard from the same generator "
+          "state, so FSDP2's init is not an unsharded model's"
+    for name in ("meta_init_to_empty_reset_parameters", "meta_init_to_empty_init_weights")}
+
+
+def _against_unsharded(outcomes, prefix):
+    """Each rank's record without its "unsharded" part compared with that part."""
+    differences, worst = [], (0.0, "")
+    for rank, o in enumerate(outcomes):
+        record = dict(o["record"])
+        reference = record.pop("unsharded")
+        diffs, rank_worst = compare_records(reference, record, f"{prefix}r{rank}")
+        differences += diffs
+        worst = max(worst, rank_worst)
+    return differences, worst
+
+
 def judge(name, fsdp2, ours) -> Result:
+    if name in UNSHARDED_REFERENCE:
+        return _judge_against_unsharded(name, fsdp2, ours)
     info = {}
     for engine, outcomes in (("fsdp2", fsdp2), ("ours", ours)):
         for o in outcomes:
@@ -1323,6 +1399,21 @@ def judge(name, fsdp2, ours) -> Result:
         return Result(name, "WRONG", _summarize(differences), fsdp2, ours, differences, info)
     detail = "bitwise" if worst[0] == 0.0 else f"max |diff| {worst[0]:.1e} ({worst[1]})"
     return Result(name, "equal", detail, fsdp2, ours, info=info)
+
+
+def _judge_against_unsharded(name, fsdp2, ours) -> Result:
+    info = {"why not FSDP2": UNSHARDED_REFERENCE[name]}
+    if not _first_failure(fsdp2):
+        diffs, _ = _against_unsharded(fsdp2, "fsdp2.")
+        info["FSDP2 vs unsharded"] = _summarize(diffs) if diffs else "equal"
+    failed = _first_failure(ours)
+    if failed:
+        return Result(name, _status(ours), failed, fsdp2, ours, info=info)
+    differences, worst = _against_unsharded(ours, "")
+    if differences:
+        return Result(name, "WRONG", _summarize(differences), fsdp2, ours, differences, info)
+    detail = "bitwise" if worst[0] == 0.0 else f"max |diff| {worst[0]:.1e} ({worst[1]})"
+    return Result(name, "equal (unsharded)", detail, fsdp2, ours, info=info)
 
 
 def flatten(value, prefix=""):

@@ -1,7 +1,8 @@
 """Each FSDP2 idiom of tests/fsdp2_idioms.py as a test: the user code run with our
 `fully_shard` must give FSDP2's numbers (verdict `equal`), or raise on every rank with an error
-that says what is not supported (REFUSED: by design; NOT_YET: still to build). No idiom may run
-and differ silently. `python tests/fsdp2_idioms.py` prints where each one stands.
+that says what is not supported (REFUSED: by design; NOT_YET: still to build); where FSDP2 on
+CPU is no reference (idioms.UNSHARDED_REFERENCE), the same code on an unsharded model is. No
+idiom may run and differ silently. `python tests/fsdp2_idioms.py` prints where each one stands.
 """
 import re
 
@@ -17,16 +18,8 @@ REFUSED = {
 # FSDP2 itself cannot run these on CPU (no other FSDP2 failure is skipped: a harness error
 # would otherwise hide as a missing reference). Ours is tested in tests/test_fsdp_module.py.
 NO_REFERENCE_ON_CPU = {"cpu_offload_policy"}  # FSDP2 asks for an accelerator
-# Not supported yet, and loud about it: torch's full-state-dict loaders call distribute_tensor
-# or slice by Shard placements, which do not know RaggedPlacement; torchtitan's init_weights
-# after to_empty is refused by our guard (reset_parameters() works).
-NOT_YET = {
-    "set_model_state_dict_full": r"unsupported placements RaggedPlacement",
-    "set_optimizer_state_dict_full": r"unsupported placements RaggedPlacement",
-    "accelerate_load_full_state_dict": r"unsupported placements RaggedPlacement",
-    "set_model_state_dict_broadcast_from_rank0": r"must match the size of tensor b",
-    "meta_init_to_empty_reset_parameters": r"init_weights\(\): .* is a flat piece",
-}
+# Not supported yet, and loud about it: none left (kept for the next gap).
+NOT_YET = {}
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +41,13 @@ def test_idiom_matches_fsdp2(ranks, name, tmp_path):
             re.search(loud[name], result.ours_error), \
             f"{name} should raise on every rank with /{loud[name]}/, got " \
             f"{result.verdict}: {result.detail}"
+    elif name in idioms.UNSHARDED_REFERENCE:  # FSDP2 on CPU is no reference there
+        assert result.verdict == "equal (unsharded)", \
+            f"{name}: {result.verdict}: {result.detail}"
     else:
         assert result.verdict == "equal", f"{name}: {result.verdict}: {result.detail}"
 
 
 def test_refused_idioms_exist():
-    named = set(REFUSED) | set(NOT_YET) | NO_REFERENCE_ON_CPU
+    named = set(REFUSED) | set(NOT_YET) | NO_REFERENCE_ON_CPU | set(idioms.UNSHARDED_REFERENCE)
     assert not named - set(idioms.IDIOMS), named - set(idioms.IDIOMS)

@@ -174,3 +174,73 @@ def test_noop_moves_keep_the_dtensor_parameters(pool):
     for kept, moved, plain in pool.run(noop_move_rank):
         assert kept
         assert moved[0] == plain[0] and moved[1] == plain[1] and _close(moved[2], plain[2])
+
+
+def assign_rank(rank, world, kind):
+    """`load_state_dict(sd, assign=True)` into a sharded model that has values (not meta):
+    the parameters stay ours (the same objects, views of the shard), hold the loaded values,
+    and train as a model loaded without assign does. `kind`: whole tensors, or DTensors of
+    our layout (Accelerate's distribute_tensor then assign)."""
+    from vescale_engine import fully_shard  # noqa: F401  (teaches torch's distribute_tensor)
+    from torch.distributed.tensor import distribute_tensor
+    source = _make(3).state_dict()
+    model = _ours(_make(0))
+    before = list(model.parameters())
+    if kind == "dtensor":
+        sd = {k: distribute_tensor(source[k], v.device_mesh, v.placements)
+              for k, v in model.state_dict().items()}
+    else:
+        sd = {k: v.clone() for k, v in source.items()}
+    model.load_state_dict(sd, assign=True)
+    kept = all(a is b for a, b in zip(before, model.parameters()))
+    plain = _ours(_make(0))
+    plain.load_state_dict(source)
+    return kept, _train(model, rank, world)[:3], _train(plain, rank, world)[:3]
+
+
+@pytest.mark.parametrize("kind", ["full", "dtensor"])
+def test_load_state_dict_assign_keeps_our_parameters(pool, kind):
+    for kept, assigned, loaded in pool.run(assign_rank, kind):
+        assert kept
+        assert assigned[0] == loaded[0] and assigned[1] == loaded[1]
+        assert _close(assigned[2], loaded[2])
+
+
+def bad_assign_rank(rank, world):
+    """A DTensor of another placement (torch's Shard(0)) assigned: refused naming the
+    parameter, and the module holds our parameter again."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    model = _ours(_make(0))
+    weight = model.a.weight
+    other = distribute_tensor(torch.zeros(10, 6), weight.device_mesh, [Shard(0)])
+    try:
+        model.a.load_state_dict({"weight": other}, strict=False, assign=True)
+    except ValueError as err:
+        return str(err), model.a.weight is weight
+    return None, model.a.weight is weight
+
+
+def test_load_state_dict_assign_of_another_layout_raises(pool):
+    for message, kept in pool.run(bad_assign_rank):
+        assert message is not None and "Linear.weight" in message and "Shard" in message, message
+        assert kept
+
+
+def test_torch_patch_is_installed_by_fully_shard_and_undone_by_unpatch():
+    import torch.distributed._state_dict_utils as sd_utils
+    import torch.distributed.tensor as tensor_api
+
+    import vescale_engine
+    from vescale_engine.integrations import installed
+    vescale_engine.unpatch()
+    torch_own = tensor_api.distribute_tensor
+    assert not hasattr(torch_own, "__wrapped__")
+    vescale_engine.fully_shard  # noqa: B018  (the lookup installs it)
+    names = {"torch.distributed.tensor.distribute_tensor",
+             "torch.distributed._state_dict_utils.distribute_tensor",
+             "torch.distributed._state_dict_utils._distribute_tensors"}
+    assert names <= set(installed())
+    assert tensor_api.distribute_tensor.__wrapped__ is torch_own
+    vescale_engine.unpatch()
+    assert not names & set(installed())
+    assert tensor_api.distribute_tensor is torch_own and sd_utils.distribute_tensor is torch_own

@@ -467,7 +467,8 @@ class TitanLike(nn.Module):
 def constructor_init_rank(rank, world):
     """A meta build whose constructor wrote more than reset_parameters is refused (the example
     GPT, nanoGPT's pattern; also through initialize), `init_fn` gives it the init at every world
-    size; torchtitan's `init_weights()` on flat pieces is refused and right at full shape."""
+    size; torchtitan's `init_weights()` gives an unsharded model's values on RaggedDTensor
+    parameters and at full shape, and is refused on flat pieces (flat_parameters=True)."""
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "examples"))
     from gpt_model import GPT, GPTConfig
@@ -522,13 +523,24 @@ def constructor_init_rank(rank, world):
             titan = TitanLike()
         shard(titan, list(titan.layers), group)
         materialize(titan)
-        out["titan flat"] = _message(titan.init_weights)
+        torch.manual_seed(SEED + 1)
+        titan.init_weights()  # on the RaggedDTensor parameters themselves
+        full = full_state_dict(titan)
+        out["titan direct"] = sorted(k for k, v in reference.state_dict().items()
+                                     if not torch.equal(full[k], v))
         torch.manual_seed(SEED + 1)
         with gathered_parameters(titan, writeback=True):
             titan.init_weights()
         full = full_state_dict(titan)
         out["titan gathered"] = sorted(k for k, v in reference.state_dict().items()
                                        if not torch.equal(full[k], v))
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            flat = TitanLike()
+        for module in list(flat.layers) + [flat]:
+            fully_shard(module, mesh=group, flat_parameters=True)
+        materialize(flat)
+        out["titan flat"] = _message(flat.init_weights)
     return out
 
 
@@ -548,6 +560,7 @@ def test_a_constructor_init_materialize_cannot_replay_is_refused(pool):
             assert out["titan flat"].startswith("TitanLike.init_weights(): tok.weight is a flat "
                                                 "piece"), out["titan flat"]
             assert out["titan gathered"] == [], out["titan gathered"]
+            assert out["titan direct"] == [], out["titan direct"]
 
 
 # -- allocate_shards: the loader's primitive ---------------------------------------------------

@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dist_harness import RankPool, scratch_dir
 from vescale_engine.shard.ragged import RaggedShard
-from vescale_engine.shard.ragged_dtensor import (RaggedDTensor, RaggedPlacement, mesh_of_group,
-                                                 ragged_dtensor)
+from vescale_engine.shard.ragged_dtensor import (RaggedDTensor, RaggedPlacement,
+                                                 distribute_ragged, fill_from_full,
+                                                 mesh_of_group, ragged_dtensor)
 
 # Uneven and empty pieces, short last blocks, ranges that are several boxes (2-D and 3-D).
 LAYOUTS = {
@@ -368,7 +369,8 @@ def run_refusals(rank, world):
         "aten.sum.dim_IntList": lambda: a.sum(dim=0),
         "aten.add.Tensor": lambda: a + fulls["W"],
         "aten.mul.Tensor": lambda: a * b,
-        "aten.normal_": lambda: a.normal_(),
+        "aten.bernoulli_.Tensor": lambda: a.bernoulli_(torch.full((5, 6), 0.5)),
+        "aten.randn_like": lambda: torch.randn_like(a),
         "aten.cat": lambda: torch.cat([a, a]),
         "aten.add.out": lambda: torch.add(a, a, out=a.clone()),
         "aten._foreach_mul_": lambda: torch._foreach_mul_([a], [b]),
@@ -390,6 +392,57 @@ def test_unsupported_ops_raise_naming_the_op(pool):
         for op, message in messages.items():
             assert message is not None, f"{op} did not raise"
             assert op in message and "Ragged" in message, message
+
+
+def run_random_fills(rank, world):
+    """nn.init on RaggedDTensors under a seed: the same values, and the generator as far on,
+    as the same calls on the full tensors."""
+    mesh = _mesh()
+    fulls = _fulls(3)
+    got, want = {}, {}
+    for side in ("ragged", "full"):
+        torch.manual_seed(5)
+        for name, layout in LAYOUTS.items():
+            t = _shard(fulls[name], layout, rank, mesh) if side == "ragged" else \
+                fulls[name].clone()
+            nn.init.trunc_normal_(t, std=0.02)   # uniform_ then point-wise ops
+            t.normal_(1.0, 2.0)
+            t.uniform_(-3, 3).bernoulli_(0.4).exponential_()
+            nn.init.kaiming_uniform_(t) if t.dim() >= 2 else t.random_(0, 7)
+            (got if side == "ragged" else want)[name] = \
+                t.full_tensor() if side == "ragged" else t
+        (got if side == "ragged" else want)["next draw"] = torch.rand(3)
+    return {k: torch.equal(got[k], want[k]) for k in want}
+
+
+def test_random_fills_draw_the_unsharded_values(pool):
+    for equal in pool.run(run_random_fills):
+        assert all(equal.values()), equal
+
+
+def run_distribute(rank, world):
+    """distribute_ragged: the values of mesh rank src_data_rank (rank 1 passes other data), or
+    each rank's own with None; fill_from_full writes a rank's range in place."""
+    mesh, layout = _mesh(), LAYOUTS["W"]
+    mine = torch.arange(30.0).reshape(5, 6) + 100 * rank
+    out = {}
+    for src in (0, 1, None):
+        t = distribute_ragged(mine, mesh, [RaggedPlacement.of(layout)], src_data_rank=src)
+        assert isinstance(t, RaggedDTensor) and t.shape == mine.shape
+        owner = rank if src is None else src
+        want = (torch.arange(30.0) + 100 * owner)[slice(*layout.local_range(rank))]
+        out[src] = torch.equal(t._local_tensor, want)
+    target = _shard(torch.zeros(5, 6), layout, rank, mesh)
+    local = target._local_tensor
+    fill_from_full(target, mine)
+    out["in place"] = target._local_tensor is local and \
+        torch.equal(local, mine.reshape(-1)[slice(*layout.local_range(rank))])
+    return out
+
+
+def test_distribute_ragged_takes_the_source_ranks_values(pool):
+    for out in pool.run(run_distribute):
+        assert all(out.values()), out
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,15 @@ _LAZY = {
 _SUBMODULES = ("optim", "materialize")
 
 
+# Looking these up teaches torch's distribute_tensor and full-state-dict loaders the
+# RaggedPlacement of the DTensors they make (integrations/torch.py), so FSDP2 code that
+# loads full state dicts into them works unchanged.
+_TEACH_TORCH = ("fully_shard",)
+
+
 def __getattr__(name):
+    if name in _TEACH_TORCH:
+        importlib.import_module(".integrations.torch", __name__).install()
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     if name in _SUBMODULES:

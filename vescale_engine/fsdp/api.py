@@ -12,6 +12,7 @@ from . import fsdp2_args
 from .guards import guard_apply, guard_init_weights
 from .lookup import unit_of, units_under
 from .materialize import install_full_shape_reset
+from .state_dict import keep_parameters_on_assign
 from .module_class import register_fsdp_forward_method, restore_class, to_fsdp_class
 from .policy import as_policy
 from .unit import FSDPUnit, UnitContext
@@ -124,6 +125,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     if offload is not None:
         unit.offload_to_host(offload)
     install_full_shape_reset(unit)
+    keep_parameters_on_assign(unit)
     for m in modules:
         m._vescale_unit = unit
         to_fsdp_class(m)

@@ -132,11 +132,15 @@ def flat_parameters(module: nn.Module) -> list:
 
 
 def guard_init_weights(module: nn.Module) -> None:
-    """torchtitan's convention: build on meta, shard, then `model.init_weights()`. Here the
-    parameters are flat pieces between steps, so that call would draw each piece as if it were
-    a whole tensor (wrong std from wrong fans, the same numbers on every rank), silently. Route
-    it through a check naming what to call instead; it runs as usual at full shape. Hugging
-    Face models are left alone: their `init_weights` is part of their own build."""
+    """torchtitan's convention: build on meta, shard, then `model.init_weights()`. On
+    RaggedDTensor parameters (fully_shard's default) it runs as written: nn.init's fills draw
+    at full shape (shard/ragged_ops.py) and each module's `reset_parameters` runs at full
+    shape (materialize.install_full_shape_reset), so the values are an unsharded model's from
+    the same seed. On plain flat pieces (`flat_parameters=True`, the engine's) the call would
+    draw each piece as if it were a whole tensor (wrong std from wrong fans, the same numbers
+    on every rank), silently: routed through a check naming what to call instead; it runs as
+    usual at full shape. Hugging Face models are left alone: their `init_weights` is part of
+    their own build."""
     is_pretrained = callable(getattr(type(module), "_initialize_weights", None))
     if callable(getattr(type(module), "init_weights", None)) and not is_pretrained and \
             "init_weights" not in module.__dict__:
@@ -144,7 +148,8 @@ def guard_init_weights(module: nn.Module) -> None:
 
 
 def _guarded_init_weights(self, *args, **kwargs):
-    flat = next((name for name, p in self.named_parameters() if _is_piece(p)), None)
+    flat = next((name for name, p in self.named_parameters()
+                 if _is_piece(p) and not isinstance(p, DTensor)), None)
     if flat is not None:
         raise RuntimeError(
             f"{type(self).__name__}.init_weights(): {flat} is a flat piece of the sharded master "

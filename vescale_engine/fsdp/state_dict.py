@@ -10,6 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
@@ -20,7 +21,7 @@ from .lookup import sharded_parameters, units_under
 
 __all__ = ["gathered_parameters", "full_state_dict", "sharded_state_dict", "gather_full",
            "gather_selected", "GatheredBuffer", "gathered_buffers", "all_gather_master",
-           "named_entries", "gather_to_rank0"]
+           "named_entries", "gather_to_rank0", "keep_parameters_on_assign"]
 
 
 @contextlib.contextmanager
@@ -398,3 +399,60 @@ def sharded_state_dict(module: nn.Module) -> dict:
         spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))
         out[fqn] = (p.local(), spec)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# load_state_dict(assign=True)
+
+def keep_parameters_on_assign(unit) -> None:
+    """`load_state_dict(sd, assign=True)` (Accelerate's FSDP2 loading; torch's
+    set_model_state_dict for a model on meta) puts the state dict's tensors in the modules in
+    place of our parameters. Left so, they would be cut off the DBuffer (the optimizer's step
+    and every gather would keep using the old storage), silently. A post hook on each module
+    holding parameters of `unit` takes what was assigned into the shard (allocating it if the
+    unit was on meta) and puts our parameter back, as FSDP2 re-adopts an assigned parameter."""
+    for module in {id(m): m for p in unit.params for m, _ in p.registrations}.values():
+        module.register_load_state_dict_post_hook(_take_assigned(unit))
+
+
+def _take_assigned(unit):
+    def hook(module, incompatible_keys):
+        for p in unit.params:
+            for owner, name in p.registrations:
+                current = owner._parameters.get(name) if owner is module else None
+                if current is None or current is p.sharded or current is p.full_face:
+                    continue
+                try:
+                    values = _assigned_piece(p, f"{type(owner).__name__}.{name}", current)
+                except ValueError:
+                    p.register(p.sharded)  # ours back: refused, nothing changed
+                    raise
+                if unit.is_meta:
+                    unit.allocate(values.device)
+                with torch.no_grad():
+                    p.local().copy_(values)
+                p.register(p.sharded)
+    return hook
+
+
+def _assigned_piece(p, where: str, value) -> torch.Tensor:
+    """This rank's flat range of an assigned tensor: a RaggedDTensor of the parameter's layout,
+    or a whole plain tensor of its shape. Anything else is refused before anything changed."""
+    from ..shard.ragged_dtensor import RaggedDTensor
+    if isinstance(value, RaggedDTensor) and isinstance(p.sharded, RaggedDTensor):
+        if value.placements == p.sharded.placements and value.shape == p.sharded.shape:
+            piece = value._local_tensor
+            if not piece.is_meta:
+                return piece
+    elif not isinstance(value, DTensor) and tuple(value.shape) == tuple(p.shape) and \
+            not value.is_meta:
+        start, end = p.flat_range
+        return value.detach().reshape(-1)[start:end]
+    what = f"{type(value).__name__} {list(value.shape)}" + \
+        (f" {list(value.placements)}" if isinstance(value, DTensor) else "") + \
+        (" on meta" if value.is_meta else "")
+    raise ValueError(f"load_state_dict(assign=True): {where} ({p.fqn} in its fully_shard unit) "
+                     f"was given a {what}; a "
+                     "fully_shard parameter takes its own layout's DTensor "
+                     f"({list(getattr(p.sharded, 'placements', []))}) or a whole tensor of shape "
+                     f"{list(p.shape)} with values")

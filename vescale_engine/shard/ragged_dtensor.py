@@ -22,14 +22,16 @@ keep the flat order (view, reshape, flatten); `copy_` from a whole plain tensor 
 `__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`, where this rank's
 range is the boxes of `box_decomposition` (at most 2 * ndim - 1), each a view of the local
 tensor, so a load writes straight into it, in any other layout; `get_model_state_dict`, full
-or sharded.
+or sharded; in-place random fills (nn.init), drawn at full shape so the values are an
+unsharded tensor's. `distribute_ragged` and `fill_from_full` are what torch's
+`distribute_tensor` and full-state-dict loaders do for this placement (integrations/torch.py
+routes them here), so `set_model_state_dict(full_state_dict=True)` works too.
 
 What raises (NotImplementedError naming the op and the placement), and why: shape-aware ops
 (matmul, t, indexing, cat, reductions over some dims) would compute on a flat piece as if it
-were the tensor; random fills would not draw an unsharded tensor's values; `out=` variants,
-operands of another layout or non-0-d tensors of any other kind, redistribute to Shard or
-Partial, a mesh of more than one dimension. torch's own `distribute_tensor` refuses the
-placement, so `set_model_state_dict(full_state_dict=True)` raises in torch.
+were the tensor; other random ops (dropout, randn_like) would not draw an unsharded
+tensor's values; `out=` variants, operands of another layout or non-0-d tensors of any other
+kind, redistribute to Shard or Partial, a mesh of more than one dimension.
 
 Why a subclass and not a Placement carried by plain DTensor (torch 2.13): plain DTensor's ops
 go through a C++ fast path and torch's sharding rules, which know Shard, _StridedShard,
@@ -66,10 +68,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import ragged_ops
-from .ragged import RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate
+from .ragged import (RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate,
+                     root_to_ragged)
 from .ragged_placement import RaggedPlacement
 
-__all__ = ["RaggedDTensor", "RaggedPlacement", "ragged_dtensor", "mesh_of_group", "local_of"]
+__all__ = ["RaggedDTensor", "RaggedPlacement", "ragged_dtensor", "mesh_of_group", "local_of",
+           "is_ragged_placements", "distribute_ragged", "fill_from_full"]
 
 
 class RaggedDTensor(DTensor):
@@ -263,6 +267,46 @@ def ragged_dtensor(local: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh, *
                          f"{expected} elements")
     spec = ragged_ops.layout_spec(mesh, RaggedPlacement.of(layout), layout.shape, local.dtype)
     return RaggedDTensor(local, spec, requires_grad=requires_grad)
+
+
+def is_ragged_placements(placements) -> bool:
+    return placements is not None and any(isinstance(p, RaggedPlacement) for p in placements)
+
+
+def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements, *,
+                      src_data_rank: int | None = 0) -> RaggedDTensor:
+    """torch's `distribute_tensor` for a RaggedPlacement: this rank's range of `tensor` as a
+    RaggedDTensor that owns its piece. As torch does, the values come from mesh rank
+    `src_data_rank` (one scatter, root_to_ragged); with None each rank takes its range of its
+    own `tensor` and nothing moves. A meta tensor gives a meta piece."""
+    placements = tuple(placements)
+    if len(placements) != 1 or mesh.ndim != 1:
+        raise NotImplementedError(f"distribute_tensor with {list(placements)} on a {mesh.ndim}-D "
+                                  "mesh: a RaggedPlacement is supported alone on a 1-D mesh")
+    layout = placements[0].layout(tensor.shape)
+    rank = mesh.get_local_rank()
+    if tensor.is_meta or src_data_rank is None:
+        piece = tensor.detach().reshape(-1)[slice(*layout.local_range(rank))].clone()
+    else:
+        piece = root_to_ragged(tensor.detach() if rank == src_data_rank else None, layout,
+                               src_data_rank, group=mesh.get_group(), dtype=tensor.dtype,
+                               device=tensor.device).clone()  # its own storage, as torch's
+    return ragged_dtensor(piece, layout, mesh, requires_grad=tensor.requires_grad)
+
+
+def fill_from_full(local_state: RaggedDTensor, full: torch.Tensor) -> RaggedDTensor:
+    """`local_state` holding its range of `full` (a whole tensor every rank has): written into
+    its piece, or, for a meta piece, a new RaggedDTensor of that layout owning a copy."""
+    if tuple(full.shape) != tuple(local_state.shape):
+        raise ValueError(f"a full tensor of shape {list(full.shape)} for a RaggedDTensor of "
+                         f"shape {list(local_state.shape)}")
+    piece = full.detach().reshape(-1)[slice(*local_state.flat_range)]
+    if local_state.is_meta:
+        return ragged_dtensor(piece.to(local_state.dtype).clone(), local_state.ragged_shard,
+                              local_state._spec.mesh)
+    with torch.no_grad():
+        local_state._local_tensor.copy_(piece)
+    return local_state
 
 
 def local_of(t):

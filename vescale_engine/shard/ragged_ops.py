@@ -17,10 +17,13 @@ right on local tensors only when it pairs elements by flat position or reduces a
   An empty local piece contributes the reduction's identity.
 - views that keep the flat order (view, _unsafe_view, detach, alias): the same local tensor,
   the new global shape; the flat ranges do not move.
+- in-place random fills (normal_, uniform_, bernoulli_, ...: what nn.init draws with): the
+  whole tensor is drawn on every rank and this rank's range kept, so `init_weights()` on a
+  sharded model gives the values it gives an unsharded one from the same seed.
 
 Everything else raises NotImplementedError naming the operation: shape-aware ops (matmul, t,
-indexing, reductions over some dims, cat), random fills (their values would differ from an
-unsharded init), `out=` variants, ragged operands of different layouts, and tensors of other
+indexing, reductions over some dims, cat), other random ops (dropout, randn_like: values
+drawn per piece would differ from an unsharded tensor's), `out=` variants, ragged operands of different layouts, and tensors of other
 shapes, which would otherwise compute on the wrong elements without a word.
 """
 from __future__ import annotations
@@ -52,6 +55,11 @@ _EXTREMES = {aten.amax.default: "max", aten.amin.default: "min", aten.max.defaul
              aten.min.default: "min"}
 _LOGICAL = {aten.all.default: "min", aten.any.default: "max"}  # as 0/1 over the ranks
 _FOREACH_MAX = aten._foreach_max.default
+# In-place random fills (nn.init's draws): the values of the same call at full shape.
+_RANDOM_FILLS = {aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float,
+                 aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"),
+                 aten.random_.to, aten.geometric_.default, aten.log_normal_.default,
+                 aten.cauchy_.default}
 
 
 def is_ragged(t) -> bool:
@@ -120,6 +128,8 @@ def dispatch(cls, func, args, kwargs):
     if func in _LIKE:
         _same_device(func, args[0], kwargs.get("device"))
     if torch.Tag.nondeterministic_seeded in func.tags:
+        if func in _RANDOM_FILLS and is_ragged(args[0]):
+            return _fill_at_full_shape(func, args, kwargs)
         raise refuse(func, _first_ragged(args, kwargs), "random values drawn per piece would not "
                      "be those of an unsharded tensor")
     if _elementwise(func, packet):
@@ -404,6 +414,23 @@ def _identity(how: str, dtype):
         return -math.inf if how == "max" else math.inf
     info = torch.iinfo(dtype)
     return info.min if how == "max" else info.max
+
+
+def _fill_at_full_shape(func, args, kwargs):
+    """`t.normal_(...)` and the other in-place random fills: the whole tensor is drawn on every
+    rank (the generators agree, as every rank of an init runs the same calls) and this rank's
+    range of it kept, so the values are those of the same call on an unsharded tensor and the
+    generator moves as far. Costs a temporary full tensor per call: for initialization."""
+    dst = args[0]
+    if any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in list(args[1:]) +
+           list(kwargs.values())):
+        raise refuse(func, dst, "a tensor of parameters for each element is not supported")
+    full = torch.empty(dst.shape, dtype=dst.dtype, device=dst._local_tensor.device)
+    func(full, *args[1:], **kwargs)
+    start, end = dst._spec.placements[0].layout(dst.shape).local_range(
+        dst._spec.mesh.get_local_rank())
+    dst._local_tensor.copy_(full.reshape(-1)[start:end])
+    return dst
 
 
 def _copy_from_full(func, dst, src):
