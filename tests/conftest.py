@@ -91,7 +91,7 @@ TIERS = {
         "test_planner.py", "test_plan_ep.py", "test_ragged.py", "test_ragged_dtensor.py",
         "test_fsdp.py", "test_fsdp2_torch_utils.py", "test_fsdp_module.py", "test_fsdp2_idioms.py",
         "test_shampoo.py", "test_checkpoint_faults.py", "test_wrap_policy.py", "test_layering.py",
-        "test_parallel_layout.py",
+        "test_parallel_layout.py", "test_fsdp2_checkpoint_interchange.py",
     },
     "integration": {
         # .ci/integration-tests.txt (CI runs them again at the lowest supported versions)
