@@ -242,6 +242,37 @@ def test_a_clean_finish_waits_for_every_rank_at_the_exit_barrier(tmp_path):
     assert "terminate called" not in out and "vescale: rank" not in out, out[-4000:]
 
 
+def test_the_exit_lets_native_threads_settle_before_finalization():
+    """leave_process_group's last step: the interpreter finalizes only once no other thread
+    of the process is running (a gloo worker dropping a finished collective takes the GIL;
+    after finalization began that aborts the process, "terminate called without an active
+    exception"). Here a thread in torch's matmuls (the GIL released, as gloo's workers are)."""
+    import torch
+
+    from vescale_engine.launch.process_group import let_native_threads_settle
+    done = threading.Event()
+
+    def busy():
+        x = torch.randn(700, 700)
+        end = time.monotonic() + 0.4
+        while time.monotonic() < end:
+            x @ x
+        done.set()
+
+    torch.set_num_threads(1)
+    worker = threading.Thread(target=busy)
+    worker.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    let_native_threads_settle(limit_s=5.0)
+    waited, finished = time.monotonic() - started, done.is_set()
+    worker.join()
+    assert finished and waited < 4.0, waited
+    started = time.monotonic()
+    let_native_threads_settle(limit_s=5.0)  # nothing running: back at once
+    assert time.monotonic() - started < 1.0
+
+
 # -- the rendezvous -----------------------------------------------------------------------------
 
 def rank_env(rank, world, port, meet_s):
