@@ -22,6 +22,7 @@ _LAZY = {
     "clip_grad_norm_": "optim.clip", "global_grad_norm": "optim.clip",
     "add_config_arguments": "engine.config", "initialize": "engine.engine",
     "VeScaleEngine": "engine.engine", "patch_deepspeed": "integrations", "unpatch": "integrations",
+    "patch_fsdp2": "integrations",
     "Preempted": "engine.preemption",
 }
 # `materialize` is a callable submodule: vescale_engine.materialize(model) initializes,

@@ -1,7 +1,7 @@
 """Everything that patches another library, one module per library (deepspeed.py,
-accelerate.py, transformers.py, peft.py, trl.py), and the two entry points that install and
-remove it all: `patch_deepspeed()` and `unpatch()` (`vescale_engine.patch_deepspeed` and
-`vescale_engine.unpatch` are these).
+accelerate.py, transformers.py, peft.py, trl.py), and the entry points that install and
+remove it: `patch_deepspeed()`, `patch_fsdp2()` and `unpatch()` (`vescale_engine.
+patch_deepspeed`, `vescale_engine.patch_fsdp2` and `vescale_engine.unpatch` are these).
 
 The core (plan, shard, fsdp, checkpoint, optim, init, engine, ...) never imports this package
 and never assigns another library's attributes (tests/test_layering.py checks both). The one
@@ -30,7 +30,7 @@ import sys
 from ..versions import check_versions
 from .registry import count, installed, missing_name, replace, restore_all
 
-__all__ = ["patch_deepspeed", "unpatch", "installed", "replace", "missing_name"]
+__all__ = ["patch_deepspeed", "patch_fsdp2", "unpatch", "installed", "replace", "missing_name"]
 
 # module whose import triggers an install -> the integration module that installs
 _WATCHED = {"transformers.modeling_utils": "transformers", "peft": "peft",
@@ -70,6 +70,29 @@ def patch_deepspeed() -> None:
         restore_all(before)
         raise
     _Finder.add()
+
+
+def patch_fsdp2() -> None:
+    """The one line for FSDP2 users of Accelerate and Trainer: after it Accelerate's FSDP2 path
+    (`FullyShardedDataParallelPlugin(fsdp_version=2)`, Trainer's `fsdp_config={"fsdp_version":
+    2}`) wraps the model with `vescale_engine.fully_shard` instead of torch's, with the same
+    units and arguments (accelerate.py). Only Accelerate's call changes: torch's
+    `fully_shard`, called by anyone else, stays torch's. A separate line from
+    `patch_deepspeed()`, which needs DeepSpeed and switches only configs that ask for us (a
+    "vescale" section); an FSDP2 config has no such section, so this line is the asking.
+    Idempotent; `unpatch()` undoes it with the rest. Accelerate below the versions we support,
+    or one without the function, is a one-line ImportError, and nothing stays patched."""
+    import accelerate  # noqa: F401  (imported, so that its version is checked with the rest)
+    import torch  # noqa: F401
+
+    from . import accelerate as ours
+    check_versions()
+    before = count()
+    try:
+        ours.patch_accelerate_fsdp2()
+    except BaseException:
+        restore_all(before)
+        raise
 
 
 def _install(module_name: str) -> None:
