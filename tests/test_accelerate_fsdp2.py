@@ -21,11 +21,12 @@ asserted bound is 1e-6 (relative for losses and norms, absolute for parameters, 
 Each run also reports which `fully_shard` made its units, so without the line (or with a line
 that does nothing) the "ours" run fails here, however equal its numbers.
 
-Not compared here, for want of a reference or of support: `CPUOffloadPolicy` (torch's FSDP2
-pins host memory, which needs an accelerator: _fsdp_param.py `pin_memory()`; ours runs) and
-`cpu_ram_efficient_loading` (Accelerate's `fsdp2_load_full_state_dict` calls torch's
-`distribute_tensor` with our placement, which torch refuses with a RuntimeError naming
-RaggedPlacement until torch learns it, integrations/torch.py, being added separately).
+`cpu_ram_efficient_loading` (rank 0 loads, the model is sharded on meta, Accelerate's
+`fsdp2_load_full_state_dict` broadcasts, `distribute_tensor`s and `load_state_dict(...,
+assign=True)`s) is a scenario: the line also teaches torch's `distribute_tensor` our placement
+(integrations/torch.py). Not compared here, for want of a reference: `CPUOffloadPolicy`
+(torch's FSDP2 pins host memory, which needs an accelerator: _fsdp_param.py `pin_memory()`;
+ours runs, tests/test_fsdp_module.py).
 
 TEST SHIM, not product code (`_accelerate_fsdp_on_cpu_shim`): Accelerate takes its FSDP path
 only on an accelerator. Without one, `PartialState` picks no backend for a launched rank (so no
@@ -64,6 +65,9 @@ SCENARIOS = {
     "tied_embeddings": (1, {}, {}, True),
     "bf16_activation_checkpointing": (1, {"activation_checkpointing": True},
                                       {"mixed_precision": "bf16"}, False),
+    # rank 0 loads, the model goes to meta, is sharded, and rank 0's weights are broadcast
+    # (fsdp2_load_full_state_dict: distribute_tensor, then load_state_dict(assign=True))
+    "cpu_ram_efficient_loading": (1, {"cpu_ram_efficient_loading": True}, {}, False),
 }
 
 
@@ -194,7 +198,8 @@ def accelerate_rank(rank, world, model_dir, out_dir, ours, scenario):
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=WRAP, state_dict_type="FULL_STATE_DICT",
-            reshard_after_forward=True, cpu_ram_efficient_loading=False, **plugin_options)
+            reshard_after_forward=True, **{"cpu_ram_efficient_loading": False,
+                                           **plugin_options})
         accelerator = Accelerator(gradient_accumulation_steps=accum, fsdp_plugin=plugin,
                                   **accelerator_options)
         assert accelerator.is_fsdp2, accelerator.distributed_type  # the shim did its part
@@ -428,8 +433,8 @@ print(json.dumps(dict(names=names, wrapped=wrapped, torch_kept=torch_kept, resto
 
 
 def test_the_line_patches_accelerates_call_only_and_unpatch_restores_it():
-    """patch_fsdp2() wraps Accelerate's fsdp2_prepare_model wherever Accelerate holds it (and
-    nothing else, torch's fully_shard included), twice is once, unpatch() puts the originals
+    """patch_fsdp2() wraps Accelerate's fsdp2_prepare_model wherever Accelerate holds it (and,
+    of torch, only distribute_tensor for our placement: torch's fully_shard stays), twice is once, unpatch() puts the originals
     back, and an Accelerate without the function is one line naming it, nothing left."""
     import json
     import subprocess
@@ -444,7 +449,12 @@ def test_the_line_patches_accelerates_call_only_and_unpatch_restores_it():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["names"] == ["accelerate.accelerator.fsdp2_prepare_model",
                             "accelerate.utils.fsdp2_prepare_model",
-                            "accelerate.utils.fsdp_utils.fsdp2_prepare_model"], got["names"]
+                            "accelerate.utils.fsdp_utils.fsdp2_prepare_model",
+                            # for cpu_ram_efficient_loading (integrations/torch.py)
+                            "torch.distributed._state_dict_utils._distribute_tensors",
+                            "torch.distributed._state_dict_utils.distribute_tensor",
+                            "torch.distributed.tensor._api.distribute_tensor",
+                            "torch.distributed.tensor.distribute_tensor"], got["names"]
     assert got["wrapped"] == [True] * 3 and got["torch_kept"], got
     assert got["restored"] == [True] * 3 and got["left"] == [], got
     assert got["message"] == (

@@ -90,6 +90,8 @@ def patch_fsdp2() -> None:
     before = count()
     try:
         ours.patch_accelerate_fsdp2()
+        # Accelerate's cpu_ram_efficient_loading loads through torch's distribute_tensor
+        importlib.import_module(".torch", __name__).install()
     except BaseException:
         restore_all(before)
         raise
