@@ -32,8 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from ranks import (alternate, benchmark_parser, command_line, rss, run_ranks,  # noqa: E402
-                   write_report)
+from ranks import (alternate, benchmark_parser, command_line, cpu_model, rss,  # noqa: E402
+                   run_ranks, write_report)
 
 SYSTEMS = ("vescale", "vescale_zero3", "fsdp2", "deepspeed")
 LABELS = {"vescale": "veScale Engine, vescale_default.json", "fsdp2": "PyTorch FSDP2",
@@ -227,7 +227,7 @@ def _report(runs, args, chart_name):
 
     lines = [
         "# End to end: veScale Engine vs PyTorch FSDP2 vs DeepSpeed ZeRO-3", "",
-        f"Produced by `{cmd}` on a {os.cpu_count()}-core CPU machine (torch {torch.__version__},"
+        f"Produced by `{cmd}` on {os.cpu_count()} cores of {cpu_model()} (torch {torch.__version__},"
         f" DeepSpeed {ds_version}), {args.world} ranks on gloo, OMP_NUM_THREADS=1 per rank. GPT "
         f"with {runs['vescale'][0]['params'] / 1e6:.1f}M parameters ({args.layers} layers, "
         f"width {args.dim}, sequence {args.seq}), micro-batch {args.batch} per rank, gradient "

@@ -19,7 +19,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import alternate, benchmark_parser, command_line, run_ranks, write_report  # noqa: E402
+from ranks import (alternate, benchmark_parser, command_line, cpu_model, run_ranks,  # noqa: E402
+                   write_report)
 
 SYSTEMS = ("vescale", "fsdp2", "floor")
 
@@ -104,7 +105,7 @@ def main():
     cmd = command_line(__file__, env_keys=("MALLOC_MMAP_THRESHOLD_",))
     lines = [
         "# fully_shard step time and memory: vescale_engine vs PyTorch FSDP2", "",
-        f"Produced by `{cmd}` on a 2-core CPU machine, {args.world} ranks on gloo, "
+        f"Produced by `{cmd}` on {cpu_model()}, {args.world} ranks on gloo, "
         f"OMP_NUM_THREADS=1 per rank, GPT with {runs['vescale'][0]['params'] / 1e6:.1f}M "
         f"parameters ({args.layers} layers, width {args.dim}, sequence {args.seq}, micro-batch "
         f"{args.batch} per rank), fp32, AdamW; median over {args.rounds} alternated rounds of "

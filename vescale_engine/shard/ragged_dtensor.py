@@ -300,12 +300,12 @@ def fill_from_full(local_state: RaggedDTensor, full: torch.Tensor) -> RaggedDTen
     if tuple(full.shape) != tuple(local_state.shape):
         raise ValueError(f"a full tensor of shape {list(full.shape)} for a RaggedDTensor of "
                          f"shape {list(local_state.shape)}")
-    piece = full.detach().reshape(-1)[slice(*local_state.flat_range)]
     if local_state.is_meta:
+        piece = full.detach().reshape(-1)[slice(*local_state.flat_range)]
         return ragged_dtensor(piece.to(local_state.dtype).clone(), local_state.ragged_shard,
                               local_state._spec.mesh)
     with torch.no_grad():
-        local_state._local_tensor.copy_(piece)
+        local_state.copy_(full.detach())  # this rank's range (ragged_ops' copy_ rule)
     return local_state
 
 

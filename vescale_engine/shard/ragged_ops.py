@@ -23,8 +23,9 @@ right on local tensors only when it pairs elements by flat position or reduces a
 
 Everything else raises NotImplementedError naming the operation: shape-aware ops (matmul, t,
 indexing, reductions over some dims, cat), other random ops (dropout, randn_like: values
-drawn per piece would differ from an unsharded tensor's), `out=` variants, ragged operands of different layouts, and tensors of other
-shapes, which would otherwise compute on the wrong elements without a word.
+drawn per piece would differ from an unsharded tensor's), `out=` variants, ragged operands of
+different layouts, and tensors of other shapes, which would otherwise compute on the wrong
+elements without a word.
 """
 from __future__ import annotations
 
@@ -427,10 +428,7 @@ def _fill_at_full_shape(func, args, kwargs):
         raise refuse(func, dst, "a tensor of parameters for each element is not supported")
     full = torch.empty(dst.shape, dtype=dst.dtype, device=dst._local_tensor.device)
     func(full, *args[1:], **kwargs)
-    start, end = dst._spec.placements[0].layout(dst.shape).local_range(
-        dst._spec.mesh.get_local_rank())
-    dst._local_tensor.copy_(full.reshape(-1)[start:end])
-    return dst
+    return _copy_from_full(func, dst, full)
 
 
 def _copy_from_full(func, dst, src):
