@@ -315,8 +315,9 @@ def _message(error, names: _Names, aliases_here) -> list:
     if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         word = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=",
                 "exclusiveMaximum": "<"}[kind]
+        why = f"; {schema['x-why']}" if "x-why" in schema else ""
         return [f"{where}: {_show(value)} is out of range (must be {word} "
-                f"{error.validator_value})"]
+                f"{error.validator_value}){why}"]
     if kind in ("minItems", "maxItems"):
         low, high = schema.get("minItems"), schema.get("maxItems")
         want = f"exactly {low}" if low == high else \
