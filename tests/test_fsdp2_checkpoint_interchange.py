@@ -92,6 +92,11 @@ SCRIPT = textwrap.dedent("""
             save_full("next_after_round_trip")
     dist.barrier()
     dist.destroy_process_group()
+    # torch 2.13: a gloo worker can drop a finished all_gather after the interpreter began
+    # finalizing and abort the process (SIGABRT); this script's own group is not ours, so do
+    # what our process group's exit does (vescale_engine/launch/process_group.py)
+    from vescale_engine.launch.process_group import let_native_threads_settle
+    let_native_threads_settle()
 """)
 
 
