@@ -12,6 +12,11 @@ import statistics
 import subprocess
 import sys
 
+import vescale_engine  # noqa: E402,F401  (see below)
+
+# Every benchmark process, whatever system it runs, exits as ours do: after gloo's worker
+# threads (torch 2.13 can otherwise abort a process at exit: vescale_engine/launch/settle.py).
+# The same for every system, and outside every measurement.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

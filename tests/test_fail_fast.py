@@ -249,7 +249,7 @@ def test_the_exit_lets_native_threads_settle_before_finalization():
     exception"). Here a thread in torch's matmuls (the GIL released, as gloo's workers are)."""
     import torch
 
-    from vescale_engine.launch.process_group import let_native_threads_settle
+    from vescale_engine.launch.settle import let_native_threads_settle
     done = threading.Event()
 
     def busy():
@@ -511,3 +511,25 @@ def test_explain_timeout_passes_other_errors_and_rewords_timeouts(monkeypatch):
                         r"waiting 7000ms for recv operation to complete\)", text), text
     assert collective_timeout.location().startswith(
         "between collectives (last: all-gather of unit 'blocks.0' (forward) (#")
+
+
+def test_importing_vescale_engine_makes_the_exit_wait_for_native_threads(tmp_path):
+    """The package root registers the settle at exit: a process that imported vescale_engine
+    and leaves a thread running in torch (as a gloo worker would be) lets it finish before
+    the interpreter finalizes; without the registration the daemon thread dies unfinished."""
+    done = tmp_path / "done"
+    script = (
+        "import threading, time, torch, vescale_engine\n"
+        "torch.set_num_threads(1)\n"
+        "def busy():\n"
+        "    x = torch.randn(700, 700)\n"
+        "    end = time.monotonic() + 0.3\n"
+        "    while time.monotonic() < end:\n"
+        "        x @ x\n"
+        f"    open({str(done)!r}, 'w').close()\n"
+        "threading.Thread(target=busy, daemon=True).start()\n"
+        "time.sleep(0.05)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert done.exists()

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    import vescale_engine  # every stage exits as ours do: after gloo's workers (launch/settle.py)
     from torch import nn
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                          set_state_dict)
@@ -92,11 +93,6 @@ SCRIPT = textwrap.dedent("""
             save_full("next_after_round_trip")
     dist.barrier()
     dist.destroy_process_group()
-    # torch 2.13: a gloo worker can drop a finished all_gather after the interpreter began
-    # finalizing and abort the process (SIGABRT); this script's own group is not ours, so do
-    # what our process group's exit does (vescale_engine/launch/process_group.py)
-    from vescale_engine.launch.process_group import let_native_threads_settle
-    let_native_threads_settle()
 """)
 
 

@@ -3,12 +3,17 @@ distributed buffers behind a DeepSpeed-style API.
 
 Names are imported lazily so that light tools (`vescale plan`) start without importing torch.
 """
+import atexit
 import importlib
 
+from .launch.settle import let_native_threads_settle as _settle
 from .logs import install as _install_logging
 
 __version__ = "0.1.0"
 _install_logging()  # progress and checkpoint lines print without any logging setup (logs.py)
+# The process's last exit step: gloo's worker threads finish before the interpreter finalizes,
+# or torch 2.13 can abort the process at exit (launch/settle.py).
+atexit.register(_settle)
 
 _LAZY = {
     "Granularity": "plan.granularity", "parse_granularity": "plan.granularity",

@@ -6,9 +6,7 @@ other ranks stop within seconds."""
 from __future__ import annotations
 
 import atexit
-import os
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -20,8 +18,7 @@ from .device import NCCL_WITH_CPU, adopt_group_device, device_of_rank
 from .env import LaunchError, discover
 from .failfast import FailFast
 
-__all__ = ["join_process_group", "meet_the_others", "leave_process_group",
-           "let_native_threads_settle"]
+__all__ = ["join_process_group", "meet_the_others", "leave_process_group"]
 
 EXIT_BARRIER_S = 30  # how long a clean exit waits for the other ranks (gloo)
 _fail_fast = [None]  # the FailFast of the group this process created, while it lives
@@ -118,34 +115,3 @@ def leave_process_group(device: torch.device):
     finally:
         if fail_fast is not None:
             fail_fast.uninstall()
-        let_native_threads_settle()
-
-
-def let_native_threads_settle(limit_s: float = 1.0) -> None:
-    """Before the interpreter finalizes: wait, the GIL released, until no other thread of this
-    process is runnable (at most `limit_s`). A gloo worker thread drops a finished collective's
-    work after the caller's wait returned, and dropping tensors Python also holds takes the
-    GIL; if that comes after finalization began, Python 3.11 ends the thread by unwinding it
-    through noexcept C++ frames, and the process aborts ("terminate called without an active
-    exception", SIGABRT; a core of it shows ~AsyncAllgatherWork in ProcessGroupGloo::runLoop,
-    about 1 exit in 50 on a loaded 2-core machine). torch 2.13's destroy_process_group does not
-    join gloo's workers, so the only guard is to let them run first."""
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        time.sleep(0.05)
-        return
-    me, deadline = threading.get_native_id(), time.monotonic() + limit_s
-    quiet = 0  # two quiet looks in a row: a thread that wanted the GIL while we looked (we
-    while quiet < 2 and time.monotonic() < deadline:  # hold it then) gets it in the sleep
-        time.sleep(0.005)
-        busy = any(_runnable(os.path.join(tasks, tid)) for tid in os.listdir(tasks)
-                   if tid != str(me))
-        quiet = 0 if busy else quiet + 1
-
-
-def _runnable(task: str) -> bool:
-    try:
-        with open(os.path.join(task, "stat")) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "R"
-    except (OSError, IndexError):
-        return False  # the thread ended meanwhile
