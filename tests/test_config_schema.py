@@ -171,15 +171,18 @@ def test_ignored_top_level_keys_are_reported_and_left_out_of_the_config():
 
 
 def test_keys_deepspeed_reads_are_never_ignored_as_if_it_did_not():
-    """sequence_parallel_size and aio are read by DeepSpeed (its batch arithmetic; NVMe
-    offload's I/O): never the "ignored, as DeepSpeed ignores it" path. Sequence parallelism
-    above 1 is refused saying what DeepSpeed would do; 1 is accepted; aio is reported as not
-    acted on, with why."""
-    with pytest.raises(ConfigError) as err:
-        validate_config({"train_batch_size": 8, "sequence_parallel_size": 2})
-    assert err.value.messages[0].startswith("sequence_parallel_size: 2 is out of range") and \
-        "world / sequence_parallel_size" in err.value.messages[0], err.value.messages
-    _, report = validate_config({"train_batch_size": 8, "sequence_parallel_size": 1,
-                                 "aio": {"block_size": 1048576}})
+    """sequence_parallel_size, seq_parallel_communication_data_type and aio are read by
+    DeepSpeed (its batch arithmetic and groups; its gradient reduction under sequence
+    parallelism; NVMe offload's I/O): never the "ignored, as DeepSpeed ignores it" path. The
+    first two are acted on (engine/config.py checks sequence_parallel_size against the mpu);
+    aio is reported as not acted on, with why."""
+    config, report = validate_config({"train_batch_size": 8, "sequence_parallel_size": 2,
+                                      "seq_parallel_communication_data_type": "bf16",
+                                      "aio": {"block_size": 1048576}})
+    assert config["sequence_parallel_size"] == 2
+    assert config["seq_parallel_communication_data_type"] == "bf16"
     assert report.ignored == [] and any(n.startswith("aio (DeepSpeed's asynchronous I/O")
                                         for n in report.not_acted_on), report
+    assert not any(n.startswith("seq") for n in report.not_acted_on), report
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):
+        validate_config({"train_batch_size": 8, "sequence_parallel_size": 0})

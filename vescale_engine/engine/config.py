@@ -96,11 +96,13 @@ def resolve_batch_sizes(config: dict, data_parallel_size: int,
     return BatchSizes(total, micro, accum)
 
 
-def parallel_sizes(config: dict, world_size: int) -> ParallelSizes:
-    """tensor_parallel.autotp_size, expert_parallel and vescale.hsdp_replicate_size checked
-    against the world size; each problem is one ConfigError line naming the keys. The layout
-    is plan.parallel's ParallelSizes, the type the planner's --tp/--ep make (make_mesh)."""
+def parallel_sizes(config: dict, world_size: int, sp: int = 1) -> ParallelSizes:
+    """tensor_parallel.autotp_size, expert_parallel, vescale.hsdp_replicate_size and the
+    sequence-parallel size `sp` (the groups of the mpu initialize was given) checked against the
+    world size; each problem is one ConfigError line naming the keys. The layout is
+    plan.parallel's ParallelSizes, the type the planner's --tp/--ep/--sp make (make_mesh)."""
     tp = config.get("tensor_parallel", {}).get("autotp_size", 0) or 1
+    _check_sequence_parallel(config, sp, tp, world_size)
     section = config.get("expert_parallel", {})
     ep = section.get("autoep_size", 1) if section.get("enabled", False) else 1
     if section.get("autoep_size", 1) > 1 and ep == 1 and _rank() == 0:
@@ -138,7 +140,33 @@ def parallel_sizes(config: dict, world_size: int) -> ParallelSizes:
         raise ConfigError([f"expert_parallel.autoep_size {ep} does not divide the data-parallel "
                            f"shard size {shard} (world {world_size} / hsdp_replicate_size "
                            f"{replicas})"])
-    return ParallelSizes(world_size, tp, ep, replicas)
+    if sp > 1 and ep > 1:
+        raise ConfigError([f"expert_parallel.autoep_size {ep} with sequence parallelism (groups "
+                           f"of {sp}): not supported, as DeepSpeed's ZeRO-3 refuses AutoEP with "
+                           "sequence parallelism; use one of them"])
+    return ParallelSizes(world_size, tp, ep, replicas, sp)
+
+
+def _check_sequence_parallel(config: dict, sp: int, tp: int, world_size: int) -> None:
+    """The config's sequence_parallel_size against the mpu's groups (`sp`), and what sequence
+    parallelism cannot be combined with."""
+    given = config.get("sequence_parallel_size", 1)
+    if given > 1 and sp == 1:
+        raise ConfigError([f"sequence_parallel_size {given} without a sequence-parallel mpu: "
+                           "DeepSpeed 0.19.8 then divides only its batch arithmetic by it and "
+                           "trains every rank as a data-parallel rank of its own; pass initialize "
+                           "the mpu that deepspeed's UlyssesSPAttentionHF.register_with_transformers"
+                           " returns (it builds the groups and the attention)"])
+    if given > 1 and given != sp:
+        raise ConfigError([f"sequence_parallel_size {given}, but the mpu's sequence-parallel "
+                           f"groups have {sp} ranks (DeepSpeed would follow the mpu); make them "
+                           "agree"])
+    if sp > 1 and world_size % sp:
+        raise ConfigError([f"sequence-parallel groups of {sp} ranks do not divide the world size "
+                           f"{world_size}"])
+    if sp > 1 and tp > 1:
+        raise ConfigError([f"tensor_parallel.autotp_size {tp} with sequence parallelism (groups "
+                           f"of {sp}): not supported together yet; use one of them"])
 
 
 @dataclass(frozen=True)
@@ -275,10 +303,25 @@ def _rank() -> int:
         return 0
 
 
-def build_config(source, world_size: int) -> EngineConfig:
-    """Validate `source` (path or dict) and resolve it for `world_size` ranks; every problem is
-    a ConfigError raised before any collective starts, an "auto" that Hugging Face did not fill
-    in included."""
+def _reduce_dtype(config: dict, mp: dict, sp: int) -> str | None:
+    """vescale.mixed_precision.reduce_dtype; else, with sequence parallelism, DeepSpeed's
+    seq_parallel_communication_data_type (default fp32: DeepSpeed's engine reduces gradients in
+    it whenever sequence parallelism is on); else None (the compute dtype)."""
+    if mp.get("reduce_dtype"):
+        return DTYPES[mp["reduce_dtype"]]
+    key = "seq_parallel_communication_data_type"
+    if sp > 1:
+        return DTYPES[config.get(key, "fp32")]
+    if key in config and _rank() == 0:
+        LOG.warning("%s does nothing without sequence parallelism (DeepSpeed reads it only when "
+                    "an mpu makes sequence-parallel groups)", key)
+    return None
+
+
+def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineConfig:
+    """Validate `source` (path or dict) and resolve it for `world_size` ranks in sequence-parallel
+    groups of `sequence_parallel` (the mpu's); every problem is a ConfigError raised before any
+    collective starts, an "auto" that Hugging Face did not fill in included."""
     raw = read_config(source)
     prefix = f"{source}: " if not isinstance(source, dict) else ""
     try:
@@ -289,7 +332,7 @@ def build_config(source, world_size: int) -> EngineConfig:
         LOG.warning("%sconfig keys ignored, as DeepSpeed ignores them: %s", prefix,
                     "; ".join(report.ignored))
     ves = config.get("vescale", {})
-    sizes = parallel_sizes(config, world_size)
+    sizes = parallel_sizes(config, world_size, sequence_parallel)
     bf16 = config.get("bf16", {}).get("enabled", False)  # both true: the validator's error
     fp16 = config.get("fp16", {}).get("enabled", False)
     zero = config.get("zero_optimization", {})
@@ -308,7 +351,9 @@ def build_config(source, world_size: int) -> EngineConfig:
         else default_gradient_clipping()
     return EngineConfig(
         raw=raw,
-        batch=resolve_batch_sizes(config, sizes.dp, world_size),
+        # tensor-parallel peers share a batch (the totals may count them, as AutoTP's do);
+        # sequence-parallel peers compute one: DeepSpeed counts world / sp, strictly
+        batch=resolve_batch_sizes(config, sizes.dp, world_size // sizes.sp),
         optimizer=config.get("optimizer"),
         scheduler=config.get("scheduler"),
         gradient_clipping=clipping,
@@ -324,7 +369,7 @@ def build_config(source, world_size: int) -> EngineConfig:
         max_buffers=ves.get("planner", {}).get("max_buffers", 4),
         align_bytes=ves.get("planner", {}).get("align_bytes", 16),
         param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
-        reduce_dtype=DTYPES.get(mp["reduce_dtype"]) if mp.get("reduce_dtype") else None,
+        reduce_dtype=_reduce_dtype(config, mp, sizes.sp),
         reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
         max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0)),
         grads_in_place=ves.get("grads_in_place", True),

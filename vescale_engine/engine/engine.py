@@ -32,6 +32,7 @@ from .parallel_plan import apply_parallel_plan, build_meshes, check_plan, requir
 from .preemption import SignalSave
 from .progress import Progress
 from .rank_agreement import config_facts, require_same_config
+from .sequence_parallel import sequence_parallel_loader, sequence_parallel_size
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .training_state import EngineTrainingState
@@ -58,7 +59,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     is_vescale_engine = True
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
-                 device: torch.device, meshes=None):
+                 device: torch.device, meshes=None, mpu=None):
         super().__init__()
         self.device = device  # this rank's device: batches go here (batch.to(engine.device))
         self.module = module
@@ -74,10 +75,19 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
-        # DeepSpeed's names: the data-parallel ranks (world / autotp_size) and this one's place
+        # DeepSpeed's names: the data-parallel ranks (world / (autotp_size x sequence-parallel
+        # size)) and this one's place; the ranks the parameters are sharded over (every rank)
         sizes = config.parallel
         self.dp_world_size = sizes.dp if sizes is not None else self.world_size
         self.dp_rank = sizes.dp_rank(self.global_rank) if sizes is not None else self.global_rank
+        self.seq_dp_world_size = self.world_size // (sizes.tp if sizes is not None else 1)
+        # DeepSpeed's Ulysses sequence parallelism: its mpu and group (sequence_parallel.py)
+        self.mpu = mpu
+        self.sequence_parallel_size = sizes.sp if sizes is not None else 1
+        self.seq_parallel_group = mpu.get_sequence_parallel_group() \
+            if self.sequence_parallel_size > 1 else None
+        # the ranks whose micro-batches' tokens make one micro-step's: SP ranks hold chunks
+        self._token_ranks = self.dp_world_size * self.sequence_parallel_size
         self.meshes = meshes  # parallel_plan.Meshes with tensor/expert parallelism, else None
         # the ranks of a TP group must get the same batch: checked on the first forward
         self._tp_batch_group = meshes.tp.get_group() \
@@ -173,7 +183,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
             self._window_losses.append(loss.float())
         # Counted per backward, not per step(): Accelerate calls step() once per window.
         self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.dp_world_size,
-                                 self._tokens and self._tokens * self.dp_world_size)
+                                 self._tokens and self._tokens * self._token_ranks)
         self.timers.start("backward")
         self._choose_gradient_sync()
 
@@ -317,6 +327,10 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     def get_lr(self):
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_sequence_parallel_group(self):
+        """DeepSpeed's: the sequence-parallel group of this rank (None without one)."""
+        return self.seq_parallel_group
+
     def get_global_grad_norm(self):
         return None if self._grad_norm is None else float(self._grad_norm)
 
@@ -437,10 +451,6 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
     check_versions()  # the libraries imported by now, each once (versions.py)
     if model is None:
         raise ValueError("initialize needs a model")
-    if mpu is not None:
-        raise ValueError("model parallel units (mpu) are not supported: set "
-                         "tensor_parallel.autotp_size or expert_parallel.autoep_size in the "
-                         "config and the engine builds the groups")
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
@@ -458,7 +468,8 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         rendezvous_timeout_s=float(meet) if isinstance(meet, (int, float)) and meet > 0 else None)
     error = plan = None
     try:  # every config error before wrapping
-        cfg = build_config(raw, dist.get_world_size())
+        sp = sequence_parallel_size(mpu)  # DeepSpeed's Ulysses groups, or 1
+        cfg = build_config(raw, dist.get_world_size(), sp)
         if cfg.parallel.enabled:  # the model's side of it, still before any collective
             _require_parallel_optimizer(optimizer)
             plan = check_plan(model, cfg.parallel, cfg.tensor_parallel_plan)
@@ -515,9 +526,12 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         check_offloadable(opt)
         opt.offload_to_host(**cfg.offload_optimizer)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
-    engine = VeScaleEngine(module, cfg, opt, sched, device, meshes)
+    engine = VeScaleEngine(module, cfg, opt, sched, device, meshes, mpu)
     loader = None
-    if training_data is not None:  # one shard of the data per data-parallel rank: the ranks
+    if training_data is not None and engine.sequence_parallel_size > 1:
+        loader = sequence_parallel_loader(training_data, mpu, cfg.batch.micro_batch_per_gpu,
+                                          collate_fn, device)
+    elif training_data is not None:  # one shard of the data per data-parallel rank: the ranks
         # of a TP group get the same batches
         sampler = torch.utils.data.distributed.DistributedSampler(
             training_data, num_replicas=engine.dp_world_size, rank=engine.dp_rank)

@@ -2,7 +2,8 @@
 every other config). Supported: deepspeed versions.SUPPORTED["deepspeed"] (0.19.3 to 0.19.x);
 `install` checks each name below before replacing it.
 
-- `deepspeed.initialize` returns our engine (`vescale_engine.initialize`).
+- `deepspeed.initialize` returns our engine (`vescale_engine.initialize`); given DeepSpeed's
+  sequence-parallel mpu, it sets `deepspeed.utils.groups.mpu` as DeepSpeed's engine does.
 - `deepspeed.tp_model_init` returns the model as it is (initialize applies the TP plan);
   DeepSpeed's own would record its AutoTP arguments process-wide, where a later DeepSpeed
   engine finds them. Transformers' Trainer calls it before `initialize` when the config has
@@ -98,9 +99,21 @@ def _initialize(original):
             if unknown:
                 raise TypeError(f"deepspeed.initialize got arguments veScale does not know: "
                                 f"{unknown}")
-            return ours(**{k: v for k, v in kwargs.items() if k in _OUR_ARGUMENTS})
+            result = ours(**{k: v for k, v in kwargs.items() if k in _OUR_ARGUMENTS})
+            _publish_sequence_parallel_mpu(result[0])
+            return result
         return original(**kwargs)
     return initialize
+
+
+def _publish_sequence_parallel_mpu(engine) -> None:
+    """What DeepSpeed's engine does with a sequence-parallel mpu: it sets
+    deepspeed.utils.groups.mpu, where DeepSpeed's tutorial, Accelerate's
+    deepspeed_ulysses_dl_adapter and transformers' deepspeed_sp_compute_loss read the
+    sequence-parallel group after initialize (recorded: unpatch() puts the old value back)."""
+    if engine.sequence_parallel_size > 1:
+        from deepspeed.utils import groups
+        replace("deepspeed", groups, "mpu", engine.mpu)
 
 
 def _tp_model_init(original):

@@ -53,22 +53,27 @@ class ParallelSizes:
     with TP innermost, so a TP group is `tp` consecutive ranks and the data-parallel rank is
     rank // tp. Experts: (replicate, efsdp, ep): EP borrows its ranks from the dp_shard x tp
     ranks of a replica, so replicate x efsdp x ep is the world, and every rank stays a
-    data-parallel rank with its own micro-batch. Torch-free."""
+    data-parallel rank with its own micro-batch. Sequence parallelism (DeepSpeed's Ulysses, sp
+    consecutive ranks computing one sequence together) keeps sharding over every rank, as
+    DeepSpeed's ZeRO shards over its sequence-data-parallel group: it changes only what counts
+    as a data-parallel rank (world / sp). Torch-free."""
     world: int
     tp: int = 1
     ep: int = 1
     replicate: int = 1  # HSDP replicas (the engine at stage 0: every data-parallel rank)
+    sp: int = 1  # sequence-parallel group size (never with tp or ep above 1)
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks, the ranks that see different batches: the batch arithmetic's
-        and the sampler's size (world / tp)."""
-        return self.world // self.tp
+        size (world / (tp x sp))."""
+        return self.world // (self.tp * self.sp)
 
     @property
     def dp_shard(self) -> int:
-        """The ranks a dense unit is sharded over (per replica): world / (replicate x tp)."""
-        return self.dp // self.replicate
+        """The ranks a dense unit is sharded over (per replica): world / (replicate x tp)
+        (sequence-parallel peers included)."""
+        return self.world // self.tp // self.replicate
 
     @property
     def shard(self) -> int:
@@ -88,7 +93,7 @@ class ParallelSizes:
         return self.tp > 1 or self.ep > 1
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // (self.tp * self.sp)
 
 
 def make_mesh(world: int, tp: int = 1, ep: int = 1, replicate: int = 1) -> ParallelSizes:

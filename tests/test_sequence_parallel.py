@@ -1,0 +1,408 @@
+"""DeepSpeed's Ulysses sequence parallelism (ALST) through the one line, on 4 gloo ranks
+(data-parallel 2 x sequence-parallel 2, a tiny Llama with sdpa attention, sequences of 64).
+
+The script is DeepSpeed's tutorial recipe: `UlyssesSPAttentionHF.register_with_transformers`
+makes the groups and the attention and returns the mpu; `deepspeed.initialize(..., mpu=mpu)`
+with "sequence_parallel_size" in the config; `UlyssesSPDataLoaderAdapter` around a loader that
+gives every rank its own samples; the tutorial's differentiable loss aggregation over the SP
+group. It runs under DeepSpeed ZeRO-3 and, after `vescale_engine.patch_deepspeed()`, under
+ours, and is compared step by step (every SP group's loss, the gradient norm) with one process
+training on the same global batch, and the final parameters too.
+
+TEST WORKAROUND, applied to every run alike: on gloo, the backward of torch's
+`torch.distributed.nn.functional.all_gather` scatters from the group rank where torch expects
+the global rank, which fails on the second SP group. The loss aggregation uses a differentiable
+all-gather whose backward is an all-reduce (`_gather_for_loss`), the same sum of gradients.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+from dist_harness import RankPool
+
+WORLD, SP = 4, 2
+DP = WORLD // SP
+SEQ, VOCAB, MICRO, STEPS = 64, 128, 1, 4
+LR = 1e-4  # small: Adam's first steps would magnify round-off into the comparison
+TOLERANCE = 1e-6
+BF16_TOLERANCE = (2e-4, 1e-3)  # (loss, grad norm) relative; measured 3.7e-5, 1.2e-4
+
+BASE = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "sequence_parallel_size": SP,
+    "steps_per_print": 1000,
+    "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0,
+                                              "torch_adam": True}},
+    "zero_optimization": {"stage": 3},
+}
+
+
+def config(engine: str, **changes) -> dict:
+    cfg = copy.deepcopy(BASE)
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    if engine == "vescale":
+        cfg["vescale"] = cfg.get("vescale", {})
+    else:
+        cfg.pop("vescale", None)
+    return cfg
+
+
+def build_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, attn_implementation="sdpa"))
+
+
+def tokens(samples=64):
+    return torch.randint(0, VOCAB, (samples, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+class Samples(torch.utils.data.Dataset):
+    """Token sequences with their positions (Ulysses needs position_ids in every batch)."""
+
+    def __init__(self):
+        self.ids = tokens()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "position_ids": torch.arange(SEQ)}
+
+
+# ----------------------------------------------------------------------------- in the ranks
+
+class _GatherForLoss(torch.autograd.Function):
+    """torch.distributed.nn.functional.all_gather with a gloo-safe backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, group, value):
+        import torch.distributed as dist
+        ctx.group = group
+        out = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, value.contiguous(), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        import torch.distributed as dist
+        stacked = torch.stack(grads).contiguous()
+        dist.all_reduce(stacked, group=ctx.group)
+        return None, stacked[dist.get_rank(ctx.group)]
+
+
+def _gather_for_loss(value, group):
+    return _GatherForLoss.apply(group, value)
+
+
+def sp_loss(logits, shift_labels, group):
+    """The tutorial's differentiable weighted per-shard loss aggregation over the SP group."""
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             shift_labels.reshape(-1), ignore_index=-100)
+    good = (shift_labels != -100).reshape(-1).sum().float()
+    losses, goods = _gather_for_loss(loss, group), _gather_for_loss(good, group)
+    total = sum(losses[r] * goods[r] for r in range(len(losses)))
+    return total / max(sum(goods), 1)
+
+
+def _fresh_sequence_parallel_state():
+    """What a new script starts without: DeepSpeed's SP groups, the Ulysses wrapper in
+    transformers' attention table, DeepSpeed's process-wide mpu."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    parallel_state_sp._SEQUENCE_PARALLEL_GROUP = None
+    parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    groups.mpu = None
+
+
+def _full_parameters(engine):
+    import deepspeed
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def alst_rank(rank, world, engine_name, changes, options):
+    """DeepSpeed's tutorial script. `options`: gas (accumulation steps), checkpointing
+    ("reentrant" / "non_reentrant"), divisor (ours: the gradient divide factor set by hand:
+    the negative control), save_to / load_from (a checkpoint directory), sp (1: no sequence
+    parallelism, plain data parallelism over every rank), steps, skip (micro-batches drawn and
+    not trained on first: where a resumed run starts)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (UlyssesSPAttentionHF,
+                                                                 UlyssesSPDataLoaderAdapter)
+    _fresh_sequence_parallel_state()
+    if engine_name == "vescale":
+        import vescale_engine
+        vescale_engine.patch_deepspeed()  # the one added line
+    os.environ["LOCAL_RANK"] = str(rank)  # what every launcher sets
+    deepspeed.init_distributed(dist_backend="gloo")  # the tutorial's first call
+    sp = options.get("sp", SP)
+    gas = options.get("gas", 1)
+    steps = options.get("steps", STEPS)
+    model = build_model()
+    if options.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": options["checkpointing"] == "reentrant"})
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp,
+        micro_batch_size=MICRO, seq_length=SEQ, seq_length_is_variable=True)
+    cfg = config(engine_name, gradient_accumulation_steps=gas, **changes)
+    if sp == 1:
+        cfg.pop("sequence_parallel_size", None)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=cfg, mpu=mpu)
+    if options.get("divisor") is not None:
+        for module in engine.module.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(float(options["divisor"]))
+    if options.get("load_from"):
+        engine.load_checkpoint(options["load_from"])
+    from deepspeed.utils import groups  # the engine gave DeepSpeed's groups the mpu
+    group = groups._get_sequence_parallel_group() if sp > 1 else None
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        Samples(), num_replicas=world, rank=rank, shuffle=False)
+    loader = torch.utils.data.DataLoader(Samples(), batch_size=MICRO, sampler=sampler)
+    if sp > 1:
+        loader = UlyssesSPDataLoaderAdapter(
+            loader, sp_rank=groups._get_sequence_parallel_rank(), sp_group=group,
+            sp_world_size=groups._get_sequence_parallel_world_size(), device=engine.device)
+    losses, norms = [], []
+    batches = iter(loader)
+    for _ in range(options.get("skip", 0)):  # the micro-steps a resumed run has done
+        next(batches)
+    for _ in range(steps * gas):
+        batch = next(batches)
+        if sp > 1:
+            out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+            loss = sp_loss(out.logits, batch["shift_labels"], group)
+        else:
+            loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        losses.append(loss.item())
+        if boundary:
+            norms.append(float(engine.get_global_grad_norm()))
+    params = _full_parameters(engine)  # collective: every rank
+    result = {"losses": losses, "norms": norms, "engine": type(engine).__name__,
+              "dp_world_size": engine.dp_world_size, "train_batch_size": engine.train_batch_size(),
+              "params": params if rank == 0 else None}
+    if engine_name == "vescale":
+        result["sp_group"] = None if engine.get_sequence_parallel_group() is None else \
+            dist.get_process_group_ranks(engine.get_sequence_parallel_group())
+        result["published"] = groups.mpu is mpu
+    if options.get("save_to"):
+        engine.save_checkpoint(options["save_to"], tag="sp")
+    if engine_name == "vescale":
+        engine.destroy()
+    _fresh_sequence_parallel_state()
+    return result
+
+
+# ------------------------------------------------------------------------- the reference
+
+def reference(steps=STEPS, gas=1):
+    """One process, no sharding, the same global batches: at micro-step i, SP group g computes
+    the sample its rank g*SP + i % SP drew ((i // SP)-th of a sampler over all ranks). Returns
+    each micro-step's per-group losses, each step's gradient norm, the final parameters."""
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    data = tokens()
+    losses, norms = [], []
+    for step in range(steps):
+        for micro in range(gas):
+            i = step * gas + micro
+            batch = data[[g * SP + i % SP + WORLD * (i // SP) for g in range(DP)]]
+            per_group = [model(input_ids=batch[g:g + 1], labels=batch[g:g + 1]).loss
+                         for g in range(DP)]
+            (torch.stack(per_group).mean() / gas).backward()
+            losses.append([loss.item() for loss in per_group])
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# ------------------------------------------------------------------------------- the tests
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
+    yield pool
+    pool.close()
+
+
+_RUNS = {}
+
+
+def run(pool, engine, changes=None, **options):
+    """One script run (cached per module: several tests read the same run)."""
+    key = (engine, repr(sorted((changes or {}).items())), repr(sorted(options.items())))
+    if key not in _RUNS:
+        _RUNS[key] = pool.run(alst_rank, engine, changes or {}, options, timeout=300)
+    return _RUNS[key]
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def assert_matches_reference(results, ref, tolerance=TOLERANCE, what="run"):
+    """Every SP rank's loss is its group's one-process loss; every rank's gradient norm the
+    one-process norm; the final parameters the one-process parameters."""
+    for rank, result in enumerate(results):
+        group = rank // SP
+        for i, (got, want) in enumerate(zip(result["losses"], ref["losses"])):
+            assert _rel(got, want[group]) < tolerance, \
+                f"{what}: rank {rank} micro-step {i}: loss {got} != one process {want[group]}"
+        assert len(result["norms"]) == len(ref["norms"])
+        for i, (got, want) in enumerate(zip(result["norms"], ref["norms"])):
+            assert _rel(got, want) < tolerance, \
+                f"{what}: rank {rank} step {i}: grad norm {got} != one process {want}"
+    for name, want in ref["params"].items():
+        got = results[0]["params"][name]
+        assert torch.allclose(got, want, rtol=0, atol=1e-6), \
+            f"{what}: {name} differs from one process by {(got - want).abs().max():.3g}"
+
+
+def test_alst_recipe_under_deepspeed_equals_one_process(pool):
+    """The reference the one line must meet: DeepSpeed's own run of the recipe."""
+    assert_matches_reference(run(pool, "deepspeed"), reference(), what="DeepSpeed")
+
+
+def test_alst_recipe_with_the_one_line_equals_deepspeed_and_one_process(pool):
+    ours, theirs = run(pool, "vescale"), run(pool, "deepspeed")
+    assert {r["engine"] for r in ours} == {"VeScaleEngine"}
+    assert_matches_reference(ours, reference(), what="ours")
+    for mine, ds in zip(ours, theirs):
+        for got, want in zip(mine["losses"] + mine["norms"], ds["losses"] + ds["norms"]):
+            assert _rel(got, want) < TOLERANCE
+    # DeepSpeed's batch arithmetic (world / sp data-parallel ranks), its groups, its accessor
+    assert [r["dp_world_size"] for r in ours] == [DP] * WORLD
+    assert [r["train_batch_size"] for r in ours] == [MICRO * DP] * WORLD
+    assert [r["sp_group"] for r in ours] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r["published"] for r in ours)
+
+
+def test_the_wrong_divisor_is_caught(pool):
+    """Negative control: dividing the summed gradients by the data-parallel size (world / sp)
+    instead of the world size doubles them; the comparison must see it."""
+    results = run(pool, "vescale", divisor=DP)
+    with pytest.raises(AssertionError, match="grad norm"):
+        assert_matches_reference(results, reference(), what="wrong divisor")
+
+
+@pytest.mark.parametrize("name,changes,options", [
+    ("hsdp", {"vescale": {"hsdp_replicate_size": 2}}, {}),
+    ("accumulation", {}, {"gas": 2}),
+    ("reentrant_checkpointing", {}, {"checkpointing": "reentrant"}),
+    ("checkpointing", {}, {"checkpointing": "non_reentrant"}),
+    ("offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, {}),
+])
+def test_sequence_parallelism_composes(pool, name, changes, options):
+    results = run(pool, "vescale", changes, **options)
+    assert_matches_reference(results, reference(gas=options.get("gas", 1)), what=name)
+
+
+def test_bf16_equals_deepspeed(pool):
+    """bf16 compute, gradients reduced in fp32 under sequence parallelism by both engines
+    (DeepSpeed's seq_parallel_communication_data_type defaults to fp32)."""
+    changes = {"bf16": {"enabled": True}}
+    ours, theirs = run(pool, "vescale", changes), run(pool, "deepspeed", changes)
+    for mine, ds in zip(ours, theirs):
+        for got, want in zip(mine["losses"], ds["losses"]):
+            assert _rel(got, want) < BF16_TOLERANCE[0]
+        for got, want in zip(mine["norms"], ds["norms"]):
+            assert _rel(got, want) < BF16_TOLERANCE[1]
+
+
+def test_checkpoint_moves_between_sequence_and_data_parallelism(pool, tmp_path):
+    """Saved at (dp 2, sp 2), loaded at (dp 4, sp 1) and saved again, loaded at (dp 2, sp 2):
+    the parameters survive both moves bitwise, and the next step equals the uninterrupted
+    run's."""
+    first, back = str(tmp_path / "sp"), str(tmp_path / "dp")
+    uninterrupted = run(pool, "vescale", steps=3)
+    saved = pool.run(alst_rank, "vescale", {}, {"steps": 2, "save_to": first})
+    plain = pool.run(alst_rank, "vescale", {}, {"steps": 0, "sp": 1, "load_from": first,
+                                                "save_to": back})
+    for name, value in saved[0]["params"].items():
+        assert torch.equal(plain[0]["params"][name], value), name
+    resumed = pool.run(alst_rank, "vescale", {}, {"steps": 1, "skip": 2, "load_from": back})
+    for rank in range(WORLD):
+        assert resumed[rank]["losses"][0] == uninterrupted[rank]["losses"][2]
+        assert resumed[rank]["norms"][0] == uninterrupted[rank]["norms"][2]
+
+
+# ------------------------------------------------- the config, without a process group
+
+def _build(world=WORLD, sp=SP, **changes):
+    from vescale_engine.engine.config import build_config
+    return build_config(config("vescale", **changes), world, sp)
+
+
+def test_batch_arithmetic_counts_world_over_sp_as_deepspeed_does():
+    cfg = _build()
+    assert (cfg.parallel.dp, cfg.parallel.dp_shard, cfg.batch.train_batch_size) == (DP, WORLD,
+                                                                                   MICRO * DP)
+    from config_schemas.validate import ConfigError
+    with pytest.raises(ConfigError, match=f"x {DP} data-parallel ranks"):  # every rank: no
+        _build(train_batch_size=MICRO * WORLD)
+
+
+@pytest.mark.parametrize("world,sp,changes,message", [
+    (4, 1, {}, "sequence_parallel_size 2 without a sequence-parallel mpu: DeepSpeed 0.19.8 "
+               "then divides only its batch arithmetic"),
+    (4, 4, {}, "sequence_parallel_size 2, but the mpu's sequence-parallel groups have 4 ranks"),
+    (4, 2, {"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size 2 with "
+                                                    "sequence parallelism"),
+    (4, 2, {"expert_parallel": {"enabled": True, "autoep_size": 2}},
+     "expert_parallel.autoep_size 2 with sequence parallelism"),
+])
+def test_what_sequence_parallelism_cannot_be_given_is_one_line(world, sp, changes, message):
+    from config_schemas.validate import ConfigError
+    with pytest.raises(ConfigError) as err:
+        _build(world, sp, **changes)
+    assert len(err.value.messages) == 1 and message in err.value.messages[0], err.value.messages
+
+
+def test_gradients_reduce_in_deepspeeds_sequence_parallel_dtype():
+    """DeepSpeed's engine reduces gradients in seq_parallel_communication_data_type (default
+    fp32) whenever sequence parallelism is on; vescale.mixed_precision.reduce_dtype wins."""
+    bf16 = {"bf16": {"enabled": True}}
+    assert _build(**bf16).reduce_dtype == "float32"
+    assert _build(**bf16, seq_parallel_communication_data_type="bf16").reduce_dtype == \
+        "bfloat16"
+    assert _build(**bf16, vescale={"mixed_precision": {"reduce_dtype": "bf16"}}).reduce_dtype \
+        == "bfloat16"
+    assert _build(sp=1, sequence_parallel_size=None, **bf16).reduce_dtype is None
+
+
+def test_an_mpu_that_is_not_deepspeeds_sequence_parallel_one_is_refused():
+    import types
+
+    from vescale_engine.engine.sequence_parallel import sequence_parallel_size
+    megatron = types.SimpleNamespace(get_model_parallel_world_size=lambda: 2,
+                                     get_data_parallel_world_size=lambda: 2)
+    with pytest.raises(ValueError, match="only DeepSpeed's sequence-parallel mpu"):
+        sequence_parallel_size(megatron)
+    assert sequence_parallel_size(None) == 1

@@ -1,0 +1,66 @@
+"""DeepSpeed's Ulysses sequence parallelism (ALST) under this engine (docs/parallelism.md).
+
+What is DeepSpeed's and stays DeepSpeed's: the groups (`parallel_state_sp`, made by
+`UlyssesSPAttentionHF.register_with_transformers`, which returns that module as the `mpu`), the
+attention (`UlyssesSPAttentionHF`: all-to-all from sequence chunks to head groups and back),
+the data (`UlyssesSPDataLoaderAdapter`: one sample per SP rank, split along the sequence) and
+the tiled MLP and loss. What is the engine's: the parameters stay sharded over every rank, as
+DeepSpeed's ZeRO shards over its sequence-data-parallel group, and the gradients are summed
+over every rank and divided by the world size. Each SP rank back-propagates the whole gathered
+loss, so the sum over an SP group is sp times that sequence's gradient; over the world it is
+sp x dp times the one-process gradient of the global batch: dividing by the world size (what
+sharding over every rank does anyway) gives the one-process gradient, as DeepSpeed's does.
+deepspeed.initialize (integrations/deepspeed.py) then gives DeepSpeed's groups the mpu, as
+DeepSpeed's engine does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["sequence_parallel_size", "sequence_parallel_loader"]
+
+
+def sequence_parallel_size(mpu) -> int:
+    """The size of the sequence-parallel groups of `mpu` (None: 1), checked without a
+    collective. Recognised as DeepSpeed recognises it, by `initialize_sequence_parallel`; any
+    other mpu (Megatron's model-parallel units) is one ValueError line."""
+    if mpu is None:
+        return 1
+    if not hasattr(mpu, "initialize_sequence_parallel"):
+        raise ValueError(f"mpu {getattr(mpu, '__name__', type(mpu).__name__)}: only DeepSpeed's "
+                         "sequence-parallel mpu (deepspeed's UlyssesSPAttentionHF."
+                         "register_with_transformers returns it) is supported; for tensor or "
+                         "expert parallelism set tensor_parallel.autotp_size or "
+                         "expert_parallel.autoep_size in the config and the engine builds the "
+                         "groups")
+    for name in ("get_sequence_parallel_group", "get_sequence_parallel_world_size",
+                 "get_sequence_parallel_rank"):
+        if not callable(getattr(mpu, name, None)):
+            raise ValueError(f"the sequence-parallel mpu has no {name}()")
+    size = int(mpu.get_sequence_parallel_world_size())
+    if size > 1:
+        ranks = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
+        first = dist.get_rank() // size * size
+        if ranks != list(range(first, first + size)):
+            raise ValueError(f"the mpu's sequence-parallel group of rank {dist.get_rank()} is "
+                             f"ranks {ranks}: the engine needs groups of consecutive ranks, as "
+                             "DeepSpeed's initialize_sequence_parallel makes them")
+    return size
+
+
+def sequence_parallel_loader(dataset, mpu, micro_batch: int, collate_fn, device):
+    """initialize's training loader under sequence parallelism: every rank draws its own
+    samples (a sampler over all ranks), and DeepSpeed's UlyssesSPDataLoaderAdapter hands each
+    SP rank its chunk of one sample at a time, as DeepSpeed's tutorial builds it. Its batches
+    have `shift_labels` instead of `labels` and need `position_ids` (the adapter says so)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
+                                         collate_fn=collate_fn,
+                                         pin_memory=device.type == "cuda")
+    return UlyssesSPDataLoaderAdapter(loader, sp_rank=mpu.get_sequence_parallel_rank(),
+                                      sp_group=mpu.get_sequence_parallel_group(),
+                                      sp_world_size=mpu.get_sequence_parallel_world_size(),
+                                      device=device)
