@@ -98,7 +98,7 @@ TIERS = {
         "test_hf_trainer.py", "test_hf_trainer_reentrant.py", "test_hf_lora.py", "test_trl.py",
         "test_deepspeed_parity.py", "test_deepspeed_api.py", "test_deepspeed_params.py",
         "test_hf_checkpoint.py", "test_hf_zero_init.py", "test_versions.py",
-        "test_autograd_features.py", "test_accelerate_fsdp2.py",
+        "test_autograd_features.py", "test_accelerate_fsdp2.py", "test_sequence_parallel.py",
         # and the other tests of other libraries
         "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
         "test_integrations.py",

@@ -13,6 +13,9 @@ TEST WORKAROUND, applied to every run alike: on gloo, the backward of torch's
 `torch.distributed.nn.functional.all_gather` scatters from the group rank where torch expects
 the global rank, which fails on the second SP group. The loss aggregation uses a differentiable
 all-gather whose backward is an all-reduce (`_gather_for_loss`), the same sum of gradients.
+And DeepSpeed 0.19.3's UlyssesSPDataLoaderAdapter all-gathers a 0-dim sequence length into
+1-element tensors, which gloo refuses (0.19.8 sends 1 element): its all-gathers get 0-dim
+tensors as 1-element ones (`_GlooShapes`).
 """
 from __future__ import annotations
 
@@ -58,13 +61,30 @@ def config(engine: str, **changes) -> dict:
     return cfg
 
 
-def build_model(seed=0):
+def build_model(seed=0, tiled_mlp=False):
+    """The tiny Llama; `tiled_mlp`: its MLPs computed by DeepSpeed's TiledMLP in 4 tiles along
+    the sequence, as ALST's recipe patches LlamaMLP.forward (on this model only)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
+    model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, attn_implementation="sdpa"))
+    if tiled_mlp:
+        import types
+
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        def mlp_forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+        def tiled_forward(self, x):
+            params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+            return TiledMLP.apply(mlp_forward, self, x, 4, params)
+
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(tiled_forward, layer.mlp)
+    return model
 
 
 def tokens(samples=64):
@@ -119,6 +139,20 @@ def sp_loss(logits, shift_labels, group):
     return total / max(sum(goods), 1)
 
 
+class _GlooShapes:
+    """deepspeed.comm as ulysses_sp sees it, a 0-dim all-gather input sent as 1 element."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_gather(self, tensor_list, tensor, *args, **kwargs):
+        return self._comm.all_gather(tensor_list, tensor.reshape(1) if tensor.dim() == 0
+                                     else tensor, *args, **kwargs)
+
+
 def _fresh_sequence_parallel_state():
     """What a new script starts without: DeepSpeed's SP groups, the Ulysses wrapper in
     transformers' attention table, DeepSpeed's process-wide mpu."""
@@ -130,6 +164,9 @@ def _fresh_sequence_parallel_state():
     parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
     groups.mpu = None
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    if not isinstance(ulysses_sp.dist, _GlooShapes):
+        ulysses_sp.dist = _GlooShapes(ulysses_sp.dist)
 
 
 def _full_parameters(engine):
@@ -144,7 +181,7 @@ def alst_rank(rank, world, engine_name, changes, options):
     ("reentrant" / "non_reentrant"), divisor (ours: the gradient divide factor set by hand:
     the negative control), save_to / load_from (a checkpoint directory), sp (1: no sequence
     parallelism, plain data parallelism over every rank), steps, skip (micro-batches drawn and
-    not trained on first: where a resumed run starts)."""
+    not trained on first: where a resumed run starts), tiled_mlp (DeepSpeed's TiledMLP)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import (UlyssesSPAttentionHF,
@@ -158,7 +195,7 @@ def alst_rank(rank, world, engine_name, changes, options):
     sp = options.get("sp", SP)
     gas = options.get("gas", 1)
     steps = options.get("steps", STEPS)
-    model = build_model()
+    model = build_model(tiled_mlp=options.get("tiled_mlp", False))
     if options.get("checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
             "use_reentrant": options["checkpointing"] == "reentrant"})
@@ -216,6 +253,49 @@ def alst_rank(rank, world, engine_name, changes, options):
         engine.destroy()
     _fresh_sequence_parallel_state()
     return result
+
+
+def _gloo_safe_all_gather(tensor, group=None):
+    """The module docstring's workaround, for code that calls torch's function by name."""
+    import torch.distributed as dist
+    return _gather_for_loss(tensor, group if group is not None else dist.group.WORLD)
+
+
+def trainer_rank(rank, world, engine_name, model_dir, out_dir):
+    """A Hugging Face Trainer script with TrainingArguments(parallelism_config=
+    ParallelismConfig(sp_backend="deepspeed", sp_size=2)): Accelerate registers the Ulysses
+    attention, passes the mpu to deepspeed.initialize and wraps the loader; Trainer computes
+    the loss with transformers' deepspeed_sp_compute_loss. Returns the logged steps."""
+    import torch.distributed.nn.functional as dist_fn
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    from test_hf_trainer import _recorder, _reset_global_state, _start_script
+    from test_hf_trainer import config as trainer_config
+    _fresh_sequence_parallel_state()
+    cfg = trainer_config(engine_name, optimizer=True, scheduler=False)
+    _start_script(rank, cfg)  # LOCAL_RANK, Accelerate's CPU shim, and for ours the one line
+    original_all_gather = dist_fn.all_gather
+    dist_fn.all_gather = _gloo_safe_all_gather
+    try:
+        pc = ParallelismConfig(sp_backend="deepspeed", sp_size=SP, dp_shard_size=DP,
+                               sp_handler=DeepSpeedSequenceParallelConfig(
+                                   sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+        args = TrainingArguments(
+            output_dir=out_dir, deepspeed=cfg, parallelism_config=pc,
+            per_device_train_batch_size=MICRO, max_steps=STEPS, learning_rate=LR,
+            weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1,
+            save_strategy="no", report_to="none", seed=0, disable_tqdm=True)
+        model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+        recorder = _recorder()
+        trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=[recorder])
+        trainer.train()
+        return {"engine": type(trainer.model_wrapped).__name__, "train": recorder.train,
+                "sp": trainer.model_wrapped.sequence_parallel_size}
+    finally:
+        dist_fn.all_gather = original_all_gather
+        _reset_global_state()
+        _fresh_sequence_parallel_state()
 
 
 # ------------------------------------------------------------------------- the reference
@@ -318,6 +398,7 @@ def test_the_wrong_divisor_is_caught(pool):
     ("reentrant_checkpointing", {}, {"checkpointing": "reentrant"}),
     ("checkpointing", {}, {"checkpointing": "non_reentrant"}),
     ("offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, {}),
+    ("tiled_mlp", {}, {"tiled_mlp": True}),
 ])
 def test_sequence_parallelism_composes(pool, name, changes, options):
     results = run(pool, "vescale", changes, **options)
@@ -351,6 +432,31 @@ def test_checkpoint_moves_between_sequence_and_data_parallelism(pool, tmp_path):
     for rank in range(WORLD):
         assert resumed[rank]["losses"][0] == uninterrupted[rank]["losses"][2]
         assert resumed[rank]["norms"][0] == uninterrupted[rank]["norms"][2]
+
+
+def _accelerate_has_deepspeed_sequence_parallelism() -> bool:
+    import inspect
+
+    from accelerate.utils import ParallelismConfig
+    return "sp_backend" in inspect.signature(ParallelismConfig).parameters
+
+
+@pytest.mark.skipif(not _accelerate_has_deepspeed_sequence_parallelism(),
+                    reason="this Accelerate has no ParallelismConfig(sp_backend=...) (1.12 added "
+                           "DeepSpeed sequence parallelism)")
+def test_trainer_with_parallelism_config_equals_deepspeed(pool, tmp_path):
+    model_dir = str(tmp_path / "tiny_llama")
+    build_model().save_pretrained(model_dir)
+    ours = pool.run(trainer_rank, "vescale", model_dir, str(tmp_path / "ours"), timeout=300)
+    theirs = pool.run(trainer_rank, "deepspeed", model_dir, str(tmp_path / "ds"), timeout=300)
+    assert ours[0]["engine"] == "VeScaleEngine" and theirs[0]["engine"] == "DeepSpeedEngine"
+    assert [r["sp"] for r in ours + theirs] == [SP] * 2 * WORLD
+    for mine, ds in zip(ours, theirs):
+        assert sorted(mine["train"]) == sorted(ds["train"]) == list(range(1, STEPS + 1))
+        for step, (loss, norm, lr) in ds["train"].items():
+            got = mine["train"][step]
+            assert _rel(got[0], loss) < TOLERANCE and _rel(got[1], norm) < TOLERANCE and \
+                got[2] == lr, (step, got, (loss, norm, lr))
 
 
 # ------------------------------------------------- the config, without a process group
