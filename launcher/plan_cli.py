@@ -114,12 +114,31 @@ def add_parser(sub):
     m.add_argument("--tokens", metavar="N",
                    help="with --ep: tokens per data-parallel rank per micro-step, for the "
                         "all-to-all dispatch bytes (default 4096)")
+    a = p.add_argument_group(
+        "activations and sequence parallelism (--memory --seq; a dense Llama-style decoder)",
+        "activation memory per rank for sequences of --seq tokens, with DeepSpeed Ulysses "
+        "sequence parallelism over --sp ranks (ours and DeepSpeed ALST alike) beside FSDP2 "
+        "without it; with --device-memory, the longest sequence each system fits")
+    a.add_argument("--seq", metavar="TOKENS", help="sequence length (tokens per sequence)")
+    a.add_argument("--sp", metavar="N", help="sequence-parallel ranks per sequence (default 1)")
+    a.add_argument("--micro-batch", metavar="N", help="sequences per micro-batch (default 1)")
+    a.add_argument("--activation-checkpointing", action="store_const", const=True,
+                   default=None, help="every decoder layer checkpointed (Hugging Face's)")
+    a.add_argument("--tiled-mlp", action="store_const", const=True, default=None,
+                   help="DeepSpeed's TiledMLP: an MLP keeps only its input")
+    a.add_argument("--tiled-loss", action="store_const", const=True, default=None,
+                   help="DeepSpeed's TiledFusedLogitsLoss: no full-vocabulary logits kept")
+    a.add_argument("--head-dim", metavar="D", help="attention head size (default 128)")
     p.set_defaults(run=_run_plan)
 
 
 _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp",
                  "reshard_after_forward", "root", "device_memory", "offload_optimizer",
-                 "offload_param", "tokens", "max_preconditioner_dim")
+                 "offload_param", "tokens", "max_preconditioner_dim", "seq", "sp",
+                 "micro_batch", "activation_checkpointing", "tiled_mlp", "tiled_loss",
+                 "head_dim")
+_ACTIVATION_FLAGS = ("sp", "micro_batch", "activation_checkpointing", "tiled_mlp",
+                     "tiled_loss", "head_dim")
 
 
 def _flag_number(text, flag, kind):
@@ -167,6 +186,7 @@ def _capacity_setups(args, model) -> dict:
     args.tokens = _flag_number(args.tokens, "--tokens", int)
     args.max_preconditioner_dim = _flag_number(args.max_preconditioner_dim,
                                                "--max-preconditioner-dim", int)
+    _activation_flags(args, model)
     args.optimizer_type, optimizer = _optimizer(args.optimizer)
     if args.max_preconditioner_dim and optimizer != "Shampoo":
         raise capacity.CapacityError("--max-preconditioner-dim needs --optimizer Shampoo")
@@ -194,6 +214,35 @@ def _capacity_setups(args, model) -> dict:
     args.granularity = list(dict.fromkeys(parse_granularity(s.layout_granularity)
                                           for s in setups.values()))
     return setups
+
+
+def _activation_flags(args, model) -> None:
+    """--seq and its flags, checked: args.activations becomes the decoder's DecoderDims (None
+    without --seq)."""
+    from vescale_engine.plan.activations import DecoderDims
+    from vescale_engine.plan.capacity import CapacityError
+    args.activations = None
+    if args.seq is None:
+        given = [f for f in _ACTIVATION_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise CapacityError(f"--{given[0].replace('_', '-')} needs --seq")
+        return
+    args.seq = _flag_number(args.seq, "--seq", int)
+    args.sp = _flag_number(args.sp, "--sp", int) or 1
+    args.micro_batch = _flag_number(args.micro_batch, "--micro-batch", int) or 1
+    head_dim = _flag_number(args.head_dim, "--head-dim", int) or 128
+    if args.sp > 1 and (args.tp > 1 or args.ep > 1):
+        raise CapacityError(f"--sp {args.sp} with --tp/--ep: sequence parallelism does not "
+                            "combine with tensor or expert parallelism in the engine")
+    for world in args.world_size:
+        if world % args.sp:
+            raise CapacityError(f"--sp {args.sp} does not divide the world size {world}")
+    if args.seq % args.sp:
+        raise CapacityError(f"--seq {args.seq} does not split over --sp {args.sp} ranks")
+    try:
+        args.activations = DecoderDims.from_shapes(model, head_dim)
+    except ValueError as err:
+        raise CapacityError(str(err)) from None
 
 
 # The optimizer each optimizer.type `vescale validate` accepts is estimated as: the engine runs
@@ -305,7 +354,7 @@ def _run_plan(args) -> int:
     elif len(plans) == 1:
         _print_detail(plans[0])
     if estimates and not args.json:
-        _print_memory(model, plans, estimates, args.device_memory)
+        _print_memory(model, plans, estimates, args.device_memory, args)
     if args.verify and not args.json:
         print(f"verified: {len(plans)} model plan(s), every invariant holds")
     if args.plot:
@@ -405,7 +454,7 @@ def _print_detail(plan):
         print(_FOOTNOTE.replace("; whole:", "; whole blocks:"))
 
 
-def _print_memory(model, plans, estimates, device_memory):
+def _print_memory(model, plans, estimates, device_memory, args=None):
     """One block per plan: per-rank GB of each system's parts and peak, and the traffic."""
     gb = 1e9
     for plan in plans:
@@ -465,6 +514,39 @@ def _print_memory(model, plans, estimates, device_memory):
                     if est["memory"][name].get("headroom", 0) > 0]
             print(f"fits in {device_memory:g} GB: {', '.join(fits) if fits else 'none'} "
                   f"(left: what remains for activations and the collectives' own buffers)")
+        if args is not None and args.activations is not None:
+            _print_activations(args, est, device_memory)
+
+
+def _print_activations(args, est, device_memory):
+    """Activation memory per rank (plan/activations.py) with --sp (ours, DeepSpeed ALST) and
+    without it (FSDP2), the peak with them, and the longest sequence each system fits."""
+    from vescale_engine.plan.activations import activation_bytes, longest_sequence
+    gb = 1e9
+    dtype = est["setup"]["param_dtype"]
+    options = dict(micro_batch=args.micro_batch, dtype=dtype,
+                   checkpointing=bool(args.activation_checkpointing),
+                   tiled_mlp=bool(args.tiled_mlp), tiled_loss=bool(args.tiled_loss))
+    given = [n for n, on in (("activation checkpointing", args.activation_checkpointing),
+                             ("tiled MLP", args.tiled_mlp), ("tiled loss", args.tiled_loss))
+             if on]
+    print(f"activations per rank: seq {args.seq:,} x micro-batch {args.micro_batch}, {dtype} "
+          f"compute{', ' + ', '.join(given) if given else ''} (GB; peak: with the model "
+          "state's peak above)")
+    rows = (("ours", f"ours, sp {args.sp}", args.sp),
+            ("zero3", f"DeepSpeed ALST, sp {args.sp}", args.sp),
+            ("fsdp2", "FSDP2, no sequence parallelism", 1))
+    longest = []
+    for name, label, sp in rows:
+        m = est["memory"][name]
+        if "unsupported" in m:
+            continue
+        act = activation_bytes(args.activations, args.seq, sp=sp, **options)
+        print(f"  {label:<32} {act / gb:>9.2f}   peak {(m['total'] + act) / gb:>8.2f}")
+        if device_memory:
+            longest.append(f"{label} {longest_sequence(args.activations, m['headroom'], sp=sp, **options):,}")
+    if longest:
+        print(f"longest sequence in {device_memory:g} GB: {'; '.join(longest)} (tokens)")
 
 
 def _fine_pct(ratio: float) -> str:

@@ -249,7 +249,8 @@ def test_capacity_guide_shows_the_commands_real_output():
     text = (ROOT / "docs" / "capacity_planning.md").read_text()
     blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
     commands = [i for i, b in enumerate(blocks) if b.startswith("vescale plan")]
-    assert len(commands) == 3   # the AdamW8bit question, the offload one, Kimi K2 with EP
+    # the AdamW8bit question, the offload one, the long sequence one, Kimi K2 with EP
+    assert len(commands) == 4
     for i in commands:
         shown = blocks[i + 1]
         assert shown.startswith("memory per rank")

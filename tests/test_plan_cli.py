@@ -285,3 +285,48 @@ def test_low_padding_does_not_warn():
     data = json.loads(vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size",
                               "512", "--granularity", "rows:16", "--json").stdout)
     assert data["padding_ratio"] < 0.25 and data["warnings"] == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq", "4096"], "--seq needs --memory"),
+    (["--memory", "--sp", "2"], "--sp needs --seq"),
+    (["--memory", "--seq", "4096", "--sp", "3"], "--sp 3 does not divide the world size 8"),
+    (["--memory", "--seq", "4097", "--sp", "2"], "--seq 4097 does not split over --sp 2"),
+    (["--memory", "--seq", "4096", "--sp", "2", "--tp", "2"], "--sp 2 with --tp/--ep"),
+    (["--memory", "--seq", "0"], "--seq"),
+])
+def test_sequence_flag_errors(args, message):
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "8", *args)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_sequence_flags_refuse_a_model_that_is_not_a_dense_decoder():
+    out = vescale("plan", "--shapes", f"{MODELS}/deepseek-v3.json", "--world-size", "64",
+                  "--memory", "--seq", "4096")
+    assert out.returncode == 2 and "needs a dense Llama-style decoder" in out.stderr, out.stderr
+
+
+def test_activations_and_the_longest_sequence_per_system():
+    """Activations per rank at sp 8 are 1/8 of FSDP2's (one copy of the attention output
+    more per layer), and the longest sequence follows what each system leaves free."""
+    from vescale_engine.plan import model_plan
+    from vescale_engine.plan.activations import DecoderDims, activation_bytes, longest_sequence
+    out = vescale("plan", "--shapes", f"{MODELS}/llama3-70b.json", "--world-size", "64",
+                  "--memory", "--seq", "131072", "--sp", "8", "--device-memory", "141",
+                  "--activation-checkpointing", "--tiled-mlp", "--tiled-loss")
+    assert out.returncode == 0, out.stderr
+    dims = DecoderDims.from_shapes(model_plan.load_shapes(f"{MODELS}/llama3-70b.json"))
+    options = dict(checkpointing=True, tiled_mlp=True, tiled_loss=True)
+    ours = activation_bytes(dims, 131072, sp=8, **options)
+    fsdp2 = activation_bytes(dims, 131072, sp=1, **options)
+    assert 1 / 8 < ours / fsdp2 < 1.02 / 8
+    lines = out.stdout.splitlines()
+    row = next(line for line in lines if line.strip().startswith("ours, sp 8"))
+    assert f"{ours / 1e9:.2f}" in row
+    longest = next(line for line in lines if line.startswith("longest sequence in 141 GB"))
+    parts = longest.split(": ", 1)[1].removesuffix(" (tokens)").split("; ")
+    fits = [int(part.rsplit(" ", 1)[1].replace(",", "")) for part in parts]
+    assert fits[0] % 8 == 0 and fits[0] > 4 * fits[2] and abs(fits[0] - fits[1]) < fits[0] / 10
+    assert longest_sequence(dims, 141e9, sp=8, **options) > fits[0]  # the model state is room
