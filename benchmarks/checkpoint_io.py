@@ -6,6 +6,12 @@ and with torch's AdamW). Each system trains one step (so optimizer state exists)
 `--repeats` times (a new tag each time) and loads the last one `--repeats` times into a fresh
 engine. Reported: median seconds (slowest rank) and bytes on disk per checkpoint.
 
+veScale Engine runs twice: with synchronous saves and with background saves ("checkpoint":
+{"writer": {"decoupled": true}}). For both, the stall (how long `save_checkpoint` keeps the
+training loop: every rank's call, the slowest) and the end-to-end time of `--steps` training
+steps with a save every `--every` steps against the same steps without saves (a background
+save's write overlaps the steps after it; its thread shares the rank's CPU).
+
     python benchmarks/checkpoint_io.py            # writes benchmarks/results/checkpoint_io.md
     python benchmarks/checkpoint_io.py --smoke    # tiny model, writes checkpoint_io_smoke.md
 """
@@ -23,9 +29,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from ranks import add_worker_flags, command_line, run_ranks, write_report  # noqa: E402
+from ranks import add_worker_flags, command_line, cpu_model, run_ranks, write_report  # noqa: E402
 CONFIG = os.path.join(ROOT, "examples", "configs", "vescale_default.json")
-SYSTEMS = ("vescale", "deepspeed")
+SYSTEMS = ("vescale", "vescale_async", "deepspeed")
+LABELS = {"vescale": "vescale (synchronous)", "vescale_async": "vescale (background)",
+          "deepspeed": "deepspeed"}
 
 
 def _dir_bytes(path):
@@ -51,9 +59,12 @@ def worker(args):
     def make():
         torch.manual_seed(0)
         model = GPT(cfg)
-        if args.system == "vescale":
+        if args.system.startswith("vescale"):
             import vescale_engine
-            return vescale_engine.initialize(model=model, config=config)[0]
+            ours = dict(config)
+            if args.system == "vescale_async":
+                ours["checkpoint"] = {"writer": {"decoupled": True}}
+            return vescale_engine.initialize(model=model, config=ours)[0]
         import deepspeed
         ds = {k: v for k, v in config.items() if k != "vescale"}
         ds["optimizer"] = {"type": "AdamW", "params": {**config["optimizer"]["params"],
@@ -65,10 +76,14 @@ def worker(args):
     engine = make()
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size),
                         generator=torch.Generator().manual_seed(dist.get_rank()))
-    logits_or_loss = engine(idx, idx)
-    loss = logits_or_loss[1] if isinstance(logits_or_loss, tuple) else logits_or_loss
-    engine.backward(loss)
-    engine.step()
+
+    def step():
+        logits_or_loss = engine(idx, idx)
+        loss = logits_or_loss[1] if isinstance(logits_or_loss, tuple) else logits_or_loss
+        engine.backward(loss)
+        engine.step()
+
+    step()
     params = sum(p.numel() for p in GPT(cfg).parameters())  # the engines hold shards
 
     def timed(fn):
@@ -80,26 +95,40 @@ def worker(args):
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return took.item()
 
+    ours = args.system.startswith("vescale")
+    wait = engine.wait_for_checkpoint if ours else (lambda: None)
     saves, sizes = [], []
     for i in range(args.repeats):
         tag = f"bench{i}"
         saves.append(timed(lambda: engine.save_checkpoint(args.dir, tag=tag)))
+        wait()  # the stall of one save, not of the one before it
         sizes.append(_dir_bytes(os.path.join(args.dir, tag)))
+    runs = {}
+    if ours:  # --steps steps without saves, then with a save every --every steps
+        for with_saves in (False, True):
+            def train():
+                for i in range(1, args.steps + 1):
+                    step()
+                    if with_saves and i % args.every == 0:
+                        engine.save_checkpoint(args.dir, tag=f"run{i}")
+                wait()  # the last write counts
+            runs[with_saves] = timed(train)
     fresh = make()
     loads = [timed(lambda: fresh.load_checkpoint(args.dir, tag=f"bench{args.repeats - 1}"))
              for _ in range(args.repeats)]
     # every rank reports (run_ranks wants a line from each); the times are the slowest rank's
     print(json.dumps({"system": args.system, "params": params,
                       "save_s": statistics.median(saves), "load_s": statistics.median(loads),
-                      "bytes": statistics.median(sizes)}), flush=True)
+                      "bytes": statistics.median(sizes), "steps_s": runs.get(False),
+                      "steps_with_saves_s": runs.get(True)}), flush=True)
 
 
 def run_system(system, args):
     """One system's 2 ranks (fresh processes) over a scratch directory; rank 0's report."""
     scratch = tempfile.mkdtemp(prefix=f"ckpt-bench-{system}-")
     try:
-        flags = ["--dir", scratch, "--repeats", str(args.repeats)] + \
-            (["--smoke"] if args.smoke else [])
+        flags = ["--dir", scratch, "--repeats", str(args.repeats), "--steps", str(args.steps),
+                 "--every", str(args.every)] + (["--smoke"] if args.smoke else [])
         return run_ranks(__file__, system, 2, flags)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -109,6 +138,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, quick check")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="steps of the end-to-end runs")
+    parser.add_argument("--every", type=int, default=5, help="a save every N of those steps")
     parser.add_argument("--out", default=None, help="markdown output path")
     add_worker_flags(parser, SYSTEMS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -120,14 +151,27 @@ def main():
                                    else "checkpoint_io.md")
     command = command_line(__file__)
     lines = [f"# Checkpoint save/load, 2 ranks (gloo, CPU){' — smoke run' if args.smoke else ''}",
-             "", f"Command: `{command}`", "",
+             "", f"Command: `{command}`  ", f"CPU: {cpu_model()}", "",
              f"Model: examples/gpt_model.py ({results[0]['params']:,} parameters), config "
              "examples/configs/vescale_default.json; one training step, then "
              f"{args.repeats} saves and {args.repeats} loads; medians, slowest rank.", "",
-             "| system | save (s) | load (s) | bytes on disk |", "|---|---:|---:|---:|"]
+             "| system | save: stall (s) | load (s) | bytes on disk |", "|---|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['system']} | {r['save_s']:.3f} | {r['load_s']:.3f} | "
+        lines.append(f"| {LABELS[r['system']]} | {r['save_s']:.3f} | {r['load_s']:.3f} | "
                      f"{int(r['bytes']):,} |")
+    by = {r["system"]: r for r in results}
+    sync, back = by["vescale"], by["vescale_async"]
+    lines += ["", f"End to end: {args.steps} steps, a save every {args.every} steps, against "
+              "the same steps without saves (seconds, slowest rank):", "",
+              "| saves | without saves | with saves | ratio |", "|---|---:|---:|---:|"]
+    for r in (sync, back):
+        lines.append(f"| {LABELS[r['system']]} | {r['steps_s']:.2f} | "
+                     f"{r['steps_with_saves_s']:.2f} | "
+                     f"{r['steps_with_saves_s'] / r['steps_s']:.3f}x |")
+    lines += ["", f"Background / synchronous stall: {back['save_s'] / sync['save_s']:.3f}x "
+              "(target <= 0.1x); end to end with saves, background: "
+              f"{back['steps_with_saves_s'] / back['steps_s']:.3f}x the run without saves "
+              "(target <= 1.05x)."]
     lines += ["", "vescale: DCP files (true shapes; loads on any world size), fsynced, CRC32 of "
               "every file and item taken while writing and checked while reading; the tied head is written under both names so that a plain model's "
               "state_dict loads. DeepSpeed: torch.save per rank (same world size only)."]

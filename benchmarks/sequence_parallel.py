@@ -18,9 +18,12 @@ with a "vescale" section, DeepSpeed as it is. Per rank and step:
 - step time (forward, backward, optimizer step), median of the timed steps.
 
 Runs are fresh processes; systems alternate round by round; medians over rounds of the worst
-rank. TEST WORKAROUND, both systems alike: on gloo the backward of torch's
+rank. WORKAROUNDS, both systems alike: on gloo the backward of torch's
 `torch.distributed.nn.functional.all_gather` scatters from a group rank where torch expects a
-global rank, so the loss aggregation uses an all-gather whose backward is an all-reduce.
+global rank, so the loss aggregation uses an all-gather whose backward is an all-reduce; and
+DeepSpeed 0.19.3's UlyssesSPDataLoaderAdapter all-gathers a 0-dim length into 1-element
+tensors, which gloo refuses (0.19.8 sends 1 element), so its 0-dim all-gather inputs are sent
+as 1 element.
 
     python benchmarks/sequence_parallel.py                 # writes results/sequence_parallel.md
     python benchmarks/sequence_parallel.py --seqs 256 --rounds 1 --steps 2   # a quick smoke run
@@ -83,6 +86,23 @@ def _gather_for_loss():
     return Gather.apply
 
 
+def _gloo_safe_adapter():
+    """DeepSpeed 0.19.3's adapter on gloo (module docstring): deepspeed.comm as ulysses_sp
+    sees it, a 0-dim all-gather input sent as 1 element."""
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    comm = ulysses_sp.dist
+
+    class Comm:
+        def __getattr__(self, name):
+            return getattr(comm, name)
+
+        def all_gather(self, tensor_list, tensor, *args, **kwargs):
+            return comm.all_gather(tensor_list, tensor.reshape(1) if tensor.dim() == 0
+                                   else tensor, *args, **kwargs)
+
+    ulysses_sp.dist = Comm()
+
+
 def _activation_bytes(run_forward, module):
     """Bytes of the distinct storages autograd saves for backward during `run_forward()`
     (and its result), parameters excluded: a storage a parameter of `module` holds when it is
@@ -114,6 +134,7 @@ def worker(args):
                                                                  UlyssesSPDataLoaderAdapter)
     from transformers import LlamaConfig, LlamaForCausalLM
     deepspeed.init_distributed(dist_backend="gloo")
+    _gloo_safe_adapter()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL, max_position_embeddings=args.seq,

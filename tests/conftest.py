@@ -99,12 +99,14 @@ TIERS = {
         "test_deepspeed_parity.py", "test_deepspeed_api.py", "test_deepspeed_params.py",
         "test_hf_checkpoint.py", "test_hf_zero_init.py", "test_versions.py",
         "test_autograd_features.py", "test_accelerate_fsdp2.py", "test_sequence_parallel.py",
+        "test_engine_compile.py",
         # and the other tests of other libraries
         "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
         "test_integrations.py",
     },
     "engine": {
         "test_adamw8bit.py", "test_benchmark_ranks.py", "test_capacity.py", "test_checkpoint.py",
+        "test_checkpoint_async.py",
         "test_colocation.py", "test_config_schema.py", "test_device.py",
         "test_device_hygiene.py", "test_docs.py", "test_engine.py", "test_engine_config.py",
         "test_engine_faults.py", "test_engine_tp_ep.py", "test_example.py", "test_fail_fast.py",

@@ -214,7 +214,8 @@ def trainer_rank(rank, world, model_dir, out_dir, cfg, options):
               "eval": recorder.eval, "global_step": trainer.state.global_step,
               "gradient_checkpointing": trainer.model.is_gradient_checkpointing,
               "stepped_lrs": recorder.stepped_lrs, "stepping": recorder.stepping,
-              "bf16": trainer.model_wrapped.bfloat16_enabled()}
+              "bf16": trainer.model_wrapped.bfloat16_enabled(),
+              "compiled": bool(getattr(trainer.model_wrapped, "is_compiled", False))}
     if result["engine"] == "VeScaleEngine":  # parameters that are TP/EP pieces
         from vescale_engine.fsdp.lookup import sharded_parameters
         result["split"] = sum(sp.dtensor_spec is not None

@@ -43,6 +43,7 @@ data), layout.py (the directory layout and its atomic publication), zero.py (Dee
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 import os
@@ -122,14 +123,17 @@ def _optimizer_values(optimizer) -> dict:
 
 
 def save_checkpoint(training, save_dir, tag=None, client_state=None, save_latest=True,
-                    exclude_frozen_parameters=False):
+                    exclude_frozen_parameters=False, background=None):
     """`training` (a state.TrainingState) saved as SAVE_DIR/TAG, TAG `global_step<step>`
-    unless given; the checkpoint's path."""
+    unless given; the checkpoint's path. With `background` (a background.BackgroundSaves) this
+    rank's state is copied into host memory and the call returns; a thread writes the files
+    and publishes them with the same guarantees (background.py)."""
     rank = dist.get_rank()
-    started = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{training.step}"
     if bad_tag(tag):
         raise CheckpointError(f"save_checkpoint: invalid tag {tag!r}: {bad_tag(tag)}")
+    if background is not None:
+        background.wait()  # the previous save first: its staged copies are reused
     optimizer = training.optimizer
     state = {"format": FORMAT, "tag": tag, "world_size": dist.get_world_size(),
              **_training_values(training),
@@ -148,46 +152,60 @@ def save_checkpoint(training, save_dir, tag=None, client_state=None, save_latest
     save_dir = os.fspath(save_dir)
     partial, final = partial_dir(save_dir, tag), os.path.join(save_dir, tag)
     _raise_rank0_problem(_prepare(save_dir, partial) if rank == 0 else None)
+    write = functools.partial(_write_checkpoint, state, save_dir, partial, final, tag,
+                              save_latest, training.step)
+    if background is None:
+        return write(sd, None, time.perf_counter())
+    background.start(final, write, background.stage(sd))
+    return final
+
+
+def _write_checkpoint(state, save_dir, partial, final, tag, save_latest, step, sd, group,
+                      started):
+    """Write `sd` into `partial` with DCP, gather every rank's file records and let rank 0
+    publish (every collective over `group`: None is the default group); the checkpoint's
+    path once it is visible on every rank."""
+    rank = dist.get_rank()
     writer = CrcWriter(partial, sync_files=True)  # CRCs taken while writing, no read-back
     planner = SavePlanner()
     try:
-        dcp.save(sd, storage_writer=writer, planner=planner)
+        dcp.save(sd, storage_writer=writer, planner=planner, process_group=group)
     except CheckpointException as err:  # every rank gets it, with every rank's failure
         problem = _broadcast_from_rank0(
-            _failed_write(err, planner, save_dir, partial) if rank == 0 else None)
+            _failed_write(err, planner, save_dir, partial) if rank == 0 else None, group)
         if problem is None:
             raise
         raise CheckpointWriteError(*problem) from None
     written = writer.records()
     mine = {f: info for f, info in written.items() if f.startswith(f"__{rank}_")}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
     problem = None
     if rank == 0:
         files = {name: info for part in gathered for name, info in part.items()}
         files[".metadata"] = {k: v for k, v in written[".metadata"].items() if k != "items"}
         state["files"] = files
         problem = _write_and_publish(state, save_dir, partial, final, tag, save_latest)
-    _raise_rank0_problem(problem)  # nobody returns before the checkpoint is visible
+    _raise_rank0_problem(problem, group)  # nobody returns before the checkpoint is visible
     if rank == 0:
         size = sum(info.get("bytes", 0) for info in state["files"].values()
                    if isinstance(info, dict))
-        LOG.info("save_checkpoint: %s (step %d, %.1f MB, %.1f s)", final, training.step,
+        LOG.info("save_checkpoint: %s (step %d, %.1f MB, %.1f s)", final, step,
                  size / 2**20, time.perf_counter() - started)
     return final
 
 
-def _broadcast_from_rank0(problem):
-    """Rank 0's (errno, message) or None, on every rank (a collective)."""
+def _broadcast_from_rank0(problem, group=None):
+    """Rank 0's (errno, message) or None, on every rank (a collective over `group`)."""
     box = [problem]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _raise_rank0_problem(problem):
+def _raise_rank0_problem(problem, group=None):
     """Every rank raises rank 0's problem (errno, message), or none does: no rank is left
     waiting in a collective for a rank 0 that failed alone."""
-    problem = _broadcast_from_rank0(problem)
+    problem = _broadcast_from_rank0(problem, group)
     if problem is not None:
         raise CheckpointWriteError(*problem)
 

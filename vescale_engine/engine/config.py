@@ -239,6 +239,9 @@ class EngineConfig:
     # "offload_param"} (offload_param: device "cpu" there too), else None
     offload_optimizer: dict | None = None
     canonical: dict = field(default_factory=dict)  # the validated config, canonical names
+    # checkpoint.writer.decoupled: save_checkpoint returns once the state is staged in host
+    # memory; a thread writes it (checkpoint/background.py)
+    background_saves: bool = False
 
 
 def _offload_optimizer(section: dict | None) -> dict | None:
@@ -388,4 +391,6 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         save_on_signal=_save_on_signal(ves.get("save_on_signal")),
         offload_optimizer=offload,
         canonical=config,
+        background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
+                              .get("decoupled", False)),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from ..checkpoint.background import BackgroundSaves
 from ..checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from ..checkpoint.sharded import load_checkpoint, save_checkpoint
 from ..fsdp.api import no_sync, release
@@ -22,6 +24,7 @@ from ..optim.clip import clip_grad_norm_, global_grad_norm
 from ..optim.offload import check_offloadable
 from . import loss_scaler as scaling
 from .colocation import Colocation
+from .compile import CompileReport, compile_units, refused_compile_keys
 from .config import EngineConfig, build_config
 from .from_config import (build_optimizer, build_scheduler, check_client_scheduler,
                           client_optimizer_groups, named_model_parameters, optimizer_spec,
@@ -108,8 +111,12 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._sync_context = None
         self._destroyed = False
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
+        self.checkpoint_stall_s = None  # the last save_checkpoint's time in the caller
+        self._compile_report = None  # set by compile()
         self._colocation = Colocation(module, optimizer, device)  # offload_states' record
         self._colocation.expose_on(optimizer, self.offload_states, self.reload_states)
+        # checkpoint.writer.decoupled: saves written by a thread (a collective: its group)
+        self._saves = BackgroundSaves() if config.background_saves else None
         # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
         self._signal_save = SignalSave(config.save_on_signal, device) \
             if config.save_on_signal is not None else None
@@ -234,6 +241,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         raises Preempted (preemption.py)."""
         self._check_alive()
         self._colocation.require_on_device("engine.step")
+        if self._saves is not None:  # a background save's end (or failure), on every rank
+            self._saves.poll(self.device)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             if self._signal_save is not None:
@@ -246,6 +255,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.micro_steps += 1
         if boundary:
             self._report()
+            if self._compile_report is not None:
+                self._compile_report.after_step(self.global_rank)
             if self._signal_save is not None:  # every rank the same: save, raise Preempted
                 self._signal_save.save_if_agreed(self)
 
@@ -340,14 +351,24 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         with requires_grad=False (loading such a checkpoint keeps the model's own values)."""
         self._colocation.require_on_device("engine.save_checkpoint")
         refuse_with_experts(self.module, "engine.save_checkpoint")  # TP/EP pieces: mapped
-        return save_checkpoint(EngineTrainingState(self), save_dir, tag, client_state,
-                               save_latest, exclude_frozen_parameters)
+        started = time.perf_counter()
+        path = save_checkpoint(EngineTrainingState(self), save_dir, tag, client_state,
+                               save_latest, exclude_frozen_parameters, background=self._saves)
+        self.checkpoint_stall_s = time.perf_counter() - started  # what the caller waited
+        return path
+
+    def wait_for_checkpoint(self):
+        """Until a background save (checkpoint.writer.decoupled) is written and published on
+        every rank; its failure raised on every rank. Collective when one is in flight."""
+        if self._saves is not None:
+            self._saves.wait(self.device)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
         self._colocation.require_on_device("engine.load_checkpoint")
         refuse_with_experts(self.module, "engine.load_checkpoint")  # TP/EP pieces: mapped
+        self.wait_for_checkpoint()  # the save in flight may be the one asked for
         return load_checkpoint(EngineTrainingState(self, load_lr_scheduler_states), load_dir, tag,
                                load_module_strict, load_optimizer_states, load_module_only,
                                self.engine_config.checkpoint_import_timeout_s)
@@ -369,6 +390,44 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         gathered into them (fsdp/state_dict.gather_to_rank0); DeepSpeed MoE experts are refused
         everywhere (refuse_with_experts)."""
         refuse_with_experts(self.module, what)
+
+    # -- compile (compile.py) ------------------------------------------------------------------
+
+    def compile(self, backend="inductor", compile_kwargs=None, schedule=None,
+                compiled_autograd_enabled=False) -> None:
+        """DeepSpeed's engine.compile: torch.compile with `backend` and `compile_kwargs` on
+        each innermost FSDP unit's forward (compile.py), the units' hooks left eager. What
+        DeepSpeed's DeepCompile would do instead (`schedule`, compiled autograd) is refused in
+        one line; the config's DeepCompile keys are named in one warning."""
+        self._check_alive()
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...): a DeepCompile schedule; this engine "
+                             "compiles each unit with torch.compile and takes no schedule")
+        if compiled_autograd_enabled:
+            raise ValueError("engine.compile(compiled_autograd_enabled=True): compiled autograd "
+                             "would trace the units' backward hooks (collectives); not supported")
+        if self._compile_report is not None:
+            return  # compiled already, as DeepSpeed's second call does nothing
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            if self.global_rank == 0:
+                LOG.warning("engine.compile: the backend in compile_kwargs is overridden by "
+                            "backend=%r (as DeepSpeed does)", backend)
+            kwargs.pop("backend")
+        refused = refused_compile_keys(self.config.get("compile"))
+        if refused and self.global_rank == 0:
+            LOG.warning("engine.compile: %s ask for DeepSpeed's DeepCompile passes, which this "
+                        "engine does not run; each unit is compiled with torch.compile instead",
+                        ", ".join(refused))
+        names = compile_units(self.module, backend, kwargs)
+        self._compile_report = CompileReport()
+        if self.global_rank == 0:
+            LOG.info("engine.compile: %d unit(s) compiled with backend %r (%s)", len(names),
+                     backend, ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compile_report is not None
 
     # -- RL colocation (colocation.py) ---------------------------------------------------------
 
@@ -416,6 +475,11 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         error. The module keeps its (sharded) parameters."""
         if self._destroyed:
             return
+        pending = None
+        try:  # a background save finishes first (its failure raised once the rest is done)
+            self.wait_for_checkpoint()
+        except Exception as err:
+            pending = err
         if self._signal_save is not None:
             self._signal_save.close()
         self._colocation.release()
@@ -429,6 +493,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._window_losses = []
         self.process_group = None
         self._destroyed = True
+        if pending is not None:
+            raise pending
 
     def _check_alive(self):
         if self._destroyed:

@@ -101,6 +101,7 @@ class SignalSave:
                         "exiting", name, engine.global_steps, self.spec.save_dir)
         path = engine.save_checkpoint(self.spec.save_dir,
                                       tag=self.spec.tag_at(engine.global_steps))
+        engine.wait_for_checkpoint()  # a background save finished before the process exits
         self.received = self.repeats = 0  # a loop that catches Preempted trains on clean
         stop = Preempted(signum, path, engine.global_steps)
         if engine.global_rank == 0:
