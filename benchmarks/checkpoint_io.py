@@ -9,8 +9,9 @@ engine. Reported: median seconds (slowest rank) and bytes on disk per checkpoint
 veScale Engine runs twice: with synchronous saves and with background saves ("checkpoint":
 {"writer": {"decoupled": true}}). For both, the stall (how long `save_checkpoint` keeps the
 training loop: every rank's call, the slowest) and the end-to-end time of `--steps` training
-steps with a save every `--every` steps against the same steps without saves (a background
-save's write overlaps the steps after it; its thread shares the rank's CPU).
+steps with a save every `--every` steps against the same steps without saves, alternated
+`--e2e-rounds` times (a background save's write overlaps the steps after it; on CPU its thread
+shares the cores the ranks compute on).
 
     python benchmarks/checkpoint_io.py            # writes benchmarks/results/checkpoint_io.md
     python benchmarks/checkpoint_io.py --smoke    # tiny model, writes checkpoint_io_smoke.md
@@ -103,16 +104,18 @@ def worker(args):
         saves.append(timed(lambda: engine.save_checkpoint(args.dir, tag=tag)))
         wait()  # the stall of one save, not of the one before it
         sizes.append(_dir_bytes(os.path.join(args.dir, tag)))
-    runs = {}
-    if ours:  # --steps steps without saves, then with a save every --every steps
-        for with_saves in (False, True):
-            def train():
-                for i in range(1, args.steps + 1):
-                    step()
-                    if with_saves and i % args.every == 0:
-                        engine.save_checkpoint(args.dir, tag=f"run{i}")
-                wait()  # the last write counts
-            runs[with_saves] = timed(train)
+    runs = {False: [], True: []}
+    if ours:  # --steps steps without saves and with a save every --every steps, alternated
+        for _ in range(args.e2e_rounds):
+            for with_saves in (False, True):
+                def train():
+                    for i in range(1, args.steps + 1):
+                        step()
+                        if with_saves and i % args.every == 0:
+                            engine.save_checkpoint(args.dir, tag=f"run{i}")
+                    wait()  # the last write counts
+                runs[with_saves].append(timed(train))
+    runs = {k: statistics.median(v) if v else None for k, v in runs.items()}
     fresh = make()
     loads = [timed(lambda: fresh.load_checkpoint(args.dir, tag=f"bench{args.repeats - 1}"))
              for _ in range(args.repeats)]
@@ -128,7 +131,8 @@ def run_system(system, args):
     scratch = tempfile.mkdtemp(prefix=f"ckpt-bench-{system}-")
     try:
         flags = ["--dir", scratch, "--repeats", str(args.repeats), "--steps", str(args.steps),
-                 "--every", str(args.every)] + (["--smoke"] if args.smoke else [])
+                 "--every", str(args.every), "--e2e-rounds", str(args.e2e_rounds)] + \
+            (["--smoke"] if args.smoke else [])
         return run_ranks(__file__, system, 2, flags)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -138,8 +142,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, quick check")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="steps of the end-to-end runs")
+    parser.add_argument("--steps", type=int, default=10, help="steps of the end-to-end runs")
     parser.add_argument("--every", type=int, default=5, help="a save every N of those steps")
+    parser.add_argument("--e2e-rounds", type=int, default=3,
+                        help="end-to-end runs without and with saves, alternated (medians)")
     parser.add_argument("--out", default=None, help="markdown output path")
     add_worker_flags(parser, SYSTEMS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -162,7 +168,8 @@ def main():
     by = {r["system"]: r for r in results}
     sync, back = by["vescale"], by["vescale_async"]
     lines += ["", f"End to end: {args.steps} steps, a save every {args.every} steps, against "
-              "the same steps without saves (seconds, slowest rank):", "",
+              f"the same steps without saves, {args.e2e_rounds} runs of each alternated "
+              "(medians; seconds, slowest rank):", "",
               "| saves | without saves | with saves | ratio |", "|---|---:|---:|---:|"]
     for r in (sync, back):
         lines.append(f"| {LABELS[r['system']]} | {r['steps_s']:.2f} | "
