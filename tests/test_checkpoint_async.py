@@ -216,3 +216,33 @@ def test_kill_during_the_background_write_leaves_the_previous_latest(tmp_path, p
     assert not (root / "global_step2").exists()
     loaded = pools(1).run(load_and_continue, str(root))
     assert loaded[0]["path"] == str(root / "global_step1")
+
+
+def preemption_waits(rank, world, root):
+    """vescale.save_on_signal with background saves: Preempted is raised only once the
+    preemption checkpoint is published (the writer held for a moment to make it wait)."""
+    import vescale_engine
+    from vescale_engine import initialize
+    import fsdp_models as fm
+    cfg = copy.deepcopy(base_config(world))
+    cfg["checkpoint"] = copy.deepcopy(DECOUPLED)
+    cfg["vescale"]["save_on_signal"] = {"save_dir": root}
+    engine, *_ = initialize(model=fm.make("gpt"), config=cfg)
+    train(engine, rank, world, 1)
+    with _HeldWriter() as writer:
+        threading.Timer(0.5, writer.release.set).start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            train(engine, rank, world, 1)
+        except vescale_engine.Preempted as stop:
+            published = os.path.isdir(stop.checkpoint)
+            with open(os.path.join(root, "latest")) as f:
+                latest = f.read().splitlines()[0]
+            engine.destroy()
+            return published, latest, [kind for kind, _ in writer.order]
+    return None
+
+
+def test_the_preemption_save_is_published_before_preempted_is_raised(pools, tmp_path):
+    for result in pools(WORLD).run(preemption_waits, str(tmp_path / "ckpt")):
+        assert result == (True, "global_step2", ["held", "writing"]), result
