@@ -65,34 +65,52 @@ def _parser():
 
 # ----------------------------------------------------------------------------- in a rank
 
-def _gather_for_loss():
+# What the ranks of this benchmark and of tests/test_sequence_parallel.py share.
+
+def gather_for_loss(group, value):
+    """torch.distributed.nn.functional.all_gather with a gloo-safe backward (an all-reduce,
+    the same sum of gradients; module docstring): the loss aggregation's gather."""
+    return _gather_function().apply(group, value)
+
+
+def _gather_function():
+    """The autograd Function behind gather_for_loss, made on first use (torch imported then)."""
     import torch
     import torch.distributed as dist
 
-    class Gather(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, group, value):
-            ctx.group = group
-            out = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(out, value.contiguous(), group=group)
-            return tuple(out)
+    global _GATHER
+    if _GATHER is None:
+        class Gather(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, group, value):
+                ctx.group = group
+                out = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(out, value.contiguous(), group=group)
+                return tuple(out)
 
-        @staticmethod
-        def backward(ctx, *grads):
-            stacked = torch.stack(grads).contiguous()
-            dist.all_reduce(stacked, group=ctx.group)
-            return None, stacked[dist.get_rank(ctx.group)]
+            @staticmethod
+            def backward(ctx, *grads):
+                stacked = torch.stack(grads).contiguous()
+                dist.all_reduce(stacked, group=ctx.group)
+                return None, stacked[dist.get_rank(ctx.group)]
+        _GATHER = Gather
+    return _GATHER
 
-    return Gather.apply
+
+_GATHER = None
 
 
-def _gloo_safe_adapter():
+def gloo_safe_adapter():
     """DeepSpeed 0.19.3's adapter on gloo (module docstring): deepspeed.comm as ulysses_sp
-    sees it, a 0-dim all-gather input sent as 1 element."""
+    sees it, a 0-dim all-gather input sent as 1 element (idempotent)."""
     from deepspeed.runtime.sequence_parallel import ulysses_sp
     comm = ulysses_sp.dist
+    if getattr(comm, "gloo_safe", False):
+        return
 
     class Comm:
+        gloo_safe = True
+
         def __getattr__(self, name):
             return getattr(comm, name)
 
@@ -103,11 +121,11 @@ def _gloo_safe_adapter():
     ulysses_sp.dist = Comm()
 
 
-def _activation_bytes(run_forward, module):
-    """Bytes of the distinct storages autograd saves for backward during `run_forward()`
-    (and its result), parameters excluded: a storage a parameter of `module` holds when it is
-    saved (DeepSpeed saves the gathered Parameter itself, ours a view of the unit's gathered
-    buffer; both are the engine's, counted by the planner's other rows)."""
+def saved_activation_bytes(run_forward, module):
+    """(bytes of the distinct storages autograd saves for backward during `run_forward()`,
+    its result), parameters excluded: a storage a parameter of `module` holds when it is saved
+    (DeepSpeed saves the gathered Parameter itself, ours a view of the unit's gathered buffer;
+    both are the engine's, counted by the planner's other rows)."""
     import torch
     seen = {}
 
@@ -134,7 +152,7 @@ def worker(args):
                                                                  UlyssesSPDataLoaderAdapter)
     from transformers import LlamaConfig, LlamaForCausalLM
     deepspeed.init_distributed(dist_backend="gloo")
-    _gloo_safe_adapter()
+    gloo_safe_adapter()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL, max_position_embeddings=args.seq,
@@ -166,7 +184,6 @@ def worker(args):
         loader = UlyssesSPDataLoaderAdapter(loader, sp_rank=groups._get_sequence_parallel_rank(),
                                             sp_group=group, sp_world_size=args.sp,
                                             device=engine.device)
-    gather = _gather_for_loss()
 
     def forward(batch):
         if args.sp == 1:
@@ -179,7 +196,7 @@ def worker(args):
         if group is None:
             return loss
         good = (labels != -100).sum().float()
-        losses, goods = gather(group, loss), gather(group, good)
+        losses, goods = gather_for_loss(group, loss), gather_for_loss(group, good)
         return sum(l * g for l, g in zip(losses, goods)) / max(sum(goods), 1)
 
     import ctypes
@@ -192,7 +209,7 @@ def worker(args):
         libc.malloc_trim(0)  # what the last step freed leaves the RSS: both systems alike
         base = reset_peak()
         start = time.perf_counter()
-        act, loss = _activation_bytes(lambda: forward(batch), engine.module)
+        act, loss = saved_activation_bytes(lambda: forward(batch), engine.module)
         engine.backward(loss)
         engine.step()
         elapsed = time.perf_counter() - start

@@ -12,21 +12,29 @@ training on the same global batch, and the final parameters too.
 TEST WORKAROUND, applied to every run alike: on gloo, the backward of torch's
 `torch.distributed.nn.functional.all_gather` scatters from the group rank where torch expects
 the global rank, which fails on the second SP group. The loss aggregation uses a differentiable
-all-gather whose backward is an all-reduce (`_gather_for_loss`), the same sum of gradients.
+all-gather whose backward is an all-reduce (`gather_for_loss`), the same sum of gradients.
 And DeepSpeed 0.19.3's UlyssesSPDataLoaderAdapter all-gathers a 0-dim sequence length into
 1-element tensors, which gloo refuses (0.19.8 sends 1 element): its all-gathers get 0-dim
-tensors as 1-element ones (`_GlooShapes`).
+tensors as 1-element ones (`gloo_safe_adapter`). Both, and the activation count, are
+benchmarks/sequence_parallel.py's, shared.
 """
 from __future__ import annotations
 
 import copy
 import math
 import os
+import sys
 
 import pytest
 import torch
 
 from dist_harness import RankPool
+
+# the workarounds and the activation count the benchmark uses (module docstring)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from sequence_parallel import (gather_for_loss, gloo_safe_adapter,  # noqa: E402
+                               saved_activation_bytes)
 
 WORLD, SP = 4, 2
 DP = WORLD // SP
@@ -106,51 +114,14 @@ class Samples(torch.utils.data.Dataset):
 
 # ----------------------------------------------------------------------------- in the ranks
 
-class _GatherForLoss(torch.autograd.Function):
-    """torch.distributed.nn.functional.all_gather with a gloo-safe backward (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, group, value):
-        import torch.distributed as dist
-        ctx.group = group
-        out = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, value.contiguous(), group=group)
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        import torch.distributed as dist
-        stacked = torch.stack(grads).contiguous()
-        dist.all_reduce(stacked, group=ctx.group)
-        return None, stacked[dist.get_rank(ctx.group)]
-
-
-def _gather_for_loss(value, group):
-    return _GatherForLoss.apply(group, value)
-
-
 def sp_loss(logits, shift_labels, group):
     """The tutorial's differentiable weighted per-shard loss aggregation over the SP group."""
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                              shift_labels.reshape(-1), ignore_index=-100)
     good = (shift_labels != -100).reshape(-1).sum().float()
-    losses, goods = _gather_for_loss(loss, group), _gather_for_loss(good, group)
+    losses, goods = gather_for_loss(group, loss), gather_for_loss(group, good)
     total = sum(losses[r] * goods[r] for r in range(len(losses)))
     return total / max(sum(goods), 1)
-
-
-class _GlooShapes:
-    """deepspeed.comm as ulysses_sp sees it, a 0-dim all-gather input sent as 1 element."""
-
-    def __init__(self, comm):
-        self._comm = comm
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    def all_gather(self, tensor_list, tensor, *args, **kwargs):
-        return self._comm.all_gather(tensor_list, tensor.reshape(1) if tensor.dim() == 0
-                                     else tensor, *args, **kwargs)
 
 
 def _fresh_sequence_parallel_state():
@@ -164,26 +135,7 @@ def _fresh_sequence_parallel_state():
     parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
     groups.mpu = None
-    from deepspeed.runtime.sequence_parallel import ulysses_sp
-    if not isinstance(ulysses_sp.dist, _GlooShapes):
-        ulysses_sp.dist = _GlooShapes(ulysses_sp.dist)
-
-
-def saved_activation_bytes(run_forward, module):
-    """(bytes of the distinct storages autograd saves for backward in `run_forward()`, its
-    result), a parameter's storage excluded (benchmarks/sequence_parallel.py counts alike)."""
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in {p.untyped_storage().data_ptr()
-                                      for p in module.parameters()}:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run_forward()
-    return sum(seen.values()), out
+    gloo_safe_adapter()
 
 
 def _full_parameters(engine):
@@ -279,7 +231,7 @@ def alst_rank(rank, world, engine_name, changes, options):
 def _gloo_safe_all_gather(tensor, group=None):
     """The module docstring's workaround, for code that calls torch's function by name."""
     import torch.distributed as dist
-    return _gather_for_loss(tensor, group if group is not None else dist.group.WORLD)
+    return gather_for_loss(group if group is not None else dist.group.WORLD, tensor)
 
 
 def trainer_rank(rank, world, engine_name, model_dir, out_dir):
@@ -513,7 +465,6 @@ def test_the_benchmark_runs_both_systems(tmp_path):
     """benchmarks/sequence_parallel.py's smoke run: both systems, sp 1 and 2, a report whose
     measured activations equal the planner's estimate (each row's last two columns)."""
     import subprocess
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "sp.md"
     done = subprocess.run([sys.executable, "benchmarks/sequence_parallel.py", "--seqs", "128",
