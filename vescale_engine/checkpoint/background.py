@@ -36,7 +36,6 @@ class BackgroundSaves:
         self._thread = None
         self._path = None
         self._error = None
-        self.stall_s = 0.0    # the last save's time in the caller (staging and hand-off)
 
     @property
     def pending(self) -> bool:
