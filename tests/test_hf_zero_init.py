@@ -144,6 +144,22 @@ def record_of(model):
     return next(m.__dict__[MARK] for m in model.modules() if MARK in m.__dict__)
 
 
+def deepspeed_gathered(model) -> dict:
+    """DeepSpeed's partitioned model's state_dict, gathered one parameter at a time: DeepSpeed
+    0.19.3's multi-parameter gather waits only its last all-gather (`launch_handles[-1].wait()`,
+    fixed in 0.19.8), so on gloo's threads an earlier parameter can come back unfilled."""
+    import deepspeed
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in names:
+            with deepspeed.zero.GatheredParameters([tensor]):
+                out[name] = tensor.detach().clone()
+        else:
+            out[name] = tensor.detach().clone()
+    return out
+
+
 def differing(got, want) -> list:
     return sorted(k for k in set(got) | set(want)
                   if k not in got or k not in want or got[k].dtype != want[k].dtype
@@ -325,8 +341,7 @@ def from_config_rank(rank, world):
         with hf_config(DEEPSPEED_ONLY):
             theirs = AutoModelForCausalLM.from_config(config)
         partitioned = all(hasattr(p, "ds_id") for p in theirs.parameters())
-        with deepspeed.zero.GatheredParameters(list(theirs.parameters())):
-            deepspeed_values = {k: v.clone() for k, v in theirs.state_dict().items()}
+        deepspeed_values = deepspeed_gathered(theirs)
         want_params = {k: v for k, v in want.items() if not k.startswith("buffer:")}
         out.append((tied, ours, partitioned, described(deepspeed_values, want_params,
                                            differing(deepspeed_values, want_params))))
@@ -350,8 +365,7 @@ def deepspeed_pretrained_rank(rank, world, path):
     with hf_config(DEEPSPEED_ONLY):
         model = LlamaForCausalLM.from_pretrained(path)
     shapes = {tuple(p.shape) for p in model.parameters()}
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        got = {k: v.clone() for k, v in model.state_dict().items()}
+    got = deepspeed_gathered(model)
     return shapes, differing(got, want)
 
 
