@@ -246,3 +246,70 @@ def preemption_waits(rank, world, root):
 def test_the_preemption_save_is_published_before_preempted_is_raised(pools, tmp_path):
     for result in pools(WORLD).run(preemption_waits, str(tmp_path / "ckpt")):
         assert result == (True, "global_step2", ["held", "writing"]), result
+
+
+def hf_files(directory) -> dict:
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory))}
+
+
+def background_hf_save(rank, world, root):
+    """save_hf_checkpoint(background=True) writes the bytes of a synchronous one while two
+    training steps run (its writer held until they did); a later one whose write fails (a full
+    disk on rank 0) is raised on every rank at the same step and leaves the earlier files."""
+    from vescale_engine.checkpoint import CheckpointWriteError, hf
+    engine = make_engine(world, decoupled=False)  # the engine makes its writer when asked
+    train(engine, rank, world, 2)
+    engine.save_hf_checkpoint(os.path.join(root, "sync"), max_shard_size="20KB")
+    real, release, order = hf._write_held, threading.Event(), []
+
+    def held(*args):
+        order.append("held")
+        if not release.wait(timeout=120):
+            raise TimeoutError("the writer was never released")
+        order.append("writing")
+        return real(*args)
+
+    hf._write_held = held
+    try:
+        engine.save_hf_checkpoint(os.path.join(root, "async"), max_shard_size="20KB",
+                                  background=True)
+        after = train(engine, rank, world, 2)
+        order.append("trained")
+        release.set()
+        engine.wait_for_checkpoint()
+    finally:
+        hf._write_held = real
+    real_save = hf.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if threading.current_thread().name == "vescale-checkpoint-writer":
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+        return real_save(tensors, filename, metadata=metadata)
+
+    hf.save_file = full_disk
+    try:
+        engine.save_hf_checkpoint(os.path.join(root, "async"), background=True)
+        for _ in range(500):
+            try:
+                train(engine, rank, world, 1)
+            except CheckpointWriteError as err:
+                return {"after": after, "order": order, "step": engine.global_steps,
+                        "error": str(err)}
+        return {"step": None}
+    finally:
+        hf.save_file = real_save
+        engine.destroy()
+
+
+def test_a_background_hf_save_writes_a_synchronous_ones_bytes(pools, tmp_path):
+    results = pools(WORLD).run(background_hf_save, str(tmp_path))
+    plain = pools(WORLD).run(save_sync_or_async, str(tmp_path / "plain"), False)
+    assert results[0]["order"] == ["held", "trained", "writing"]  # training went on
+    assert results[0]["after"] == plain[0]["after"]  # the held save changed nothing
+    sync, back = hf_files(tmp_path / "sync"), hf_files(tmp_path / "async")
+    assert len([n for n in sync if n.endswith(".safetensors")]) > 1 and sync == back
+    assert results[0]["step"] is not None and results[0]["step"] == results[1]["step"], results
+    for r in results:
+        assert "\n" not in r["error"] and "No space left" in r["error"], r["error"]
+    assert hf_files(tmp_path / "async") == sync  # the failed save replaced nothing

@@ -110,17 +110,21 @@ class BackgroundSaves:
         flag = torch.tensor([1 if error is not None else 0],
                             device=device if device is not None else _default_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if error is not None:
-            if isinstance(error, CheckpointWriteError):
-                raise error
-            raise CheckpointWriteError(getattr(error, "errno", None),
-                                       f"save_checkpoint: the background save of {path} "
-                                       f"failed: {type(error).__name__}: "
-                                       f"{(str(error).splitlines() or [''])[0]}") from error
-        if flag.item():
-            raise CheckpointWriteError(None, f"save_checkpoint: the background save of {path} "
-                                             "failed on another rank (its error is raised "
-                                             "there)")
+        if not flag.item():
+            return
+        original = error
+        if error is not None and not isinstance(error, CheckpointWriteError):
+            error = CheckpointWriteError(getattr(error, "errno", None),
+                                         f"save_checkpoint: the background save of {path} "
+                                         f"failed: {type(error).__name__}: "
+                                         f"{(str(error).splitlines() or [''])[0]}")
+        # every rank raises the first failing rank's line (an HF save fails on rank 0 only)
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, None if error is None else (error.errno, str(error)))
+        rank, (code, line) = next((r, f) for r, f in enumerate(found) if f is not None)
+        if error is not None and rank == dist.get_rank():
+            raise error from (original if original is not error else None)
+        raise CheckpointWriteError(code, line if "(rank " in line else f"{line} (rank {rank})")
 
 
 def _default_device():

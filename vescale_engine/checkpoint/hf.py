@@ -24,6 +24,7 @@ shard plus one gathered buffer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import itertools
 import json
@@ -39,6 +40,7 @@ from torch import nn
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from ..fsdp.state_dict import gather_to_rank0, named_entries
+from .background import BackgroundSaves
 from .dcp import CheckpointWriteError, write_error
 from .entries import fsync_dir, write_atomically
 from .piece import RaggedPiece
@@ -543,25 +545,26 @@ def _prepare_directory(path) -> tuple | None:
     return None
 
 
-def _write_configs(module, path, dtype):
-    """config.json (with the saved dtype and the model's class, as save_pretrained writes it)
-    and generation_config.json, when the model has them."""
+def _configs(module, dtype) -> list:
+    """Copies of the configs to save beside the weights: config.json (with the saved dtype and
+    the model's class, as save_pretrained writes it) and generation_config.json, when the model
+    has them. Copies, so that a background writer never sees the model's change meanwhile."""
+    out = []
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        saved = (getattr(config, "dtype", None), getattr(config, "architectures", None))
+        config = copy.deepcopy(config)
         config.dtype = str(dtype).split(".")[1]
         config.architectures = [type(module).__name__]
-        try:
-            config.save_pretrained(path)
-        finally:
-            config.dtype, config.architectures = saved
+        out.append(config)
     generation = getattr(module, "generation_config", None)
     can_generate = getattr(module, "can_generate", lambda: generation is not None)
     if generation is not None and can_generate():
-        generation.save_pretrained(path)
+        out.append(copy.deepcopy(generation))
+    return out
 
 
-def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB") -> None:
+def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB", *,
+                       writer=None) -> None:
     """Write the sharded module as a Hugging Face checkpoint `from_pretrained` loads:
     `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json` (or one
     `model.safetensors`), `config.json` and `generation_config.json` when the model has them.
@@ -569,7 +572,12 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     one shard file's tensors plus one gathered buffer. Floating tensors are saved in `dtype`.
     A file rank 0 cannot write (a full disk) is one CheckpointWriteError on every rank, naming
     it and the bytes it needed; before the renames at the end, the earlier save in `path` is
-    left whole."""
+    left whole.
+
+    With `writer` (an engine's background.BackgroundSaves: engine.save_hf_checkpoint(...,
+    background=True)) the gathers run here and rank 0 keeps every gathered tensor in host
+    memory (the whole model in `dtype`); a thread writes the files, and a failure is raised on
+    every rank where background saves raise theirs."""
     module = _module_of(module_or_engine)
     if getattr(module, "_vescale_expert_units", ()):  # as engine/deepspeed_moe refuses them
         raise NotImplementedError(
@@ -580,26 +588,71 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     limit = parse_size(max_shard_size)
     path = os.fspath(path)
     rank0 = dist.get_rank() == 0
+    if writer is not None and not isinstance(writer, BackgroundSaves):
+        raise TypeError(f"save_hf_checkpoint: writer={writer!r} is not an engine's background "
+                        "writer (use engine.save_hf_checkpoint(path, background=True))")
+    if writer is not None:
+        writer.wait()  # one save in flight at a time; its directory may be this one
     _raise_rank0_problem(_prepare_directory(path) if rank0 else None)
 
-    writer = _ShardWriter(path, limit) if rank0 else None
+    files = _ShardWriter(path, limit) if rank0 else None
+    configs = _configs(module, out_dtype) if rank0 else []
+    if writer is not None:
+        held = [(name, value) for names, _source, value in gather_to_rank0(module, out_dtype)
+                if (name := _saved_names(module, names)) is not None]
+        writer.start(path, lambda *_: _write_held(files, held, configs, path), {})
+        return
     problem = None
     for names, _source, value in gather_to_rank0(module, out_dtype):
         name = _saved_names(module, names)
         if name is not None and problem is None:
-            try:
-                writer.add(name, value)
-            except OSError as err:  # keep taking part in the gathers, then stop every rank
-                problem = err.errno, f"save_hf_checkpoint: {err} (nothing was replaced)"
-                writer.discard()  # the earlier save's files were not touched: its index back
-                _restore_previous_index(path)
+            try:  # on failure keep taking part in the gathers, then stop every rank
+                _add(files, name, value, path)
+            except CheckpointWriteError as err:
+                problem = err.errno, str(err)
     if rank0 and problem is None:
         try:
-            writer.finish()
-            _write_configs(module, path, out_dtype)
-        except OSError as err:
-            problem = err.errno, f"save_hf_checkpoint: {err}"
+            _finish(files, configs, path)
+        except CheckpointWriteError as err:
+            problem = err.errno, str(err)
     _raise_rank0_problem(problem)  # nobody returns before the files are complete
+
+
+def _add(writer, name, value, path):
+    try:
+        writer.add(name, value)
+    except OSError as err:
+        _give_up(writer, path, err)
+
+
+def _give_up(writer, path, err):
+    """Before the renames: this save's files removed, the earlier save's index back."""
+    writer.discard()
+    _restore_previous_index(path)
+    raise CheckpointWriteError(err.errno, f"save_hf_checkpoint: {err} (nothing was "
+                                          f"replaced)") from None
+
+
+def _finish(writer, configs, path):
+    try:
+        writer.flush()
+    except OSError as err:
+        _give_up(writer, path, err)
+    try:
+        writer.finish()
+        for config in configs:
+            config.save_pretrained(path)
+    except OSError as err:
+        raise CheckpointWriteError(err.errno, f"save_hf_checkpoint: {err}") from None
+
+
+def _write_held(writer, held, configs, path):
+    """The background writer's work: rank 0 writes what it holds (the other ranks nothing)."""
+    if writer is None:
+        return
+    for name, value in held:
+        _add(writer, name, value, path)
+    _finish(writer, configs, path)
 
 
 def _restore_previous_index(path):

@@ -379,11 +379,16 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         refuse_with_experts(self.module, "engine.load_hf_checkpoint")  # TP/EP pieces: mapped
         return load_hf_checkpoint(self, path, strict=strict, key_map=key_map)
 
-    def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB"):
-        """The model as a Hugging Face checkpoint (checkpoint.hf.save_hf_checkpoint)."""
+    def save_hf_checkpoint(self, path, dtype="bf16", max_shard_size="5GB", background=False):
+        """The model as a Hugging Face checkpoint (checkpoint.hf.save_hf_checkpoint). With
+        `background=True` rank 0 holds the gathered model in host memory and a thread writes
+        it, as background saves do (wait_for_checkpoint; a failure raised at a later step)."""
         self._colocation.require_on_device("engine.save_hf_checkpoint")
         self.require_global_layout("engine.save_hf_checkpoint")
-        return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size)
+        if background and self._saves is None:  # every rank is here: the group can be made
+            self._saves = BackgroundSaves()
+        return save_hf_checkpoint(self, path, dtype=dtype, max_shard_size=max_shard_size,
+                                  writer=self._saves if background else None)
 
     def require_global_layout(self, what: str) -> None:
         """Saved Hugging Face files and full state dicts hold global shapes: TP/EP pieces are
