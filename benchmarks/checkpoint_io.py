@@ -1,4 +1,5 @@
-"""Checkpoint save/load time and bytes written: vescale_engine vs DeepSpeed ZeRO-3, 2 ranks, gloo.
+"""Checkpoint save/load time and bytes written: vescale_engine vs DeepSpeed ZeRO-3, 2 ranks, gloo
+(or `--device cuda --world 1`: one GPU, NCCL, as the GPU check runs it).
 
 The example model (examples/gpt_model.py, default GPTConfig) and config
 (examples/configs/vescale_default.json; DeepSpeed gets the same JSON without the "vescale" key
@@ -49,6 +50,9 @@ def worker(args):
     from gpt_model import GPT, GPTConfig
 
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(args.rank)
     with open(CONFIG) as f:
         config = json.load(f)
     config["train_micro_batch_size_per_gpu"] = 2
@@ -70,13 +74,13 @@ def worker(args):
         ds = {k: v for k, v in config.items() if k != "vescale"}
         ds["optimizer"] = {"type": "AdamW", "params": {**config["optimizer"]["params"],
                                                        "torch_adam": True}}
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         return deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                     config=ds)[0]
 
     engine = make()
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size),
-                        generator=torch.Generator().manual_seed(dist.get_rank()))
+                        generator=torch.Generator().manual_seed(dist.get_rank())).to(args.device)
 
     def step():
         logits_or_loss = engine(idx, idx)
@@ -88,11 +92,15 @@ def worker(args):
     params = sum(p.numel() for p in GPT(cfg).parameters())  # the engines hold shards
 
     def timed(fn):
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
-        took = torch.tensor(time.perf_counter() - start)
+        took = torch.tensor(time.perf_counter() - start, device=args.device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return took.item()
 
@@ -133,7 +141,8 @@ def run_system(system, args):
         flags = ["--dir", scratch, "--repeats", str(args.repeats), "--steps", str(args.steps),
                  "--every", str(args.every), "--e2e-rounds", str(args.e2e_rounds)] + \
             (["--smoke"] if args.smoke else [])
-        return run_ranks(__file__, system, 2, flags)[0]
+        flags += ["--device", args.device, "--world", str(args.world)]
+        return run_ranks(__file__, system, args.world, flags, device=args.device)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -147,6 +156,8 @@ def main():
     parser.add_argument("--e2e-rounds", type=int, default=3,
                         help="end-to-end runs without and with saves, alternated (medians)")
     parser.add_argument("--out", default=None, help="markdown output path")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world", type=int, default=2, help="ranks (one GPU each on cuda)")
     add_worker_flags(parser, SYSTEMS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -156,7 +167,9 @@ def main():
     out = args.out or os.path.join(HERE, "results", "checkpoint_io_smoke.md" if args.smoke
                                    else "checkpoint_io.md")
     command = command_line(__file__)
-    lines = [f"# Checkpoint save/load, 2 ranks (gloo, CPU){' — smoke run' if args.smoke else ''}",
+    where = "NCCL, GPU" if args.device == "cuda" else "gloo, CPU"
+    lines = [f"# Checkpoint save/load, {args.world} ranks ({where})"
+             f"{' — smoke run' if args.smoke else ''}",
              "", f"Command: `{command}`  ", f"CPU: {cpu_model()}", "",
              f"Model: examples/gpt_model.py ({results[0]['params']:,} parameters), config "
              "examples/configs/vescale_default.json; one training step, then "

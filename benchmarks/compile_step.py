@@ -1,5 +1,6 @@
 """Step time with and without compile: veScale Engine's engine.compile() vs its eager step, and
-PyTorch FSDP2 with each block compiled (torchtitan's way) vs FSDP2 eager, 2 ranks on gloo.
+PyTorch FSDP2 with each block compiled (torchtitan's way) vs FSDP2 eager, 2 ranks on gloo (or
+`--device cuda --world 1`: one GPU, NCCL, as the GPU check runs it).
 
 The same GPT (examples/gpt_model.py), seed, data and AdamW in all. Ours: `initialize` with one
 unit per Block, then `engine.compile(backend="inductor")` (each innermost unit's forward
@@ -36,6 +37,9 @@ def worker(args):
     from gpt_model import GPT, GPTConfig
 
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(args.rank)
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.dim, n_head=max(1, args.dim // 64),
                     block_size=args.seq)
@@ -58,7 +62,8 @@ def worker(args):
             return loss
     else:
         from torch.distributed.fsdp import fully_shard
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
+        model.to(args.device)
         for block in model.blocks:
             if compiled:
                 block.compile(backend="inductor")
@@ -75,9 +80,12 @@ def worker(args):
     gen = torch.Generator().manual_seed(1 + args.rank)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+        idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1),
+                            generator=gen).to(args.device)
         start = time.perf_counter()
         loss = step(idx)
+        if cuda:
+            torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
@@ -87,8 +95,9 @@ def worker(args):
 
 def launch(system, args):
     flags = [f"--{k}={getattr(args, k)}" for k in
-             ("world", "layers", "dim", "seq", "batch", "steps", "warmup")]
-    results = run_ranks(__file__, system, args.world, flags, timeout_s=1800)
+             ("world", "layers", "dim", "seq", "batch", "steps", "warmup", "device")]
+    results = run_ranks(__file__, system, args.world, flags, timeout_s=1800,
+                        device=args.device)
     return {"step_s": max(r["step_s"] for r in results), "losses": results[0]["losses"]}
 
 
@@ -97,6 +106,7 @@ def main():
                               steps=8)
     parser.set_defaults(warmup=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "compile_step.md"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -109,7 +119,8 @@ def main():
                                          runs["vescale"][0]["losses"]))
     lines = ["# Step time with and without compile: veScale Engine vs PyTorch FSDP2", "",
              f"Produced by `{command_line(__file__)}` on {cpu_model()}, {args.world} ranks on "
-             f"gloo, OMP_NUM_THREADS=1 per rank; GPT of {args.layers} layers, width {args.dim}, "
+             f"{'NCCL, one GPU each' if args.device == 'cuda' else 'gloo'}, "
+             f"OMP_NUM_THREADS=1 per rank; GPT of {args.layers} layers, width {args.dim}, "
              f"sequence {args.seq}, micro-batch {args.batch} per rank, fp32, AdamW, inductor; "
              f"median over {args.rounds} alternated rounds of the per-run median step "
              f"({args.steps} steps after {args.warmup} warm-up steps, which compile).", "",

@@ -15,7 +15,11 @@
 #       a variant the engine refuses is skipped with its reason);
 #   (6) benchmarks/moe_ep_memory.py: one Kimi K2 / DeepSeek-V3 MoE layer with expert
 #       parallelism (EP 8 and 64) as rank 0 of W = 256 and 1,024 (fake process group), peak
-#       CUDA memory of a training step, ours vs FSDP2+EP, full-size layers.
+#       CUDA memory of a training step, ours vs FSDP2+EP, full-size layers;
+#   (7) benchmarks/checkpoint_io.py: a save's stall, synchronous vs background (pinned host
+#       staging), and end-to-end steps with saves, beside DeepSpeed (world size 1);
+#   (8) benchmarks/compile_step.py: the step with and without engine.compile() (inductor),
+#       beside FSDP2 with compiled blocks (world size 1).
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine
 #   DEVICE=cpu bash benchmarks/gpu_check.sh       # dry run on CPU (gloo, small sizes; in CI)
@@ -36,12 +40,16 @@ if [ "$DEVICE" = cpu ]; then
   STEP_TIME_FLAGS="--layers 2 --dim 64 --vocab 256 --seq 64 --batch 2 --steps 2 --warmup 1 --rounds 1"
   OFFLOAD_FLAGS="--smoke"
   MOE_FLAGS="--smoke"
+  CKPT_FLAGS="--smoke --repeats 1 --steps 2 --every 1 --e2e-rounds 1"
+  COMPILE_FLAGS="--layers 1 --dim 64 --seq 32 --batch 2 --steps 1 --warmup 1 --rounds 1"
 else
   WORLD_SIZES=${WORLD_SIZES:-64 256 1024}
   STEPS=${STEPS:-300}
   STEP_TIME_FLAGS=""
   OFFLOAD_FLAGS=""
   MOE_FLAGS="--scale 1 --tokens 1024"
+  CKPT_FLAGS=""
+  COMPILE_FLAGS="--layers 8 --dim 1024 --seq 1024 --batch 8 --steps 10 --warmup 3 --rounds 3"
 fi
 
 declare -A RC
@@ -78,6 +86,12 @@ run() {  # run NAME TIMEOUT_S COMMAND...: log it, time it, keep its exit status
   # shellcheck disable=SC2086  # flags
   run moe_ep_memory 600 "$PY" benchmarks/moe_ep_memory.py --device "$DEVICE" $MOE_FLAGS \
     --out "$DIR/moe_ep_memory_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run checkpoint_io 300 "$PY" benchmarks/checkpoint_io.py --device "$DEVICE" --world 1 \
+    $CKPT_FLAGS --out "$DIR/checkpoint_io_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run compile_step 400 "$PY" benchmarks/compile_step.py --device "$DEVICE" --world 1 \
+    $COMPILE_FLAGS --out "$DIR/compile_step_$DEVICE.md"
 
   echo; echo "== summary (exit status per part; 0 = passed)"
   failed=0

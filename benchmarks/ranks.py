@@ -92,19 +92,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, system: str, world: int, flags: list, timeout_s: float = 3600):
+def run_ranks(script: str, system: str, world: int, flags: list, timeout_s: float = 3600,
+              device: str = "cpu"):
     """Run `script --worker --system SYSTEM --rank R FLAGS` for R < world with torchrun's
     environment (which DeepSpeed and our launcher discovery both read), one thread per rank;
     return each rank's last JSON line, in rank order. A rank that fails before reporting ends
     the benchmark with its error output; one that crashes at exit after reporting (seen once
     in DeepSpeed's teardown: "terminate called without an active exception") keeps its
-    results, with a warning."""
+    results, with a warning. DeepSpeed runs on its CPU accelerator unless `device` is cuda."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK=str(rank),
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank),
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=ROOT)
+        if device == "cpu":
+            env["DS_ACCELERATOR"] = "cpu"
         procs.append(subprocess.Popen(
             [sys.executable, script, "--worker", "--system", system, "--rank", str(rank),
              *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))

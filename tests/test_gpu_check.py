@@ -1,7 +1,7 @@
 """The GPU check's CPU dry run: `DEVICE=cpu bash benchmarks/gpu_check.sh` runs every part of
 the script the first GPU will run (main job fp32 and bf16, gpu_validate's checks, the fake
-process group memory comparison, the step-time comparison with FSDP2, the offload comparison)
-on gloo, small sizes."""
+process group memory comparison, the step-time comparison with FSDP2, the offload comparison,
+the MoE memory, checkpoint stall and compile comparisons) on gloo, small sizes."""
 import json
 import os
 import subprocess
@@ -18,7 +18,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     log = (tmp_path / "gpu_check.log").read_text()
     assert proc.returncode == 0, log[-6000:]
     for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
-                 "fake_pg_memory", "step_time", "offload", "moe_ep_memory"):
+                 "fake_pg_memory", "step_time", "offload", "moe_ep_memory", "checkpoint_io",
+                 "compile_step"):
         assert f"{part}: 0" in log, part
     assert log.count("trained 6 steps on 1 rank(s)") == 2
     report = json.loads((tmp_path / "gpu_validate.json").read_text())
@@ -39,3 +40,5 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     param = systems["vescale_param"]  # run, or skipped with the engine's one-line refusal
     assert param.get("step_s", 0) > 0 or "offload_param" in param["skipped"], param
     assert "| FSDP2, CPUOffloadPolicy |" in (tmp_path / "gpu_offload_cpu.md").read_text()
+    assert "| vescale (background) |" in (tmp_path / "checkpoint_io_cpu.md").read_text()
+    assert "| veScale Engine, engine.compile() |" in (tmp_path / "compile_step_cpu.md").read_text()
