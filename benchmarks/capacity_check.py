@@ -45,6 +45,7 @@ HEAD_DIM = 32
 MB = 1e6
 DEFAULT_SETUP = {"optimizer": "AdamW", "param_dtype": "fp32", "reduce_dtype": None, "hsdp": 1,
                  "grad_accum": 1, "reshard_after_forward": True}
+ZERO_PLUS_PLUS = ("quantized_weights", "quantized_gradients", "hpz")  # ours only, when given
 # Setups beyond the default, at one world size: (model, label, changes, systems measured).
 VARIANTS = [
     ("dense", "AdamW8bit", {"optimizer": "AdamW8bit"}, ("ours",)),
@@ -213,7 +214,9 @@ def measure(case: dict) -> dict:
     W, R = case["world_size"], case["hsdp"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
-    traffic = _count_collectives(dist)  # before vescale_engine binds the collectives it uses
+    # before vescale_engine binds the collectives it uses
+    traffic = _count_collectives(dist, case.get("hpz", 1) if case.get("hpz", 1) > 1 else None,
+                                 bool(case.get("quantized_gradients")))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = build_model(case["path"])
         optimizer, read_state = _wrap(model, case, dtypes)
@@ -242,10 +245,12 @@ def measure(case: dict) -> dict:
     return {**case, **peak, **state, "traffic": traffic, "torch": torch.__version__}
 
 
-def _count_collectives(dist) -> dict:
+def _count_collectives(dist, hpz_size=None, quantized_gradients=False) -> dict:
     """Wrap the collectives both systems call so that, while counting is on, the bytes this
     rank moves are added up as the estimate counts them: what an all-gather receives and a
-    reduce-scatter sends ((group size - 1) shards), what a ring all-reduce sends."""
+    reduce-scatter sends ((group size - 1) shards), what a ring all-reduce sends; with ZeRO++,
+    the quantized gradients' all-to-all (all but this rank's own range) as the reduce-scatter
+    and the all-gathers over hpZ groups of `hpz_size` as `all_gather_hpz`."""
     counts = {"on": False, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
 
     import inspect
@@ -260,14 +265,23 @@ def _count_collectives(dist) -> dict:
                 size = dist.get_world_size(bound.get("group"))
                 tensor = bound[which]
                 nbytes = tensor.numel() * tensor.element_size()
-                counts[kind] += (size - 1) * nbytes if kind != "all_reduce" \
-                    else 2 * (size - 1) * nbytes // size
+                if kind == "all_reduce":
+                    counts[kind] += 2 * (size - 1) * nbytes // size
+                elif kind == "all_to_all":  # quantized gradients: all but its own range
+                    counts["reduce_scatter"] += (size - 1) * nbytes // size
+                elif kind == "all_gather" and size == hpz_size:  # backward, from hpZ copies
+                    counts["all_gather_hpz"] = counts.get("all_gather_hpz", 0) + \
+                        (size - 1) * nbytes
+                else:
+                    counts[kind] += (size - 1) * nbytes
             return original(*args, **kwargs)
         setattr(dist, name, counted)
 
     wrap("all_gather_single", "all_gather", "input_tensor")
     wrap("reduce_scatter_single", "reduce_scatter", "output")
     wrap("all_reduce", "all_reduce", "tensor")
+    if quantized_gradients:  # (Muon's all-to-alls are not the gradients' reduction)
+        wrap("all_to_all_single", "all_to_all", "input")
     return counts
 
 
@@ -289,7 +303,10 @@ def _wrap(model, case, dtypes):
         granularity = optim.DEFAULT_BLOCK if case["optimizer"] == "AdamW8bit" else "rows:1"
         for module in (*model.layers, model):  # the root with the default, as FSDP2's below
             fully_shard(module, mesh=mesh, reshard_after_forward=raf if module is not model
-                        else None, mp_policy=mp, granularity=granularity)
+                        else None, mp_policy=mp, granularity=granularity,
+                        quantized_weights=256 if case.get("quantized_weights") else None,
+                        quantized_gradients=256 if case.get("quantized_gradients") else None,
+                        hpz_partition_size=case.get("hpz", 1))
         opt = getattr(optim, case["optimizer"])(model.parameters(), lr=1e-3)
         buffers = [b for m in model.modules() if unit_of(m) for b in unit_of(m).buffers]
 
@@ -389,7 +406,8 @@ def estimate(case: dict) -> dict:
     setup = capacity.Setup(case["world_size"], optimizer=case["optimizer"],
                            param_dtype=case["param_dtype"], reduce_dtype=case["reduce_dtype"],
                            grad_accum=case["grad_accum"], hsdp=case["hsdp"],
-                           reshard_after_forward=case["reshard_after_forward"])
+                           reshard_after_forward=case["reshard_after_forward"],
+                           **{k: case[k] for k in ZERO_PLUS_PLUS if k in case})
     return capacity.estimate(model_plan.load_shapes(case["path"]), setup)
 
 
@@ -408,8 +426,8 @@ def compare(measured: dict, est: dict) -> dict:
     row = {"estimate": mine["total"], "error": mine["total"] / measured["peak"] - 1}
     traffic = est["traffic"] if measured["system"] == "ours" else \
         est["traffic"][measured["system"]]
-    row["traffic_exact"] = all(traffic[k] == measured["traffic"][k]
-                               for k in ("all_gather", "reduce_scatter"))
+    row["traffic_exact"] = all(traffic.get(k, 0) == measured["traffic"].get(k, 0)
+                               for k in ("all_gather", "reduce_scatter", "all_gather_hpz"))
     for key in ("master", "grad", "optimizer"):
         row[f"{key}_error"] = (mine[key] - measured[key]) / max(1, measured["peak"])
     return row

@@ -114,6 +114,17 @@ def add_parser(sub):
     m.add_argument("--tokens", metavar="N",
                    help="with --ep: tokens per data-parallel rank per micro-step, for the "
                         "all-to-all dispatch bytes (default 4096)")
+    m.add_argument("--quantized-weights", action="store_const", const=True, default=None,
+                   help="ours with zero_quantized_weights: int8 all-gathers, one fp32 scale "
+                        "per group")
+    m.add_argument("--quantized-gradients", action="store_const", const=True, default=None,
+                   help="ours with zero_quantized_gradients: int8 gradient all-to-alls")
+    m.add_argument("--quantization-group", metavar="G",
+                   help="elements per quantization group (vescale.quantization_group_size, "
+                        "default 256)")
+    m.add_argument("--hpz", metavar="N",
+                   help="ours with zero_hpz_partition_size N: backward gathers inside groups "
+                        "of N ranks; its secondary copies count as parameter memory")
     a = p.add_argument_group(
         "activations and sequence parallelism (--memory --seq; a dense Llama-style decoder)",
         "activation memory per rank for sequences of --seq tokens, with DeepSpeed Ulysses "
@@ -136,7 +147,8 @@ _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp
                  "reshard_after_forward", "root", "device_memory", "offload_optimizer",
                  "offload_param", "tokens", "max_preconditioner_dim", "seq", "sp",
                  "micro_batch", "activation_checkpointing", "tiled_mlp", "tiled_loss",
-                 "head_dim")
+                 "head_dim", "quantized_weights", "quantized_gradients", "quantization_group",
+                 "hpz")
 _ACTIVATION_FLAGS = ("sp", "micro_batch", "activation_checkpointing", "tiled_mlp",
                      "tiled_loss", "head_dim")
 
@@ -186,6 +198,11 @@ def _capacity_setups(args, model) -> dict:
     args.tokens = _flag_number(args.tokens, "--tokens", int)
     args.max_preconditioner_dim = _flag_number(args.max_preconditioner_dim,
                                                "--max-preconditioner-dim", int)
+    args.quantization_group = _flag_number(args.quantization_group, "--quantization-group", int)
+    args.hpz = _flag_number(args.hpz, "--hpz", int)
+    if args.quantization_group and not (args.quantized_weights or args.quantized_gradients):
+        raise capacity.CapacityError("--quantization-group needs --quantized-weights or "
+                                     "--quantized-gradients")
     _activation_flags(args, model)
     args.optimizer_type, optimizer = _optimizer(args.optimizer)
     if args.max_preconditioner_dim and optimizer != "Shampoo":
@@ -207,7 +224,11 @@ def _capacity_setups(args, model) -> dict:
                 max_buffers=args.max_buffers, root=root, offload_optimizer=offload_ratio,
                 offload_param=bool(args.offload_param), tp=args.tp, ep=args.ep,
                 tokens=args.tokens or 4096,
-                shampoo_block=args.max_preconditioner_dim or capacity.Setup.shampoo_block)
+                shampoo_block=args.max_preconditioner_dim or capacity.Setup.shampoo_block,
+                quantized_weights=bool(args.quantized_weights),
+                quantized_gradients=bool(args.quantized_gradients),
+                quantization_group=args.quantization_group or
+                capacity.Setup.quantization_group, hpz=args.hpz or 1)
             capacity.check_setup(setup, model)
             setups[(str(parse_granularity(setup.layout_granularity)), world_size)] = setup
     # the layouts shown are the ones the memory is estimated for
@@ -497,6 +518,15 @@ def _print_memory(model, plans, estimates, device_memory, args=None):
                   f"{m['total'] / gb:>8.2f}{room} {100 * m['padding_ratio']:>7.2f}%{mark}"
                   f"{t['all_gather'] / gb:>8.1f} {t['reduce_scatter'] / gb:>8.1f}"
                   + (f" {t['all_to_all'] / gb:>8.1f}" if ep else ""))
+        zpp = [f"{what} (groups of {s['quantization_group']})" for key, what in
+               (("quantized_weights", "int8 all-gathers"),
+                ("quantized_gradients", "int8 gradient all-to-alls")) if s.get(key)]
+        if s.get("hpz"):
+            zpp.append(f"hpZ over {s['hpz']} ranks (its copies in ours' peak; backward "
+                       f"gathers inside them: "
+                       f"{est['traffic'].get('all_gather_hpz', 0) / gb:.1f} GB)")
+        if zpp:
+            print(f"ours with ZeRO++: {'; '.join(zpp)}; FSDP2 and ZeRO-3 without")
         if cut:
             print(f"{_MARK} ignores the block constraint: these figures are for a sharding that "
                   f"cuts {s['granularity']} blocks; keeping them whole would pad "

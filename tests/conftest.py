@@ -113,7 +113,7 @@ TIERS = {
         "test_gpu_check.py", "test_launch_env.py", "test_launcher_faults.py", "test_logging.py",
         "test_materialize.py", "test_moe_benchmark.py", "test_muon.py", "test_offload.py",
         "test_offload_benchmark.py", "test_package.py", "test_plan_cli.py",
-        "test_requires_grad.py", "test_tiers.py", "test_tp_ep.py", "test_vescale_run.py",
+        "test_quantized_comm.py", "test_requires_grad.py", "test_tiers.py", "test_tp_ep.py", "test_vescale_run.py",
         "test_training_state.py",
     },
 }

@@ -77,7 +77,6 @@ FIXTURES = [
         '"auto": zero_optimization.sub_group_size (DeepSpeed reads it as its default; not '
         "acted on)",
         "data_types (gradients accumulate in fp32",
-        "zero_optimization.zero_quantized_weights (all-gathers are not quantized)",
     ]),
     ("deepspeed_chat_style_zero3.json", 0, [
         "zero_optimization.memory_efficient_linear (no patched linear layer is needed)",

@@ -41,7 +41,8 @@ __all__ = ["STATE_TYPES", "Colocation", "state_type_names"]
 # DeepSpeed's OffloadStateTypeEnum values, in its order.
 STATE_TYPES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 # DBuffer.device_state() names -> the state type that moves them.
-_BUFFER_STATE_TYPE = {"master": "hp_params", "compute": "lp_params", "grad": "lp_grads"}
+_BUFFER_STATE_TYPE = {"master": "hp_params", "compute": "lp_params", "grad": "lp_grads",
+                      "secondary": "lp_params"}
 
 
 def _name(value) -> str:

@@ -15,6 +15,7 @@ from config_schemas.validate import (ConfigError, offload_param_below_stage_3, r
                                      validate_config)
 
 from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
+from ..plan.quantization import DEFAULT_GROUP
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
            "parallel_sizes", "SaveOnSignal",
@@ -242,6 +243,15 @@ class EngineConfig:
     # checkpoint.writer.decoupled: save_checkpoint returns once the state is staged in host
     # memory; a thread writes it (checkpoint/background.py)
     background_saves: bool = False
+    # zero_optimization.zero_quantized_weights / zero_quantized_gradients: int8 weight
+    # all-gathers / gradient reduce-scatters in groups of `quantization_group` elements
+    # (vescale.quantization_group_size; shard/quantize.py)
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    quantization_group: int = DEFAULT_GROUP
+    # zero_optimization.zero_hpz_partition_size: backward re-gathers inside groups of this
+    # many consecutive ranks (1: off)
+    hpz_partition_size: int = 1
 
 
 def _offload_optimizer(section: dict | None) -> dict | None:
@@ -393,4 +403,43 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         canonical=config,
         background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
                               .get("decoupled", False)),
+        quantized_weights=_quantized(zero, "zero_quantized_weights", stage, sizes, prefix),
+        quantized_gradients=_quantized(zero, "zero_quantized_gradients", stage, sizes, prefix),
+        quantization_group=int(ves.get("quantization_group_size", DEFAULT_GROUP)),
+        hpz_partition_size=_hpz_partition_size(zero, stage, sizes, offload, prefix),
     )
+
+
+def _hpz_partition_size(zero: dict, stage: int, sizes: ParallelSizes, offload, prefix) -> int:
+    """zero_hpz_partition_size when it can act (stage 3, as DeepSpeed; over the world)."""
+    size = int(zero.get("zero_hpz_partition_size", 1) or 1)
+    if size == 1:
+        return 1
+    key = f"{prefix}zero_optimization.zero_hpz_partition_size {size}"
+    if stage != 3:
+        raise ConfigError([f"{key} acts at stage 3 only (DeepSpeed ignores it at stage "
+                           f"{stage}): set stage 3 or remove it"])
+    others = [name for name, on in (("tensor parallelism", sizes.tp > 1),
+                                    ("expert parallelism", sizes.ep > 1),
+                                    ("vescale.hsdp_replicate_size", sizes.replicate > 1),
+                                    ("offload_optimizer", offload is not None)) if on]
+    if others:
+        raise ConfigError([f"{key} with {others[0]} is not supported yet (its groups are "
+                           "consecutive ranks of a unit sharded over every rank)"])
+    if sizes.world % size:
+        raise ConfigError([f"{key} does not divide the {sizes.world} ranks"])
+    return size
+
+
+def _quantized(zero: dict, key: str, stage: int, sizes: ParallelSizes, prefix: str) -> bool:
+    """Whether ZeRO++'s `key` acts (stage 3, as DeepSpeed; below it an error)."""
+    if not zero.get(key, False):
+        return False
+    if stage != 3:
+        raise ConfigError([f"{prefix}zero_optimization.{key} acts at stage 3 only (DeepSpeed "
+                           f"ignores it at stage {stage}): set stage 3 or remove it"])
+    if sizes.tp > 1 or sizes.ep > 1:
+        raise ConfigError([f"{prefix}zero_optimization.{key} with "
+                           f"{'tensor' if sizes.tp > 1 else 'expert'} parallelism is not "
+                           "supported yet"])
+    return True

@@ -87,6 +87,10 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                   max_reuse_distance=cfg.max_reuse_distance,
                   grads_in_place=cfg.grads_in_place,
                   native_collectives=cfg.native_collectives,
+                  quantized_weights=cfg.quantization_group if cfg.quantized_weights else None,
+                  quantized_gradients=cfg.quantization_group if cfg.quantized_gradients
+                  else None,
+                  hpz_partition_size=cfg.hpz_partition_size,
                   granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=MixedPrecisionPolicy(

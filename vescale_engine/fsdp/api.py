@@ -3,6 +3,7 @@ FSDPModules), and what undoes or suspends them (`release`, `no_sync`)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +42,32 @@ def _resolve_mesh(mesh):
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
 
 
+# the default process group -> {N: this rank's hpZ group of N consecutive ranks}
+_HPZ_GROUPS = weakref.WeakKeyDictionary()
+
+
+def _hpz_group(size, group, replicate_group):
+    """hpZ's group for `size` (None for 1: off); its groups are made once, by every rank."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"hpz_partition_size must be an int >= 1, got {size!r}")
+    if size == 1:
+        return None
+    world = dist.get_world_size()
+    if replicate_group is not None or dist.get_world_size(group) != world:
+        raise ValueError(f"hpz_partition_size={size} needs a unit sharded over every rank (no "
+                         "HSDP, tensor, expert or sequence parallelism): its groups are "
+                         "consecutive ranks of the world")
+    if world % size:
+        raise ValueError(f"hpz_partition_size={size} does not divide the {world} ranks")
+    made = _HPZ_GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if size not in made:
+        for first in range(0, world, size):  # every rank makes every group, in one order
+            group_of_n = dist.new_group(list(range(first, first + size)))
+            if first <= dist.get_rank() < first + size:
+                made[size] = group_of_n
+    return made[size]
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn=None, mp_policy=None, offload_policy=None,
                 ignored_params=None, dp_mesh_dims=None, granularity="rows:1",
@@ -48,7 +75,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                 align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
                 max_reuse_distance: int = 0, native_collectives: bool = False,
                 gradient_divide_factor: float | None = None,
-                flat_parameters: bool = False):
+                flat_parameters: bool = False, quantized_weights: int | None = None,
+                quantized_gradients: int | None = None, hpz_partition_size: int = 1):
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     FSDP2's signature, FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
@@ -92,6 +120,16 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     torch's clip_grad_norm_, state-dict utilities, DCP and optimizers see whole tensors; True
     keeps plain 1-D pieces instead (DeepSpeed ZeRO-3's view, which the engine uses so that
     deepspeed.zero.GatheredParameters can fill a parameter in place).
+    `quantized_weights` (elements per group, e.g. 256): the forward and backward all-gathers
+    send block-wise int8 weights with one fp32 scale per group (DeepSpeed ZeRO++'s
+    `zero_quantized_weights`; shard/quantize.py); master weights, gradients and every gathered
+    or saved state stay exact. `quantized_gradients` (the same group size when both are set):
+    gradients cross the network as int8 groups (all-to-all), summed in fp32 by their owner
+    (ZeRO++'s `zero_quantized_gradients`). `hpz_partition_size` N > 1 (ZeRO++'s hpZ, over
+    the world only): each forward all-gather leaves every rank a secondary copy of 1/N of the
+    gathered parameters, so that backward re-gathers them inside its group of N consecutive
+    ranks (a node) instead of over every rank; it costs 1/N of the unit's full parameters in
+    the compute dtype per rank, for life.
     Errors (no parameters, mixed devices, a mesh this rank is not in, a DTensor that is not
     Shard/Replicate or is on meta, a second call on the same module, an argument refused) are
     raised here, before any collective.
@@ -116,12 +154,25 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
     if max_reuse_distance < 0:
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
+    quantized = {k: v for k, v in (("weights", quantized_weights),
+                                   ("gradients", quantized_gradients)) if v is not None}
+    for kind, size in quantized.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"quantized_{kind} must be a group size in elements (an int >= "
+                             f"1), got {size!r}")
+    hpz = _hpz_group(hpz_partition_size, group, replicate_group)
+    if len(set(quantized.values())) > 1:
+        raise ValueError(f"quantized_weights={quantized_weights} and quantized_gradients="
+                         f"{quantized_gradients}: one group size serves both (the planner "
+                         "lays the unit out for one)")
     unit = FSDPUnit(modules if isinstance(module, (list, tuple)) else module, group,
                     replicate_group, reshard_after_forward, mp_policy, granularity, max_buffers,
                     align_bytes, grads_in_place, max_reuse_distance, native_collectives,
                     gradient_divide_factor, ignored=fsdp2_args.ignored_ids(ignored_params),
                     placement=fsdp2_args.placement_of(shard_placement_fn),
-                    flat_parameters=flat_parameters)
+                    flat_parameters=flat_parameters,
+                    quantize_group=next(iter(quantized.values()), None),
+                    quantized=tuple(quantized), hpz_group=hpz)
     if offload is not None:
         unit.offload_to_host(offload)
     install_full_shape_reset(unit)

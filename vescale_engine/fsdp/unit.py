@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..launch.collective_timeout import explain_timeout
 from ..plan.planner import TensorSpec, plan_unit
+from ..plan.quantization import quantization_block
 from ..shard.collectives import default_device
 from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
 from .guards import is_deferred, require_materialized
@@ -47,6 +48,7 @@ def _cached_plan(specs, world_size, align, max_buffers):
 
 
 _UNIT_IDS = itertools.count()
+_ITERATIONS = itertools.count()  # tags a root's forward/backward (hpZ's secondary copies)
 
 
 class UnitContext:
@@ -66,6 +68,7 @@ class UnitContext:
         # come for it, so another forward must leave the units' state for that backward.
         self.live_forwards = weakref.WeakSet()
         self.token = None
+        self.iteration = None  # this iteration's tag: no optimizer step happens inside one
 
     @property
     def backward_pending(self) -> bool:
@@ -91,7 +94,8 @@ class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
                  granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
                  native_collectives=False, gradient_divide_factor=None, *, ignored=(),
-                 placement=None, flat_parameters=False):
+                 placement=None, flat_parameters=False, quantize_group=None, quantized=(),
+                 hpz_group=None):
         """`module`: one module, or several (FSDP2's `fully_shard([a, b])`: one unit, one
         all-gather, over all of them). `reshard_after_forward` None: True, but not for the
         root (FSDP2's default); an explicit True reshards the root too. `ignored`: ids of
@@ -103,6 +107,10 @@ class FSDPUnit:
         self.gradient_divide_factor = gradient_divide_factor
         self.force_sum = False
         self.native_collectives = native_collectives
+        # int8 weight all-gathers and/or gradient reduce-scatters (shard/quantize.py)
+        self.quantize_group = quantize_group if quantized else None
+        self.quantized = tuple(quantized)
+        self.hpz_group = hpz_group  # hpZ: backward re-gathers inside this group
         self.grads_in_place = grads_in_place
         self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
         self.auto_reshard_after_forward = reshard_after_forward is None
@@ -189,10 +197,11 @@ class FSDPUnit:
             itemsize = min(torch.empty(0, dtype=dtype).element_size(),
                            torch.empty(0, dtype=param_dtype).element_size())
             specs = tuple(TensorSpec(plan_name[i], tuple(local[i].shape),
-                                     tp_block(self._granularity(granularity, found[i][0],
-                                                                found[i][1], local[i].shape)
-                                              .block_size(local[i].shape),
-                                              local[i].shape, dtensor_specs[i]))
+                                     self._block(tp_block(
+                                         self._granularity(granularity, found[i][0],
+                                                           found[i][1], local[i].shape)
+                                         .block_size(local[i].shape),
+                                         local[i].shape, dtensor_specs[i]), local[i]))
                           for i in ids)
             plan = _cached_plan(specs, world_size, max(1, align_bytes // itemsize), max_buffers)
             position = {plan_name[i]: i for i in ids}
@@ -202,7 +211,9 @@ class FSDPUnit:
                               reduce_dtype=self.mp_policy.reduce_dtype,
                               name=f"{self.name}[{len(self.buffers)}]",
                               native_collectives=self.native_collectives,
-                              divide_factor=self.gradient_divide_factor)
+                              divide_factor=self.gradient_divide_factor,
+                              quantize_group=self.quantize_group, quantized=self.quantized,
+                              hpz_group=self.hpz_group)
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]
@@ -219,6 +230,12 @@ class FSDPUnit:
                             buf.load_full_tensor(k, local[i])
                     sp.register(sp.sharded)
                     self.params.append(sp)
+
+    def _block(self, block, tensor):
+        """The planner block: under quantized weights small blocks joined up to a group."""
+        if self.quantize_group is None:
+            return block
+        return min(quantization_block(block, self.quantize_group), max(1, tensor.numel()))
 
     def _granularity(self, granularity, fqn, param, shape):
         policy = granularity(fqn)
@@ -366,7 +383,13 @@ class FSDPUnit:
         if not self.unshard_in_backward and running_backward():
             return
         STATS.log("unshard_issue", self.name)
-        self._pending_gather = [buf.all_gather(async_op=True) for buf in self.buffers]
+        backward = running_backward()
+        # hpZ: a forward gather keeps secondary copies for the backward that gathers again
+        regathers = self.reshard_after_forward and not (self.is_root and
+                                                        self.auto_reshard_after_forward)
+        tag = self.ctx.iteration if self.ctx is not None and (backward or regathers) else None
+        self._pending_gather = [buf.all_gather(async_op=True, hpz_tag=tag, backward=backward)
+                                for buf in self.buffers]
         if not async_op:
             self.wait_unshard()
 
@@ -552,6 +575,7 @@ class FSDPUnit:
                 self.post_optim_event.wait()  # all-gathers go out on this stream
             self.post_optim_event = None
         if not ctx.backward_pending:
+            ctx.iteration = next(_ITERATIONS)
             for unit in ctx.order:  # a new iteration: the optimizer may have stepped
                 if unit.offload is not None:
                     unit.refresh_host_shards()

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "reduce_scatter", "GradientReduction", "gradient_reduction",
+__all__ = ["Joined", "all_gather", "reduce_scatter", "GradientReduction",
+           "gradient_reduction",
            "backend_for", "tensor_backend", "uses_exchange", "default_device"]
 
 # torch 2.13 prefers the *_single names; older releases only have the *_tensor ones.
@@ -119,8 +120,9 @@ def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
                              dist.ReduceOp.AVG if ar_avg else dist.ReduceOp.SUM, float(post))
 
 
-class _Exchange:
-    """The handle of an exchange: wait() waits for every message, then runs `finish`."""
+class Joined:
+    """One handle for several collectives (an exchange's messages, a quantized all-gather's
+    two): wait() waits for every one, then runs `finish`."""
 
     def __init__(self, works, finish=None):
         self.works = works
@@ -153,7 +155,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = 
         works.append(dist.irecv(full[peer * S:(peer + 1) * S], group=group, group_src=peer,
                                 tag=_GATHER_TAG))
         works.append(dist.isend(mine, group=group, group_dst=peer, tag=_GATHER_TAG))
-    handle = _Exchange(works)
+    handle = Joined(works)
     if async_op:
         return handle
     handle.wait()
@@ -188,7 +190,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, op=dist.ReduceO
         else:
             torch.add(mine, received.sum(dim=0), out=out)
 
-    return _Exchange(works, finish)
+    return Joined(works, finish)
 
 
 def _peers(rank: int, world: int) -> list[int]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..plan.planner import BufferLayout
 from . import collectives
 from .compute_shard import ComputeShard
+from .quantize import GroupLayout, dequantize, dequantize_sum, quantize
 
 __all__ = ["DBuffer", "PendingReduction", "CollectiveStats", "STATS", "release_free_host_memory"]
 
@@ -41,6 +42,9 @@ class CollectiveStats:
     `time_device_waits` is set each wait is bracketed by two timing events on the compute
     stream (`pending_device_waits`), read once the device has finished them (`settle`)."""
     bytes_copied: int = 0
+    bytes_gathered: int = 0     # the all-gathers' outputs (int8 and scales when quantized)
+    bytes_reduced: int = 0      # the reduce-scatters' inputs
+    hpz_gathers: int = 0        # all-gathers from the hpZ secondary copy (inside its group)
     all_gathers: int = 0
     reduce_scatters: int = 0
     all_reduces: int = 0
@@ -65,6 +69,7 @@ class CollectiveStats:
 
     def reset(self):
         self.bytes_copied = self.all_gathers = self.reduce_scatters = self.all_reduces = 0
+        self.bytes_gathered = self.bytes_reduced = self.hpz_gathers = 0
         self.native = 0
         self.wait_s = self.device_wait_s = 0.0
         self.pending_device_waits.clear()
@@ -171,8 +176,24 @@ class DBuffer:
     def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
                  shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, name: str = "buffer",
-                 native_collectives: bool = False, divide_factor: float | None = None):
+                 native_collectives: bool = False, divide_factor: float | None = None,
+                 quantize_group: int | None = None, quantized: tuple = (), hpz_group=None):
         self.layout = layout
+        # ZeRO++'s hpZ (zero_hpz_partition_size): every primary all-gather leaves this rank's
+        # 1/N of `full` in `secondary` (N = the hpZ group's size, consecutive ranks); a
+        # backward all-gather of the same iteration (`tag`) gathers from those copies inside
+        # the group instead of over every rank
+        self.hpz_group = hpz_group
+        self.secondary = None
+        self.secondary_tag = None
+        # ZeRO++'s zero_quantized_weights / _gradients: int8 groups and their scales cross the
+        # network instead of the weights ("weights" in `quantized`) or the gradients
+        # ("gradients"), in groups of `quantize_group` elements (quantize.py)
+        self.quant = GroupLayout(layout, quantize_group) if quantized else None
+        if self.quant is not None:
+            self.quant.to(device)
+        self.quant_weights = "weights" in quantized
+        self.quant_grads = "gradients" in quantized
         self.name = name
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -242,7 +263,7 @@ class DBuffer:
             collectives.tensor_backend(self.shard_group, self.master),
             None if self.replicate_group is None else
             collectives.tensor_backend(self.replicate_group, self.master),
-            exchange=not self.native, divide_factor=self.divide_factor,
+            exchange=not self.native or self.quant_grads, divide_factor=self.divide_factor,
             force_sum=self.force_sum)
 
     def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
@@ -279,6 +300,8 @@ class DBuffer:
         self.grad = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
         self.release_grad()
         self._choose_collectives()
+        if self.quant is not None:
+            self.quant.to(self.device)
 
     # -- the master in host memory (ZeRO-Offload) -----------------------------------------------
 
@@ -387,12 +410,17 @@ class DBuffer:
             tensor.untyped_storage().resize_(self._full_bytes)
         return tensor
 
-    def all_gather(self, async_op: bool = True):
+    def all_gather(self, async_op: bool = True, hpz_tag=None, backward: bool = False):
         """Gather every rank's shard into `full`, in place. With a lower compute dtype the
         master shard is cast straight into this rank's slot (one fused op), which is then the
         collective's input; otherwise the master shard is the input. A master in host memory
-        sends its compute shard instead (refreshed first if the master changed)."""
+        sends its compute shard instead (refreshed first if the master changed). With hpZ a
+        forward gather given `hpz_tag` (its iteration) keeps this rank's secondary copy, and
+        a `backward` gather of that iteration gathers the copies inside the hpZ group (what
+        that forward computed with)."""
         self._allocate("full")
+        if backward and hpz_tag is not None and self.secondary_tag == hpz_tag:
+            return self._secondary_all_gather(async_op)
         S = self.shard_size
         slot = self.full[self.rank * S:(self.rank + 1) * S]
         if self.compute is not None:
@@ -405,9 +433,54 @@ class DBuffer:
         STATS.all_gathers += 1
         STATS.native += self.native
         STATS.log("all_gather", self.name)
-        work = collectives.all_gather(self.full, source, self.shard_group, async_op=async_op,
-                                      native=self.native)
+        if self.quant_weights:
+            work = self._quantized_all_gather(source)
+        else:
+            STATS.bytes_gathered += self._full_bytes
+            work = collectives.all_gather(self.full, source, self.shard_group, async_op=True,
+                                          native=self.native)
+        if self.hpz_group is not None and hpz_tag is not None and not backward:
+            work = collectives.Joined([work], lambda: self._keep_secondary(hpz_tag))
+        if not async_op:
+            work.wait()
+            return None
+        return _TimedWork(work, self.device)
+
+    def _keep_secondary(self, tag) -> None:
+        """This rank's part of the gathered `full` into its hpZ secondary copy."""
+        n, j = dist.get_world_size(self.hpz_group), dist.get_rank(self.hpz_group)
+        part = self.full.numel() // n
+        if self.secondary is None:
+            self.secondary = torch.empty(part, dtype=self.param_dtype, device=self.device)
+        self.secondary.copy_(self.full[j * part:(j + 1) * part])
+        self.secondary_tag = tag
+
+    def _secondary_all_gather(self, async_op: bool):
+        STATS.all_gathers += 1
+        STATS.hpz_gathers += 1
+        STATS.bytes_gathered += self._full_bytes
+        STATS.log("all_gather_hpz", self.name)
+        work = collectives.all_gather(self.full, self.secondary, self.hpz_group,
+                                      async_op=async_op, native=self.native)
         return _TimedWork(work, self.device) if async_op else work
+
+    def _quantized_all_gather(self, source: torch.Tensor):
+        """This rank's shard quantized, payload and scales all-gathered (two collectives),
+        every shard dequantized into `full` when the handle is waited for."""
+        groups, W, S = self.quant, self.world_size, self.shard_size
+        q, scales = quantize(source, groups.lengths[self.rank], groups.max_groups,
+                             groups.runs(self.rank))
+        q_full = torch.empty(W * S, dtype=torch.int8, device=self.device)
+        scales_full = torch.empty(W * groups.max_groups, dtype=torch.float32,
+                                  device=self.device)
+        STATS.bytes_gathered += q_full.numel() + scales_full.numel() * 4
+        works = [collectives.all_gather(q_full, q, self.shard_group, async_op=True,
+                                        native=self.native),
+                 collectives.all_gather(scales_full, scales, self.shard_group, async_op=True,
+                                        native=self.native)]
+
+        return collectives.Joined(works, lambda: dequantize(
+            self.full, q_full, scales_full, groups.padded, groups.runs()))
 
     def free_full(self) -> None:
         if self._reducing_full:  # the in-flight reduce-scatter frees it when it finishes
@@ -537,10 +610,33 @@ class DBuffer:
         STATS.reduce_scatters += 1
         STATS.native += self.native
         STATS.log("reduce_scatter", self.name)
-        work = collectives.reduce_scatter(out, source, self.shard_group,
-                                          op=self.reduction.reduce_scatter_op, native=self.native)
+        if self.quant_grads:
+            work = self._quantized_reduce_scatter(out, source)
+        else:
+            STATS.bytes_reduced += source.numel() * source.element_size()
+            work = collectives.reduce_scatter(out, source, self.shard_group,
+                                              op=self.reduction.reduce_scatter_op,
+                                              native=self.native)
         return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct,
                                 source, deferred=defer)
+
+    def _quantized_reduce_scatter(self, out: torch.Tensor, source: torch.Tensor):
+        """ZeRO++'s qgZ: every rank's range of the full gradients quantized by that range's
+        groups, exchanged all-to-all (int8 and scales), then dequantized and summed in fp32
+        by its owner into `out` when the handle is waited for (the sum: the reduction divides
+        after, as for the exchange)."""
+        groups, W = self.quant, self.world_size
+        q, scales = quantize(source, groups.padded, W * groups.max_groups, groups.runs())
+        q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)
+        STATS.bytes_reduced += q.numel() + scales.numel() * 4
+        works = [dist.all_to_all_single(q_in, q, group=self.shard_group, async_op=True),
+                 dist.all_to_all_single(scales_in, scales, group=self.shard_group,
+                                        async_op=True)]
+        handle = collectives.Joined(works, lambda: dequantize_sum(
+            out, q_in, scales_in, groups.lengths[self.rank], groups.max_groups,
+            groups.runs(self.rank)))
+        handle.sent = (q, scales)  # alive until the exchange is done, whatever the backend keeps
+        return handle
 
     def _free_reduced_source(self) -> None:
         if self._reducing_full:
@@ -583,12 +679,14 @@ class DBuffer:
 
     def device_state(self) -> list:
         """[(name, tensor)] of the shard tensors this buffer holds on its device now (the
-        master, a compute-dtype shard where there is one, the gradient): what
-        engine/colocation.py moves off the device and back. Full buffers are not among them."""
+        master, a compute-dtype shard where there is one, the gradient, hpZ's secondary
+        copy): what engine/colocation.py moves off the device and back. Full buffers are not
+        among them."""
         if self.compute is not None:  # offloaded: master and gradient are in host memory
             held = [] if self.compute.on_host else [("compute", self.compute.tensor)]
         else:
             held = [("master", self.master), ("grad", self.grad)]
+        held.append(("secondary", self.secondary))  # hpZ's copy, when there is one
         return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
                 t.device.type == self.device.type and _held(t) > 0]
 

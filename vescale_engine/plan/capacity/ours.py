@@ -34,6 +34,7 @@ from ..model_plan import DTYPE_BYTES
 from ..optim_spec import (MUON_ROUNDS_IN_FLIGHT, QUANT_CHUNK_ELEMENTS, is_muon_matrix,
                           shampoo_statistics)
 from ..planner import TensorSpec, plan_unit
+from ..quantization import quantization_block, shard_group_counts
 from .request import MASTER_BYTES, CapacityError, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
@@ -62,6 +63,7 @@ class _Planned:
     buffers: list         # BufferLayout
     rank0: dict = field(default_factory=dict)  # tensor name -> rank 0's elements of it
     world: int = 1        # the ranks it is sharded over (its shard group)
+    groups: int = 0       # quantized communication: scales per shard (the most any rank has)
 
 
 class PlanCache:
@@ -76,9 +78,10 @@ class PlanCache:
         itemsize = min(MASTER_BYTES, DTYPE_BYTES[setup.param_dtype])
         align = max(1, setup.align_bytes // itemsize)   # fully_shard's alignment rule
         M = setup.group_size(unit)
+        group = setup.quantization_group if setup.quantized else None
         try:
-            specs = tuple(TensorSpec(t.name, t.shape,
-                                     math.lcm(granularity.block_size(t.shape), t.cut))
+            specs = tuple(TensorSpec(t.name, t.shape, _block(
+                math.lcm(granularity.block_size(t.shape), t.cut), t, group))
                           for t in unit.tensors)
         except ValueError as err:
             raise CapacityError(f"unit {unit.name!r}: {err}") from None
@@ -92,7 +95,15 @@ class PlanCache:
                 rank0[p.name] = max(0, min(p.offset + p.numel, buf.shard_size) - p.offset) \
                     if p.offset < buf.shard_size else 0
         shard = sum(b.shard_size for b in layout.buffers)
-        return _Planned(unit, shard, shard * M, unit.numel, list(layout.buffers), rank0, M)
+        groups = sum(max(shard_group_counts(b, group)) for b in layout.buffers) if group else 0
+        return _Planned(unit, shard, shard * M, unit.numel, list(layout.buffers), rank0, M,
+                        groups)
+
+
+def _block(block: int, tensor, group) -> int:
+    """The planner block fully_shard gives a tensor (quantized: joined up to a group)."""
+    return block if group is None else min(quantization_block(block, group),
+                                           max(1, tensor.numel))
 
 
 def _segments_rank0(buf) -> int:
@@ -234,6 +245,9 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
     param_shard = 0 if setup.offload_param else offloaded * pb
     tl.alloc("master", master, "master")
     tl.alloc("param_shard", param_shard, "param")
+    # hpZ: every unit but the root keeps 1/N of its full buffers (compute dtype) for life
+    tl.alloc("hpz_secondary", sum(k[0].full for k in order) // setup.hpz * pb
+             if setup.hpz > 1 else 0, "param")
     tl.alloc("optimizer", optimizer_state, "optimizer")
 
     def device_shard(key):  # an offloaded buffer's gradient shard is in host memory
@@ -346,16 +360,23 @@ def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
     Each unit's collectives run over its own shard group (experts: efsdp)."""
     plans = {u.name: cache.plan(u, setup) for u in others}
     order = [plans[u.name] for u, _ in expand(others)]
-    by_group = {}   # shard group size -> [gathered, reduced]
+    # shard group size -> [gathered, reduced, their quantization groups, hpZ's full elements]
+    by_group = {}
     units = ([(cache.plan(root, setup), 1)] if root.tensors else []) + \
         [(p, 2 if setup.reshard_after_forward and k + 1 < len(order) else 1)
          for k, p in enumerate(order)]
     for p, gathers in units:
-        moved = by_group.setdefault(p.world, [0, 0])
-        moved[0] += gathers * p.shard
+        moved = by_group.setdefault(p.world, [0, 0, 0, 0, 0])
+        in_group = gathers == 2 and setup.hpz > 1  # backward's gather: from the copies
+        over_all = 1 if in_group else gathers
+        moved[0] += over_all * p.shard
         moved[1] += p.shard
-    return add_traffic(setup.traffic(0, 0), *(setup.traffic(g, r, M)
-                                              for M, (g, r) in sorted(by_group.items())))
+        moved[2] += over_all * p.groups
+        moved[3] += p.groups
+        moved[4] += p.full if in_group else 0
+    return add_traffic(setup.traffic(0, 0), *(
+        setup.traffic(g, r, M, (gg, rg) if setup.quantized else None, h)
+        for M, (g, r, gg, rg, h) in sorted(by_group.items())))
 
 
 def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:

@@ -104,6 +104,18 @@ def estimate(model: ModelShapes, setup: Setup, uses: dict | None = None,
                   "reshard_after_forward": setup.reshard_after_forward,
                   "granularity": str(parse_granularity(setup.layout_granularity)),
                   "root": list(root_groups), "activations": "excluded", **offload,
-                  **parallel},
+                  **parallel, **_zero_plus_plus(setup)},
         "activations": ACTIVATIONS_NOTE,
     }
+
+
+def _zero_plus_plus(setup: Setup) -> dict:
+    """The ZeRO++ settings ours is estimated with (none: nothing, as before they existed)."""
+    out = {}
+    if setup.quantized:
+        out.update(quantized_weights=setup.quantized_weights,
+                   quantized_gradients=setup.quantized_gradients,
+                   quantization_group=setup.quantization_group)
+    if setup.hpz > 1:
+        out["hpz"] = setup.hpz
+    return out

@@ -19,6 +19,7 @@ from ..optim_spec import (ADAMW8BIT_BLOCK, OPTIMIZERS, SHAMPOO_BLOCK, shampoo_bl
                           shampoo_granularity_for)
 from ..parallel import ParallelSizes, make_mesh
 from ..planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
+from ..quantization import DEFAULT_GROUP
 
 __all__ = ["MASTER_BYTES", "CapacityError", "Setup", "check_setup", "add_traffic",
            "default_granularity"]
@@ -52,6 +53,16 @@ class Setup:
     ep: int = 1                        # expert-parallel size (borrowed from dp_shard x tp)
     tokens: int = 4096                 # tokens per data-parallel rank per micro-step (EP)
     shampoo_block: int = SHAMPOO_BLOCK  # Shampoo's max_preconditioner_dim (its rows:B)
+    # ZeRO++ (ours only): int8 all-gathers / gradient all-to-alls in groups of
+    # `quantization_group` elements, and hpZ's secondary copies over `hpz` consecutive ranks
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    quantization_group: int = DEFAULT_GROUP
+    hpz: int = 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantized_weights or self.quantized_gradients
 
     @property
     def layout_granularity(self) -> str:
@@ -87,19 +98,31 @@ class Setup:
     def reduce(self) -> str:
         return self.reduce_dtype or self.param_dtype
 
-    def traffic(self, gathered: int, reduced: int, group_size: int | None = None) -> dict:
+    def traffic(self, gathered: int, reduced: int, group_size: int | None = None,
+                groups: tuple | None = None, hpz_elements: int = 0) -> dict:
         """Bytes per rank per optimizer step when each micro-step all-gathers `gathered` and
         reduce-scatters `reduced` elements of a rank's shards over M = `group_size` ranks
         (default: the dense shard group): `all_gather` is what each rank
         receives ((M-1) of M shards, in the param dtype), `reduce_scatter` what it sends ((M-1)
         shards, in the reduce dtype), `all_reduce` (HSDP) what a ring all-reduce of the reduced
-        shards over the replicas sends."""
+        shards over the replicas sends. With `groups` (the quantization groups per shard of
+        the gathered and of the reduced elements), the quantized collectives move one byte per
+        element and four per group instead. `hpz_elements`: full-buffer elements backward
+        gathers inside hpZ groups (`all_gather_hpz`: (N-1)/N of them, in the param dtype)."""
         M = self.shard_size if group_size is None else group_size
         R, n = self.hsdp, self.grad_accum
         pb, rb = DTYPE_BYTES[self.param_dtype], DTYPE_BYTES[self.reduce]
-        return {"all_gather": n * (M - 1) * gathered * pb,
-                "reduce_scatter": n * (M - 1) * reduced * rb,
-                "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+        weights, grads = groups if groups is not None else (None, None)
+        out = {"all_gather": n * (M - 1) * (gathered * pb if weights is None or
+                                            not self.quantized_weights
+                                            else gathered + 4 * weights),
+               "reduce_scatter": n * (M - 1) * (reduced * rb if grads is None or
+                                                not self.quantized_gradients
+                                                else reduced + 4 * grads),
+               "all_reduce": n * (2 * (R - 1) * reduced * rb // R if R > 1 else 0)}
+        if hpz_elements:
+            out["all_gather_hpz"] = n * hpz_elements * (self.hpz - 1) // self.hpz * pb
+        return out
 
 
 def default_granularity(optimizer: str, shampoo_block: int = SHAMPOO_BLOCK) -> str:
@@ -164,6 +187,7 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
     if setup.offloads and setup.optimizer == "Muon":
         raise CapacityError("offload is not estimated for Muon (its momentum and Newton-Schulz "
                             "traffic are not modelled); use AdamW or AdamW8bit")
+    _check_zero_plus_plus(setup)
     try:
         granularity = parse_granularity(setup.layout_granularity)
     except ValueError as err:
@@ -185,6 +209,21 @@ def check_setup(setup: Setup, model: ModelShapes | None = None) -> None:
         if repeated:
             raise CapacityError(f"root group {repeated[0]!r} repeats: a repeated group is one "
                                 "unit per repeat, not part of the root")
+
+
+def _check_zero_plus_plus(setup: Setup) -> None:
+    """The ZeRO++ settings as the engine accepts them (engine/config.py)."""
+    for what, value in (("--quantization-group", setup.quantization_group),
+                        ("--hpz", setup.hpz)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CapacityError(f"{what} must be a positive integer, got {value!r}")
+    if setup.hpz > 1:
+        if setup.tp > 1 or setup.ep > 1 or setup.hsdp > 1 or setup.offloads:
+            raise CapacityError("--hpz is not estimated with --tp, --ep, --hsdp or offload "
+                                "(the engine refuses them together)")
+        if setup.world_size % setup.hpz:
+            raise CapacityError(f"--hpz {setup.hpz} does not divide the world size "
+                                f"{setup.world_size}")
 
 
 def _check_shampoo_granularity(granularity, block: int, model: ModelShapes) -> None:
