@@ -478,7 +478,6 @@ class DBuffer:
                                         native=self.native),
                  collectives.all_gather(scales_full, scales, self.shard_group, async_op=True,
                                         native=self.native)]
-
         return collectives.Joined(works, lambda: dequantize(
             self.full, q_full, scales_full, groups.padded, groups.runs()))
 
