@@ -59,7 +59,7 @@ def _hpz_group(size, group, replicate_group):
                          "consecutive ranks of the world")
     if world % size:
         raise ValueError(f"hpz_partition_size={size} does not divide the {world} ranks")
-    made = _HPZ_GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    made = _HPZ_GROUPS.setdefault(dist.group.WORLD, {})
     if size not in made:
         for first in range(0, world, size):  # every rank makes every group, in one order
             group_of_n = dist.new_group(list(range(first, first + size)))
