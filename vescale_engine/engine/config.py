@@ -249,6 +249,8 @@ class EngineConfig:
     quantized_weights: bool = False
     quantized_gradients: bool = False
     quantization_group: int = DEFAULT_GROUP
+    quantization_format: str = "int8"  # the weights': "int8" or "fp8_e4m3" (tile scales)
+    fp8_matmul: bool = False  # Linears compute their forward from the gathered FP8 tiles
     # zero_optimization.zero_hpz_partition_size: backward re-gathers inside groups of this
     # many consecutive ranks (1: off)
     hpz_partition_size: int = 1
@@ -406,8 +408,35 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         quantized_weights=_quantized(zero, "zero_quantized_weights", stage, sizes, prefix),
         quantized_gradients=_quantized(zero, "zero_quantized_gradients", stage, sizes, prefix),
         quantization_group=int(ves.get("quantization_group_size", DEFAULT_GROUP)),
+        quantization_format=_quantization_format(zero, ves, prefix),
         hpz_partition_size=_hpz_partition_size(zero, stage, sizes, offload, prefix),
+        fp8_matmul=_fp8_matmul(zero, ves, prefix),
     )
+
+
+def _fp8_matmul(zero: dict, ves: dict, prefix: str) -> bool:
+    """vescale.fp8_matmul: only over weights gathered as FP8 tiles, and not with hpZ."""
+    if not ves.get("fp8_matmul", False):
+        return False
+    if ves.get("quantization_format", "int8") != "fp8_e4m3":
+        raise ConfigError([f"{prefix}vescale.fp8_matmul computes from weights gathered as FP8 "
+                           "tiles: set zero_optimization.zero_quantized_weights and "
+                           "vescale.quantization_format \"fp8_e4m3\""])
+    if int(zero.get("zero_hpz_partition_size", 1) or 1) > 1:
+        raise ConfigError([f"{prefix}vescale.fp8_matmul with zero_hpz_partition_size > 1 is "
+                           "not supported yet (backward's gathers from the secondary copies "
+                           "carry no FP8 values)"])
+    return True
+
+
+def _quantization_format(zero: dict, ves: dict, prefix: str) -> str:
+    """vescale.quantization_format: what the quantized weight all-gathers send."""
+    fmt = ves.get("quantization_format", "int8")
+    if fmt != "int8" and not zero.get("zero_quantized_weights", False):
+        raise ConfigError([f"{prefix}vescale.quantization_format {fmt!r} is for the weights: "
+                           "set zero_optimization.zero_quantized_weights (gradients are "
+                           "quantized to int8)"])
+    return fmt
 
 
 def _hpz_partition_size(zero: dict, stage: int, sizes: ParallelSizes, offload, prefix) -> int:

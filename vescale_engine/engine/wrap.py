@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import optim
 from ..fsdp.api import fully_shard
-from ..fsdp.lookup import unit_of
+from ..fsdp.lookup import unit_of, units_under
 from ..fsdp.policy import MixedPrecisionPolicy
 from .deepspeed_moe import expert_sharding
 
@@ -91,6 +91,7 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                   quantized_gradients=cfg.quantization_group if cfg.quantized_gradients
                   else None,
                   hpz_partition_size=cfg.hpz_partition_size,
+                  quantization_format=cfg.quantization_format, fp8_matmul=cfg.fp8_matmul,
                   granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=MixedPrecisionPolicy(
@@ -120,6 +121,12 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
         _warn_coarse_shampoo(cfg, model, choice)
+        if cfg.fp8_matmul:
+            routed = sum(u.fp8_linears for u in units_under(model))
+            (LOG.info if routed else LOG.warning)(
+                f"vescale.fp8_matmul: {routed} nn.Linear layers compute their forward from "
+                "FP8 weight tiles" + ("" if routed else " (none has a weight gathered as "
+                                      "tiles: see the warning above)"))
     return model
 
 

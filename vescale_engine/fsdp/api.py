@@ -3,13 +3,16 @@ FSDPModules), and what undoes or suspends them (`release`, `no_sync`)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch.distributed as dist
 from torch import nn
 
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
+from ..plan.quantization import TILE_COLS, tile_rows
 from . import fsdp2_args
+from .fp8_linear import install_fp8_linears
 from .guards import guard_apply, guard_init_weights
 from .lookup import unit_of, units_under
 from .materialize import install_full_shape_reset
@@ -76,7 +79,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                 max_reuse_distance: int = 0, native_collectives: bool = False,
                 gradient_divide_factor: float | None = None,
                 flat_parameters: bool = False, quantized_weights: int | None = None,
-                quantized_gradients: int | None = None, hpz_partition_size: int = 1):
+                quantized_gradients: int | None = None, hpz_partition_size: int = 1,
+                quantization_format: str = "int8", fp8_matmul: bool = False):
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     FSDP2's signature, FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
@@ -125,7 +129,15 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     `zero_quantized_weights`; shard/quantize.py); master weights, gradients and every gathered
     or saved state stay exact. `quantized_gradients` (the same group size when both are set):
     gradients cross the network as int8 groups (all-to-all), summed in fp32 by their owner
-    (ZeRO++'s `zero_quantized_gradients`). `hpz_partition_size` N > 1 (ZeRO++'s hpZ, over
+    (ZeRO++'s `zero_quantized_gradients`). `quantization_format` "fp8_e4m3": the weights
+    travel as FP8, a tensor whose blocks are whole rows of a width that is a multiple of 128
+    with one scale per (block rows x 128) tile (`granularity="tile:128x128"` or "rows:128":
+    DeepSeek-V3's 128 x 128 weight tiles), the others by int8 groups; gradients stay int8.
+    `fp8_matmul` (with "fp8_e4m3"): each nn.Linear whose weight travels as tiles computes its
+    forward from the gathered FP8 values and tile scales (its input quantized by 1 x 128
+    tiles; fsdp/fp8_linear.py), the unit keeping them with its full parameters (1 byte per
+    element more while gathered); backward computes from the dequantized weight.
+    `hpz_partition_size` N > 1 (ZeRO++'s hpZ, over
     the world only): each forward all-gather leaves every rank a secondary copy of 1/N of the
     gathered parameters, so that backward re-gathers them inside its group of N consecutive
     ranks (a node) instead of over every rank; it costs 1/N of the unit's full parameters in
@@ -161,6 +173,18 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
             raise ValueError(f"quantized_{kind} must be a group size in elements (an int >= "
                              f"1), got {size!r}")
     hpz = _hpz_group(hpz_partition_size, group, replicate_group)
+    if quantization_format not in ("int8", "fp8_e4m3"):
+        raise ValueError(f"quantization_format must be 'int8' or 'fp8_e4m3', got "
+                         f"{quantization_format!r}")
+    if quantization_format != "int8" and quantized_weights is None:
+        raise ValueError(f"quantization_format={quantization_format!r} is what the weights "
+                         "travel as: set quantized_weights too (gradients are int8)")
+    if fp8_matmul and quantization_format != "fp8_e4m3":
+        raise ValueError("fp8_matmul=True computes from weights gathered as FP8 tiles: set "
+                         "quantized_weights and quantization_format='fp8_e4m3'")
+    if fp8_matmul and hpz is not None:
+        raise ValueError("fp8_matmul=True with hpz_partition_size > 1 is not supported yet "
+                         "(backward's gathers from the secondary copies carry no FP8 values)")
     if len(set(quantized.values())) > 1:
         raise ValueError(f"quantized_weights={quantized_weights} and quantized_gradients="
                          f"{quantized_gradients}: one group size serves both (the planner "
@@ -172,7 +196,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                     placement=fsdp2_args.placement_of(shard_placement_fn),
                     flat_parameters=flat_parameters,
                     quantize_group=next(iter(quantized.values()), None),
-                    quantized=tuple(quantized), hpz_group=hpz)
+                    quantized=tuple(quantized), hpz_group=hpz,
+                    quantize_format=quantization_format)
+    if quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
+        _warn_untiled(unit)
+    if fp8_matmul:
+        for buf in unit.buffers:
+            buf.keep_fp8 = True
+        unit.fp8_linears = install_fp8_linears(unit)
     if offload is not None:
         unit.offload_to_host(offload)
     install_full_shape_reset(unit)
@@ -185,6 +216,18 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         m.register_forward_hook(unit.post_forward)
     return module
+
+
+def _warn_untiled(unit) -> None:
+    """FP8 weights: name the matrices that travel as int8 groups instead of FP8 tiles (one
+    message per set of names: a model's identical layers warn once)."""
+    names = [p.name for b in unit.buffers for p in b.layout.placements
+             if len(p.spec.shape) >= 2 and tile_rows(p.spec) is None]
+    if names:
+        warnings.warn(f"quantization_format='fp8_e4m3': {', '.join(names)} travel as int8 "
+                      f"groups, not FP8 tiles: FP8 tiles need a width that is a multiple of "
+                      f"{TILE_COLS} and planner blocks of whole rows (granularity rows:R or "
+                      f"tile:Rx{TILE_COLS})", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ class FSDPUnit:
                  granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
                  native_collectives=False, gradient_divide_factor=None, *, ignored=(),
                  placement=None, flat_parameters=False, quantize_group=None, quantized=(),
-                 hpz_group=None):
+                 hpz_group=None, quantize_format="int8"):
         """`module`: one module, or several (FSDP2's `fully_shard([a, b])`: one unit, one
         all-gather, over all of them). `reshard_after_forward` None: True, but not for the
         root (FSDP2's default); an explicit True reshards the root too. `ignored`: ids of
@@ -110,6 +110,8 @@ class FSDPUnit:
         # int8 weight all-gathers and/or gradient reduce-scatters (shard/quantize.py)
         self.quantize_group = quantize_group if quantized else None
         self.quantized = tuple(quantized)
+        self.quantize_format = quantize_format
+        self.fp8_linears = 0  # nn.Linears computing from FP8 tiles (fully_shard(fp8_matmul))
         self.hpz_group = hpz_group  # hpZ: backward re-gathers inside this group
         self.grads_in_place = grads_in_place
         self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
@@ -213,7 +215,8 @@ class FSDPUnit:
                               native_collectives=self.native_collectives,
                               divide_factor=self.gradient_divide_factor,
                               quantize_group=self.quantize_group, quantized=self.quantized,
-                              hpz_group=self.hpz_group)
+                              hpz_group=self.hpz_group,
+                              quantize_format=self.quantize_format)
                 self.buffers.append(buf)
                 for k, placement in enumerate(layout.placements):
                     fqn, param, registrations = found[position[placement.name]]

@@ -3,7 +3,8 @@ default group size and the planner block a tensor gets so that no shard boundary
 (shard/quantize.py quantizes and dequantizes)."""
 from __future__ import annotations
 
-__all__ = ["DEFAULT_GROUP", "quantization_block", "shard_group_lengths", "shard_group_counts"]
+__all__ = ["DEFAULT_GROUP", "TILE_COLS", "quantization_block", "shard_group_lengths",
+           "shard_group_counts", "tile_rows"]
 
 DEFAULT_GROUP = 256  # elements per int8 group: one fp32 scale each (~1.6% of the bytes)
 
@@ -48,16 +49,41 @@ def _piece_groups(p, a: int, b: int, group: int, count_only: bool):
     return _chunks(p.block, group) * whole + _chunks(rest, group)
 
 
-def shard_group_lengths(layout, group: int) -> list:
+def shard_group_lengths(layout, group: int, tiles: bool = False):
     """Per rank, the lengths of its shard's quantization groups in order (they sum to the shard
     size): a tensor's blocks cut into runs of at most `group` elements, each padding gap one
-    group. No group crosses a shard boundary, since no block does."""
-    return [[length for p, a, b in _pieces(layout, r)
-             for length in ([b - a] if p is None else _piece_groups(p, a, b, group, False))]
-            for r in range(layout.world_size)]
+    group. No group crosses a shard boundary, since no block does. With `tiles`, a piece of
+    a tensor quantized by FP8 tiles (`tile_rows`) is one group (its values come from the
+    tiles). Returns (lengths, tiled): per rank, its group lengths, and the indices of its
+    tiled groups among them."""
+    lengths, tiled = [], []
+    for r in range(layout.world_size):
+        mine, skip = [], []
+        for p, a, b in _pieces(layout, r):
+            if p is not None and tiles and tile_rows(p.spec):
+                skip.append(len(mine))
+                mine.append(b - a)
+            else:
+                mine += [b - a] if p is None else _piece_groups(p, a, b, group, False)
+        lengths.append(mine)
+        tiled.append(skip)
+    return lengths, tiled
 
 
 def shard_group_counts(layout, group: int) -> list:
     """Per rank, how many groups `shard_group_lengths` gives it (without listing them)."""
     return [sum(1 if p is None else _piece_groups(p, a, b, group, True)
                 for p, a, b in _pieces(layout, r)) for r in range(layout.world_size)]
+
+
+TILE_COLS = 128  # FP8 weights: tiles of (rows per planner block) x 128 columns, one scale each
+
+
+def tile_rows(spec) -> int | None:
+    """Rows per FP8 tile of a tensor (TensorSpec): its planner block's rows when the block is
+    whole rows of a matrix (or stack) whose width is a multiple of TILE_COLS, else None (its
+    groups are contiguous runs). DeepSeek-V3's 128x128 weight tiles: `tile:128x128`."""
+    shape = tuple(spec.shape)
+    if len(shape) < 2 or shape[-1] % TILE_COLS or spec.block % shape[-1]:
+        return None
+    return spec.block // shape[-1]

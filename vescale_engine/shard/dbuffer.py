@@ -25,7 +25,9 @@ import torch.distributed as dist
 from ..plan.planner import BufferLayout
 from . import collectives
 from .compute_shard import ComputeShard
-from .quantize import GroupLayout, dequantize, dequantize_sum, quantize
+from ..plan.quantization import TILE_COLS
+from .quantize import (GroupLayout, TileLayout, dequantize, dequantize_sum, dequantize_tiles,
+                       quantize, quantize_tiles)
 
 __all__ = ["DBuffer", "PendingReduction", "CollectiveStats", "STATS", "release_free_host_memory"]
 
@@ -177,7 +179,8 @@ class DBuffer:
                  shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, name: str = "buffer",
                  native_collectives: bool = False, divide_factor: float | None = None,
-                 quantize_group: int | None = None, quantized: tuple = (), hpz_group=None):
+                 quantize_group: int | None = None, quantized: tuple = (), hpz_group=None,
+                 quantize_format: str = "int8"):
         self.layout = layout
         # ZeRO++'s hpZ (zero_hpz_partition_size): every primary all-gather leaves this rank's
         # 1/N of `full` in `secondary` (N = the hpZ group's size, consecutive ranks); a
@@ -190,10 +193,20 @@ class DBuffer:
         # network instead of the weights ("weights" in `quantized`) or the gradients
         # ("gradients"), in groups of `quantize_group` elements (quantize.py)
         self.quant = GroupLayout(layout, quantize_group) if quantized else None
-        if self.quant is not None:
-            self.quant.to(device)
         self.quant_weights = "weights" in quantized
         self.quant_grads = "gradients" in quantized
+        # FP8 weights ("fp8_e4m3"): matrices of whole-row blocks by FP8 tiles (TileLayout),
+        # every other tensor (norms, biases) by int8 groups; gradients stay int8
+        self.quant_format = quantize_format if self.quant_weights else "int8"
+        self.weight_groups, self.tiles = self.quant, None
+        if self.quant_format == "fp8_e4m3":
+            self.weight_groups = GroupLayout(layout, quantize_group, tiles=True)
+            self.tiles = TileLayout(layout)
+        # fully_shard(fp8_matmul=True): the last gather's FP8 values and tile scales kept with
+        # `full` (fp8_tensor) for the Linears that compute from them (fsdp/fp8_linear.py)
+        self.keep_fp8 = False
+        self._fp8 = None  # (gathered bytes, gathered tile scales, the full views' versions)
+        self._quant_to(device)
         self.name = name
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -300,8 +313,13 @@ class DBuffer:
         self.grad = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
         self.release_grad()
         self._choose_collectives()
-        if self.quant is not None:
-            self.quant.to(self.device)
+        self._quant_to(self.device)
+
+    def _quant_to(self, device) -> None:
+        """The quantization layouts' index tensors where the storage is."""
+        for held in (self.quant, self.weight_groups, self.tiles):
+            if held is not None:
+                held.to(device)
 
     # -- the master in host memory (ZeRO-Offload) -----------------------------------------------
 
@@ -419,6 +437,7 @@ class DBuffer:
         a `backward` gather of that iteration gathers the copies inside the hpZ group (what
         that forward computed with)."""
         self._allocate("full")
+        self._fp8 = None
         if backward and hpz_tag is not None and self.secondary_tag == hpz_tag:
             return self._secondary_all_gather(async_op)
         S = self.shard_size
@@ -467,24 +486,53 @@ class DBuffer:
     def _quantized_all_gather(self, source: torch.Tensor):
         """This rank's shard quantized, payload and scales all-gathered (two collectives),
         every shard dequantized into `full` when the handle is waited for."""
-        groups, W, S = self.quant, self.world_size, self.shard_size
+        groups, tiles, W, S = self.weight_groups, self.tiles, self.world_size, self.shard_size
+        # FP8: the tiles' values as FP8 bytes, written over their placeholder groups' int8
         q, scales = quantize(source, groups.lengths[self.rank], groups.max_groups,
                              groups.runs(self.rank))
-        q_full = torch.empty(W * S, dtype=torch.int8, device=self.device)
-        scales_full = torch.empty(W * groups.max_groups, dtype=torch.float32,
-                                  device=self.device)
-        STATS.bytes_gathered += q_full.numel() + scales_full.numel() * 4
-        works = [collectives.all_gather(q_full, q, self.shard_group, async_op=True,
-                                        native=self.native),
-                 collectives.all_gather(scales_full, scales, self.shard_group, async_op=True,
-                                        native=self.native)]
-        return collectives.Joined(works, lambda: dequantize(
-            self.full, q_full, scales_full, groups.padded, groups.runs()))
+        sent = [(q, torch.empty(W * S, dtype=q.dtype, device=self.device)),
+                (scales, torch.empty(W * groups.max_groups, dtype=torch.float32,
+                                     device=self.device))]
+        if tiles is not None and tiles.max_tiles:  # FP8 tiles: their scales (q has the values)
+            tile_scales = quantize_tiles(source, q.view(torch.uint8), tiles.pieces[self.rank],
+                                         tiles.max_tiles)
+            sent.append((tile_scales, torch.empty(W * tiles.max_tiles, dtype=torch.float32,
+                                                  device=self.device)))
+        STATS.bytes_gathered += sum(out.numel() * out.element_size() for _, out in sent)
+        works = [collectives.all_gather(out, mine, self.shard_group, async_op=True,
+                                        native=self.native) for mine, out in sent]
+
+        def finish():
+            dequantize(self.full, sent[0][1], sent[1][1], groups.padded, groups.runs())
+            if len(sent) > 2:  # over the tiled tensors' placeholder groups
+                dequantize_tiles(self.full, sent[0][1].view(torch.uint8), sent[2][1],
+                                 tiles.tensors)
+                if self.keep_fp8:
+                    if self._full_views is None:  # made now, so that their versions count
+                        self._full_views = self._views(self.full)
+                    self._fp8 = (sent[0][1].view(torch.uint8), sent[2][1],
+                                 [view._version for view in self._full_views])
+        return collectives.Joined(works, finish)
+
+    def fp8_tensor(self, index: int, weight: torch.Tensor):
+        """Tensor `index`'s gathered FP8 values (rows x width, float8_e4m3fn), its tile scales
+        (tile rows x width / 128) and rows per tile, while `weight` (its view of `full`) still
+        holds what they were dequantized to; None otherwise (not gathered as FP8 tiles, the
+        weight written since (its version counter is its full view's), or freed)."""
+        held = self._fp8
+        if (held is None or index not in self.tiles.tensor_of
+                or weight._version != held[2][index]):
+            return None
+        offset, numel, width, rows_per_tile, tiles = self.tiles.tensor_of[index]
+        values = held[0][offset:offset + numel].view(torch.float8_e4m3fn)
+        return (values.view(numel // width, width),
+                held[1][tiles].view(-1, width // TILE_COLS), rows_per_tile)
 
     def free_full(self) -> None:
         if self._reducing_full:  # the in-flight reduce-scatter frees it when it finishes
             return
         self.grads_in_full = False
+        self._fp8 = None
         if self.full is not None:
             self.full.untyped_storage().resize_(0)
 
