@@ -45,7 +45,8 @@ HEAD_DIM = 32
 MB = 1e6
 DEFAULT_SETUP = {"optimizer": "AdamW", "param_dtype": "fp32", "reduce_dtype": None, "hsdp": 1,
                  "grad_accum": 1, "reshard_after_forward": True}
-ZERO_PLUS_PLUS = ("quantized_weights", "quantized_gradients", "hpz")  # ours only, when given
+ZERO_PLUS_PLUS = ("quantized_weights", "quantized_gradients", "hpz",  # ours only, when given
+                  "fp8_matmul")
 # Setups beyond the default, at one world size: (model, label, changes, systems measured).
 VARIANTS = [
     ("dense", "AdamW8bit", {"optimizer": "AdamW8bit"}, ("ours",)),
@@ -306,7 +307,12 @@ def _wrap(model, case, dtypes):
                         else None, mp_policy=mp, granularity=granularity,
                         quantized_weights=256 if case.get("quantized_weights") else None,
                         quantized_gradients=256 if case.get("quantized_gradients") else None,
-                        hpz_partition_size=case.get("hpz", 1))
+                        hpz_partition_size=case.get("hpz", 1),
+                        # "fp8": FP8 weight tiles (measured only: the estimate counts int8
+                        # groups' scales); fp8_matmul: those kept with each gathered unit
+                        quantization_format="fp8_e4m3" if case.get("fp8") or
+                        case.get("fp8_matmul") else "int8",
+                        fp8_matmul=bool(case.get("fp8_matmul")))
         opt = getattr(optim, case["optimizer"])(model.parameters(), lr=1e-3)
         buffers = [b for m in model.modules() if unit_of(m) for b in unit_of(m).buffers]
 

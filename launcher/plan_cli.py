@@ -122,6 +122,9 @@ def add_parser(sub):
     m.add_argument("--quantization-group", metavar="G",
                    help="elements per quantization group (vescale.quantization_group_size, "
                         "default 256)")
+    m.add_argument("--fp8-matmul", action="store_const", const=True, default=None,
+                   help="ours with vescale.fp8_matmul (needs --quantized-weights): the FP8 "
+                        "weights are kept with each gathered unit, 1 byte per element")
     m.add_argument("--hpz", metavar="N",
                    help="ours with zero_hpz_partition_size N: backward gathers inside groups "
                         "of N ranks; its secondary copies count as parameter memory")
@@ -148,7 +151,7 @@ _MEMORY_FLAGS = ("optimizer", "param_dtype", "reduce_dtype", "grad_accum", "hsdp
                  "offload_param", "tokens", "max_preconditioner_dim", "seq", "sp",
                  "micro_batch", "activation_checkpointing", "tiled_mlp", "tiled_loss",
                  "head_dim", "quantized_weights", "quantized_gradients", "quantization_group",
-                 "hpz")
+                 "hpz", "fp8_matmul")
 _ACTIVATION_FLAGS = ("sp", "micro_batch", "activation_checkpointing", "tiled_mlp",
                      "tiled_loss", "head_dim")
 
@@ -228,7 +231,8 @@ def _capacity_setups(args, model) -> dict:
                 quantized_weights=bool(args.quantized_weights),
                 quantized_gradients=bool(args.quantized_gradients),
                 quantization_group=args.quantization_group or
-                capacity.Setup.quantization_group, hpz=args.hpz or 1)
+                capacity.Setup.quantization_group, hpz=args.hpz or 1,
+                fp8_matmul=bool(args.fp8_matmul))
             capacity.check_setup(setup, model)
             setups[(str(parse_granularity(setup.layout_granularity)), world_size)] = setup
     # the layouts shown are the ones the memory is estimated for
@@ -521,6 +525,8 @@ def _print_memory(model, plans, estimates, device_memory, args=None):
         zpp = [f"{what} (groups of {s['quantization_group']})" for key, what in
                (("quantized_weights", "int8 all-gathers"),
                 ("quantized_gradients", "int8 gradient all-to-alls")) if s.get(key)]
+        if s.get("fp8_matmul"):
+            zpp.append("fp8_matmul (the FP8 weights kept with each gathered unit)")
         if s.get("hpz"):
             zpp.append(f"hpZ over {s['hpz']} ranks (its copies in ours' peak; backward "
                        f"gathers inside them: "

@@ -260,7 +260,18 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
         return ("full", id(key[0]), key[1])
 
     def gather(key):
-        tl.alloc(full(key), key[0].full * pb)
+        """A unit's all-gather. Quantized weights arrive as 1 byte per element and the
+        gathered scales, held until dequantized into the full buffer (before that unit
+        computes, so one at a time); fp8_matmul keeps them as long as the full buffer."""
+        p = key[0]
+        payload = (p.full + 4 * p.groups * p.world
+                   if setup.quantized_weights else 0)
+        tl.free(("payload",))
+        if setup.fp8_matmul:
+            tl.alloc(full(key), p.full * pb + payload)
+        else:
+            tl.alloc(full(key), p.full * pb)
+            tl.alloc(("payload",), payload)
 
     def reduce(key, accumulate):
         """fsdp post_backward: the reduce-scatter of `key`, its source freed one unit later."""
@@ -331,6 +342,7 @@ def simulate_ours(root: Unit, others: list, setup: Setup, cache: PlanCache) -> d
             reducing = (root_plan, 0)
         if reducing:
             finish(reducing)
+        tl.free(("payload",))
     tl.phase = "optimizer_step"
     tl.spike(step_peak)
     padding = {}   # padded elements of all ranks, by shard group size

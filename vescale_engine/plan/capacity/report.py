@@ -116,6 +116,8 @@ def _zero_plus_plus(setup: Setup) -> dict:
         out.update(quantized_weights=setup.quantized_weights,
                    quantized_gradients=setup.quantized_gradients,
                    quantization_group=setup.quantization_group)
+    if setup.fp8_matmul:
+        out["fp8_matmul"] = True
     if setup.hpz > 1:
         out["hpz"] = setup.hpz
     return out

@@ -59,6 +59,7 @@ class Setup:
     quantized_gradients: bool = False
     quantization_group: int = DEFAULT_GROUP
     hpz: int = 1
+    fp8_matmul: bool = False  # FP8 weights' bytes kept with each gathered unit (fp8_linear)
 
     @property
     def quantized(self) -> bool:
@@ -217,6 +218,12 @@ def _check_zero_plus_plus(setup: Setup) -> None:
                         ("--hpz", setup.hpz)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise CapacityError(f"{what} must be a positive integer, got {value!r}")
+    if setup.fp8_matmul and not setup.quantized_weights:
+        raise CapacityError("--fp8-matmul computes from weights gathered as FP8: it needs "
+                            "--quantized-weights")
+    if setup.fp8_matmul and setup.hpz > 1:
+        raise CapacityError("--fp8-matmul with --hpz is not supported (the engine refuses "
+                            "them together)")
     if setup.hpz > 1:
         if setup.tp > 1 or setup.ep > 1 or setup.hsdp > 1 or setup.offloads:
             raise CapacityError("--hpz is not estimated with --tp, --ep, --hsdp or offload "
