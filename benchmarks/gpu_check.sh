@@ -19,7 +19,12 @@
 #   (7) benchmarks/checkpoint_io.py: a save's stall, synchronous vs background (pinned host
 #       staging), and end-to-end steps with saves, beside DeepSpeed (world size 1);
 #   (8) benchmarks/compile_step.py: the step with and without engine.compile() (inductor),
-#       beside FSDP2 with compiled blocks (world size 1).
+#       beside FSDP2 with compiled blocks (world size 1);
+#   (9) benchmarks/quantized_comm.py: int8 and FP8 weight and gradient collectives against
+#       bf16 on NCCL (world size 1: the quantize and dequantize passes, bytes), then as rank
+#       0 of W = 1024 with the fake process group (the passes at that world size);
+#  (10) benchmarks/fp8_matmul.py: a Linear's forward on 128 x 128 FP8 weight tiles,
+#       dequantize + bf16 matmul vs vescale.fp8_matmul's matmul vs one block-scaled call.
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine
 #   DEVICE=cpu bash benchmarks/gpu_check.sh       # dry run on CPU (gloo, small sizes; in CI)
@@ -42,6 +47,9 @@ if [ "$DEVICE" = cpu ]; then
   MOE_FLAGS="--smoke"
   CKPT_FLAGS="--smoke --repeats 1 --steps 2 --every 1 --e2e-rounds 1"
   COMPILE_FLAGS="--layers 1 --dim 64 --seq 32 --batch 2 --steps 1 --warmup 1 --rounds 1"
+  QUANT_FLAGS="--layers 1 --dim 128 --seq 16 --steps 2 --rounds 1"
+  QUANT_FAKE_WORLD=64
+  FP8_FLAGS="--smoke"
 else
   WORLD_SIZES=${WORLD_SIZES:-64 256 1024}
   STEPS=${STEPS:-300}
@@ -50,6 +58,9 @@ else
   MOE_FLAGS="--scale 1 --tokens 1024"
   CKPT_FLAGS=""
   COMPILE_FLAGS="--layers 8 --dim 1024 --seq 1024 --batch 8 --steps 10 --warmup 3 --rounds 3"
+  QUANT_FLAGS="--layers 4 --dim 1024 --seq 1024 --batch 4 --steps 10 --rounds 1"
+  QUANT_FAKE_WORLD=256
+  FP8_FLAGS=""
 fi
 
 declare -A RC
@@ -92,6 +103,15 @@ run() {  # run NAME TIMEOUT_S COMMAND...: log it, time it, keep its exit status
   # shellcheck disable=SC2086  # flags
   run compile_step 400 "$PY" benchmarks/compile_step.py --device "$DEVICE" --world 1 \
     $COMPILE_FLAGS --out "$DIR/compile_step_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run quantized_comm 300 "$PY" benchmarks/quantized_comm.py --device "$DEVICE" --world 1 \
+    $QUANT_FLAGS --out "$DIR/quantized_comm_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run quantized_comm_fake 300 "$PY" benchmarks/quantized_comm.py --device "$DEVICE" \
+    --fake-world "$QUANT_FAKE_WORLD" $QUANT_FLAGS --out "$DIR/quantized_comm_fake_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run fp8_matmul 200 "$PY" benchmarks/fp8_matmul.py --device "$DEVICE" $FP8_FLAGS \
+    --out "$DIR/fp8_matmul_$DEVICE.md"
 
   echo; echo "== summary (exit status per part; 0 = passed)"
   failed=0

@@ -1,7 +1,8 @@
 """The GPU check's CPU dry run: `DEVICE=cpu bash benchmarks/gpu_check.sh` runs every part of
 the script the first GPU will run (main job fp32 and bf16, gpu_validate's checks, the fake
 process group memory comparison, the step-time comparison with FSDP2, the offload comparison,
-the MoE memory, checkpoint stall and compile comparisons) on gloo, small sizes."""
+the MoE memory, checkpoint stall and compile comparisons, quantized communication on one rank
+and as rank 0 of a fake process group, the FP8 matmuls) on gloo, small sizes."""
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert proc.returncode == 0, log[-6000:]
     for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
                  "fake_pg_memory", "step_time", "offload", "moe_ep_memory", "checkpoint_io",
-                 "compile_step"):
+                 "compile_step", "quantized_comm", "quantized_comm_fake", "fp8_matmul"):
         assert f"{part}: 0" in log, part
     assert log.count("trained 6 steps on 1 rank(s)") == 2
     report = json.loads((tmp_path / "gpu_validate.json").read_text())
@@ -42,3 +43,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert "| FSDP2, CPUOffloadPolicy |" in (tmp_path / "gpu_offload_cpu.md").read_text()
     assert "| vescale (background) |" in (tmp_path / "checkpoint_io_cpu.md").read_text()
     assert "| veScale Engine, engine.compile() |" in (tmp_path / "compile_step_cpu.md").read_text()
+    assert "| zero_quantized_weights, fp8_e4m3, tile:128x128 |" in \
+        (tmp_path / "quantized_comm_cpu.md").read_text()
+    assert "as rank 0 of 64" in (tmp_path / "quantized_comm_fake_cpu.md").read_text()
+    assert "| tile_matmul (row-scaled per 128 of K) |" in \
+        (tmp_path / "fp8_matmul_cpu.md").read_text()
