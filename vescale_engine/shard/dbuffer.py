@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..plan.planner import BufferLayout
+from ..plan.quantization import TILE_COLS
 from . import collectives
 from .compute_shard import ComputeShard
-from ..plan.quantization import TILE_COLS
 from .quantize import (GroupLayout, TileLayout, dequantize, dequantize_sum, dequantize_tiles,
                        quantize, quantize_tiles)
 
@@ -484,10 +484,11 @@ class DBuffer:
         return _TimedWork(work, self.device) if async_op else work
 
     def _quantized_all_gather(self, source: torch.Tensor):
-        """This rank's shard quantized, payload and scales all-gathered (two collectives),
-        every shard dequantized into `full` when the handle is waited for."""
+        """This rank's shard quantized, payload and scales all-gathered (two collectives; a
+        third for FP8 tiles' scales), every shard dequantized into `full` when the handle is
+        waited for."""
         groups, tiles, W, S = self.weight_groups, self.tiles, self.world_size, self.shard_size
-        # FP8: the tiles' values as FP8 bytes, written over their placeholder groups' int8
+        # FP8: the tiles' values as FP8 bytes, written into the groups quantize skipped
         q, scales = quantize(source, groups.lengths[self.rank], groups.max_groups,
                              groups.runs(self.rank))
         sent = [(q, torch.empty(W * S, dtype=q.dtype, device=self.device)),
@@ -504,7 +505,7 @@ class DBuffer:
 
         def finish():
             dequantize(self.full, sent[0][1], sent[1][1], groups.padded, groups.runs())
-            if len(sent) > 2:  # over the tiled tensors' placeholder groups
+            if len(sent) > 2:  # the tiled tensors, which dequantize skipped
                 dequantize_tiles(self.full, sent[0][1].view(torch.uint8), sent[2][1],
                                  tiles.tensors)
                 if self.keep_fp8:

@@ -20,6 +20,11 @@ Padding between tensors is a group of its own (zeros, sent as zeros).
 
 Symmetric: scale = max|x| / 127 over the group (1 for an all-zero group), q = round(x / scale)
 in [-127, 127], value = q * scale computed in fp32 (and cast to the compute dtype).
+
+FP8 weights (quantization_format "fp8_e4m3", TileLayout): a matrix whose planner blocks are
+whole rows of a width that is a multiple of 128 travels as float8_e4m3 bytes with one fp32
+scale per (block rows x 128) tile (scale = max|x| / 448), in the payload where its piece's one
+group would be; the int8 loops skip those groups (GroupLayout's `runs`).
 """
 from __future__ import annotations
 
