@@ -20,21 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..plan.quantization import TILE_COLS
+from ..shard.quantize import to_fp8
 
 __all__ = ["quantize_input", "tile_matmul", "blockwise_matmul", "install_fp8_linears"]
-
-_FP8 = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(_FP8).max
 
 
 def quantize_input(x: torch.Tensor):
     """x (M, K), K a multiple of 128, as FP8 by 1 x 128 tiles: (values (M, K) float8_e4m3fn,
     scales (M, K / 128) fp32, scale = max|x| / 448 of the tile, 1 for an all-zero tile)."""
     M, K = x.shape
-    tiles = x.float().view(M, K // TILE_COLS, TILE_COLS)
-    amax = tiles.abs().amax(-1)
-    scales = (amax / _FP8_MAX).masked_fill_(amax == 0, 1.0)
-    return (tiles / scales[..., None]).to(_FP8).view(M, K), scales
+    values, scales = to_fp8(x.reshape(M, K // TILE_COLS, TILE_COLS), (2,))
+    return values.view(M, K), scales
 
 
 def tile_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

@@ -35,7 +35,7 @@ import torch
 from ..plan.quantization import DEFAULT_GROUP, TILE_COLS, shard_group_lengths, tile_rows
 
 __all__ = ["GroupLayout", "TileLayout", "quantize", "dequantize", "dequantize_sum",
-           "quantize_tiles", "dequantize_tiles"]
+           "to_fp8", "quantize_tiles", "dequantize_tiles"]
 
 _QMAX = 127.0
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: what max|x| of an FP8 tile maps to
@@ -188,12 +188,14 @@ class TileLayout:
             index = torch.cat([torch.arange(n) + r * self.max_tiles + first
                                for r, first, n in spans])
             self.tensor_of[k] = (p.offset, p.numel, p.spec.shape[-1], tile_rows(p.spec), index)
-        self.tensors = list(self.tensor_of.values())
+
+    @property
+    def tensors(self) -> list:
+        return list(self.tensor_of.values())
 
     def to(self, device) -> None:
         if torch.device(device).type != "meta":
             self.tensor_of = {k: t[:4] + (t[4].to(device),) for k, t in self.tensor_of.items()}
-            self.tensors = list(self.tensor_of.values())
 
 
 def _tiles_view(flat: torch.Tensor, rows: int, width: int, rows_per_tile: int):
@@ -208,6 +210,16 @@ def _tiles_view(flat: torch.Tensor, rows: int, width: int, rows_per_tile: int):
     return head, tail
 
 
+def to_fp8(tiles: torch.Tensor, dims):
+    """`tiles` (any float dtype) as float8_e4m3fn with one fp32 scale per tile, the tile being
+    `dims` (scale = max|x| / 448 over it, 1 for an all-zero tile): (values, scales with `dims`
+    reduced away)."""
+    x = tiles.float()
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    scales = (amax / _FP8_MAX).masked_fill_(amax == 0, 1.0)
+    return (x / scales).to(torch.float8_e4m3fn), scales.squeeze(dims)
+
+
 def quantize_tiles(values: torch.Tensor, q: torch.Tensor, pieces: list, slots: int):
     """FP8 by tiles for `pieces` (TileLayout.pieces of this rank) of the shard `values`, into
     the payload `q` (uint8 bytes, the shard's layout); the tiles' scales in order, padded with
@@ -215,15 +227,14 @@ def quantize_tiles(values: torch.Tensor, q: torch.Tensor, pieces: list, slots: i
     scales = torch.ones(max(1, slots), dtype=torch.float32, device=values.device)[:slots]
     at = 0
     for start, rows, width, rows_per_tile in pieces:
-        x = values.detach()[start:start + rows * width].float()
+        x = values.detach()[start:start + rows * width]
         out = q[start:start + rows * width]
         o_head, o_tail = _tiles_view(out, rows, width, rows_per_tile)
         for part, o in zip(_tiles_view(x, rows, width, rows_per_tile), (o_head, o_tail)):
             if part is None:
                 continue
-            amax = part.abs().amax(dim=(1, 3))  # one per tile
-            scale = (amax / _FP8_MAX).masked_fill_(amax == 0, 1.0)
-            o.copy_((part / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(torch.uint8))
+            fp8, scale = to_fp8(part, (1, 3))  # one scale per tile
+            o.copy_(fp8.view(torch.uint8))
             scales[at:at + scale.numel()] = scale.flatten()
             at += scale.numel()
     return scales
