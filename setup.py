@@ -11,7 +11,7 @@ that pip does not pull a multi-GB CUDA build.
 """
 from setuptools import find_packages, setup
 
-HF = ["transformers>=5.6.0,<5.25", "accelerate>=1.11.0,<1.17", "safetensors>=0.4.3",
+HF = ["transformers>=5.6.0,<5.26", "accelerate>=1.11.0,<1.17", "safetensors>=0.4.3",
       "peft>=0.18.1,<0.22", "trl>=0.24.0,<1.17", "datasets>=4.0.0,<5.3"]
 
 setup(
@@ -27,7 +27,7 @@ setup(
                                     "launcher"]),
     package_data={"config_schemas": ["*.json"]},
     install_requires=[
-        "torch>=2.13.0,<2.14",
+        "torch>=2.11.0,<2.16",
         "deepspeed>=0.19.3,<0.20",
         "py-cpuinfo",
         "jsonschema>=4.18.0",

@@ -940,6 +940,40 @@ def method_reset_iter_state(rank, world, engine, tmpdir):
 
 
 @idiom
+def method_set_keep_unsharded_storage(rank, world, engine, tmpdir):
+    """torch 2.15: `model.set_keep_unsharded_storage(True)` (CUDA graph capture wants the full
+    parameters at the same addresses every step): training as usual, and a block's full
+    weight seen by its forward at one address in every step."""
+    pointers = []
+
+    def setup(m):
+        m.set_keep_unsharded_storage(True)
+        m.layers[0].attention.wq.register_forward_pre_hook(
+            lambda module, args: pointers.append(module.weight.data_ptr()))
+    rec = _train_with(rank, engine, setup=setup, steps=3)
+    rec["one_address"] = len(set(pointers)) == 1 and len(pointers) == 3
+    return rec
+
+
+@idiom
+def method_finalize_backward_without_manual_mode(rank, world, engine, tmpdir):
+    """torch 2.15: `model.finalize_backward()` before the first forward (nothing to do), and
+    after a step without `set_manual_backward_finalization(True)` (FSDP2 refuses it there);
+    `set_manual_backward_finalization(False)` (the default) changes nothing."""
+    model = shard(build(0), engine)
+    rec = {"before_forward": model.finalize_backward(),
+           "handle_before_forward": model.finalize_backward(async_op=True).wait()}
+    model.set_manual_backward_finalization(False)
+    rec.update(train(model, adamw(model.parameters()), rank, 1))
+    try:
+        model.finalize_backward()
+        rec["after_step"] = "returned"
+    except RuntimeError as err:
+        rec["after_step"] = str(err).split(".")[0]
+    return rec
+
+
+@idiom
 def register_fsdp_forward_method(rank, world, engine, tmpdir):
     """`torch.distributed.fsdp.register_fsdp_forward_method(model, "generate")` for a
     `generate` that calls `self.forward` directly; greedy decoding under no_grad."""
@@ -1544,3 +1578,4 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fsdp2_idioms  # the ranks import the idioms by this module name, not __main__
     sys.exit(fsdp2_idioms.main())
+

@@ -20,9 +20,9 @@ __all__ = ["SUPPORTED", "supported_range", "check_versions"]
 
 # library (import name): (lowest tested, first version above the tested line)
 SUPPORTED = {
-    "torch": ("2.13.0", "2.14"),
+    "torch": ("2.11.0", "2.16"),
     "deepspeed": ("0.19.3", "0.20"),
-    "transformers": ("5.6.0", "5.25"),
+    "transformers": ("5.6.0", "5.26"),
     "accelerate": ("1.11.0", "1.17"),
     "peft": ("0.18.1", "0.22"),
     "trl": ("0.24.0", "1.17"),

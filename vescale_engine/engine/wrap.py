@@ -96,7 +96,10 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=MixedPrecisionPolicy(
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
-                      reduce_dtype=getattr(torch, cfg.reduce_dtype) if cfg.reduce_dtype else None,
+                      # DeepSpeed's: gradients reduced in the compute dtype unless told, each
+                      # rounded to it (bf16 weights' gradients are bf16 there)
+                      reduce_dtype=getattr(torch, cfg.reduce_dtype or cfg.param_dtype)
+                      if cfg.reduce_dtype or cfg.param_dtype else None, keep_wide_grads=False,
                       cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
     if experts is not None:

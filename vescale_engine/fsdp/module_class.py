@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
@@ -68,6 +69,14 @@ class _Handle(UnshardHandle):
         if self._unit is not None:
             self._unit.wait_unshard()
             self._unit = None
+
+
+class _GradientReductionHandle(getattr(torch.distributed.fsdp, "GradientReductionHandle",
+                                       object)):
+    """FSDP2's handle of an asynchronous finalize_backward (torch 2.15): nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
 
 
 class _State:
@@ -138,7 +147,39 @@ class VeScaleFSDPModule(FSDPModule):
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         reset_iteration(units_under(self))
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: resharding keeps the full buffers' storage (the parameters switch to their
+        sharded faces; the next unshard gathers into the same memory, so the full
+        parameters' data pointers stay put, as CUDA graph capture wants), at the cost of
+        holding it between steps. False (default): resharding frees it."""
+        for unit in _units(self, recurse):
+            for buf in unit.buffers:
+                buf.keep_full_storage = bool(keep)
+
     # -- gradients -----------------------------------------------------------------------------
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """torch 2.15's FSDP2: whether the caller finalizes backward (finalize_backward). Each
+        backward here finalizes its own reductions and resharding (False, the default)."""
+        unit = _unit(self)
+        if unit.ctx is not None and not unit.is_root:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root "
+                               "FSDP module")
+        if enabled:
+            _refuse("set_manual_backward_finalization", "every backward finalizes its own "
+                    "gradient reductions and resharding before it returns; several backward "
+                    "passes before one finalization need set_requires_gradient_sync(False) "
+                    "on all but the last instead")
+
+    def finalize_backward(self, *, async_op: bool = False):
+        """torch 2.15's FSDP2: finalize a backward run under manual finalization, which is
+        refused here (set_manual_backward_finalization), so as FSDP2 without it: nothing to do
+        before the first forward, an error after it."""
+        if _unit(self).ctx is not None:
+            raise RuntimeError("FSDP finalize_backward requires manual backward finalization. "
+                               "Call set_manual_backward_finalization(True) before forward")
+        return _GradientReductionHandle() if async_op else None
+
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:

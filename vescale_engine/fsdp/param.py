@@ -95,8 +95,27 @@ class ShardedParameter:
                     # to_local() with gradients: a leaf over the view (dtensor_params says why)
                     self._unsharded.to_local = LocalLeafRoute(self._unsharded, self._local_leaf_of)
             self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
+            self._accept_wide_grads(self._unsharded)
             self._hook_when_trainable()
         return self._unsharded
+
+    def _accept_wide_grads(self, leaf) -> None:
+        """A full-shape leaf whose gradient slot is wider than the leaf (gradients accumulated
+        in the reduce dtype) takes gradients of any dtype: autograd adds what it computed into
+        the preset slot (grad_dtype None), as FSDP2 lets it from torch 2.15."""
+        if self.buffer.grad_dtype != self.buffer.param_dtype:
+            leaf.grad_dtype = None
+
+    def _rounded(self, grad):
+        """The gradient autograd is about to add into a wider slot, rounded to the compute dtype
+        first unless the unit's policy keeps wide gradients (mp_policy.keep_wide_grads: what
+        FSDP2 up to torch 2.14 and DeepSpeed get, whose unsharded gradients have the
+        parameter's dtype)."""
+        buf = self.buffer
+        if buf.grad_dtype == buf.param_dtype or grad.dtype == buf.param_dtype or \
+                self.unit.mp_policy.keeps_wide_grads:
+            return grad
+        return grad.to(buf.param_dtype).to(grad.dtype)
 
     def _local_leaf_of(self) -> nn.Parameter:
         """The plain leaf over the full view that a DTensor face's `to_local()` hands out
@@ -106,6 +125,7 @@ class ShardedParameter:
             with torch.inference_mode(False):
                 leaf = nn.Parameter(self._unsharded._local_tensor, requires_grad=True)
             leaf._vescale_full = self
+            self._accept_wide_grads(leaf)
             leaf.register_hook(self._local_grad_arrived)
             leaf.register_post_accumulate_grad_hook(self._accumulated)
             if self.unit.in_backward:  # (a recompute in backward: the slot is set already)
@@ -115,7 +135,7 @@ class ShardedParameter:
 
     def _local_grad_arrived(self, grad):
         self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
-        return grad
+        return self._rounded(grad)
 
     @property
     def full_face(self) -> nn.Parameter | None:
@@ -157,7 +177,7 @@ class ShardedParameter:
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
         self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
-        return grad
+        return self._rounded(grad)
 
     def preset_grad(self) -> None:
         """Point the full-shape face's `.grad` at its slot of the buffer backward accumulates

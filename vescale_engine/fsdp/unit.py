@@ -196,6 +196,10 @@ class FSDPUnit:
             by_kind.setdefault(key, []).append(i)
         for (dtype, _), ids in by_kind.items():
             param_dtype = self.mp_policy.param_dtype or dtype
+            reduce_dtype = self.mp_policy.reduce_dtype_for(dtype)
+            # gradients accumulate in the reduce dtype when it is the wider one (as FSDP2's)
+            grad_dtype = reduce_dtype if reduce_dtype.is_floating_point and \
+                reduce_dtype.itemsize > param_dtype.itemsize else param_dtype
             itemsize = min(torch.empty(0, dtype=dtype).element_size(),
                            torch.empty(0, dtype=param_dtype).element_size())
             specs = tuple(TensorSpec(plan_name[i], tuple(local[i].shape),
@@ -210,7 +214,7 @@ class FSDPUnit:
             for b, layout in enumerate(plan.buffers):
                 buf = DBuffer(layout, dtype=dtype, device=self.device, shard_group=group,
                               replicate_group=replicate_group, param_dtype=param_dtype,
-                              reduce_dtype=self.mp_policy.reduce_dtype,
+                              reduce_dtype=reduce_dtype, grad_dtype=grad_dtype,
                               name=f"{self.name}[{len(self.buffers)}]",
                               native_collectives=self.native_collectives,
                               divide_factor=self.gradient_divide_factor,

@@ -31,13 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import torch_compat
+
 __all__ = ["Joined", "all_gather", "reduce_scatter", "GradientReduction",
            "gradient_reduction",
            "backend_for", "tensor_backend", "uses_exchange", "default_device"]
 
-# torch 2.13 prefers the *_single names; older releases only have the *_tensor ones.
-_native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_native_all_gather = torch_compat.all_gather_native
+_native_reduce_scatter = torch_compat.reduce_scatter_native
 
 _GATHER_TAG = 0x7E5C
 _REDUCE_TAG = 0x7E5D

@@ -170,14 +170,16 @@ release_free_host_memory = _HeapTrimmer()
 class DBuffer:
     """Storage for one buffer layout on one rank.
 
-    `master` (S elements, the parameters' dtype) and `grad` (S elements) persist; `full` and
-    `full_grad` (world_size * S elements, the compute dtype) hold storage only while unsharded
-    and during backward (and are None until first needed).
+    `master` (S elements, the parameters' dtype) and `grad` (S elements) persist; `full`
+    (world_size * S elements, the compute dtype) and `full_grad` (as many, `grad_dtype`: the
+    compute dtype, or a wider reduce dtype that gradients are accumulated in) hold storage only
+    while unsharded and during backward (and are None until first needed).
     """
 
     def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
                  shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, name: str = "buffer",
+                 reduce_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype | None = None, name: str = "buffer",
                  native_collectives: bool = False, divide_factor: float | None = None,
                  quantize_group: int | None = None, quantized: tuple = (), hpz_group=None,
                  quantize_format: str = "int8"):
@@ -226,6 +228,7 @@ class DBuffer:
         self.shard_size = S
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.grad_dtype = grad_dtype or self.param_dtype  # full_grad's
         self._native_requested = native_collectives
         self._replicas = replicas
         self.divide_factor = divide_factor  # None: the average over shard group x replicas
@@ -246,7 +249,9 @@ class DBuffer:
         # The full buffers' tensors are made when their storage is first needed (nothing
         # full-size is allocated at wrap time), then kept for life; see `_allocate`.
         self._full_bytes = self.world_size * S * self.param_dtype.itemsize
+        self._full_grad_bytes = self.world_size * S * self.grad_dtype.itemsize
         self.full = self.full_grad = None
+        self.keep_full_storage = False  # FSDP2's set_keep_unsharded_storage: free_full keeps it
         self.full_grad_live = False   # holds gradients not yet reduced (no_sync accumulation)
         # Gradients in place of the parameters: this backward writes each tensor's gradient
         # over its own full parameter once that value is dead (see `begin_backward`).
@@ -420,12 +425,15 @@ class DBuffer:
         """Give `full` or `full_grad` its storage, making the tensor the first time."""
         tensor = getattr(self, name)
         if tensor is None:
+            dtype = self.param_dtype if name == "full" else self.grad_dtype
             with torch.inference_mode(False):  # kept for life: training uses it too
-                tensor = torch.empty(self.world_size * self.shard_size, dtype=self.param_dtype,
+                tensor = torch.empty(self.world_size * self.shard_size, dtype=dtype,
                                      device=self.device)
             setattr(self, name, tensor)
         else:
-            tensor.untyped_storage().resize_(self._full_bytes)
+            nbytes = self._full_bytes if name == "full" else self._full_grad_bytes
+            if tensor.untyped_storage().nbytes() != nbytes:  # (kept: resize_ would move it)
+                tensor.untyped_storage().resize_(nbytes)
         return tensor
 
     def all_gather(self, async_op: bool = True, hpz_tag=None, backward: bool = False):
@@ -534,7 +542,7 @@ class DBuffer:
             return
         self.grads_in_full = False
         self._fp8 = None
-        if self.full is not None:
+        if self.full is not None and not self.keep_full_storage:
             self.full.untyped_storage().resize_(0)
 
     # -- gradients -----------------------------------------------------------------------------
@@ -546,9 +554,10 @@ class DBuffer:
         full parameter buffer itself. A parameter's full value is dead once its own gradient is
         complete, so the caller zeroes each tensor's range right then (`grad_arrived`) and
         autograd adds the gradient there; the reduce-scatter then reads `full`. One full-size
-        buffer per unit instead of two. Otherwise: a separate zeroed `full_grad` buffer, kept
-        across `no_sync` micro-steps."""
-        if grads_in_place and not self.full_grad_live:
+        buffer per unit instead of two. Otherwise (also when gradients are accumulated in a
+        wider dtype than the parameters'): a separate zeroed `full_grad` buffer, kept across
+        `no_sync` micro-steps."""
+        if grads_in_place and not self.full_grad_live and self.grad_dtype == self.param_dtype:
             self.grads_in_full = True
             self._grad_written = [False] * len(self.layout.placements)
             self._deferred = {}

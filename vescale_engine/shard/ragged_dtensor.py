@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from .. import torch_compat
 from . import ragged_ops
 from .ragged import (RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate,
                      root_to_ragged)
@@ -214,9 +215,10 @@ class RaggedDTensor(DTensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        layout = flatten_spec[0][0].layout(outer_size)  # (placements, meta, order, grad)
-        return ragged_dtensor(inner_tensors["_local_tensor"], layout,
-                              inner_tensors["device_mesh"], requires_grad=flatten_spec[3])
+        local, mesh, placements, requires_grad = \
+            torch_compat.unflatten_dtensor_parts(inner_tensors, flatten_spec)
+        return ragged_dtensor(local, placements[0].layout(outer_size), mesh,
+                              requires_grad=requires_grad)
 
 
 class _Gather(torch.autograd.Function):
@@ -265,6 +267,7 @@ def ragged_dtensor(local: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh, *
     if local.dim() != 1 or local.numel() != expected:
         raise ValueError(f"the local piece has shape {list(local.shape)}, expected 1-D with "
                          f"{expected} elements")
+    torch_compat.route_subclass_dispatch(RaggedDTensor, mesh)  # (torch 2.11 needs it)
     spec = ragged_ops.layout_spec(mesh, RaggedPlacement.of(layout), layout.shape, local.dtype)
     return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
