@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import metadata
 import resource
 import statistics
 import sys
@@ -105,11 +106,12 @@ def main():
     cmd = command_line(__file__, env_keys=("MALLOC_MMAP_THRESHOLD_",))
     lines = [
         "# fully_shard step time and memory: vescale_engine vs PyTorch FSDP2", "",
-        f"Produced by `{cmd}` on {cpu_model()}, {args.world} ranks on gloo, "
-        f"OMP_NUM_THREADS=1 per rank, GPT with {runs['vescale'][0]['params'] / 1e6:.1f}M "
-        f"parameters ({args.layers} layers, width {args.dim}, sequence {args.seq}, micro-batch "
-        f"{args.batch} per rank), fp32, AdamW; median over {args.rounds} alternated rounds of "
-        f"the per-run median step ({args.steps} steps after {args.warmup} warm-up).", "",
+        f"Produced by `{cmd}` on {cpu_model()} (torch {metadata.version('torch')}), "
+        f"{args.world} ranks on gloo, OMP_NUM_THREADS=1 per rank, GPT with "
+        f"{runs['vescale'][0]['params'] / 1e6:.1f}M parameters ({args.layers} layers, width "
+        f"{args.dim}, sequence {args.seq}, micro-batch {args.batch} per rank), fp32, AdamW; "
+        f"median over {args.rounds} alternated rounds of the per-run median step ({args.steps} "
+        f"steps after {args.warmup} warm-up).", "",
         "| system | step time (s) | vs compute floor | peak RSS per rank (MB) |",
         "|---|---:|---:|---:|"]
     for s, label in (("vescale", "vescale_engine.fully_shard"), ("fsdp2", "PyTorch FSDP2"),

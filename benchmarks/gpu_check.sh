@@ -75,8 +75,20 @@ run() {  # run NAME TIMEOUT_S COMMAND...: log it, time it, keep its exit status
 {
   echo "== gpu_check $(date -u +%FT%TZ) on $(hostname), device=$DEVICE, out=$DIR"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda available:', torch.cuda.is_available(),
+  # the versions this run measured (the GPU nodes' own torch: nothing is installed there)
+  "$PY" -c "import platform, torch; print('python', platform.python_version(), '| torch',
+    torch.__version__, '| cuda available:', torch.cuda.is_available(),
     torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+  "$PY" - <<'PY'
+from importlib import metadata
+found = []
+for name in ("deepspeed", "transformers", "accelerate", "peft", "trl"):
+    try:
+        found.append(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        found.append(f"{name} (not installed)")
+print(" | ".join(found))
+PY
   if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     echo "ERROR: DEVICE=cuda but torch.cuda.is_available() is False"; exit 2
   fi

@@ -91,15 +91,16 @@ TIERS = {
         "test_planner.py", "test_plan_ep.py", "test_ragged.py", "test_ragged_dtensor.py",
         "test_fsdp.py", "test_fsdp2_torch_utils.py", "test_fsdp_module.py", "test_fsdp2_idioms.py",
         "test_shampoo.py", "test_checkpoint_faults.py", "test_wrap_policy.py", "test_layering.py",
-        "test_parallel_layout.py", "test_fsdp2_checkpoint_interchange.py",
+        "test_parallel_layout.py", "test_fsdp2_checkpoint_interchange.py", "test_torch_compat.py",
     },
     "integration": {
-        # .ci/integration-tests.txt (CI runs them again at the lowest supported versions)
+        # .ci/integration-tests.txt (CI runs them again at the lowest supported versions; the
+        # GPU check's CPU dry run too, which runs DeepSpeed beside ours)
         "test_hf_trainer.py", "test_hf_trainer_reentrant.py", "test_hf_lora.py", "test_trl.py",
         "test_deepspeed_parity.py", "test_deepspeed_api.py", "test_deepspeed_params.py",
         "test_hf_checkpoint.py", "test_hf_zero_init.py", "test_versions.py",
         "test_autograd_features.py", "test_accelerate_fsdp2.py", "test_sequence_parallel.py",
-        "test_engine_compile.py",
+        "test_engine_compile.py", "test_gpu_check.py",
         # and the other tests of other libraries
         "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
         "test_integrations.py",
@@ -110,7 +111,7 @@ TIERS = {
         "test_colocation.py", "test_config_schema.py", "test_device.py",
         "test_device_hygiene.py", "test_docs.py", "test_engine.py", "test_engine_config.py",
         "test_engine_faults.py", "test_engine_tp_ep.py", "test_example.py", "test_fail_fast.py",
-        "test_gpu_check.py", "test_launch_env.py", "test_launcher_faults.py", "test_logging.py",
+        "test_launch_env.py", "test_launcher_faults.py", "test_logging.py",
         "test_materialize.py", "test_moe_benchmark.py", "test_muon.py", "test_offload.py",
         "test_offload_benchmark.py", "test_package.py", "test_plan_cli.py",
         "test_quantized_comm.py", "test_requires_grad.py", "test_tiers.py", "test_tp_ep.py", "test_vescale_run.py",

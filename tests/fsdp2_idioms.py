@@ -1079,6 +1079,21 @@ def mp_policy_torch_class_bf16(rank, world, engine, tmpdir):
 
 
 @idiom
+def mp_policy_bf16_accumulation(rank, world, engine, tmpdir):
+    """torchtitan's mixed precision (`param_dtype=torch.bfloat16, reduce_dtype=torch.float32`)
+    with accumulation: `model.set_requires_gradient_sync(last)` before each of 2 micro-batches
+    (FSDP2 accumulates the unsharded gradients in fp32; torch 2.15's keeps the fp32 gradients
+    autograd gives the RMSNorm weights, 2.14's rounds them to bf16 first)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard(build(0), engine, mp_policy=policy)
+    rec = train(model, adamw(model.parameters()), rank, 2, micro_batches=2,
+                before_micro=lambda m, k, last: m.set_requires_gradient_sync(last))
+    rec["params"] = full_params(model, engine)
+    return rec
+
+
+@idiom
 def mp_policy_output_dtype(rank, world, engine, tmpdir):
     """`MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)` on the
     root (bf16 blocks): the logits come out fp32; the loss on them without `.float()`."""

@@ -18,6 +18,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=900)
     log = (tmp_path / "gpu_check.log").read_text()
     assert proc.returncode == 0, log[-6000:]
+    import platform
+    import torch
+    assert f"python {platform.python_version()} | torch {torch.__version__} |" in log, log[:2000]
     for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
                  "fake_pg_memory", "step_time", "offload", "moe_ep_memory", "checkpoint_io",
                  "compile_step", "quantized_comm", "quantized_comm_fake", "fp8_matmul"):

@@ -4,8 +4,12 @@ versions CI's second pass installs (.ci/lowest-constraints.txt) and the ranges
 below its range stops there with one line naming it, its version and the range."""
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import runpy
+import subprocess
+import sys
 import types
 
 import pytest
@@ -92,8 +96,61 @@ def test_initialize_names_a_library_below_its_range(monkeypatch, unchecked):
         vescale_engine.initialize(model=None, config={})
 
 
+def test_fully_shard_names_a_torch_below_its_range(monkeypatch, unchecked):
+    """fully_shard alone (FSDP2 code, no engine) checks too, before it needs a process group."""
+    import torch
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    with pytest.raises(ImportError, match=r"^vescale_engine supports torch>=2\.11\.0,<2\.16, "
+                                          r"but torch 2\.10\.0\+cu128 is installed"):
+        vescale_engine.fully_shard(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("version", ["0.19.3", "0.19.3+cpu", "0.19.3.dev0", "0.19.8", "0.20.1"])
 def test_guard_accepts_the_floor_and_above(unchecked, version):
     """Local and development builds of the lowest release count as it; above the range the
     guard stays out of the way (setup.py caps what pip installs)."""
     versions.check_versions({"deepspeed": types.SimpleNamespace(__version__=version)})
+
+
+# -- installing next to the user's torch ------------------------------------------------------
+
+def _pip_would_install(tmp_path, torch_version=None):
+    """What `pip install '.[hf]'` would install or replace in this environment (a dry run, no
+    index, no pip configuration: a user's machine with everything else installed), as
+    {name: version}, or the error pip stops with. With `torch_version`, the environment holds
+    that torch instead of its own (a dist-info put ahead of site-packages, as pip sees it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    if torch_version is not None:
+        fake = tmp_path / "fake" / f"torch-{torch_version}.dist-info"
+        fake.mkdir(parents=True)
+        (fake / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\n"
+                                       f"Version: {torch_version}\n")
+        (fake / "RECORD").write_text(f"torch-{torch_version}.dist-info/METADATA,,\n")
+        env["PYTHONPATH"] = str(tmp_path / "fake")
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                           "--no-build-isolation", "--quiet", "--report", str(report),
+                           f"{ROOT}[hf]"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "pip failed"
+    return {item["metadata"]["name"]: item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]}
+
+
+@pytest.mark.parametrize("torch_version", [None, "2.11.0", "2.12.1", "2.13.0", "2.14.1",
+                                           "2.15.0"])
+def test_pip_install_keeps_the_torch_a_user_has(tmp_path, torch_version):
+    """Installing us next to any supported torch (this environment's own, None, or each
+    supported release) changes nothing but adds veScale Engine: pip never replaces a user's
+    multi-GB CUDA torch."""
+    assert _pip_would_install(tmp_path, torch_version) == {"vescale-engine": "0.1.0"}
+
+
+@pytest.mark.parametrize("torch_version", ["2.10.0", "2.16.0"])
+def test_pip_install_would_replace_a_torch_outside_the_range(tmp_path, torch_version):
+    """The other side of the check above: outside the range pip must act on torch (here, with
+    no index to fetch it from, it stops naming torch)."""
+    outcome = _pip_would_install(tmp_path, torch_version)
+    assert isinstance(outcome, str) and "torch" in outcome, outcome

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 from ..plan.quantization import TILE_COLS, tile_rows
+from ..versions import check_versions
 from . import fsdp2_args
 from .fp8_linear import install_fp8_linears
 from .guards import guard_apply, guard_init_weights
@@ -146,6 +147,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     Shard/Replicate or is on meta, a second call on the same module, an argument refused) are
     raised here, before any collective.
     """
+    check_versions()  # a torch below the supported range: one line, before anything runs
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group "
                            "(torch.distributed.init_process_group)")

@@ -100,22 +100,30 @@ class ShardedParameter:
         return self._unsharded
 
     def _accept_wide_grads(self, leaf) -> None:
-        """A full-shape leaf whose gradient slot is wider than the leaf (gradients accumulated
-        in the reduce dtype) takes gradients of any dtype: autograd adds what it computed into
-        the preset slot (grad_dtype None), as FSDP2 lets it from torch 2.15."""
+        """Where gradients are reduced in a wider dtype than the compute dtype, a full-shape
+        leaf takes gradients of any dtype (grad_dtype None, as FSDP2 sets it in backward from
+        torch 2.15): autograd adds what it computed into the preset slot, and the hook sees a
+        gradient autograd made wider (rms_norm's weight under bf16) before any rounding."""
         if self.buffer.grad_dtype != self.buffer.param_dtype:
             leaf.grad_dtype = None
 
-    def _rounded(self, grad):
-        """The gradient autograd is about to add into a wider slot, rounded to the compute dtype
-        first unless the unit's policy keeps wide gradients (mp_policy.keep_wide_grads: what
-        FSDP2 up to torch 2.14 and DeepSpeed get, whose unsharded gradients have the
-        parameter's dtype)."""
+    def _widened(self, grad, slot):
+        """The gradient a hook returns to autograd, which adds it into `slot`. With gradients
+        reduced in a wider dtype: one that arrives wider than the compute dtype is kept so (the
+        buffer keeps it aside where the slot is in the compute dtype) if the unit's policy
+        keeps wide gradients (mp_policy.keep_wide_grads: torch 2.15's FSDP2), and is rounded to
+        the compute dtype otherwise (torch 2.14's FSDP2 and DeepSpeed, whose unsharded
+        gradients have the parameter's dtype)."""
         buf = self.buffer
-        if buf.grad_dtype == buf.param_dtype or grad.dtype == buf.param_dtype or \
-                self.unit.mp_policy.keeps_wide_grads:
-            return grad
-        return grad.to(buf.param_dtype).to(grad.dtype)
+        if buf.grad_dtype == buf.param_dtype:
+            return grad  # the slot has the compute dtype: autograd's add rounds
+        if not self.unit.mp_policy.keeps_wide_grads:
+            if grad.dtype == buf.param_dtype or slot.dtype == buf.param_dtype:
+                return grad
+            return grad.to(buf.param_dtype).to(grad.dtype)
+        if buf.grads_in_full and (grad.dtype != buf.param_dtype or buf.keeps_wide(self.index)):
+            buf.keep_wide_grad(self.index, grad, slot)
+        return grad
 
     def _local_leaf_of(self) -> nn.Parameter:
         """The plain leaf over the full view that a DTensor face's `to_local()` hands out
@@ -135,7 +143,7 @@ class ShardedParameter:
 
     def _local_grad_arrived(self, grad):
         self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
-        return self._rounded(grad)
+        return self._widened(grad, self._local_leaf.grad)
 
     @property
     def full_face(self) -> nn.Parameter | None:
@@ -177,7 +185,7 @@ class ShardedParameter:
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
         self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
-        return self._rounded(grad)
+        return self._widened(grad, self._unsharded.grad)
 
     def preset_grad(self) -> None:
         """Point the full-shape face's `.grad` at its slot of the buffer backward accumulates

@@ -1,5 +1,5 @@
 """torch, taught the RaggedPlacement where its own Python builds DTensors out of full tensors
-(torch 2.13):
+(torch 2.11 to 2.15):
 
 - `distribute_tensor` (torch.distributed.tensor, and the name torch's state-dict utilities
   imported): it knows Shard, _StridedShard, Replicate and Partial and raises for any other

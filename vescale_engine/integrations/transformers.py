@@ -11,6 +11,12 @@ init/hf_pretrained.py uses, and names the installed version if one is missing.
 - `transformers.integrations.deepspeed.initialize_weights_zero3` (from_config): records that
   initialize runs transformers' init.
 
+transformers 5.25 kernelizes every model at the end of `from_pretrained` (the `kernels`
+library, for the device of the model's parameters), which refuses a model on meta. A deferred
+model is told the device it will compute on instead (`_kernels_device`, which transformers
+reads for offloaded models; DeepSpeed's zero.Init has its partitions there already), so its
+layers get the kernels DeepSpeed's model gets.
+
 Installed by `patch_deepspeed()` when transformers.modeling_utils is imported, or right after
 it is first imported.
 """
@@ -65,6 +71,18 @@ def check_transformers(needed=_NEEDED) -> None:
                           f"does not have (supported: {supported_range('transformers')})")
 
 
+def _compute_device():
+    """The device a deferred model's parameters go to at initialize: the process group's
+    (shard.collectives.default_device), the current accelerator's before one exists."""
+    import torch
+    import torch.distributed as dist
+    from ..shard.collectives import default_device
+    if dist.is_available() and dist.is_initialized():
+        return default_device()
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def install() -> None:
     """The three patches of the module docstring (idempotent)."""
     modeling = importlib.import_module("transformers.modeling_utils")
@@ -82,6 +100,7 @@ def install() -> None:
         if record is None:
             return original_load(model, state_dict, checkpoint_files, load_config, *args,
                                  **kwargs)
+        model._kernels_device = _compute_device()  # (what kernelize reads, see above)
         return record_checkpoint(model, record, state_dict, checkpoint_files, load_config), None
 
     original_missing = pretrained._initialize_missing_keys

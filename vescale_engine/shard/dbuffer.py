@@ -258,6 +258,7 @@ class DBuffer:
         self.grads_in_full = False
         self._grad_written = []
         self._deferred = {}  # tensor index -> its gradient held aside (grad_arrived)
+        self._wide = {}      # tensor index -> its gradient kept wider (keep_wide_grad)
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
         self.native = self.reduction = None
@@ -554,10 +555,11 @@ class DBuffer:
         full parameter buffer itself. A parameter's full value is dead once its own gradient is
         complete, so the caller zeroes each tensor's range right then (`grad_arrived`) and
         autograd adds the gradient there; the reduce-scatter then reads `full`. One full-size
-        buffer per unit instead of two. Otherwise (also when gradients are accumulated in a
-        wider dtype than the parameters'): a separate zeroed `full_grad` buffer, kept across
-        `no_sync` micro-steps."""
-        if grads_in_place and not self.full_grad_live and self.grad_dtype == self.param_dtype:
+        buffer per unit instead of two (a gradient that arrives wider than `full` holds it and
+        should stay so is kept aside: `keep_wide_grad`). Otherwise: a separate zeroed
+        `full_grad` buffer (in `grad_dtype`), kept across `no_sync` micro-steps."""
+        self._wide = {}
+        if grads_in_place and not self.full_grad_live:
             self.grads_in_full = True
             self._grad_written = [False] * len(self.layout.placements)
             self._deferred = {}
@@ -572,6 +574,7 @@ class DBuffer:
         if self.grads_in_full:
             self._zero_unwritten()
             self._allocate("full_grad").copy_(self.full)
+            self._write_wide(self.full_grad)
             STATS.bytes_copied += self._full_bytes
             self.full_grad_live = True
             self.grads_in_full = False
@@ -606,6 +609,27 @@ class DBuffer:
             with torch.no_grad():
                 unsharded.zero_()
             self._grad_written[i] = True
+
+    def keep_wide_grad(self, i: int, grad: torch.Tensor, slot: torch.Tensor) -> None:
+        """Tensor i's gradient, about to be added into its range of `full` (in the compute
+        dtype, so rounded), is kept in `grad_dtype` too, summed with its earlier arrivals (what
+        `slot`, the range autograd adds into, holds now); the reduction reads the kept sum
+        instead of the range (torch 2.15's FSDP2 keeps such gradients wide)."""
+        grad = getattr(grad, "_local_tensor", grad).detach()
+        kept = self._wide.get(i)
+        if kept is None:
+            kept = getattr(slot, "_local_tensor", slot).detach().to(self.grad_dtype)
+        self._wide[i] = kept + grad
+
+    def keeps_wide(self, i: int) -> bool:
+        return i in self._wide
+
+    def _write_wide(self, target: torch.Tensor) -> None:
+        """The gradients kept wide into their ranges of `target` (the reduction's source)."""
+        for i, grad in self._wide.items():
+            p = self.layout.placements[i]
+            target[p.offset:p.offset + p.numel].copy_(grad.reshape(-1))
+        self._wide = {}
 
     def flush_deferred_grads(self) -> None:
         """The gradients `grad_arrived` held aside go into their ranges (no value is read any
@@ -651,6 +675,7 @@ class DBuffer:
             source = self.full
         if self.reduce_dtype != source.dtype:
             source = source.to(self.reduce_dtype)  # the one fused cast of the buffer
+            self._write_wide(source)
         elif source is self.full:
             self._reducing_full = True  # read in flight: reshard leaves `full` to the reduction
         if self.reduction.pre_divide != 1.0:  # fp16: keep the sum over ranks finite
@@ -716,6 +741,7 @@ class DBuffer:
         self.drop_full_grad()
         self.partial = None
         self._deferred = {}
+        self._wide = {}
         self._reducing_full = False
         self.free_full()
 

@@ -33,9 +33,9 @@ were the tensor; other random ops (dropout, randn_like) would not draw an unshar
 tensor's values; `out=` variants, operands of another layout or non-0-d tensors of any other
 kind, redistribute to Shard or Partial, a mesh of more than one dimension.
 
-Why a subclass and not a Placement carried by plain DTensor (torch 2.13): plain DTensor's ops
-go through a C++ fast path and torch's sharding rules, which know Shard, _StridedShard,
-Replicate and Partial only. A `Shard` subclass cannot even be put in a spec
+Why a subclass and not a Placement carried by plain DTensor (line numbers of torch 2.13; 2.11 to
+2.15 alike): plain DTensor's ops go through a C++ fast path and torch's sharding rules, which
+know Shard, _StridedShard, Replicate and Partial only. A `Shard` subclass cannot even be put in a spec
 (_dtensor_spec.py:392: `_verify_shard_order` wants each shard placement equal to
 `Shard(dim)`), and made equal to it, it would be taken for an even split of a dimension. A bare
 `Placement` subclass gets no sharded strategy for element-wise ops
@@ -44,8 +44,10 @@ Replicate and Partial only. A `Shard` subclass cannot even be put in a spec
 from ... to R not supported yet"), as does `full_tensor()`; norms and sums fail in propagation
 (_ops/_math_ops.py:222, "Expected Shard/_StridedShard"). Making those work means patching
 torch's rule tables (what veScale's own DTensor does). A subclass with its own
-`__torch_dispatch__` never enters that path (torch keeps DTensor.__torch_dispatch__ for
-subclasses, _api.py:427), so the rules are ours and complete for what FSDP code reaches.
+`__torch_dispatch__` never enters that path (torch 2.12 and later call a subclass's own
+__torch_dispatch__, _api.py:427; 2.11 takes its C++ path for subclasses too, so there
+torch_compat.route_subclass_dispatch registers ours as every operator's rule), so the rules are
+ours and complete for what FSDP code reaches.
 Reductions are reduced at once, not left as torch's lazy `Partial`: in torch 2.13 `.item()` on
 a Partial DTensor returns the local value (Partial("sum") of 1 and 2 reads 1.0 on rank 0), so
 `grad.norm().item()` would silently be this rank's norm.
