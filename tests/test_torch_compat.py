@@ -15,6 +15,8 @@ from vescale_engine import torch_compat
 # The releases whose C++ DTensor dispatch ignores a subclass's __torch_dispatch__ (read from
 # torch's source: 2.12 added the check in python_arg_parser.cpp's is_dtensor).
 IGNORES_SUBCLASS_DISPATCH = ("2.11",)
+# The releases whose CPU torch._scaled_mm takes per-tensor scales only (run on each).
+ROWWISE_MISSING_ON_CPU = ("2.11",)
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +84,30 @@ def test_fsdp2_gradient_dtype_probe_agrees_with_fsdp2_s_own_docs():
     from torch.distributed.fsdp import MixedPrecisionPolicy
     documented = "versionchanged:: 2.15" in (MixedPrecisionPolicy.__doc__ or "")
     assert torch_compat.fsdp2_grads_in_reduce_dtype() is documented
+
+
+def fp8_matmul_rank(rank, world):
+    from vescale_engine import fully_shard
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    before = [type(p) for p in model.parameters()]
+    try:
+        fully_shard(model, quantized_weights=256, quantization_format="fp8_e4m3",
+                    fp8_matmul=True, granularity="rows:128")
+    except NotImplementedError as err:
+        return {"refused": str(err), "untouched": before == [type(p) for p in model.parameters()]}
+    out = model(torch.randn(4, 128))
+    return {"refused": None, "finite": bool(torch.isfinite(out).all())}
+
+
+def test_fp8_matmul_is_refused_in_one_line_where_torch_lacks_rowwise_scaled_mm(pool):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only: fully_shard(fp8_matmul=True)
+    says so before it touches the model; where the probe finds row-wise scales, it runs."""
+    (out,) = pool.run(fp8_matmul_rank)
+    missing = torch_compat.rowwise_scaled_mm_missing("cpu")
+    assert (missing is not None) is torch.__version__.startswith(ROWWISE_MISSING_ON_CPU)
+    if missing:
+        assert out["refused"].startswith("fp8_matmul=True needs torch._scaled_mm with row-wise "
+                                         f"scales on cpu, which torch {torch.__version__}")
+        assert "\n" not in out["refused"] and out["untouched"]
+    else:
+        assert out["refused"] is None and out["finite"]

@@ -114,13 +114,33 @@ def test_guard_accepts_the_floor_and_above(unchecked, version):
 
 # -- installing next to the user's torch ------------------------------------------------------
 
-def _pip_would_install(tmp_path, torch_version=None):
-    """What `pip install '.[hf]'` would install or replace in this environment (a dry run, no
-    index, no pip configuration: a user's machine with everything else installed), as
-    {name: version}, or the error pip stops with. With `torch_version`, the environment holds
-    that torch instead of its own (a dist-info put ahead of site-packages, as pip sees it)."""
+def _pip_env() -> dict:
+    """pip as on a user's machine: no pip configuration (this machine's caps torch) and no
+    extra wheel folders."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+@pytest.fixture(scope="module")
+def project_wheel(tmp_path_factory):
+    """veScale Engine built as the wheel pip installs (its metadata: the requirements pip
+    resolves), once: setuptools comes from the package index, as for any user."""
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                           "-w", str(out), str(ROOT)], env=_pip_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = out.glob("vescale_engine-*.whl")
+    return wheel
+
+
+def _pip_would_install(tmp_path, wheel, torch_version=None):
+    """What `pip install 'vescale-engine[hf]'` would install or replace in this environment (a
+    dry run of the wheel, with no index: everything else is installed), as {name: version}, or
+    the line pip stops with. With `torch_version`, the environment holds that torch instead of
+    its own (a dist-info ahead of site-packages, which is where pip looks)."""
+    env = _pip_env()
     if torch_version is not None:
         fake = tmp_path / "fake" / f"torch-{torch_version}.dist-info"
         fake.mkdir(parents=True)
@@ -130,27 +150,29 @@ def _pip_would_install(tmp_path, torch_version=None):
         env["PYTHONPATH"] = str(tmp_path / "fake")
     report = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
-                           "--no-build-isolation", "--quiet", "--report", str(report),
-                           f"{ROOT}[hf]"], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--quiet", "--report", str(report), f"{wheel}[hf]"], env=env,
+                          capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "pip failed"
+        lines = [line for line in proc.stderr.splitlines() if "torch" in line]
+        return lines[0] if lines else proc.stderr.strip()[-500:]
     return {item["metadata"]["name"]: item["metadata"]["version"]
             for item in json.loads(report.read_text())["install"]}
 
 
 @pytest.mark.parametrize("torch_version", [None, "2.11.0", "2.12.1", "2.13.0", "2.14.1",
                                            "2.15.0"])
-def test_pip_install_keeps_the_torch_a_user_has(tmp_path, torch_version):
+def test_pip_install_keeps_the_torch_a_user_has(tmp_path, project_wheel, torch_version):
     """Installing us next to any supported torch (this environment's own, None, or each
     supported release) changes nothing but adds veScale Engine: pip never replaces a user's
     multi-GB CUDA torch."""
-    assert _pip_would_install(tmp_path, torch_version) == {"vescale-engine": "0.1.0"}
+    assert _pip_would_install(tmp_path, project_wheel, torch_version) == \
+        {"vescale-engine": "0.1.0"}
 
 
 @pytest.mark.parametrize("torch_version", ["2.10.0", "2.16.0"])
-def test_pip_install_would_replace_a_torch_outside_the_range(tmp_path, torch_version):
+def test_pip_install_would_replace_a_torch_outside_the_range(tmp_path, project_wheel,
+                                                            torch_version):
     """The other side of the check above: outside the range pip must act on torch (here, with
-    no index to fetch it from, it stops naming torch)."""
-    outcome = _pip_would_install(tmp_path, torch_version)
+    no index to fetch one from, it stops naming torch)."""
+    outcome = _pip_would_install(tmp_path, project_wheel, torch_version)
     assert isinstance(outcome, str) and "torch" in outcome, outcome

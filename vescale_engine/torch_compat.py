@@ -7,6 +7,7 @@ branching on torch itself, so a new release's difference has one home.
 2. The native all-gather and reduce-scatter names (`all_gather_native`, `reduce_scatter_native`).
 3. DTensor's `__tensor_flatten__` context (`unflatten_dtensor_parts`).
 4. FSDP2's dtype for unsharded gradients (`fsdp2_grads_in_reduce_dtype`).
+5. FP8 matmuls with row-wise scales (`rowwise_scaled_mm_missing`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["route_subclass_dispatch", "all_gather_native", "reduce_scatter_native",
-           "unflatten_dtensor_parts", "fsdp2_grads_in_reduce_dtype"]
+           "unflatten_dtensor_parts", "fsdp2_grads_in_reduce_dtype",
+           "rowwise_scaled_mm_missing"]
 
 
 # -- 1. DTensor subclasses --------------------------------------------------------------------
@@ -103,3 +105,20 @@ def fsdp2_grads_in_reduce_dtype() -> bool:
     compute dtype as it accumulates it, and reduce_dtype=None means param_dtype."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     return hasattr(FSDPParam, "unsharded_grad_dtype")
+
+
+# -- 5. FP8 matmuls with row-wise scales -----------------------------------------------------------
+@functools.cache
+def rowwise_scaled_mm_missing(device_type: str) -> str | None:
+    """None when `torch._scaled_mm` takes row-wise scales on this device type (what
+    fsdp/fp8_linear.py calls), else torch's refusal in one line. torch 2.11's CPU kernel takes
+    only per-tensor scales; torch 2.13's takes row-wise ones; on CUDA, GPUs with FP8 do."""
+    device = torch.device(device_type)
+    a = torch.zeros(16, 32, device=device).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
+                         scale_b=torch.ones(1, 16, device=device), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        lines = str(err).strip().splitlines()
+        return lines[0][:300] if lines else type(err).__name__
+    return None

@@ -6,11 +6,14 @@ import contextlib
 import warnings
 import weakref
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import torch_compat
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 from ..plan.quantization import TILE_COLS, tile_rows
+from ..shard.collectives import default_device
 from ..versions import check_versions
 from . import fsdp2_args
 from .fp8_linear import install_fp8_linears
@@ -70,6 +73,20 @@ def _hpz_group(size, group, replicate_group):
             if first <= dist.get_rank() < first + size:
                 made[size] = group_of_n
     return made[size]
+
+
+def _require_rowwise_scaled_mm(modules, group) -> None:
+    """fp8_matmul's matmuls need torch._scaled_mm with row-wise scales on the device the
+    modules compute on (theirs, or the group's for a model on meta): one line if not."""
+    device = next((p.device for m in modules for p in m.parameters()), default_device(group))
+    if device.type == "meta":
+        device = default_device(group)
+    missing = torch_compat.rowwise_scaled_mm_missing(device.type)
+    if missing:
+        raise NotImplementedError(
+            f"fp8_matmul=True needs torch._scaled_mm with row-wise scales on {device.type}, "
+            f"which torch {torch.__version__} does not have there (torch 2.13 and later have it "
+            f"on CPU): {missing}")
 
 
 def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None = None,
@@ -187,6 +204,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     if fp8_matmul and hpz is not None:
         raise ValueError("fp8_matmul=True with hpz_partition_size > 1 is not supported yet "
                          "(backward's gathers from the secondary copies carry no FP8 values)")
+    if fp8_matmul:
+        _require_rowwise_scaled_mm(modules, group)
     if len(set(quantized.values())) > 1:
         raise ValueError(f"quantized_weights={quantized_weights} and quantized_gradients="
                          f"{quantized_gradients}: one group size serves both (the planner "
