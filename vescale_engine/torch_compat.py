@@ -112,7 +112,7 @@ def fsdp2_grads_in_reduce_dtype() -> bool:
 def rowwise_scaled_mm_missing(device_type: str) -> str | None:
     """None when `torch._scaled_mm` takes row-wise scales on this device type (what
     fsdp/fp8_linear.py calls), else torch's refusal in one line. torch 2.11's CPU kernel takes
-    only per-tensor scales; torch 2.13's takes row-wise ones; on CUDA, GPUs with FP8 do."""
+    only per-tensor scales; 2.12's and later take row-wise ones; on CUDA, GPUs with FP8 do."""
     device = torch.device(device_type)
     a = torch.zeros(16, 32, device=device).to(torch.float8_e4m3fn)
     try:

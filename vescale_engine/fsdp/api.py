@@ -85,7 +85,7 @@ def _require_rowwise_scaled_mm(modules, group) -> None:
     if missing:
         raise NotImplementedError(
             f"fp8_matmul=True needs torch._scaled_mm with row-wise scales on {device.type}, "
-            f"which torch {torch.__version__} does not have there (torch 2.13 and later have it "
+            f"which torch {torch.__version__} does not have there (torch 2.12 and later have it "
             f"on CPU): {missing}")
 
 
