@@ -103,7 +103,7 @@ TIERS = {
         "test_engine_compile.py", "test_gpu_check.py",
         # and the other tests of other libraries
         "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
-        "test_integrations.py",
+        "test_integrations.py", "test_deepspeed_zero3_behaviours.py",
     },
     "engine": {
         "test_adamw8bit.py", "test_benchmark_ranks.py", "test_capacity.py", "test_checkpoint.py",

@@ -227,6 +227,8 @@ class EngineConfig:
     hsdp_replicate_size: int = 1
     parallel: ParallelSizes | None = None  # the rank layout (None: built without one)
     tensor_parallel_plan: dict = field(default_factory=dict)  # vescale.tensor_parallel
+    # zero_optimization.leaf_module (None: DeepSpeed's default classes), engine/leaf_modules.py
+    leaf_module: dict | None = None
     not_acted_on: tuple = ()
     ignored: tuple = ()  # "key (why)": top-level keys ignored as DeepSpeed ignores them
     fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
@@ -393,6 +395,7 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         hsdp_replicate_size=ves.get("hsdp_replicate_size", 1),
         parallel=sizes,
         tensor_parallel_plan=dict(ves.get("tensor_parallel", {})),
+        leaf_module=zero.get("leaf_module"),
         not_acted_on=tuple(report.not_acted_on),
         ignored=tuple(report.ignored),
         fp16=dict(config.get("fp16", {})) if fp16 else {},

@@ -15,6 +15,7 @@ from ..fsdp.api import fully_shard
 from ..fsdp.lookup import unit_of, units_under
 from ..fsdp.policy import MixedPrecisionPolicy
 from .deepspeed_moe import expert_sharding
+from .leaf_modules import flag_leaf_modules, units_with_whole_leaves
 
 __all__ = ["WrapChoice", "ExpertUnits", "device_mesh", "wrap_model", "describe", "choose_units",
            "default_units", "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
@@ -101,7 +102,10 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                       reduce_dtype=getattr(torch, cfg.reduce_dtype or cfg.param_dtype)
                       if cfg.reduce_dtype or cfg.param_dtype else None, keep_wide_grads=False,
                       cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
+    flag_leaf_modules(model, cfg.leaf_module)
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
+    choice = WrapChoice(choice.rule, units_with_whole_leaves(model, choice.modules),
+                        choice.detail)
     if experts is not None:
         for module in experts.modules:
             fully_shard(module, **{**kwargs, "mesh": experts.mesh},

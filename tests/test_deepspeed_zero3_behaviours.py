@@ -1,0 +1,141 @@
+"""Behaviours of DeepSpeed ZeRO-3 that scripts and libraries rely on, each run by real DeepSpeed
+and, after the one-line migration (`vescale_engine.patch_deepspeed()` plus a "vescale"
+section), by our engine, on 2 gloo ranks, through the same script: leaf modules whose ranks
+route to different experts.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_harness import RankPool
+
+DIM, EXPERTS, STEPS, TOKENS = 8, 4, 3, 3
+TOLERANCE = 1e-5  # fp32 round-off of different summation orders (test_deepspeed_parity.py)
+CONFIG = {
+    "train_micro_batch_size_per_gpu": TOKENS, "steps_per_print": 1000,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
+    yield pool
+    pool.close()
+
+
+class RoutedExperts(nn.Module):
+    """An MoE block as transformers writes them: each token runs only its top-1 expert, so
+    ranks holding different tokens run different experts (and a different number of them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+            for _ in range(EXPERTS))
+        self.routed = []  # the experts each forward ran
+
+    def forward(self, x):
+        weights = self.gate(x).softmax(-1)
+        top = weights.argmax(-1)
+        out = torch.zeros_like(x)
+        ran = []
+        for e, expert in enumerate(self.experts):
+            rows = (top == e).nonzero().flatten()
+            if len(rows):
+                ran.append(e)
+                out[rows] = expert(x[rows]) * weights[rows, e, None]
+        self.routed.append(ran)
+        return x + out
+
+
+class MoEModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.moe = RoutedExperts()
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.head(self.moe(self.embed(x))), y)
+
+
+def _data(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(TOKENS, DIM, generator=g), torch.randn(TOKENS, DIM, generator=g)
+
+
+def _train_moe(rank, config, flag_leaf):
+    import deepspeed
+    from deepspeed.utils import set_z3_leaf_modules
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = MoEModel()
+    if flag_leaf:
+        set_z3_leaf_modules(model, [RoutedExperts])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*_data(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return losses, state, model.moe.routed, type(engine).__name__
+
+
+def leaf_modules_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    from vescale_engine.engine.leaf_modules import units_with_whole_leaves
+    from vescale_engine.engine.wrap import default_units
+    ds_losses, ds_state, routed, name = _train_moe(rank, CONFIG, flag_leaf=True)
+    assert name == "DeepSpeedEngine", name
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        runs = {}
+        # set_z3_leaf_modules before initialize, and the config's leaf_module instead
+        runs["set_z3_leaf_modules"] = _train_moe(rank, {**CONFIG, "vescale": {}}, True)
+        config = {**CONFIG, "vescale": {}, "zero_optimization": {
+            **CONFIG["zero_optimization"], "leaf_module": {"classes": ["RoutedExperts"]}}}
+        runs["leaf_module"] = _train_moe(rank, config, False)
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    out = {"ds_losses": ds_losses, "routed": routed}
+    for key, (losses, state, _, name) in runs.items():
+        assert name == "VeScaleEngine", name
+        diff = max((state[k] - ds_state[k]).abs().max().item() for k in ds_state)
+        out[key] = (losses, diff)
+    # the units: the MoE block whole (not its experts), the root
+    model = MoEModel()
+    model.moe._z3_leaf = True
+    out["units"] = [type(m).__name__ for m in units_with_whole_leaves(
+        model, default_units(model).modules)]
+    out["default_units"] = [type(m).__name__ for m in default_units(model).modules]
+    return out
+
+
+def test_leaf_modules_gather_whole_where_ranks_route_to_different_experts(pool):
+    results = pool.run(leaf_modules_rank, timeout=300)
+    # the ranks ran different experts in some step: without leaf modules each expert would be
+    # a unit (default_units) and the ranks would wait in different all-gathers
+    assert results[0]["routed"] != results[1]["routed"], [r["routed"] for r in results]
+    assert results[0]["default_units"] == ["Sequential"] * EXPERTS
+    assert results[0]["units"] == ["RoutedExperts"]
+    for r in results:
+        for key in ("set_z3_leaf_modules", "leaf_module"):
+            losses, diff = r[key]
+            assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+                       zip(losses, r["ds_losses"], strict=True)), (key, losses, r["ds_losses"])
+            assert diff < 1e-5, (key, diff)
