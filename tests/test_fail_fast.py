@@ -533,3 +533,63 @@ def test_importing_vescale_engine_makes_the_exit_wait_for_native_threads(tmp_pat
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert done.exists()
+
+
+# -- ranks that wait in different collectives (launch/stall.py) ----------------------------------
+
+DIVERGENT_JOB = r"""
+import os, time
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")  # the script's own group, as DeepSpeed's or torchrun's
+from vescale_engine import fully_shard
+
+class Routed(nn.Module):  # rank 0 runs one expert, rank 1 two: a different number of gathers
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for i in ([0] if dist.get_rank() == 0 else [1, 2]):
+            x = self.experts[i](x)
+        return x
+
+model = Routed()
+for expert in model.experts:
+    fully_shard(expert)
+fully_shard(model)
+print("ready", flush=True)
+model(torch.randn(4, 8)).sum().backward()
+print("finished", flush=True)
+"""
+
+
+def test_ranks_waiting_in_different_collectives_stop_within_seconds_naming_them(tmp_path):
+    job = tmp_path / "divergent.py"
+    job.write_text(DIVERGENT_JOB)
+    port, tag = free_port(), uuid.uuid4().hex
+    procs = [subprocess.Popen([sys.executable, str(job)], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag,
+                                   **rank_env(r, 2, port, 60)}) for r in (0, 1)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        started = time.time()
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        took = time.time() - started
+    finally:
+        kill_all(tag)
+    print(f"divergent ranks: both gone {took:.1f} s after their forward began")
+    for rank, out in enumerate(outs):
+        assert "finished" not in out, out
+        assert (
+            f"vescale: rank {rank} stopped: the ranks wait in different collectives for over "
+            "5 s, which can never complete: rank 0 in the reduce-scatter of unit Linear#0's "
+            "gradients (#4); rank 1 in the all-gather of unit Linear#2's parameters (#4). A "
+            "forward whose modules differ by rank (MoE routing, a module some ranks skip) must "
+            "gather them on every rank: flag the module as a ZeRO-3 leaf (deepspeed.utils."
+            "set_z3_leaf_modules, zero_optimization.leaf_module) or make it one FSDP unit\n") in out, out
+        assert procs[rank].returncode != 0
+    assert took < 30, outs  # not the process group's timeout (30 min by default)

@@ -15,9 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
+
+from . import stall
 
 __all__ = ["CollectiveTimeout", "record_group", "location", "is_timeout", "explain_timeout",
            "timeout_message", "dump_flight_record"]
@@ -37,7 +40,7 @@ class CollectiveTimeout(RuntimeError):
 # Set by process_group when the group forms: its timeout, and the FailFast (or None) whose
 # store says who failed first and where the others are.
 _group = {"timeout_s": None, "fail_fast": None}
-_here = {"operation": None, "last": None, "count": 0}
+_here = {"operation": None, "since": None, "last": None, "count": 0}
 _lock = threading.Lock()  # the watchdog thread reads _here
 
 
@@ -54,6 +57,14 @@ def location() -> str:
         return f"between collectives{last}"
 
 
+def waiting_in(seconds: float) -> str | None:
+    """The operation this rank has been in for at least `seconds`, or None (stall.py)."""
+    with _lock:
+        if _here["operation"] is None or time.monotonic() - _here["since"] < seconds:
+            return None
+        return _here["operation"]
+
+
 def is_timeout(err: BaseException) -> bool:
     if not isinstance(err, (RuntimeError, dist.DistError)) or isinstance(err, CollectiveTimeout):
         return False
@@ -66,10 +77,12 @@ def explain_timeout(operation: str):
     """Run the block as `operation` (what this rank's location says meanwhile); a backend's
     timeout error inside it becomes a CollectiveTimeout with one line (timeout_message).
     Every other error passes unchanged."""
+    stall.ensure_watching(waiting_in)
     with _lock:
         _here["count"] += 1
         label = f"{operation} (#{_here['count']})"
-        outer, _here["operation"] = _here["operation"], label
+        outer = _here["operation"], _here["since"]
+        _here["operation"], _here["since"] = label, time.monotonic()
     try:
         yield
     except (RuntimeError, dist.DistError) as err:
@@ -78,7 +91,7 @@ def explain_timeout(operation: str):
         raise CollectiveTimeout(timeout_message(label, err)) from err
     finally:
         with _lock:
-            _here["operation"], _here["last"] = outer, label
+            (_here["operation"], _here["since"]), _here["last"] = outer, label
 
 
 def timeout_message(operation: str, err: BaseException) -> str:
