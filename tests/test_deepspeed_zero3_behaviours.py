@@ -1,7 +1,7 @@
 """Behaviours of DeepSpeed ZeRO-3 that scripts and libraries rely on, each run by real DeepSpeed
 and, after the one-line migration (`vescale_engine.patch_deepspeed()` plus a "vescale"
 section), by our engine, on 2 gloo ranks, through the same script: leaf modules whose ranks
-route to different experts.
+route to different experts; a model whose ranks drew different initial values.
 """
 import os
 
@@ -139,3 +139,69 @@ def test_leaf_modules_gather_whole_where_ranks_route_to_different_experts(pool):
             assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
                        zip(losses, r["ds_losses"], strict=True)), (key, losses, r["ds_losses"])
             assert diff < 1e-5, (key, diff)
+
+
+class DenseModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(DIM, 4 * DIM)
+        self.hidden = nn.Linear(4 * DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.head(self.hidden(self.embed(x).relu())), y)
+
+
+def _train_per_rank_init(rank, config):
+    """A model built outside zero.Init with a seed per rank, its head set on rank 0 only."""
+    import deepspeed
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(rank)
+    model = DenseModel()
+    if rank == 0:
+        with torch.no_grad():
+            model.head.weight.fill_(0.05)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*_data(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return losses, state, type(engine).__name__
+
+
+def per_rank_init_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    config = {**CONFIG, "vescale": {"wrap_policy": {"module_classes": ["Linear"]}}}
+    ds_losses, ds_state, name = _train_per_rank_init(rank, CONFIG)
+    assert name == "DeepSpeedEngine", name
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        losses, state, name = _train_per_rank_init(rank, config)
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    assert name == "VeScaleEngine", name
+    torch.manual_seed(0)
+    return dict(ds_losses=ds_losses, losses=losses,
+                diff=max((state[k] - ds_state[k]).abs().max().item() for k in ds_state),
+                head=state["head.weight"][0, 0].item())
+
+
+def test_ranks_that_drew_different_initial_values_start_from_rank_0s(pool):
+    results = pool.run(per_rank_init_rank, timeout=300)
+    for r in results:
+        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+                   zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
+        assert r["diff"] < 1e-5, r["diff"]
+    # both engines trained one model, the same on both ranks, from rank 0's head
+    assert results[0]["head"] == results[1]["head"]
+    assert abs(results[0]["head"] - 0.05) < 0.1

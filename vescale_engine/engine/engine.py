@@ -39,7 +39,7 @@ from .sequence_parallel import sequence_parallel_loader, sequence_parallel_size
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .training_state import EngineTrainingState
-from .weights import guard_save_pretrained, place_model, prepare_weights
+from .weights import guard_save_pretrained, place_model, prepare_weights, take_rank0_values
 from .deepspeed_moe import refuse_with_experts
 from .wrap import ExpertUnits, device_mesh, wrap_model
 from ..logs import quiet_deepspeed_start
@@ -564,6 +564,7 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         None if model_parameters is None else named_model_parameters(model_parameters, model)
     model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
     on_meta = any(p.is_meta for p in model.parameters())
+    take_rank0_values(model)  # before any sharding or tensor-parallel split
     meshes = experts = None
     if plan is None:
         mesh = device_mesh(cfg, device)

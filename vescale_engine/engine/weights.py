@@ -10,11 +10,13 @@ about it.
 from __future__ import annotations
 
 import functools
+import logging
 import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint.hf import load_into
 from ..fsdp.materialize import init_fn_of, materialize
@@ -23,7 +25,10 @@ from ..init.hf_pretrained import prepare_transformers_weights
 from ..init.record import deferred_record, replayed_generator
 from ..launch.device import DeviceError
 
-__all__ = ["place_model", "prepare_weights", "guard_save_pretrained"]
+__all__ = ["place_model", "take_rank0_values", "prepare_weights", "guard_save_pretrained"]
+
+LOG = logging.getLogger("vescale_engine")
+_NAMED = 3  # parameter names in the log line
 
 
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
@@ -49,6 +54,39 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
             raise DeviceError(f"{name} is on {where} but this rank's device is {device}: build "
                               f"the model on CPU, or on {device} (engine.device)")
     return model.to(device) if device.type == "cuda" else model
+
+
+def take_rank0_values(model: nn.Module) -> int:
+    """Every rank starts from rank 0's values of the parameters it holds in full (not those a
+    zero.Init left on meta), as DeepSpeed's initialize broadcasts them: a model whose ranks
+    drew different values (a seed per rank, weights set on rank 0 only) would otherwise be
+    stitched from each rank's own shard. Two sums per tensor go in one all-reduce first, and
+    only the tensors that differ are broadcast. DeepSpeed MoE experts (`allreduce=False`)
+    differ by design and are left alone. Returns how many were taken from rank 0."""
+    named = [(n, p) for n, p in model.named_parameters()
+             if not p.is_meta and not isinstance(p, DTensor)  # placed by the caller
+             and getattr(p, "allreduce", True) is not False]
+    if not named or dist.get_world_size() == 1:
+        return 0
+    prints = torch.stack([_fingerprint(p) for _, p in named])
+    both = torch.cat([prints, -prints])  # the largest and the smallest in one all-reduce
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    differ = [i for i in range(len(named))
+              if not torch.equal(both[i], -both[len(named) + i])]
+    for i in differ:
+        dist.broadcast(named[i][1].data, src=0)
+    if differ and dist.get_rank() == 0:
+        names = ", ".join(named[i][0] for i in differ[:_NAMED])
+        more = f" and {len(differ) - _NAMED} more" if len(differ) > _NAMED else ""
+        LOG.warning(f"initialize: {len(differ)} of {len(named)} parameters differed between "
+                    f"ranks ({names}{more}): every rank starts from rank 0's values, as "
+                    "DeepSpeed's initialize does")
+    return len(differ)
+
+
+def _fingerprint(param: torch.Tensor) -> torch.Tensor:
+    values = param.detach().double().nan_to_num(nan=0.0, posinf=1.0, neginf=-1.0).flatten()
+    return torch.stack([values.sum(), values.square().sum()])
 
 
 def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
