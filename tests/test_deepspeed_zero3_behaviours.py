@@ -1,7 +1,8 @@
 """Behaviours of DeepSpeed ZeRO-3 that scripts and libraries rely on, each run by real DeepSpeed
 and, after the one-line migration (`vescale_engine.patch_deepspeed()` plus a "vescale"
 section), by our engine, on 2 gloo ranks, through the same script: leaf modules whose ranks
-route to different experts; a model whose ranks drew different initial values.
+route to different experts; a model whose ranks drew different initial values; DeepSpeed's
+`safe_*` accessors of the fp32 parameters, gradients and optimizer state.
 """
 import os
 
@@ -205,3 +206,85 @@ def test_ranks_that_drew_different_initial_values_start_from_rank_0s(pool):
     # both engines trained one model, the same on both ranks, from rank 0's head
     assert results[0]["head"] == results[1]["head"]
     assert abs(results[0]["head"] - 0.05) < 0.1
+
+
+def _accessors(rank, config):
+    """What a script reads and writes through deepspeed.utils' safe_* accessors."""
+    import deepspeed
+    from deepspeed import utils
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = DenseModel()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    seen, losses = {}, []
+    named = list(engine.module.named_parameters())
+    for step in range(STEPS):
+        loss = engine(*_data(step, rank))
+        engine.backward(loss)
+        if step == 1:  # after backward, before the step: the reduced gradients
+            seen["grad"] = {n: utils.safe_get_full_grad(p).clone() for n, p in named}
+        engine.step()
+        losses.append(loss.item())
+        if step == 1:
+            seen["param"] = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in named}
+            for key in ("exp_avg", "exp_avg_sq"):
+                seen[key] = {n: utils.safe_get_full_optimizer_state(p, key).clone()
+                             for n, p in named}
+            seen["local"] = {n: utils.safe_get_local_fp32_param(p).clone() for n, p in named}
+            head = dict(named)["head.weight"]  # writes: refused by us, not a silent no-op
+            try:
+                utils.safe_set_full_fp32_param(head, seen["param"]["head.weight"])
+                seen["set"] = "accepted"
+            except NotImplementedError as err:
+                seen["set"] = str(err)
+    seen["losses"] = losses
+    return seen
+
+
+def accessors_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        ours = _accessors(rank, {**CONFIG, "vescale": {}})
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    ds = _accessors(rank, CONFIG)
+    out = {"losses": (ds["losses"], ours["losses"])}
+    for what in ("grad", "param", "exp_avg", "exp_avg_sq"):
+        out[what] = max((ours[what][n] - ds[what][n]).abs().max().item() /
+                        max(ds[what][n].abs().max().item(), 1e-12) for n in ds[what])
+    out["set"] = (ds["set"], ours["set"])
+    out["local"] = {n: ours["local"][n].numel() for n in ours["local"]}
+    out["shapes"] = {n: tuple(ours["param"][n].shape) for n in ours["param"]}
+    out["local_is_a_piece"] = all(_is_a_run_of(ours["local"][n], ours["param"][n].flatten())
+                                  for n in ours["local"])
+    return out
+
+
+def _is_a_run_of(piece, flat) -> bool:
+    n = piece.numel()
+    return n == 0 or any(torch.equal(piece, flat[i:i + n]) for i in range(flat.numel() - n + 1))
+
+
+def test_safe_accessors_read_as_under_deepspeed_and_writes_are_refused(pool):
+    results = pool.run(accessors_rank, timeout=300)
+    for r in results:
+        for what in ("grad", "param", "exp_avg", "exp_avg_sq"):
+            assert r[what] < 1e-5, (what, r[what])
+        assert r["set"][0] == "accepted"
+        assert r["set"][1].startswith("deepspeed.utils.safe_set_full_fp32_param on a vescale-"
+                                      "sharded parameter of shape [8, 8]: writing through "), r
+        ds_losses, losses = r["losses"]
+        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+                   zip(losses, ds_losses, strict=True)), (losses, ds_losses)
+        assert r["local_is_a_piece"]
+    # the local pieces of the two ranks make up each tensor
+    for name, shape in results[0]["shapes"].items():
+        assert results[0]["local"][name] + results[1]["local"][name] == \
+            torch.Size(shape).numel(), name

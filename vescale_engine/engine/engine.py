@@ -16,6 +16,7 @@ from ..checkpoint.background import BackgroundSaves
 from ..checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from ..checkpoint.sharded import load_checkpoint, save_checkpoint
 from ..fsdp.api import no_sync, release
+from ..fsdp.deepspeed_params import serve_optimizer
 from ..fsdp.guards import require_materialized
 from ..init.zero import require_not_partitioned
 from ..launch.env import discover
@@ -598,6 +599,7 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         check_offloadable(opt)
         opt.offload_to_host(**cfg.offload_optimizer)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
+    serve_optimizer(opt)  # its state for DeepSpeed's safe_get_full_optimizer_state and kin
     engine = VeScaleEngine(module, cfg, opt, sched, device, meshes, mpu)
     loader = None
     if training_data is not None and engine.sequence_parallel_size > 1:

@@ -49,7 +49,8 @@ from .lookup import units_under
 from .state_dict import gather_selected
 from .unit import forward_in_progress, running_backward
 
-__all__ = ["sharded_of", "holds_full", "GatheredShards", "suspend_hooks", "resume_hooks"]
+__all__ = ["sharded_of", "holds_full", "GatheredShards", "suspend_hooks", "resume_hooks",
+           "serve_optimizer", "local_piece", "full_value"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
@@ -207,6 +208,58 @@ def _callers(limit: int = 3) -> str:
             names.append(getattr(code, "co_qualname", code.co_name))
         frame = frame.f_back
     return " <- ".join(names)
+
+
+# -- DeepSpeed's safe_* accessors: fp32 parameter, gradient, optimizer state ---------------------
+# `deepspeed.utils.safe_get_full_fp32_param(p)` and its kin, as DeepSpeed defines them for ZeRO-3
+# parameters: "full" is the whole tensor, gathered (every rank calls, a collective), "local" is
+# this rank's piece (its flat range, 1-D). What they name: "param" the fp32 master, "grad" the
+# reduced fp32 gradient (after backward, before zero_grad), or an optimizer state key (AdamW's
+# exp_avg / exp_avg_sq), in the optimizer `serve_optimizer` was given (the engine's).
+
+_OPTIMIZERS = weakref.WeakSet()
+
+
+def serve_optimizer(optimizer) -> None:
+    _OPTIMIZERS.add(optimizer)
+
+
+def local_piece(sp, what: str):
+    """This rank's piece of `what` for `sp`, a view that writes through; None where there is
+    none (no gradient yet, a state the optimizer does not keep)."""
+    buf, i = sp.buffer, sp.index
+    if what == "param":
+        return buf.master_view(i)
+    if what == "grad":
+        return None if sp.sharded.grad is None else buf.grad_view(i)
+    for opt in list(_OPTIMIZERS):
+        for key, start in ((sp.sharded, None), (buf.master, buf.local_ranges[i])):
+            state = opt.state.get(key) if key in opt.state else None
+            value = None if state is None else state.get(what)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                flat = value.reshape(-1)
+                return flat if start is None else flat[start[0]:start[1]]
+    return None
+
+
+def full_value(sp, what: str):
+    """The full-shape tensor of `what` (a collective over the shard group), or None on every
+    rank when no rank has it."""
+    piece = local_piece(sp, what)
+    buf = sp.buffer
+    have = torch.tensor([piece is not None], dtype=torch.int32, device=buf.device)
+    dist.all_reduce(have, op=dist.ReduceOp.MAX, group=buf.shard_group)
+    if not have.item():
+        return None
+    dtype = piece.dtype if piece is not None else buf.master.dtype
+    shard = torch.zeros(buf.shard_size, dtype=dtype, device=buf.device)
+    start, end = buf.local_ranges[sp.index]
+    if piece is not None and end > start:
+        shard[start:end] = piece
+    full = torch.empty(buf.world_size * buf.shard_size, dtype=dtype, device=buf.device)
+    dist.all_gather_into_tensor(full, shard, group=buf.shard_group)
+    placement = buf.layout.placements[sp.index]
+    return full[placement.offset:placement.offset + placement.numel].view(sp.shape)
 
 
 # -- TRL's generation ---------------------------------------------------------------------------
