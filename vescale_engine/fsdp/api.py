@@ -45,12 +45,24 @@ def _resolve_mesh(mesh):
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:  # (replicate, shard): HSDP
+        if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
         return mesh.get_group(1), mesh.get_group(0)
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
 
 
 # the default process group -> {N: this rank's hpZ group of N consecutive ranks}
 _HPZ_GROUPS = weakref.WeakKeyDictionary()
+
+
+def _check_not_container(module) -> None:
+    """FSDP2 refuses a ModuleList / ModuleDict without a forward of its own: its forward never
+    runs, so nothing would gather its parameters (a list of its modules is one unit)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+            type(module).forward is nn.Module.forward:
+        raise ValueError(f"fully_shard does not support containers that do not implement "
+                         f"forward: {type(module).__name__} (as FSDP2; shard its modules, or "
+                         "pass them as a list: fully_shard(list(container)))")
 
 
 def _hpz_group(size, group, replicate_group):
@@ -172,6 +184,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
+    if not isinstance(module, (list, tuple)):
+        _check_not_container(module)
     for m in modules:
         if getattr(m, "_vescale_unit", None) is not None:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")

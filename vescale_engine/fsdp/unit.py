@@ -165,6 +165,8 @@ class FSDPUnit:
         # the planner's names: unique over the unit (a group's modules may share names)
         plan_name = {i: found[i][0] if len(self.modules) == 1 else f"{home[i][0]}/{found[i][0]}"
                      for i in order}
+        for i in order:
+            self._check_parameter(*found[i][:2])
         if not order:  # (as FSDP2: a root whose parameters the inner units all manage)
             self.device = default_device(group)
             return
@@ -237,6 +239,29 @@ class FSDPUnit:
                             buf.load_full_tensor(k, local[i])
                     sp.register(sp.sharded)
                     self.params.append(sp)
+        for i in order:  # a module still holding one of them shares it with this unit
+            found[i][1]._vescale_sharded_by = self.name
+
+    def _check_parameter(self, fqn, param):
+        """FSDP2's refusals of a parameter, with its error types. A tensor another unit shards
+        already (a weight tied between separately wrapped modules; FSDP2 refuses it at the
+        first forward): two copies would train apart. A scalar or a non-contiguous tensor:
+        FSDP2 has no dim 0 to shard or no layout to keep; the engine's plain pieces (DeepSpeed's
+        view) take them, as DeepSpeed does."""
+        if getattr(param, "_vescale_sharded_by", None) is not None:
+            raise ValueError(f"Parameter '{fqn}' is shared with a parameter already managed by "
+                             f"another FSDP group ({param._vescale_sharded_by}). For "
+                             "shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                             "place them in the same FSDP group.")
+        if self.flat_parameters:
+            return
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a "
+                             "1D tensor with numel equal to 1.")
+        if not param.is_contiguous():
+            raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: "
+                                      f"{fqn} shape={tuple(param.shape)} "
+                                      f"stride={param.stride()}")
 
     def _block(self, block, tensor):
         """The planner block: under quantized weights small blocks joined up to a group."""

@@ -1,0 +1,145 @@
+"""Behaviours of torch's own FSDP2 unit tests (test/distributed/_composable/fsdp/) that ours
+must share: each case runs the same user code with torch's `fully_shard` and with ours on 2 gloo
+ranks (a few on threads as ranks, as torch's MultiThreadedTestCase runs them) and compares what
+the user sees: the error's type where FSDP2 refuses, the numbers where it runs."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from dist_harness import RankPool
+from vescale_engine.fsdp import fully_shard
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+def outcome(run):
+    """("ok", None) or (the exception's type name, its message)."""
+    try:
+        run()
+        return ("ok", None)
+    except Exception as err:  # the type is what is compared
+        return (type(err).__name__, str(err))
+
+
+# -- 1. what FSDP2 refuses ------------------------------------------------------------------------
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+def _with_scalar():
+    m = nn.Linear(4, 4)
+    m.scale = nn.Parameter(torch.tensor(2.0))
+    return m
+
+
+REFUSALS = {
+    "module_list": lambda fs: fs(nn.ModuleList([nn.Linear(4, 4)])),
+    "module_dict": lambda fs: fs(nn.ModuleDict({"a": nn.Linear(4, 4)})),
+    "mesh_2d_without_names": lambda fs: fs(nn.Linear(4, 4),
+                                           mesh=init_device_mesh("cpu", (1, 2))),
+    "channels_last_conv": lambda fs: fs(nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)),
+    "scalar_parameter": lambda fs: fs(_with_scalar()),
+    "tied_between_units": lambda fs: _tied_step(fs, (lambda m: [m.emb], lambda m: [m.head])),
+    "tied_unit_and_root": lambda fs: _tied_step(fs, (lambda m: [m.emb],)),
+}
+# What FSDP2 accepts beside them, which ours must accept too.
+ACCEPTED = {
+    "list_holding_a_module_list": lambda fs: fs([nn.ModuleList([nn.Linear(4, 4)])]),
+    "module_list_with_forward": lambda fs: fs(_ListWithForward([nn.Linear(4, 4)])),
+    "tied_in_one_group": lambda fs: _tied_step(fs, (lambda m: [m.emb, m.head],)),
+}
+
+
+class _ListWithForward(nn.ModuleList):
+    def forward(self, x):
+        return self[0](x)
+
+
+def _tied_step(fs, groups):
+    """Each group its unit, then the root; a forward and a backward (FSDP2 checks ties at the
+    first forward)."""
+    torch.manual_seed(0)
+    model = Tied()
+    for group in groups:
+        modules = group(model)
+        fs(modules if len(modules) > 1 else modules[0])
+    fs(model)
+    model(torch.arange(6).view(2, 3)).sum().backward()
+    return model
+
+
+def refusals_rank(rank, world):
+    out = {}
+    for name, case in {**REFUSALS, **ACCEPTED}.items():
+        out[name] = {engine: outcome(lambda: case(fs)) for engine, fs in
+                     (("fsdp2", torch_fully_shard), ("ours", fully_shard))}
+    return out
+
+
+def test_what_fsdp2_refuses_ours_refuses_with_its_error_type(pool):
+    for out in pool.run(refusals_rank):
+        wrong = []
+        for name in REFUSALS:
+            (theirs, _), (ours, message) = out[name]["fsdp2"], out[name]["ours"]
+            if theirs == "ok" or ours != theirs or "\n" in message:
+                wrong.append(f"{name}: ours {ours}: {message}; FSDP2 {out[name]['fsdp2']}")
+        wrong += [f"{name}: {out[name]}" for name in ACCEPTED
+                  if out[name] != {"fsdp2": ("ok", None), "ours": ("ok", None)}]
+        assert not wrong, "\n".join(wrong)
+
+
+class ConvScale(nn.Module):
+    """A channels_last conv weight and a scalar parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.lin = nn.Linear(16, 2)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.lin(self.conv(x).flatten(1)).sum() * self.scale
+
+
+def engine_face_rank(rank, world):
+    """The engine's plain pieces (flat_parameters=True, DeepSpeed's view) take a scalar and a
+    channels_last weight, as DeepSpeed does: one SGD step equals the unsharded model's."""
+    def step(model):
+        x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x).backward()
+        opt.step()
+        return model
+
+    torch.manual_seed(0)
+    reference = step(ConvScale())
+    torch.manual_seed(0)
+    model = ConvScale()
+    fully_shard(model, flat_parameters=True)
+    step(model)
+    from vescale_engine.fsdp import gathered_parameters
+    with gathered_parameters(model):
+        ours = dict(model.named_parameters())
+        return max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_the_engine_s_plain_pieces_take_scalars_and_non_contiguous_weights(pool):
+    assert max(pool.run(engine_face_rank)) < 1e-6
+
