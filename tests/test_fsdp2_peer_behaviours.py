@@ -2,6 +2,9 @@
 must share: each case runs the same user code with torch's `fully_shard` and with ours on 2 gloo
 ranks (a few on threads as ranks, as torch's MultiThreadedTestCase runs them) and compares what
 the user sees: the error's type where FSDP2 refuses, the numbers where it runs."""
+import threading
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,3 +146,77 @@ def engine_face_rank(rank, world):
 def test_the_engine_s_plain_pieces_take_scalars_and_non_contiguous_weights(pool):
     assert max(pool.run(engine_face_rank)) < 1e-6
 
+
+# -- 2. ranks as threads of one process -----------------------------------------------------------
+# torch's MultiThreadedTestCase runs each rank as a thread on its "threaded" process group; grad
+# mode and the default process group are then per thread, and so must our running root forward be.
+
+_BUILD = threading.Lock()  # torch.manual_seed is one generator for all threads
+
+
+def on_threads(body, world=2, timeout=120):
+    """`body(rank, world)` on `world` threads as ranks of a threaded process group (as
+    torch.testing._internal.common_distributed.MultiThreadedTestCase sets them up); the
+    results by rank, or an AssertionError with every rank's traceback."""
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    store = dist.HashStore()
+    results, errors = {}, {}
+
+    def rank_thread(rank):
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            results[rank] = body(rank, world)
+        except BaseException as err:  # SystemExit too: a peer's failure ends the collective
+            errors[rank] = traceback.format_exc()
+            ProcessLocalGroup.exception_handle(err)  # wakes the peers waiting in a collective
+        finally:
+            dist.destroy_process_group()
+
+    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True)
+               for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    assert not hung and not errors, f"threads {hung} hung; " + "\n".join(
+        f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+    return [results[r] for r in range(world)]
+
+
+def threaded_training(fs):
+    def body(rank, world):
+        with _BUILD:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4))
+        fs(model[0])
+        fs(model[2])
+        fs(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.full_tensor() for p in model.parameters()]
+    return on_threads(body)
+
+
+def test_ranks_as_threads_of_one_process_train_as_with_fsdp2():
+    ours, theirs = threaded_training(fully_shard), threaded_training(torch_fully_shard)
+    for (our_losses, our_params), (their_losses, their_params) in zip(ours, theirs):
+        assert our_losses == pytest.approx(their_losses, rel=1e-6)
+        for a, b in zip(our_params, their_params):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert ours[0][0] != ours[1][0]  # the ranks saw different batches

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import weakref
 
 import torch
@@ -848,8 +849,11 @@ def _final_callback(ctx):
         release_free_host_memory()  # the step's full buffers are all free now
 
 
-class _Active:
-    ctx = None  # the context of the root forward now running (between its pre and post hooks)
+class _Active(threading.local):
+    """The context of the root forward now running in this thread (between its pre and post
+    hooks): per thread, as autograd's grad mode is, so that ranks run as threads of one
+    process (torch's MultiThreadedTestCase) each run their own forward."""
+    ctx = None
 
 
 _ACTIVE = _Active()
