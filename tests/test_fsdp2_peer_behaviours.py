@@ -8,6 +8,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -220,3 +221,85 @@ def test_ranks_as_threads_of_one_process_train_as_with_fsdp2():
         for a, b in zip(our_params, their_params):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert ours[0][0] != ours[1][0]  # the ranks saw different batches
+
+
+# -- 3. a grouped unit's module called on its own after the model's forward ------------------------
+# torchtitan's fully_shard([norm, output]); a chunked loss: the model returns hidden states and the
+# loss calls the head on each chunk of them, after the model's forward.
+
+VOCAB, DIM = 32, 16
+
+
+class HiddenLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+                                    for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.norm(h)  # the head is the loss's
+
+
+def chunked_loss_training(fs, rank, mode, accum, chunks=2, steps=3):
+    """Adam steps of a chunked loss. "sum": the chunks' losses summed, one backward; "detach":
+    each chunk's backward on its own over detached hidden states, then the model's backward
+    with their gradient (as memory-saving chunked losses do)."""
+    torch.manual_seed(0)
+    model = HiddenLM()
+    for layer in model.layers:
+        fs(layer)
+    fs([model.norm, model.output])
+    fs(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        for k in range(accum):
+            gen = torch.Generator().manual_seed(100 * step + 10 * k + rank)
+            tokens = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            targets = torch.roll(tokens, -1, 1)
+            hidden = model(tokens)
+            detached = hidden.detach().requires_grad_()
+            loss = 0.0
+            for h, t in zip((hidden if mode == "sum" else detached).chunk(chunks, 1),
+                            targets.chunk(chunks, 1)):
+                piece = F.cross_entropy(model.output(h).flatten(0, 1), t.flatten()) / chunks
+                if mode == "detach":
+                    (piece / accum).backward()
+                loss = loss + piece.detach() if mode == "detach" else loss + piece
+            if mode == "sum":
+                (loss / accum).backward()
+            else:
+                hidden.backward(detached.grad)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def chunked_loss_rank(rank, world):
+    out = {}
+    for mode in ("sum", "detach"):
+        for accum in (1, 2):
+            try:
+                ours = chunked_loss_training(fully_shard, rank, mode, accum)
+            except Exception as err:  # reported as the case's outcome
+                out[(mode, accum)] = f"{type(err).__name__}: {err}"
+                continue
+            theirs = chunked_loss_training(torch_fully_shard, rank, mode, accum)
+            out[(mode, accum)] = max(
+                [abs(a - b) / abs(b) for a, b in zip(ours[0], theirs[0])] +
+                [((ours[1][n] - p).norm() / p.norm()).item() for n, p in theirs[1].items()])
+    return out
+
+
+def test_a_grouped_head_called_on_its_own_after_the_forward_trains_as_with_fsdp2(pool):
+    for out in pool.run(chunked_loss_rank):
+        wrong = {case: diff for case, diff in out.items()
+                 if isinstance(diff, str) or diff > 1e-6}
+        assert not wrong, wrong
