@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from dist_harness import RankPool
 from vescale_engine.fsdp import fully_shard
@@ -303,3 +304,51 @@ def test_a_grouped_head_called_on_its_own_after_the_forward_trains_as_with_fsdp2
         wrong = {case: diff for case, diff in out.items()
                  if isinstance(diff, str) or diff > 1e-6}
         assert not wrong, wrong
+
+
+# -- 4. DTensor ops on a sharded parameter between steps --------------------------------------------
+
+PER_ROW = {
+    "linalg.norm(w, dim=1)": lambda w: torch.linalg.norm(w, dim=1),
+    "linalg.norm(w, dim=0)": lambda w: torch.linalg.norm(w, dim=0),
+    "vector_norm(w, inf, dim=1, keepdim)": lambda w: torch.linalg.vector_norm(
+        w, float("inf"), dim=1, keepdim=True),
+    "w.norm(p=1, dim=1)": lambda w: w.norm(p=1, dim=1),
+    "w.sum(dim=1)": lambda w: w.sum(dim=1),
+    "w.mean(dim=0)": lambda w: w.mean(dim=0),
+    "w.amax(dim=1)": lambda w: w.amax(dim=1),
+}
+
+
+def reductions_rank(rank, world):
+    """Reductions over some dims of each sharded weight, after a training step (the values
+    differ from the init): ours against FSDP2's, as whole tensors."""
+    results = {}
+    for engine, fs in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = HiddenLM()
+        for layer in model.layers:
+            fs(layer)
+        fs(model.output)
+        fs(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        model.output(model(tokens)).sum().backward()
+        opt.step()
+        out = {}
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if w.dim() == 2:
+                    for label, op in PER_ROW.items():
+                        r = op(w)
+                        out[(name, label)] = (isinstance(r, DTensor), r.full_tensor())
+        results[engine] = out
+    return {key: (results["ours"][key][0], ((results["ours"][key][1] - results["fsdp2"][key][1])
+                                            .norm() / results["fsdp2"][key][1].norm()).item())
+            for key in results["fsdp2"]}
+
+
+def test_reductions_over_some_dims_of_a_sharded_parameter_are_fsdp2_s(pool):
+    for out in pool.run(reductions_rank):
+        wrong = {key: v for key, v in out.items() if not v[0] or v[1] > 1e-6}
+        assert not wrong and len(out) == 4 * len(PER_ROW), wrong
