@@ -352,3 +352,41 @@ def test_reductions_over_some_dims_of_a_sharded_parameter_are_fsdp2_s(pool):
     for out in pool.run(reductions_rank):
         wrong = {key: v for key, v in out.items() if not v[0] or v[1] > 1e-6}
         assert not wrong and len(out) == 4 * len(PER_ROW), wrong
+
+
+# -- 5. fully_shard.state(module) -------------------------------------------------------------------
+
+def state_rank(rank, world):
+    out = {}
+    for engine, fs in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = HiddenLM()
+        fs(model.layers[0])
+        fs([model.norm, model.output])
+        fs(model)
+        states = {name: fs.state(m) for name, m in (("root", model), ("layer", model.layers[0]),
+                                                    ("norm", model.norm),
+                                                    ("output", model.output),
+                                                    ("unwrapped", model.layers[1]))}
+        # the forward hooks, as torch's register_fsdp_forward_method calls them
+        layer, state = model.layers[0], states["layer"]
+        x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(1))
+        args, kwargs = state._pre_forward(layer, (x,), {})
+        y = state._post_forward(layer, args, layer.forward(*args, **kwargs))
+        out[engine] = {"found": {name: s is not None for name, s in states.items()},
+                       "hooks": y.detach()}
+        if engine == "ours":
+            try:
+                states["root"]._fsdp_param_groups
+                out["internal"] = "no error"
+            except AttributeError as err:
+                out["internal"] = str(err)
+    return out
+
+
+def test_fully_shard_state_finds_the_units_as_fsdp2_s(pool):
+    for out in pool.run(state_rank):
+        ours, theirs = out["ours"], out["fsdp2"]
+        assert ours["found"] == theirs["found"], (ours, theirs)
+        torch.testing.assert_close(ours["hooks"], theirs["hooks"], rtol=1e-6, atol=1e-7)
+        assert "_fsdp_param_groups" in out["internal"] and "\n" not in out["internal"]

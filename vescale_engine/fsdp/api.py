@@ -21,7 +21,8 @@ from .guards import guard_apply, guard_init_weights
 from .lookup import unit_of, units_under
 from .materialize import install_full_shape_reset
 from .state_dict import keep_parameters_on_assign
-from .module_class import register_fsdp_forward_method, restore_class, to_fsdp_class
+from .module_class import (FSDPState, register_fsdp_forward_method, restore_class,
+                           to_fsdp_class)
 from .policy import as_policy
 from .unit import FSDPUnit, UnitContext
 
@@ -251,6 +252,18 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         m.register_forward_hook(unit.post_forward)
     return module
+
+
+def _state(module):
+    """`fully_shard.state(module)`, as FSDP2's contract function has it: the state of the unit
+    `module` belongs to (None when fully_shard did not wrap it). FSDP2's is its private
+    FSDPState, which no public API reads beyond its forward hooks (torch's
+    register_fsdp_forward_method); ours has those and names any other attribute asked for."""
+    unit = unit_of(module)
+    return None if unit is None else FSDPState(unit)
+
+
+fully_shard.state = _state
 
 
 def _warn_untiled(unit) -> None:
