@@ -390,3 +390,38 @@ def test_fully_shard_state_finds_the_units_as_fsdp2_s(pool):
         assert ours["found"] == theirs["found"], (ours, theirs)
         torch.testing.assert_close(ours["hooks"], theirs["hooks"], rtol=1e-6, atol=1e-7)
         assert "_fsdp_param_groups" in out["internal"] and "\n" not in out["internal"]
+
+
+# -- 6. tensor-subclass parameters (FSDP2's all-gather extensions) ----------------------------------
+
+def subclass_rank(rank, world):
+    """Only rank 0 calls fully_shard: a refusal after a collective would hang it."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Extended(TwoTensor):  # torchao's float8 / NF4 weights plug into FSDP2 this way
+        def fsdp_pre_all_gather(self, mesh, *args, **kwargs):
+            return (self.a, self.b), None
+
+        def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+            return TwoTensor(*outputs), outputs
+
+    out = {}
+    if rank == 0:
+        for cls in (Extended, TwoTensor):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            w = model[1].weight.detach()
+            model[1].weight = nn.Parameter(cls(w.clone(), w.clone()))
+            out[cls.__name__] = outcome(lambda: fully_shard(model))
+    dist.barrier()
+    return out
+
+
+def test_tensor_subclass_parameters_are_refused_in_one_line_before_any_collective(pool):
+    out = pool.run(subclass_rank, timeout=60)[0]
+    kind, message = out["Extended"]
+    assert kind == "NotImplementedError" and "1.weight" in message and \
+        "fsdp_pre_all_gather" in message and "all-gather extensions" in message, out
+    kind, message = out["TwoTensor"]
+    assert kind == "NotImplementedError" and "1.weight" in message and \
+        "tensor subclass (TwoTensor)" in message, out
+    assert all("\n" not in message for _, message in out.values())

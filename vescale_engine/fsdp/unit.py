@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _apply_to_tensors
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..launch.collective_timeout import explain_timeout
@@ -248,7 +250,8 @@ class FSDPUnit:
             found[i][1]._vescale_sharded_by = self.name
 
     def _check_parameter(self, fqn, param):
-        """FSDP2's refusals of a parameter, with its error types. A tensor another unit shards
+        """FSDP2's refusals of a parameter, with its error types, and tensor subclasses (FSDP2's
+        all-gather extensions among them), which we do not shard. A tensor another unit shards
         already (a weight tied between separately wrapped modules; FSDP2 refuses it at the
         first forward): two copies would train apart. A scalar or a non-contiguous tensor:
         FSDP2 has no dim 0 to shard or no layout to keep; the engine's plain pieces (DeepSpeed's
@@ -258,6 +261,16 @@ class FSDPUnit:
                              f"another FSDP group ({param._vescale_sharded_by}). For "
                              "shared/tied parameters, use fully_shard([module_a, module_b]) to "
                              "place them in the same FSDP group.")
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if hasattr(local, "fsdp_pre_all_gather"):
+            raise NotImplementedError(
+                f"fully_shard: {fqn} is a {type(local).__name__} defining fsdp_pre_all_gather / "
+                "fsdp_post_all_gather: FSDP2's all-gather extensions (torchao float8, NF4) are "
+                "not supported by vescale_engine's fully_shard")
+        if is_traceable_wrapper_subclass(local):  # its pieces would be copied as plain values
+            raise NotImplementedError(
+                f"fully_shard: {fqn} is a tensor subclass ({type(local).__name__}), which "
+                "vescale_engine's fully_shard does not shard (plain tensors and DTensors only)")
         if self.flat_parameters:
             return
         if param.dim() == 0:
