@@ -1,6 +1,7 @@
 """RaggedDTensor on 2 gloo ranks against one-process references: element-wise ops, torch AdamW
-(foreach, fused, for-loop), clip_grad_norm_, reductions, the gather and redistribute, DCP save
-and load in other layouts, get_model_state_dict, zero copy, and the ops it refuses."""
+(foreach, fused, for-loop), clip_grad_norm_, reductions (over all or some dims), the gather and
+redistribute, DCP save and load in other layouts, get_model_state_dict, zero copy, and the ops
+it refuses."""
 from __future__ import annotations
 
 import copy
@@ -234,6 +235,44 @@ def test_reductions_over_all_elements_are_global(pool):
         assert len(results) == 4 * 14 and all(results)
 
 
+def run_reductions_over_some_dims(rank, world):
+    """Row norms, column sums and the like, over ranges that cut rows (and pieces that are
+    empty): the full tensor's values, reduced already (Replicate)."""
+    mesh = _mesh()
+    fulls = _fulls(7)
+    fulls["W"][1, 2] = 0.0  # a zero for the 0-norm to count
+    wrong = []
+    for name in ("W", "E"):
+        a, A = _shard(fulls[name], LAYOUTS[name], rank, mesh), fulls[name]
+        for dims in ([1], [0], [-1], [0, 2] if A.dim() == 3 else [0, -1]):
+            for label, op in {
+                    "norm": lambda x: torch.linalg.norm(x, dim=dims[0]),
+                    "vector_norm": lambda x: torch.linalg.vector_norm(x, 2, dim=dims),
+                    "norm3 keepdim": lambda x: torch.linalg.vector_norm(x, 3.0, dims, True),
+                    "inf": lambda x: torch.linalg.vector_norm(x, math.inf, dim=dims),
+                    "-inf": lambda x: torch.linalg.vector_norm(x, -math.inf, dim=dims),
+                    "0": lambda x: torch.linalg.vector_norm(x, 0, dim=dims),
+                    "Tensor.norm": lambda x: x.norm(p=1, dim=dims),
+                    "sum": lambda x: x.sum(dim=dims),
+                    "sum keepdim f64": lambda x: x.sum(dims, keepdim=True, dtype=torch.float64),
+                    "mean": lambda x: x.mean(dim=dims),
+                    "amax": lambda x: x.amax(dim=dims),
+                    "amin keepdim": lambda x: x.amin(dim=dims, keepdim=True),
+                    "int sum": lambda x: (x > 0).sum(dim=dims)}.items():
+                got, want = op(a), op(A)
+                ok = type(got) is DTensor and got.placements == (Replicate(),)
+                got = got.full_tensor() if ok else got
+                if not (ok and got.shape == want.shape and got.dtype == want.dtype and
+                        torch.allclose(got, want, rtol=1e-6, atol=1e-6)):
+                    wrong.append(f"{name} {label} dims={dims}: {got} != {want}")
+    return wrong
+
+
+def test_reductions_over_some_dims_are_the_full_tensor_s(pool):
+    for wrong in pool.run(run_reductions_over_some_dims):
+        assert not wrong, "\n".join(wrong)
+
+
 def run_gather_and_redistribute(rank, world):
     mesh = _mesh()
     fulls = _fulls(6)
@@ -366,7 +405,7 @@ def run_refusals(rank, world):
         "aten.mm": lambda: torch.matmul(a, torch.ones(6, 2)),
         "aten.t": lambda: a.t(),
         "aten.select": lambda: a[0],
-        "aten.sum.dim_IntList": lambda: a.sum(dim=0),
+        "aten.max.dim": lambda: a.max(dim=0),  # values and indices: not a reduction of ours
         "aten.add.Tensor": lambda: a + fulls["W"],
         "aten.mul.Tensor": lambda: a * b,
         "aten.bernoulli_.Tensor": lambda: a.bernoulli_(torch.full((5, 6), 0.5)),

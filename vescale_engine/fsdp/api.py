@@ -21,7 +21,8 @@ from .guards import guard_apply, guard_init_weights
 from .lookup import unit_of, units_under
 from .materialize import install_full_shape_reset
 from .state_dict import keep_parameters_on_assign
-from .module_class import register_fsdp_forward_method, restore_class, to_fsdp_class
+from .module_class import (FSDPState, register_fsdp_forward_method, restore_class,
+                           to_fsdp_class)
 from .policy import as_policy
 from .unit import FSDPUnit, UnitContext
 
@@ -45,12 +46,24 @@ def _resolve_mesh(mesh):
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:  # (replicate, shard): HSDP
+        if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
         return mesh.get_group(1), mesh.get_group(0)
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
 
 
 # the default process group -> {N: this rank's hpZ group of N consecutive ranks}
 _HPZ_GROUPS = weakref.WeakKeyDictionary()
+
+
+def _check_not_container(module) -> None:
+    """FSDP2 refuses a ModuleList / ModuleDict without a forward of its own: its forward never
+    runs, so nothing would gather its parameters (a list of its modules is one unit)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+            type(module).forward is nn.Module.forward:
+        raise ValueError(f"fully_shard does not support containers that do not implement "
+                         f"forward: {type(module).__name__} (as FSDP2; shard its modules, or "
+                         "pass them as a list: fully_shard(list(container)))")
 
 
 def _hpz_group(size, group, replicate_group):
@@ -172,6 +185,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
+    if not isinstance(module, (list, tuple)):
+        _check_not_container(module)
     for m in modules:
         if getattr(m, "_vescale_unit", None) is not None:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
@@ -237,6 +252,18 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         m.register_forward_hook(unit.post_forward)
     return module
+
+
+def _state(module):
+    """`fully_shard.state(module)`, as FSDP2's contract function has it: the state of the unit
+    `module` belongs to (None when fully_shard did not wrap it). FSDP2's is its private
+    FSDPState, which no public API reads beyond its forward hooks (torch's
+    register_fsdp_forward_method); ours has those and names any other attribute asked for."""
+    unit = unit_of(module)
+    return None if unit is None else FSDPState(unit)
+
+
+fully_shard.state = _state
 
 
 def _warn_untiled(unit) -> None:

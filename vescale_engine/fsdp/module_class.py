@@ -28,7 +28,7 @@ from .guards import apply_caller
 from .lookup import unit_of, units_under
 from .unit import reset_iteration
 
-__all__ = ["VeScaleFSDPModule", "to_fsdp_class", "restore_class", "original_class",
+__all__ = ["VeScaleFSDPModule", "FSDPState", "to_fsdp_class", "restore_class", "original_class",
            "register_fsdp_forward_method"]
 
 _CLASSES: dict = {}  # original class -> its VeScaleFSDPModule class
@@ -79,9 +79,10 @@ class _GradientReductionHandle(getattr(torch.distributed.fsdp, "GradientReductio
         return None
 
 
-class _State:
-    """What torch's `register_fsdp_forward_method` reads from `_get_fsdp_state()`: the unit's
-    forward hooks. Anything else FSDP2's code might read is not there, by name."""
+class FSDPState:
+    """What torch's `register_fsdp_forward_method` reads from `_get_fsdp_state()` (and
+    `fully_shard.state(module)` returns): the unit's forward hooks. Anything else FSDP2's code
+    might read is not there, by name."""
 
     def __init__(self, unit):
         self._unit = unit
@@ -320,7 +321,7 @@ class VeScaleFSDPModule(FSDPModule):
 
     def _get_fsdp_state(self):
         """For torch's register_fsdp_forward_method, which calls the state's forward hooks."""
-        return _State(_unit(self))
+        return FSDPState(_unit(self))
 
     def _apply(self, fn, recurse=True):
         """`to_empty(device=...)` on a unit still on meta gives its shards real (uninitialized)

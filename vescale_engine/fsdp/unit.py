@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _apply_to_tensors
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..launch.collective_timeout import explain_timeout
@@ -67,6 +70,10 @@ class UnitContext:
         # that forward's graph is (the graph's hooks and nodes hold it): a backward can still
         # come for it, so another forward must leave the units' state for that backward.
         self.live_forwards = weakref.WeakSet()
+        # The tokens whose graph the running backward reached: the forwards it takes. One it
+        # did not reach stays pending (a chunked loss backwards each chunk of the head on its
+        # own, then the model's forward).
+        self.reached = set()
         self.token = None
         self.iteration = None  # this iteration's tag: no optimizer step happens inside one
 
@@ -165,6 +172,8 @@ class FSDPUnit:
         # the planner's names: unique over the unit (a group's modules may share names)
         plan_name = {i: found[i][0] if len(self.modules) == 1 else f"{home[i][0]}/{found[i][0]}"
                      for i in order}
+        for i in order:
+            self._check_parameter(*found[i][:2])
         if not order:  # (as FSDP2: a root whose parameters the inner units all manage)
             self.device = default_device(group)
             return
@@ -237,6 +246,40 @@ class FSDPUnit:
                             buf.load_full_tensor(k, local[i])
                     sp.register(sp.sharded)
                     self.params.append(sp)
+        for i in order:  # a module still holding one of them shares it with this unit
+            found[i][1]._vescale_sharded_by = self.name
+
+    def _check_parameter(self, fqn, param):
+        """FSDP2's refusals of a parameter, with its error types, and tensor subclasses (FSDP2's
+        all-gather extensions among them), which we do not shard. A tensor another unit shards
+        already (a weight tied between separately wrapped modules; FSDP2 refuses it at the
+        first forward): two copies would train apart. A scalar or a non-contiguous tensor:
+        FSDP2 has no dim 0 to shard or no layout to keep; the engine's plain pieces (DeepSpeed's
+        view) take them, as DeepSpeed does."""
+        if getattr(param, "_vescale_sharded_by", None) is not None:
+            raise ValueError(f"Parameter '{fqn}' is shared with a parameter already managed by "
+                             f"another FSDP group ({param._vescale_sharded_by}). For "
+                             "shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                             "place them in the same FSDP group.")
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if hasattr(local, "fsdp_pre_all_gather"):
+            raise NotImplementedError(
+                f"fully_shard: {fqn} is a {type(local).__name__} defining fsdp_pre_all_gather / "
+                "fsdp_post_all_gather: FSDP2's all-gather extensions (torchao float8, NF4) are "
+                "not supported by vescale_engine's fully_shard")
+        if is_traceable_wrapper_subclass(local):  # its pieces would be copied as plain values
+            raise NotImplementedError(
+                f"fully_shard: {fqn} is a tensor subclass ({type(local).__name__}), which "
+                "vescale_engine's fully_shard does not shard (plain tensors and DTensors only)")
+        if self.flat_parameters:
+            return
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a "
+                             "1D tensor with numel equal to 1.")
+        if not param.is_contiguous():
+            raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: "
+                                      f"{fqn} shape={tuple(param.shape)} "
+                                      f"stride={param.stride()}")
 
     def _block(self, block, tensor):
         """The planner block: under quantized weights small blocks joined up to a group."""
@@ -464,17 +507,18 @@ class FSDPUnit:
                 args, kwargs = self._hook_reentrant_recompute(args, kwargs)
             return args, kwargs
         if _ACTIVE.ctx is None:
-            if len(self.modules) > 1:
+            if len(self.modules) > 1 and self.ctx is None:
                 raise RuntimeError(f"fully_shard: {self.name} groups {len(self.modules)} "
                                    "modules and runs first, as the root; a root must be one "
                                    "module (call fully_shard on the model around them)")
-            self._begin_root_forward()
+            self._begin_root_forward(module)
         elif self.is_root and _ACTIVE.ctx is not self.ctx:
             self.is_root = False  # ran alone before (an evaluation, a registered method)
         ctx = self.ctx = _ACTIVE.ctx
         if self not in ctx.order:
             ctx.order.append(self)
-        if len(self.modules) > 1 and not self._to_run:  # a group's pass begins
+        if len(self.modules) > 1 and not self._to_run and _ACTIVE.opener is not module:
+            # a group's pass begins (a module of it called on its own is a pass of its own)
             self._to_run = {id(m) for m in self.modules}
         # The next unit's all-gather goes out before we wait for ours (which nothing
         # prefetched if we run first): it moves while ours finishes instead of after.
@@ -522,23 +566,40 @@ class FSDPUnit:
             return self._cast_output(output)
         if torch.is_grad_enabled():
             self._hook_outputs(output, self.ctx.token)
-        if len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
+        if self.is_root or _ACTIVE.opener is module:  # this call began the forward
+            self._end_forward()
+        elif len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
             self._to_run.discard(id(module))
-            if self._to_run:
-                return self._cast_output(output)
-        if self.is_root:
-            _ACTIVE.ctx = None
-            self.ctx.token = None  # from now on only the graph holds it
-            if not torch.is_grad_enabled() and not self.ctx.backward_pending:
-                # inference: nothing will come back for them
-                for unit in self.ctx.order:
-                    unit.reshard()
-                    unit._reset_iteration()
-            elif self.reshard_after_forward and not self.auto_reshard_after_forward:
-                self.reshard()  # asked for explicitly: backward gathers the root again
-        elif self.reshard_after_forward and not self._reused_soon():
-            self.reshard()
+            if not self._to_run:
+                self._reshard_after_forward()
+        else:
+            self._reshard_after_forward()
         return self._cast_output(output)
+
+    def _end_forward(self):
+        """The root's forward, or the call of a unit run on its own, ends."""
+        ctx = self.ctx
+        _ACTIVE.ctx = _ACTIVE.opener = None
+        ctx.token = None  # from now on only the graph holds it
+        for unit in ctx.order:  # groups not all of whose modules ran (a chunked loss's head
+            if unit._to_run:    # runs after the model's forward): their pass ends here
+                unit._to_run = set()
+                if unit is not self:
+                    unit._reshard_after_forward()
+        if not torch.is_grad_enabled() and not ctx.backward_pending:
+            # inference: nothing will come back for them
+            for unit in ctx.order:
+                unit.reshard()
+                unit._reset_iteration()
+        elif not self.is_root:
+            self._reshard_after_forward()
+        elif self.reshard_after_forward and not self.auto_reshard_after_forward:
+            self.reshard()  # asked for explicitly: backward gathers the root again
+
+    def _reshard_after_forward(self):
+        """A unit but the root, once its forward call (a group: its modules) ran."""
+        if self.reshard_after_forward and not self._reused_soon():
+            self.reshard()
 
     def _cast_inputs(self, args, kwargs):
         """FSDP2's cast_forward_inputs: floating tensors among the inputs to param_dtype."""
@@ -568,13 +629,16 @@ class FSDPUnit:
         distance = self.ctx.reuse_distance.get(self)
         return distance is not None and (distance == 0 or distance < self.max_reuse_distance)
 
-    def _begin_root_forward(self):
-        self.is_root = True
+    def _begin_root_forward(self, module):
+        """A forward begins at `module` (this unit's): the root's, or a unit's called on its
+        own after a root's forward (an evaluation, a chunked loss's head), which joins that
+        root's context as an extra forward (FSDP2's iteration forward root)."""
+        if self.ctx is None:
+            self.is_root = True
+            self.ctx = UnitContext()
         if not self._storage_checked:  # the first forward: everything must have storage
             require_materialized(self.module, "forward")
             self._storage_checked = True
-        if self.ctx is None:
-            self.ctx = UnitContext()
         ctx = self.ctx
         ctx.token = None  # (left behind by a forward that raised)
         if self.post_optim_event is not None:  # (FSDP2: a no-op on CPU, which has no streams)
@@ -602,7 +666,7 @@ class FSDPUnit:
         ctx.token = _ForwardToken() if torch.is_grad_enabled() else None
         if ctx.token is not None:
             ctx.live_forwards.add(ctx.token)
-        _ACTIVE.ctx = ctx
+        _ACTIVE.ctx, _ACTIVE.opener = ctx, module
 
     def _prefetch_forward(self):
         if self.forward_prefetch is not None:  # set_modules_to_forward_prefetch
@@ -769,12 +833,13 @@ def reset_iteration(units) -> None:
         unit.abandon_iteration()
     for ctx in ctxs.values():
         if _ACTIVE.ctx is ctx:
-            _ACTIVE.ctx = None
+            _ACTIVE.ctx = _ACTIVE.opener = None
         ctx.order, ctx.last_order, ctx.reuse_distance = [], [], {}
         ctx.callback_queued = False
         ctx.reducing, ctx.all_reducing = [], []
         ctx.backward_task = None
         ctx.live_forwards = weakref.WeakSet()
+        ctx.reached = set()
         ctx.token = None
 
 
@@ -818,13 +883,18 @@ def _final_callback(ctx):
     ctx.reducing = []
     ctx.all_reducing = []
     ctx.callback_queued = False  # a retained graph's next backward queues its own
-    ctx.live_forwards = weakref.WeakSet()  # this backward took what they had pending
+    ctx.live_forwards -= ctx.reached  # this backward took what they had pending
+    ctx.reached = set()
     if any(unit.device.type == "cpu" for unit in ctx.order):
         release_free_host_memory()  # the step's full buffers are all free now
 
 
-class _Active:
-    ctx = None  # the context of the root forward now running (between its pre and post hooks)
+class _Active(threading.local):
+    """The context of the root forward now running in this thread (between its pre and post
+    hooks): per thread, as autograd's grad mode is, so that ranks run as threads of one
+    process (torch's MultiThreadedTestCase) each run their own forward."""
+    ctx = None
+    opener = None  # the module whose call began it
 
 
 _ACTIVE = _Active()
@@ -871,6 +941,8 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
+        if ctx.token is not None:
+            unit.ctx.reached.add(ctx.token)
         ctx.token = None
         unit.pending_post_backward -= 1
         if unit.pending_post_backward == 0 and unit.calls_without_hook == 0:
@@ -887,6 +959,8 @@ class _OutputGradHook:
         self.token = token
 
     def __call__(self, grad):
+        if self.token is not None:
+            self.unit.ctx.reached.add(self.token)
         return self.unit._pre_backward(grad)
 
 

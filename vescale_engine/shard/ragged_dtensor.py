@@ -12,9 +12,9 @@ torch's state-dict utilities and DCP check.
 
 What works (ragged_ops.py has the rules): element-wise ops, `_foreach_*` and fused
 Adam/AdamW/SGD/Adagrad between tensors of one layout, with scalars and 0-d tensors; reductions
-over every element (vector norms, `_foreach_norm`, sum, mean, amax/amin, all/any) all-reduced
-over the mesh at once and returned as Replicate DTensors, so `clip_grad_norm_` and `.item()`
-give global values; `full_tensor()` and `redistribute(mesh, [Replicate()])` (our gather,
+over every element (vector norms, `_foreach_norm`, sum, mean, amax/amin, all/any) and over
+some dims (vector norms, sum, mean, amax/amin: a row norm) all-reduced over the mesh at once
+and returned as Replicate DTensors, so `clip_grad_norm_` and `.item()` give global values; `full_tensor()` and `redistribute(mesh, [Replicate()])` (our gather,
 `ragged_to_replicate`; full_tensor is differentiable); `redistribute` to another
 RaggedPlacement (`ragged_to_ragged`); `to_local()`, `placements`, `device_mesh`; views that
 keep the flat order (view, reshape, flatten); `copy_` from a whole plain tensor (so
@@ -28,7 +28,7 @@ unsharded tensor's. `distribute_ragged` and `fill_from_full` are what torch's
 routes them here), so `set_model_state_dict(full_state_dict=True)` works too.
 
 What raises (NotImplementedError naming the op and the placement), and why: shape-aware ops
-(matmul, t, indexing, cat, reductions over some dims) would compute on a flat piece as if it
+(matmul, t, indexing, cat) would compute on a flat piece as if it
 were the tensor; other random ops (dropout, randn_like) would not draw an unsharded
 tensor's values; `out=` variants, operands of another layout or non-0-d tensors of any other
 kind, redistribute to Shard or Partial, a mesh of more than one dimension.

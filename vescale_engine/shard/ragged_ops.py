@@ -14,7 +14,9 @@ right on local tensors only when it pairs elements by flat position or reduces a
   the local results are all-reduced over the mesh at once (a `_foreach_norm`: one all-reduce
   for the whole list) and returned as Replicate DTensors, so `.item()`, `full_tensor()` and
   torch's own DTensor ops after them (clip_grad_norm_'s stack and norm) see the global value.
-  An empty local piece contributes the reduction's identity.
+  An empty local piece contributes the reduction's identity. Over some dims (vector norms,
+  sum, mean, amax/amin): each local element is scattered into its place in the reduced
+  tensor, which is all-reduced at once (a rank's range may cut rows), a Replicate DTensor.
 - views that keep the flat order (view, _unsafe_view, detach, alias): the same local tensor,
   the new global shape; the flat ranges do not move.
 - in-place random fills (normal_, uniform_, bernoulli_, ...: what nn.init draws with): the
@@ -22,7 +24,7 @@ right on local tensors only when it pairs elements by flat position or reduces a
   sharded model gives the values it gives an unsharded one from the same seed.
 
 Everything else raises NotImplementedError naming the operation: shape-aware ops (matmul, t,
-indexing, reductions over some dims, cat), other random ops (dropout, randn_like: values
+indexing, cat, max/min with indices), other random ops (dropout, randn_like: values
 drawn per piece would differ from an unsharded tensor's), `out=` variants, ragged operands of
 different layouts, and tensors of other shapes, which would otherwise compute on the wrong
 elements without a word.
@@ -282,13 +284,52 @@ def _view(cls, func, args, kwargs):
                requires_grad=False)
 
 
-def _all_dims(func, t, dim) -> None:
-    """Refuse a reduction over some dims: the local piece has none of the tensor's dims."""
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    if t.dim() == 0 or sorted(d % t.dim() for d in dims) != list(range(t.dim())):
-        raise refuse(func, t, f"it reduces over dims {dims}, not over all of them")
+def _some_dims(t, dim):
+    """The dims a reduction keeps reducing over, when not all of them (else None)."""
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0) or t.dim() == 0:
+        return None
+    dims = sorted({d % t.dim() for d in ([dim] if isinstance(dim, int) else dim)})
+    return None if dims == list(range(t.dim())) else dims
+
+
+def _reduce_some_dims(func, args, kwargs, t, dims, values, how, finish=None):
+    """A reduction over some dims (a row norm, a column sum) as a Replicate DTensor: each
+    local element's `values` go to their place in the reduced tensor (scatter_reduce; a
+    rank's flat range need not hold whole rows), the partial results are all-reduced over
+    the mesh at once and `finish` (a p-norm's root, a mean's divide) applies. The result's
+    dtype and shape are the op's own on meta."""
+    shape = list(t.shape)
+    start, end = t._spec.placements[0].layout(t.shape).local_range(
+        t._spec.mesh.get_local_rank())
+    rest = torch.arange(start, end, device=values.device)
+    coords = []
+    for size in reversed(shape):  # the row-major index of each element, back to coordinates
+        coords.append(rest % size)
+        rest = rest // size
+    coords.reverse()
+    kept = [d for d in range(len(shape)) if d not in dims]
+    index = torch.zeros_like(coords[0]) if coords else rest
+    for d in kept:
+        index = index * shape[d] + coords[d]
+    out = torch.full((math.prod(shape[d] for d in kept),),
+                     0 if how == "sum" else _identity(how, values.dtype),
+                     dtype=values.dtype, device=values.device)
+    out.scatter_reduce_(0, index, values.reshape(-1),
+                        {"sum": "sum", "max": "amax", "min": "amin"}[how])
+    mesh = t._spec.mesh
+    out = out.to(mesh.device_type)  # (a piece in host memory on a device mesh: offload)
+    dist.all_reduce(out, op=_REDUCE_OPS[how], group=mesh.get_group())
+    if finish is not None:
+        out = finish(out)
+    meta = func(*[_on_meta(a) for a in args], **{k: _on_meta(v) for k, v in kwargs.items()})
+    out = out.to(meta.dtype).reshape(meta.shape)
+    return DTensor(out, layout_spec(mesh, Replicate(), meta.shape, out.dtype),
+                   requires_grad=False)
+
+
+def _on_meta(value):
+    return torch.empty(value.shape, dtype=value.dtype, device="meta") \
+        if isinstance(value, torch.Tensor) else value
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -352,8 +393,10 @@ def _norm(func, args, kwargs):
     ord, dtype = 2 if ord is None else ord, bound.get("dtype")
     if func is not aten._foreach_norm.Scalar:
         t = bound["self"]
-        _all_dims(func, t, bound.get("dim"))
         how, p = _norm_reduction(func, t, ord)
+        dims = _some_dims(t, bound.get("dim"))
+        if dims is not None:
+            return _norm_some_dims(func, args, kwargs, t, dims, ord, how, p, dtype)
         return _over_mesh([_local_norm(t, ord, dtype)], [t], how, p,
                           bound.get("keepdim", False))[0]
     tensors = bound["self"]
@@ -373,13 +416,35 @@ def _norm(func, args, kwargs):
     return results
 
 
+def _norm_some_dims(func, args, kwargs, t, dims, ord, how, p, dtype):
+    """A vector norm over some dims: |x|^p summed (in fp32 for 16-bit values, as over the
+    mesh), |x| for the max and min norms, the non-zeros for ord 0."""
+    local = t._local_tensor if dtype is None else t._local_tensor.to(dtype)
+    magnitude = local.abs()
+    if p is not None:
+        wide = torch.float32 if magnitude.dtype.itemsize < 4 else magnitude.dtype
+        return _reduce_some_dims(func, args, kwargs, t, dims, magnitude.to(wide).pow(p), "sum",
+                                 lambda out: out.pow(1.0 / p))
+    if how == "sum":  # ord 0
+        magnitude = (magnitude != 0).to(magnitude.dtype)
+    return _reduce_some_dims(func, args, kwargs, t, dims, magnitude, how)
+
+
 def _reduce(func, args, kwargs):
     bound = _bind(func, args, kwargs)
     t = bound["self"]
     if not is_ragged(t):
         raise refuse(func, _first_ragged(args, kwargs))
-    _all_dims(func, t, bound.get("dim"))
     local, keepdim = t._local_tensor, bound.get("keepdim", False)
+    dims = _some_dims(t, bound.get("dim"))
+    if dims is not None:  # sum, mean, amax, amin over some dims
+        if func in _SUM_LIKE:
+            count = math.prod(t.shape[d] for d in dims)
+            values = local.to(bound.get("dtype") or (local.dtype if local.is_floating_point()
+                                                     else torch.int64))
+            finish = (lambda out: out / count) if func is aten.mean.dim else None
+            return _reduce_some_dims(func, args, kwargs, t, dims, values, "sum", finish)
+        return _reduce_some_dims(func, args, kwargs, t, dims, local, _EXTREMES[func])
     if func in _SUM_LIKE:
         value = local.sum(dtype=bound.get("dtype"))
         if func in (aten.mean.default, aten.mean.dim):
