@@ -77,7 +77,7 @@ def explain_timeout(operation: str):
     """Run the block as `operation` (what this rank's location says meanwhile); a backend's
     timeout error inside it becomes a CollectiveTimeout with one line (timeout_message).
     Every other error passes unchanged."""
-    stall.ensure_watching(waiting_in)
+    stall.ensure_watching(waiting_in, _group["fail_fast"])
     with _lock:
         _here["count"] += 1
         label = f"{operation} (#{_here['count']})"

@@ -34,9 +34,10 @@ _watch = {"thread": None, "group": None}
 _start = threading.Lock()
 
 
-def ensure_watching(waiting_in) -> None:
+def ensure_watching(waiting_in, fail_fast=None) -> None:
     """Start this process's watcher for the current default group, once per group.
-    `waiting_in(seconds)`: the operation this rank has waited in for that long, or None."""
+    `waiting_in(seconds)`: the operation this rank has waited in for that long, or None;
+    `fail_fast`: the FailFast of a group we formed (its store connection), or None."""
     group = dist.group.WORLD if dist.is_initialized() else None
     if group is None or _watch["group"] is group:
         return
@@ -44,7 +45,7 @@ def ensure_watching(waiting_in) -> None:
         if _watch["group"] is group:
             return
         _watch["group"] = group
-        store = _store_of_group()
+        store = _store_of_group(fail_fast)
         if store is None or dist.get_world_size() < 2:
             return
         thread = _Watcher(store, dist.get_rank(), dist.get_world_size(), waiting_in)
@@ -52,14 +53,12 @@ def ensure_watching(waiting_in) -> None:
         thread.start()
 
 
-def _store_of_group():
+def _store_of_group(fail_fast):
     """The job's store: our failfast connection when we formed the group, else the store the
     group was formed on. None for backends whose ranks are not processes (threads, fake)."""
     backend = str(dist.get_backend())
     if "gloo" not in backend and "nccl" not in backend:
         return None
-    from . import collective_timeout
-    fail_fast = collective_timeout._group.get("fail_fast")
     if fail_fast is not None:
         return fail_fast.store
     try:  # a group DeepSpeed, torchrun's script or a test harness formed
