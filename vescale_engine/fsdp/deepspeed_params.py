@@ -50,7 +50,7 @@ from .state_dict import gather_selected
 from .unit import forward_in_progress, running_backward
 
 __all__ = ["sharded_of", "holds_full", "GatheredShards", "suspend_hooks", "resume_hooks",
-           "serve_optimizer", "local_piece", "full_value"]
+           "serve_optimizer", "local_piece", "full_value", "set_full_value"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
@@ -260,6 +260,24 @@ def full_value(sp, what: str):
     dist.all_gather_into_tensor(full, shard, group=buf.shard_group)
     placement = buf.layout.placements[sp.index]
     return full[placement.offset:placement.offset + placement.numel].view(sp.shape)
+
+
+def set_full_value(sp, what: str, value: torch.Tensor) -> None:
+    """Write this rank's range of the full `value` into `what` (every rank passes the same
+    value, as DeepSpeed requires; no collective). A parameter's next forward computes with it
+    (DeepSpeed's only after its next step, which copies its fp32 partition into the module's)."""
+    target = local_piece(sp, what)
+    if target is None:
+        raise RuntimeError(f"{what} of {_name(sp)}: none to set (no gradient since zero_grad, "
+                           "or an optimizer state this optimizer does not keep)")
+    if tuple(value.shape) != tuple(sp.shape):
+        raise ValueError(f"{what} of {_name(sp)}: a value of shape {list(value.shape)} for a "
+                         f"parameter of shape {list(sp.shape)}")
+    begin, end = sp.flat_range
+    with torch.no_grad():
+        target.copy_(value.detach().reshape(-1)[begin:end])
+    if what == "param":
+        sp.unit.reshard()  # a gather made already (a prefetch) holds the old values
 
 
 # -- TRL's generation ---------------------------------------------------------------------------

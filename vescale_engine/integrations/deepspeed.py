@@ -22,9 +22,9 @@ every other config). Supported: deepspeed versions.SUPPORTED["deepspeed"] (0.19.
   meta is NOT_AVAILABLE, as DeepSpeed's partitioned ones.
 - `deepspeed.utils.safe_get_full_fp32_param` and the other `safe_*` accessors of the fp32
   parameter, gradient and optimizer state (in `deepspeed.utils` and `deepspeed.utils.
-  tensor_fragment`): for our parameters the getters read our shards (fsdp/deepspeed_params.py's
-  local_piece, full_value) and the setters are refused in one line; DeepSpeed's own for every
-  other parameter.
+  tensor_fragment`): for our parameters they read and write our shards
+  (fsdp/deepspeed_params.py's local_piece, full_value, set_full_value); DeepSpeed's own for
+  every other parameter.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..fsdp.deepspeed_params import (GatheredShards, full_value, holds_full, local_piece,
-                                     sharded_of)
+                                     set_full_value, sharded_of)
 from ..init.record import MARK as DEFERRED_MARK
 from ..init.zero import MetaInit, refuse_gathering, zero_init_config
 from .registry import missing_name, replace
@@ -290,12 +290,19 @@ def _accessor(original, scope, verb, what):
         sp = sharded_of(param)
         if sp is None:
             return original(param, *args)
-        if verb == "set":  # writes: not yet shown equal to DeepSpeed's (a write before the
-            raise NotImplementedError(  # next forward was not seen by it in the parity test)
-                f"deepspeed.utils.{original.__name__} on a vescale-sharded parameter of shape "
-                f"{list(sp.shape)}: writing through DeepSpeed's accessors is not supported; "
-                "use deepspeed.zero.GatheredParameters(params, modifier_rank=0) to change "
-                "parameter values")
         key = what or args[-1]
-        return full_value(sp, key) if scope == "full" else local_piece(sp, key)
+        if scope == "full":
+            return full_value(sp, key) if verb == "get" else set_full_value(sp, key, args[0])
+        piece = local_piece(sp, key)
+        if verb == "get":
+            return piece
+        value = args[0]
+        if piece is None or piece.numel() != value.numel():
+            raise RuntimeError(f"deepspeed.utils.{original.__name__}: this rank holds "
+                               f"{0 if piece is None else piece.numel()} elements of {key} of "
+                               f"{list(sp.shape)}, the value has {value.numel()}")
+        with torch.no_grad():
+            piece.copy_(value.reshape(-1))
+        if key == "param":
+            sp.unit.reshard()  # a gather made already (a prefetch) holds the old values
     return accessor
