@@ -295,3 +295,34 @@ def test_safe_accessors_read_and_write_as_under_deepspeed(pool):
     for name, shape in results[0]["shapes"].items():
         assert results[0]["local"][name] + results[1]["local"][name] == \
             torch.Size(shape).numel(), name
+
+
+def positional_rank(rank, world):
+    """deepspeed.initialize called with DeepSpeed's positional order (distributed_port 7th)."""
+    import deepspeed
+
+    import vescale_engine
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        model = DenseModel()
+        engine, *_ = deepspeed.initialize(None, model, None, model.parameters(), None, None,
+                                          29500, None, None, None, {**CONFIG, "vescale": {}})
+        try:
+            deepspeed.initialize(model=DenseModel(), config={**CONFIG, "vescale": {}},
+                                 mesh_param=(2, 1))
+            refused = None
+        except TypeError as err:
+            refused = str(err)
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    return type(engine).__name__, engine.mpu, refused
+
+
+def test_initialize_takes_deepspeeds_positional_order(pool):
+    for name, mpu, refused in pool.run(positional_rank, timeout=120):
+        assert (name, mpu) == ("VeScaleEngine", None)
+        assert refused.startswith("deepspeed.initialize(mesh_param=...) with a"), refused

@@ -96,10 +96,12 @@ def install() -> None:
 # -- deepspeed.initialize, tp_model_init, checkpointing.configure --------------------------------
 
 def _initialize(original):
+    positional = list(inspect.signature(original).parameters)  # DeepSpeed's order
+
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        if args:  # DeepSpeed's positional order starts like ours: name them
-            kwargs.update(zip(_OUR_ARGUMENTS, args))
+        if args:  # by DeepSpeed's names (its 7th is distributed_port, not mpu)
+            kwargs.update(zip(positional, args))
         config = _config_of(kwargs)
         if isinstance(config, dict) and "vescale" in config:
             from ..engine.engine import initialize as ours
@@ -108,6 +110,10 @@ def _initialize(original):
             if unknown:
                 raise TypeError(f"deepspeed.initialize got arguments veScale does not know: "
                                 f"{unknown}")
+            if kwargs.get("mesh_param") is not None:  # DeepSpeed's own TP/SP mesh
+                raise TypeError("deepspeed.initialize(mesh_param=...) with a \"vescale\" "
+                                "section: give the parallel sizes in the config instead "
+                                "(tensor_parallel.autotp_size, docs/parallelism.md)")
             result = ours(**{k: v for k, v in kwargs.items() if k in _OUR_ARGUMENTS})
             _publish_sequence_parallel_mpu(result[0])
             return result
