@@ -161,6 +161,7 @@ def canonical_config(config: dict):
         parent[canonical_key] = value
         renamed[canonical] = written
         notes.append(f"{written} (= {canonical}; {alias['why']})")
+    _booleans_from_integers(config, load_schema(), (), notes)
     opt = config.get("optimizer")
     if isinstance(opt, dict) and isinstance(opt.get("type"), str):
         node = load_schema()["properties"]["optimizer"]["properties"]["type"]
@@ -171,6 +172,24 @@ def canonical_config(config: dict):
                          "optimizer names are case-insensitive)")
             opt["type"] = name
     return config, renamed, notes, errors
+
+
+def _booleans_from_integers(config: dict, schema: dict, parts: tuple, notes: list) -> None:
+    """DeepSpeed reads its flags with Python's truth (or pydantic's, which takes 0 and 1):
+    `"zero_allow_untested_optimizer": 1` is true there. 0 and 1 where the schema wants a
+    boolean become false and true, each noted."""
+    properties = _resolve(schema).get("properties", {})
+    for key, value in list(config.items()):
+        node = properties.get(key)
+        if node is None:
+            continue
+        node = _resolve(node)
+        if isinstance(value, dict):
+            _booleans_from_integers(value, node, (*parts, key), notes)
+        elif node.get("type") == "boolean" and type(value) is int and value in (0, 1):
+            config[key] = bool(value)
+            notes.append(f"{_dotted((*parts, key))} {value} (= {str(bool(value)).lower()}; "
+                         "DeepSpeed reads 0 and 1 as booleans)")
 
 
 def _distance(a: str, b: str) -> int:

@@ -186,3 +186,16 @@ def test_keys_deepspeed_reads_are_never_ignored_as_if_it_did_not():
     assert not any(n.startswith("seq") for n in report.not_acted_on), report
     with pytest.raises(ConfigError, match="sequence_parallel_size"):
         validate_config({"train_batch_size": 8, "sequence_parallel_size": 0})
+
+
+def test_zero_and_one_are_booleans_as_deepspeed_reads_them():
+    report = check_config({"train_batch_size": 2, "zero_allow_untested_optimizer": 1,
+                           "bf16": {"enabled": 1}, "zero_optimization": {
+                               "stage": 3, "contiguous_gradients": 0}})
+    assert report.errors == []
+    assert report.config["bf16"]["enabled"] is True
+    assert report.config["zero_optimization"]["contiguous_gradients"] is False
+    assert "zero_allow_untested_optimizer 1 (= true; DeepSpeed reads 0 and 1 as booleans)" in \
+        report.aliases
+    # other numbers are not booleans there either
+    assert check_config({"train_batch_size": 2, "bf16": {"enabled": 2}}).errors
