@@ -107,7 +107,9 @@ def saved(root, pools):
 def test_save_layout_and_latest(saved, root):
     path, latest, losses, weights, _ = saved["ours"][0]
     assert path == os.path.join(root, "ours", "global_step2")
-    assert latest == f"global_step2\ncrc32:{zlib.crc32(b'global_step2'):08x}\n"  # tag, checksum
+    assert latest == "global_step2"  # the tag alone, as DeepSpeed writes it (its tools read it)
+    with open(os.path.join(root, "ours", "latest.crc32")) as f:
+        assert f.read() == f"crc32:{zlib.crc32(b'global_step2'):08x}\n"  # the tag's checksum
     names = sorted(os.listdir(path))
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "vescale_state.json"], names
     assert not [n for n in os.listdir(os.path.join(root, "ours")) if n.startswith(".")]

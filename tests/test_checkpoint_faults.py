@@ -324,8 +324,10 @@ def _damaged_copies(good_root, scratch) -> dict:
                 text = f.read()
             if case == "latest names the other tag":  # global_step1 exists and is complete
                 content = text.replace("global_step2", "global_step1").encode()
-            elif case == "latest checksum digit":
-                content = _bump_digit(text, r"crc32:[0-9a-f]*?([0-9])").encode()
+            elif case == "latest checksum digit":  # its sibling: latest.crc32
+                latest = os.path.join(root, "latest.crc32")
+                with open(latest) as f:
+                    content = _bump_digit(f.read(), r"crc32:[0-9a-f]*?([0-9])").encode()
             else:
                 shutil.rmtree(os.path.join(root, "global_step2"))
                 content = text.encode()
@@ -372,7 +374,8 @@ def test_damaged_state_or_latest_is_one_line_naming_the_file(saved, pools):
     assert "is corrupted: not JSON" in out["state not JSON"]
     assert out["latest random bytes"].endswith("latest is corrupted: not text")
     for case in ("latest names the other tag", "latest checksum digit"):
-        assert "does not match its checksum line" in out[case], out[case]
+        assert "latest.crc32 does not vouch for (damaged, or edited by hand: then remove " \
+            "latest.crc32 to load it unchecked)" in out[case], out[case]
     assert "latest names tag 'global_step2', but " in out["latest names a missing tag"]
     assert out["latest empty"].endswith("latest is empty")
     assert out["a file as the directory"].endswith("latest is a file, not a directory")
@@ -394,7 +397,7 @@ def load_and_train(rank, world, root):
 
 def test_checkpoint_without_checksums_still_loads(saved, pools, tmp_path):
     """As the previous version wrote them: vescale_state.json without state_crc32 (json.dump,
-    indent=1) and `latest` holding only the tag. They load, with a warning each, and continue
+    indent=1) and `latest` holding only the tag, without latest.crc32. They load, with a warning each, and continue
     exactly as the checksummed checkpoint does."""
     good_root, losses = saved
     old = tmp_path / "old"
@@ -403,7 +406,7 @@ def test_checkpoint_without_checksums_still_loads(saved, pools, tmp_path):
     state = json.loads(state_file.read_text())
     del state["state_crc32"]
     state_file.write_text(json.dumps(state, indent=1))
-    (old / "latest").write_text("global_step2")
+    (old / "latest.crc32").unlink()  # DeepSpeed's `latest`, or a copy of the tag alone
     new_result, old_result = (pools(2).run(load_and_train, root) for root in (good_root, str(old)))
     path, steps, new_losses, messages = new_result[0]
     assert (path, steps, messages) == (os.path.join(good_root, "global_step2"), 2, [])

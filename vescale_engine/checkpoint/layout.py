@@ -2,11 +2,13 @@
 describes the layout): the names every checkpoint module agrees on, the renames that make a
 finished checkpoint visible, and `latest`. Must not know what the files hold.
 
-`latest` holds the newest tag on its first line and `crc32:XXXXXXXX` (the tag's CRC32) on its
-second, so a damaged or half-edited `latest` is an error naming it, never another checkpoint.
-A `latest` of one line (older versions, DeepSpeed's own, or `echo TAG > latest`) is still read
-(load_checkpoint warns unless it names a DeepSpeed checkpoint); a wrong checksum is never
-accepted. `head -n1 latest` prints the tag.
+`latest` holds the newest tag and nothing else, as DeepSpeed writes it (its `zero_to_fp32` and
+every tool that reads `latest` find the tag); `latest.crc32` beside it holds
+`crc32:XXXXXXXX`, the tag's CRC32, so a damaged `latest` is an error naming it, never another
+checkpoint. A `latest` without it (DeepSpeed's own) is read unchecked (load_checkpoint warns
+unless it names a DeepSpeed checkpoint); one that disagrees with it (damaged, or edited by
+hand) is an error saying how to load it anyway. Older versions wrote the checksum as a second
+line of `latest`: still read.
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ import zlib
 from .dcp import CheckpointError
 from .entries import fsync_dir, write_atomically
 
-__all__ = ["FORMAT", "STATE_FILE", "LATEST_FILE", "publish", "write_latest", "read_latest",
-           "partial_dir", "remove_partials", "bad_tag"]
+__all__ = ["FORMAT", "STATE_FILE", "LATEST_FILE", "LATEST_CHECKSUM_FILE", "publish",
+           "write_latest", "read_latest", "partial_dir", "remove_partials", "bad_tag"]
 
 FORMAT = "vescale-dcp/1"
 STATE_FILE = "vescale_state.json"
 LATEST_FILE = "latest"
+LATEST_CHECKSUM_FILE = "latest.crc32"
 _PARTIAL = re.compile(r"\..+\.partial")
 _CRC_LINE = re.compile(r"crc32:([0-9a-f]{8})")
 
@@ -32,7 +35,8 @@ def bad_tag(tag: str) -> str | None:
     """Why `tag` cannot name a checkpoint directory, or None."""
     if not tag:
         return "it is empty"
-    if "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST_FILE:
+    if "/" in tag or "\\" in tag or tag.startswith(".") or tag in (LATEST_FILE,
+                                                                      LATEST_CHECKSUM_FILE):
         return f"{tag!r} is not a directory name of this save directory"
     if not tag.isprintable() or tag != tag.strip():
         return f"{tag!r} holds control or surrounding space characters"
@@ -78,8 +82,9 @@ def publish(save_dir, partial, final, tag, save_latest):
 
 def write_latest(save_dir, tag) -> None:
     """Point `latest` at `tag` (by rename: a failure leaves the old one)."""
-    write_atomically(os.path.join(save_dir, LATEST_FILE),
-                     f"{tag}\ncrc32:{zlib.crc32(tag.encode()):08x}\n".encode())
+    write_atomically(os.path.join(save_dir, LATEST_CHECKSUM_FILE),
+                     f"crc32:{zlib.crc32(tag.encode()):08x}\n".encode())
+    write_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
     fsync_dir(save_dir)
 
 
@@ -103,10 +108,23 @@ def read_latest(latest) -> tuple[str, bool]:
     problem = bad_tag(tag)
     if problem:
         raise CheckpointError(f"{latest} is corrupted: the tag {problem}")
-    if len(lines) == 1:
+    if len(lines) == 2:  # an older version's: the checksum on the second line
+        if not _matches(lines[1], tag):
+            raise CheckpointError(f"{latest} is corrupted: tag {tag!r} does not match its "
+                                  "checksum line (edited by hand? then leave only the tag)")
+        return tag, True
+    checksum = os.path.join(os.path.dirname(latest), LATEST_CHECKSUM_FILE)
+    if not os.path.isfile(checksum):
         return tag, False
-    match = _CRC_LINE.fullmatch(lines[1])
-    if not match or int(match.group(1), 16) != zlib.crc32(tag.encode()):
-        raise CheckpointError(f"{latest} is corrupted: tag {tag!r} does not match its checksum "
-                              "line (edited by hand? then leave only the tag)")
+    with open(checksum, "rb") as f:
+        line = f.read(64).decode("utf-8", "replace").strip()
+    if not _matches(line, tag):
+        raise CheckpointError(f"{latest} names tag {tag!r}, which {checksum} does not vouch for "
+                              "(damaged, or edited by hand: then remove "
+                              f"{LATEST_CHECKSUM_FILE} to load it unchecked)")
     return tag, True
+
+
+def _matches(line: str, tag: str) -> bool:
+    match = _CRC_LINE.fullmatch(line)
+    return bool(match) and int(match.group(1), 16) == zlib.crc32(tag.encode())
