@@ -177,11 +177,12 @@ def canonical_config(config: dict):
 def _booleans_from_integers(config: dict, schema: dict, parts: tuple, notes: list) -> None:
     """DeepSpeed reads its flags with Python's truth (or pydantic's, which takes 0 and 1):
     `"zero_allow_untested_optimizer": 1` is true there. 0 and 1 where the schema wants a
-    boolean become false and true, each noted."""
+    boolean become false and true, each noted. Not in the "vescale" section, which DeepSpeed
+    does not read: there a flag is a boolean."""
     properties = _resolve(schema).get("properties", {})
     for key, value in list(config.items()):
         node = properties.get(key)
-        if node is None:
+        if node is None or (not parts and key == "vescale"):
             continue
         node = _resolve(node)
         if isinstance(value, dict):

@@ -570,7 +570,7 @@ def test_signals_mid_save_leave_latest_on_a_complete_checkpoint(preempted):
     assert [max(steps_started(run_dir, r)) for r in range(WORLD)] == [2] * WORLD
     assert read_latest(run_dir) == "user2" and saved_step(run_dir, "user2") == 2
     left = sorted(os.listdir(os.path.join(run_dir, "ckpt")))
-    assert left == [".global_step3.partial", "latest", "user2"], left
+    assert left == [".global_step3.partial", "latest", "latest.crc32", "user2"], left
     assert _resumed(reports, run_dir) == [2] * WORLD
 
 

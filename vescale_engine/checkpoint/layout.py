@@ -12,6 +12,7 @@ line of `latest`: still read.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -82,9 +83,24 @@ def publish(save_dir, partial, final, tag, save_latest):
 
 def write_latest(save_dir, tag) -> None:
     """Point `latest` at `tag` (by rename: a failure leaves the old one)."""
-    write_atomically(os.path.join(save_dir, LATEST_CHECKSUM_FILE),
-                     f"crc32:{zlib.crc32(tag.encode()):08x}\n".encode())
-    write_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
+    checksum = os.path.join(save_dir, LATEST_CHECKSUM_FILE)
+    before = None
+    if os.path.isfile(checksum):
+        with open(checksum, "rb") as f:
+            before = f.read(64)
+    write_atomically(checksum, f"crc32:{zlib.crc32(tag.encode()):08x}\n".encode())
+    try:
+        write_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
+    except BaseException:  # `latest` still names the previous tag: so must its checksum
+        try:
+            if before is None:
+                os.remove(checksum)
+            else:
+                write_atomically(checksum, before)
+        except OSError:  # (a full disk): unchecked rather than contradicting `latest`
+            with contextlib.suppress(OSError):
+                os.remove(checksum)
+        raise
     fsync_dir(save_dir)
 
 
