@@ -326,3 +326,27 @@ def test_initialize_takes_deepspeeds_positional_order(pool):
     for name, mpu, refused in pool.run(positional_rank, timeout=120):
         assert (name, mpu) == ("VeScaleEngine", None)
         assert refused.startswith("deepspeed.initialize(mesh_param=...) with a"), refused
+
+
+def second_initialize_rank(rank, world):
+    """DeepSpeed builds a second engine over a model it partitioned; we refuse in one line,
+    and the first engine's parameters are left as they were."""
+    import vescale_engine
+    from vescale_engine.fsdp import full_state_dict
+    torch.manual_seed(0)
+    model = DenseModel()
+    engine, *_ = vescale_engine.initialize(model=model, config={**CONFIG, "vescale": {}})
+    before = {k: v.clone() for k, v in full_state_dict(engine.module).items()}
+    try:
+        vescale_engine.initialize(model=model, config={**CONFIG, "vescale": {}})
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    after = full_state_dict(engine.module)
+    return refused, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_second_initialize_on_a_sharded_model_is_refused_and_changes_nothing(pool):
+    for refused, unchanged in pool.run(second_initialize_rank, timeout=120):
+        assert refused.startswith("initialize: the model is sharded already"), refused
+        assert unchanged

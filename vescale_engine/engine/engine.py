@@ -18,6 +18,7 @@ from ..checkpoint.sharded import load_checkpoint, save_checkpoint
 from ..fsdp.api import no_sync, release
 from ..fsdp.deepspeed_params import serve_optimizer
 from ..fsdp.guards import require_materialized
+from ..fsdp.lookup import units_under
 from ..init.zero import require_not_partitioned
 from ..launch.env import discover
 from ..launch.process_group import join_process_group
@@ -554,6 +555,11 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
     if error is not None:
         raise error
     require_not_partitioned(model)
+    if units_under(model):  # DeepSpeed builds a second engine over its partitioned model
+        raise ValueError(
+            "initialize: the model is sharded already (by an earlier initialize or fully_shard): "
+            "a second engine over it is not supported; keep using the first engine, or build "
+            "the model again for a fresh one")
     if optimizer is None:
         optimizer_spec(cfg.optimizer)
     check_client_scheduler(lr_scheduler, optimizer)
