@@ -425,3 +425,50 @@ def test_tensor_subclass_parameters_are_refused_in_one_line_before_any_collectiv
     assert kind == "NotImplementedError" and "1.weight" in message and \
         "tensor subclass (TwoTensor)" in message, out
     assert all("\n" not in message for _, message in out.values())
+
+
+# -- ranks whose forwards run different units (ours: FSDP2 would pair their all-gathers) -------
+
+class _RoutedByRank(nn.Module):
+    """Rank r runs expert r: units of one size, so the all-gathers pair up and would silently
+    exchange different experts' parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        return self.experts[dist.get_rank() % 2](self.inp(x))
+
+
+def different_units_rank(rank, world, backward):
+    from vescale_engine.fsdp import fully_shard as ours
+    torch.manual_seed(0)
+    model = _RoutedByRank()
+    for expert in model.experts:
+        ours(expert)
+    ours(model)
+    try:
+        if backward:
+            model(torch.randn(4, 8)).sum().backward()
+        else:  # forwards nothing differentiates (an evaluation): the next forward checks
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+                model(torch.randn(4, 8))
+        return None
+    except RuntimeError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_forwards_that_run_different_units_are_one_line_before_the_step(pool, backward):
+    results = pool.run(different_units_rank, backward)
+    assert results[0] == results[1], results  # every rank says the same
+    assert results[0] == (
+        "fully_shard: the ranks' forwards ran different units, so their all-gathers exchanged "
+        "different units' parameters: at unit 2 of the forward, rank 0 ran experts.0; rank 1 "
+        "ran experts.1. A forward whose modules differ by rank (MoE routing, a module some "
+        "ranks skip) must run the same units on every rank: flag the module as a ZeRO-3 leaf "
+        "(deepspeed.utils.set_z3_leaf_modules) or make it one FSDP unit with what chooses "
+        "between them"), results[0]

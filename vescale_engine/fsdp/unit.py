@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import zlib
 import weakref
 
 import torch
@@ -76,6 +77,10 @@ class UnitContext:
         self.reached = set()
         self.token = None
         self.iteration = None  # this iteration's tag: no optimizer step happens inside one
+        self.root_module = None  # the root's module: units are named by their path in it
+        self.unit_paths = None   # id(module) -> its path in root_module, made once
+        # Per forward: the all-reduce comparing the units every rank ran (_check_same_units)
+        self.unit_checks = []
 
     @property
     def backward_pending(self) -> bool:
@@ -580,6 +585,7 @@ class FSDPUnit:
         """The root's forward, or the call of a unit run on its own, ends."""
         ctx = self.ctx
         _ACTIVE.ctx = _ACTIVE.opener = None
+        _compare_units(ctx)
         ctx.token = None  # from now on only the graph holds it
         for unit in ctx.order:  # groups not all of whose modules ran (a chunked loss's head
             if unit._to_run:    # runs after the model's forward): their pass ends here
@@ -636,6 +642,7 @@ class FSDPUnit:
         if self.ctx is None:
             self.is_root = True
             self.ctx = UnitContext()
+            self.ctx.root_module = module
         if not self._storage_checked:  # the first forward: everything must have storage
             require_materialized(self.module, "forward")
             self._storage_checked = True
@@ -646,6 +653,7 @@ class FSDPUnit:
                 self.post_optim_event.wait()  # all-gathers go out on this stream
             self.post_optim_event = None
         if not ctx.backward_pending:
+            _check_same_units(ctx)  # a forward nothing differentiated (an evaluation)
             ctx.iteration = next(_ITERATIONS)
             for unit in ctx.order:  # a new iteration: the optimizer may have stepped
                 if unit.offload is not None:
@@ -887,6 +895,59 @@ def _final_callback(ctx):
     ctx.reached = set()
     if any(unit.device.type == "cpu" for unit in ctx.order):
         release_free_host_memory()  # the step's full buffers are all free now
+    _check_same_units(ctx)  # before the optimizer steps with these gradients
+
+
+# -- every rank ran the same units ----------------------------------------------------------------
+# Ranks whose forwards run different units (MoE routing, a module some ranks skip) pair their
+# all-gathers wrongly: of units of one size, silently (each computes with another's
+# parameters); of different sizes or counts, they wait forever (launch/stall.py names them).
+# So each forward ends with one small asynchronous all-reduce of a digest of the units it ran,
+# over the root's shard group, and the end of backward (or the next forward, for a forward
+# nothing differentiated) checks it: a difference is one line naming the first unit that
+# differs, before the optimizer steps.
+
+def _compare_units(ctx):
+    holder = next((u for u in ctx.order if u.buffers), None)
+    if holder is None:
+        return
+    group = holder.buffers[0].shard_group
+    if dist.get_world_size(group) == 1:
+        return
+    if ctx.unit_paths is None:  # paths, not unit names: those count wraps in this process
+        ctx.unit_paths = {id(m): name or "(the root)"
+                          for name, m in ctx.root_module.named_modules()}
+    names = [ctx.unit_paths.get(id(u.module), u.name.split("#")[0]) for u in ctx.order]
+    digest = zlib.crc32("\n".join(names).encode())
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=holder.buffers[0].device)
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    ctx.unit_checks.append((work, both, names, group))
+
+
+def _check_same_units(ctx):
+    checks, ctx.unit_checks = ctx.unit_checks, []
+    for work, both, names, group in checks:
+        with explain_timeout("the comparison of the units every rank ran"):
+            work.wait()
+        if both[0].item() != -both[1].item():  # the largest digest is not the smallest
+            raise RuntimeError(_different_units(names, group))
+
+
+def _different_units(names, group) -> str:
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, names, group=group)
+    for i in range(max(len(n) for n in every)):
+        at = [n[i] if i < len(n) else "nothing" for n in every]
+        if len(set(at)) > 1:
+            break
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(every))
+    shown = "; ".join(f"rank {r} ran {u}" for r, u in list(zip(ranks, at))[:4])
+    return (f"fully_shard: the ranks' forwards ran different units, so their all-gathers "
+            f"exchanged different units' parameters: at unit {i + 1} of the forward, {shown}. "
+            "A forward whose modules differ by rank (MoE routing, a module some ranks skip) "
+            "must run the same units on every rank: flag the module as a ZeRO-3 leaf "
+            "(deepspeed.utils.set_z3_leaf_modules) or make it one FSDP unit with what "
+            "chooses between them")
 
 
 class _Active(threading.local):
