@@ -642,6 +642,7 @@ class FSDPUnit:
         if self.ctx is None:
             self.is_root = True
             self.ctx = UnitContext()
+        if self.ctx.root_module is None:  # (no_sync may have made the context)
             self.ctx.root_module = module
         if not self._storage_checked:  # the first forward: everything must have storage
             require_materialized(self.module, "forward")
