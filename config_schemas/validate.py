@@ -43,6 +43,9 @@ class ConfigError(ValueError):
                          f"{messages[0]} (and {len(messages) - 1} more problem(s))")
         self.messages = messages
 
+    def __reduce__(self):  # pickled whole (a rank's error crossing to another process)
+        return type(self), (self.messages,)
+
 
 @dataclass
 class Report:

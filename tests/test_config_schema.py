@@ -199,3 +199,10 @@ def test_zero_and_one_are_booleans_as_deepspeed_reads_them():
         report.aliases
     # other numbers are not booleans there either
     assert check_config({"train_batch_size": 2, "bf16": {"enabled": 2}}).errors
+
+
+def test_config_error_crosses_processes_whole():
+    import pickle
+    err = pickle.loads(pickle.dumps(ConfigError(["train_batch_size: 0 is out of range"])))
+    assert str(err) == "train_batch_size: 0 is out of range" and err.messages == [
+        "train_batch_size: 0 is out of range"]
