@@ -189,7 +189,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         _check_not_container(module)
     for m in modules:
         if getattr(m, "_vescale_unit", None) is not None:
-            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+            raise AssertionError(  # FSDP2's type for a second application
+                f"fully_shard was already applied to this {type(m).__name__}: a module is "
+                "sharded once")
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
     group, replicate_group = _resolve_mesh(mesh)
     reshard_after_forward = fsdp2_args.reshard_after_forward_of(

@@ -340,9 +340,10 @@ class VeScaleFSDPModule(FSDPModule):
         return super(FSDPModule, self)._apply(fn, recurse)
 
     def __deepcopy__(self, memo):
-        raise TypeError(f"{type(self).__name__} is sharded by fully_shard and cannot be deep-"
+        raise AssertionError(f"{type(self).__name__} is sharded by fully_shard and cannot be deep-"
                         "copied (its parameters are pieces of buffers shared across ranks); "
-                        "copy the unsharded model, or its full_state_dict")
+                        "copy the unsharded model, or its full_state_dict (FSDP does not "
+                        "support deepcopy either)")
 
 
 def _keeping(managed: set, fn):
