@@ -118,7 +118,9 @@ class ShardedParameter:
         if buf.grad_dtype == buf.param_dtype:
             return grad  # the slot has the compute dtype: autograd's add rounds
         if not self.unit.mp_policy.keeps_wide_grads:
-            if grad.dtype == buf.param_dtype or slot.dtype == buf.param_dtype:
+            # (no slot: it came before the unit's backward, autograd keeps it as it is)
+            if grad.dtype == buf.param_dtype or (slot is not None and
+                                                 slot.dtype == buf.param_dtype):
                 return grad
             return grad.to(buf.param_dtype).to(grad.dtype)
         if buf.grads_in_full and (grad.dtype != buf.param_dtype or buf.keeps_wide(self.index)):
@@ -189,12 +191,20 @@ class ShardedParameter:
 
     def preset_grad(self) -> None:
         """Point the full-shape face's `.grad` at its slot of the buffer backward accumulates
-        into (a DTensor over that slot for a DTensor parameter), so autograd adds in place."""
+        into (a DTensor over that slot for a DTensor parameter), so autograd adds in place.
+        A `.grad` already there came in this iteration before the unit's backward began (the
+        faces' `.grad` are dropped at every reshard): the parameter was used outside the
+        unit's forward (a head of the root called after the root's forward, the backwards of
+        a chunked loss); the buffer adds it instead of it being overwritten."""
+        early = [face.grad for face in (self._unsharded, self._local_leaf)
+                 if face is not None and face.grad is not None]
         view = self.buffer.backward_grad_view(self.index)
         self.unsharded.grad = view if self.dtensor_spec is None else \
             grad_face(view, self.dtensor_spec)
         if self._local_leaf is not None:
             self._local_leaf.grad = view
+        for grad in early:
+            self.buffer.add_early_grad(self.index, grad, self.unit.mp_policy.keeps_wide_grads)
 
     @property
     def flat_range(self) -> tuple[int, int]:

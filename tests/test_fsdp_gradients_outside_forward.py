@@ -1,0 +1,135 @@
+"""Parameters used outside their unit's forward, before that unit's backward begins: a head of
+the root called after the root's forward (the chunked-loss pattern). Each case runs the same
+user code with torch's FSDP2 and with ours on 2 gloo ranks and compares every gradient and the
+parameters after the steps."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from dist_harness import RankPool
+from vescale_engine.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class Model(nn.Module):
+    """Two units and a root holding a head that its forward does not call."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.output = nn.Linear(4, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batch(step, rank, same=False):
+    torch.manual_seed(100 + 7 * step + (0 if same else rank))
+    return torch.randn(2, 4)
+
+
+# What each pattern does in one step (backward included), on the module as the user holds it.
+def head_after_forward(m, step, rank):
+    m.output(m(_batch(step, rank))).pow(2).sum().backward()
+
+
+def chunked_loss(m, step, rank):
+    h = m(_batch(step, rank))
+    detached = h.detach().requires_grad_()
+    for chunk in range(2):  # each chunk of the head its own backward, then the model's
+        F.mse_loss(m.output(detached[chunk:chunk + 1]), torch.ones(1, 3)).backward()
+    h.backward(detached.grad)
+
+
+PATTERNS = {f.__name__: f for f in (head_after_forward, chunked_loss)}
+
+
+def _shard(engine, bf16):
+    if engine == "torch":
+        kwargs = {"mp_policy": TorchMixedPrecision(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)} if bf16 else {}
+        fs = torch_fully_shard
+    else:
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32)} if bf16 else {}
+        fs = fully_shard
+    torch.manual_seed(0)
+    model = Model()
+    for block in model.blocks:
+        fs(block, **kwargs)
+    fs(model, **kwargs)
+    return model
+
+
+def train(rank, world, engine, pattern, bf16, set_to_none, micro_batches):
+    model = _shard(engine, bf16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            model.set_requires_gradient_sync(last)
+            PATTERNS[pattern](model, step * micro_batches + micro, rank)
+        grads.append({n: None if p.grad is None else _full(p.grad).float().tolist()
+                      for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    params = {n: _full(p).detach().float().tolist() for n, p in model.named_parameters()}
+    return grads, params
+
+
+def _compare(pool, pattern, bf16=False, set_to_none=True, micro_batches=1):
+    theirs = pool.run(train, "torch", pattern, bf16, set_to_none, micro_batches)
+    ours = pool.run(train, "ours", pattern, bf16, set_to_none, micro_batches)
+    tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=1e-5)
+    for rank, ((their_grads, their_params), (our_grads, our_params)) in \
+            enumerate(zip(theirs, ours)):
+        for step, (want, got) in enumerate(zip(their_grads, our_grads)):
+            assert want.keys() == got.keys()
+            for name in want:
+                assert (want[name] is None) == (got[name] is None), (rank, step, name)
+                if want[name] is not None:
+                    torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]),
+                                               **tol, msg=f"rank {rank} step {step} {name}")
+        for name in their_params:
+            torch.testing.assert_close(torch.tensor(our_params[name]),
+                                       torch.tensor(their_params[name]), **tol,
+                                       msg=f"rank {rank} parameter {name}")
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_head_of_the_root_called_after_its_forward(pool, bf16):
+    """The head's gradient arrives before the root's backward begins (it used to be
+    overwritten when the root pointed `.grad` at its slot of the buffer: zeros)."""
+    _compare(pool, "head_after_forward", bf16)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_chunked_loss_backwards_the_head_first(pool, bf16):
+    _compare(pool, "chunked_loss", bf16)
