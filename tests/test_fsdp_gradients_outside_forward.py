@@ -1,7 +1,8 @@
 """Parameters used outside their unit's forward, before that unit's backward begins: a head of
-the root called after the root's forward (the chunked-loss pattern). Each case runs the same
-user code with torch's FSDP2 and with ours on 2 gloo ranks and compares every gradient and the
-parameters after the steps."""
+the root called after the root's forward (the chunked-loss pattern), a loss term over a
+sharded parameter between steps (`p.full_tensor()`). Each case runs the same user code with
+torch's FSDP2 and with ours on 2 gloo ranks and compares every gradient and the parameters after
+the steps."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,12 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _value(p):
+    """A parameter as the module holds it now: a sharded DTensor (FSDP2 between steps, ours
+    once the unit resharded) or the full-shape parameter of a unit still unsharded."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 def _batch(step, rank, same=False):
     torch.manual_seed(100 + 7 * step + (0 if same else rank))
     return torch.randn(2, 4)
@@ -67,7 +74,20 @@ def chunked_loss(m, step, rank):
     h.backward(detached.grad)
 
 
-PATTERNS = {f.__name__: f for f in (head_after_forward, chunked_loss)}
+def sharded_parameter_term(m, step, rank):
+    """A term over a unit's parameter read from the module after the forward; the same batch
+    on every rank (DTensor's contract: a replicated value's gradient is the same on all)."""
+    out = m(_batch(step, rank, same=True))
+    (out * _value(m.blocks[0].scale)).sum().backward()
+
+
+def regularizer(m, step, rank):
+    out = m(_batch(step, rank)).pow(2).sum()
+    (out + 0.1 * sum(_value(p).pow(2).sum() for p in m.parameters())).backward()
+
+
+PATTERNS = {f.__name__: f for f in (head_after_forward, chunked_loss, sharded_parameter_term,
+                                    regularizer)}
 
 
 def _shard(engine, bf16):
@@ -133,3 +153,18 @@ def test_head_of_the_root_called_after_its_forward(pool, bf16):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_chunked_loss_backwards_the_head_first(pool, bf16):
     _compare(pool, "chunked_loss", bf16)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+def test_sharded_parameter_in_a_term_after_the_forward(pool, set_to_none):
+    """The gradient lands on the sharded parameter itself; FSDP2 adds the reduced one to it."""
+    _compare(pool, "sharded_parameter_term", set_to_none=set_to_none)
+
+
+def test_sharded_parameter_term_bf16_with_accumulation(pool):
+    _compare(pool, "sharded_parameter_term", bf16=True, micro_batches=2)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_regularizer_over_every_parameter(pool, bf16):
+    _compare(pool, "regularizer", bf16)

@@ -76,11 +76,29 @@ class ShardedParameter:
 
     def set_sharded_grad(self) -> None:
         """`sharded.grad` to the reduced gradient, a face over its range of the gradient shard:
-        made again only when that shard is another tensor (offload, allocation)."""
+        made again only when that shard is another tensor (offload, allocation). A gradient
+        autograd put on the sharded parameter itself (`foreign_grad`) is added to it, as
+        FSDP2 adds the reduced gradient to the sharded `.grad` it finds."""
+        foreign = self.foreign_grad()
         source = self.buffer.grad
         if self._grad_face is None or self._grad_face[0] is not source:
             self._grad_face = (source, self._face(self.buffer.grad_view(self.index)))
+        if foreign is not None:
+            self.buffer.wait_grad_copies()  # (an offloaded shard's copy may be in flight)
+            with torch.no_grad():
+                self.buffer.grad_view(self.index).add_(
+                    getattr(foreign, "_local_tensor", foreign).reshape(-1))
         self.sharded.grad = self._grad_face[1]
+
+    def foreign_grad(self) -> torch.Tensor | None:
+        """`sharded.grad` when it is not our face over the gradient shard: a gradient autograd
+        accumulated into the sharded parameter (used outside its unit's forward, between
+        steps: `p.full_tensor()`, a loss term), or one the user assigned. The shard's range
+        does not hold it."""
+        grad = self.sharded.grad
+        if grad is None or (self._grad_face is not None and grad is self._grad_face[1]):
+            return None
+        return grad
 
     @property
     def unsharded(self) -> nn.Parameter:

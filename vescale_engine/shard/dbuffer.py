@@ -682,6 +682,18 @@ class DBuffer:
         else:
             self.grad.untyped_storage().resize_(0)
 
+    def zero_grad_if_released(self) -> None:
+        """Give a released gradient shard its storage back, zeroed (tensors without a
+        gradient have zeros there), so one tensor's gradient can be added into it."""
+        if self.has_grad:
+            return
+        if self.grad_on_host:
+            self.wait_grad_copies()
+            self._host_grad_live = True
+        else:
+            self.grad.untyped_storage().resize_(self._grad_bytes)
+        self.grad.zero_()
+
     def wait_grad_copies(self) -> None:
         """The last asynchronous copy of a reduction into the host gradient shard is done."""
         if self._grad_copied is not None:
