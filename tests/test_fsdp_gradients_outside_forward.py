@@ -2,7 +2,7 @@
 the root called after the root's forward (the chunked-loss pattern), a loss term over a
 sharded parameter between steps (`p.full_tensor()`). Each case runs the same user code with
 torch's FSDP2 and with ours on 2 gloo ranks and compares every gradient and the parameters after
-the steps."""
+the steps; where FSDP2 cannot give a gradient that arrives too late, ours refuses by name."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,3 +168,25 @@ def test_sharded_parameter_term_bf16_with_accumulation(pool):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_regularizer_over_every_parameter(pool, bf16):
     _compare(pool, "regularizer", bf16)
+
+
+def late_gradient(rank, world):
+    """A unit kept unsharded after backward (set_reshard_after_backward(False)) whose weight a
+    term uses before the forward: backward reaches that term after the unit reduced. FSDP2
+    reduces without it and leaves it on its unsharded parameter (each rank's reduced gradient
+    then differs from the other's and from the average: seen by hand); ours refuses."""
+    model = _shard("ours", False)
+    model.blocks[1].set_reshard_after_backward(False)
+    model(_batch(0, rank)).sum().backward()
+    term = model.blocks[1].lin.weight.pow(2).sum()  # the full-shape weight: still unsharded
+    try:
+        (model(_batch(1, rank)).sum() + term).backward()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_gradient_after_its_unit_reduced_is_refused(pool):
+    for message in pool.run(late_gradient):
+        assert message is not None and message.startswith("lin.weight: a gradient "
+                                                          "arrived after its unit"), message

@@ -162,6 +162,7 @@ class ShardedParameter:
         return self._local_leaf
 
     def _local_grad_arrived(self, grad):
+        self._refuse_late_grad()
         self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
         return self._widened(grad, self._local_leaf.grad)
 
@@ -202,10 +203,23 @@ class ShardedParameter:
         into the preset `.grad` view. A DTensor gradient in other placements (Partial) is
         redistributed to the parameter's first, so what lands in the buffer is the gradient of
         this rank's local piece."""
+        self._refuse_late_grad()
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
         self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
         return self._widened(grad, self._unsharded.grad)
+
+    def _refuse_late_grad(self):
+        """A gradient after the unit reduced this backward's gradients and resharded (the
+        full-shape parameter used outside the unit's forward, reached by backward after the
+        unit's own backward) would land in a `.grad` nobody reduces: refused by name."""
+        if self.unit.reduced:
+            raise RuntimeError(
+                f"{self.fqn}: a gradient arrived after its unit ({self.unit.name}) reduced its "
+                "gradients in this backward (the parameter is used outside the unit's forward, "
+                "and backward reached that use after the unit's own backward): use it inside "
+                "a forward of a module of its unit, or shard the module that uses it in the "
+                "same unit")
 
     def preset_grad(self) -> None:
         """Point the full-shape face's `.grad` at its slot of the buffer backward accumulates
