@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from dist_harness import RankPool
-from vescale_engine.fsdp import MixedPrecisionPolicy, fully_shard
+from vescale_engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ PATTERNS = {f.__name__: f for f in (head_after_forward, chunked_loss, sharded_pa
                                     regularizer)}
 
 
-def _shard(engine, bf16):
+def _shard(engine, bf16, **options):
     if engine == "torch":
         kwargs = {"mp_policy": TorchMixedPrecision(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)} if bf16 else {}
@@ -102,8 +102,8 @@ def _shard(engine, bf16):
     torch.manual_seed(0)
     model = Model()
     for block in model.blocks:
-        fs(block, **kwargs)
-    fs(model, **kwargs)
+        fs(block, **kwargs, **options)
+    fs(model, **kwargs, **options)
     return model
 
 
@@ -153,6 +153,32 @@ def test_head_of_the_root_called_after_its_forward(pool, bf16):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_chunked_loss_backwards_the_head_first(pool, bf16):
     _compare(pool, "chunked_loss", bf16)
+
+
+def trained_values(rank, world, engine, pattern):
+    """Full parameters after 3 steps; ours with the engine's plain pieces (flat_parameters, as
+    DeepSpeed ZeRO-3 holds them), whose gradients the same code path takes."""
+    model = _shard("torch", False) if engine == "torch" else \
+        _shard("ours", False, flat_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        PATTERNS[pattern](model, step, rank)
+        opt.step()
+        opt.zero_grad()
+    if engine == "torch":
+        return {n: _full(p).detach().tolist() for n, p in model.named_parameters()}
+    return {n: t.tolist() for n, t in full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("pattern", ["head_after_forward", "chunked_loss"])
+def test_plain_pieces_of_the_engine(pool, pattern):
+    theirs = pool.run(trained_values, "torch", pattern)
+    ours = pool.run(trained_values, "ours", pattern)
+    for want, got in zip(theirs, ours):
+        assert want.keys() == got.keys()
+        for name in want:
+            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]),
+                                       rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
