@@ -92,7 +92,7 @@ TIERS = {
         "test_fsdp.py", "test_fsdp2_torch_utils.py", "test_fsdp_module.py", "test_fsdp2_idioms.py",
         "test_shampoo.py", "test_checkpoint_faults.py", "test_wrap_policy.py", "test_layering.py",
         "test_parallel_layout.py", "test_fsdp2_checkpoint_interchange.py", "test_torch_compat.py",
-        "test_fsdp2_peer_behaviours.py",
+        "test_fsdp2_peer_behaviours.py", "test_fsdp_gradients_outside_forward.py",
     },
     "integration": {
         # .ci/integration-tests.txt (CI runs them again at the lowest supported versions; the

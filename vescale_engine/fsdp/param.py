@@ -76,11 +76,29 @@ class ShardedParameter:
 
     def set_sharded_grad(self) -> None:
         """`sharded.grad` to the reduced gradient, a face over its range of the gradient shard:
-        made again only when that shard is another tensor (offload, allocation)."""
+        made again only when that shard is another tensor (offload, allocation). A gradient
+        autograd put on the sharded parameter itself (`foreign_grad`) is added to it, as
+        FSDP2 adds the reduced gradient to the sharded `.grad` it finds."""
+        foreign = self.foreign_grad()
         source = self.buffer.grad
         if self._grad_face is None or self._grad_face[0] is not source:
             self._grad_face = (source, self._face(self.buffer.grad_view(self.index)))
+        if foreign is not None:
+            self.buffer.wait_grad_copies()  # (an offloaded shard's copy may be in flight)
+            with torch.no_grad():
+                self.buffer.grad_view(self.index).add_(
+                    getattr(foreign, "_local_tensor", foreign).reshape(-1))
         self.sharded.grad = self._grad_face[1]
+
+    def foreign_grad(self) -> torch.Tensor | None:
+        """`sharded.grad` when it is not our face over the gradient shard: a gradient autograd
+        accumulated into the sharded parameter (used outside its unit's forward, between
+        steps: `p.full_tensor()`, a loss term), or one the user assigned. The shard's range
+        does not hold it."""
+        grad = self.sharded.grad
+        if grad is None or (self._grad_face is not None and grad is self._grad_face[1]):
+            return None
+        return grad
 
     @property
     def unsharded(self) -> nn.Parameter:
@@ -118,7 +136,9 @@ class ShardedParameter:
         if buf.grad_dtype == buf.param_dtype:
             return grad  # the slot has the compute dtype: autograd's add rounds
         if not self.unit.mp_policy.keeps_wide_grads:
-            if grad.dtype == buf.param_dtype or slot.dtype == buf.param_dtype:
+            # (no slot: it came before the unit's backward, autograd keeps it as it is)
+            if grad.dtype == buf.param_dtype or (slot is not None and
+                                                 slot.dtype == buf.param_dtype):
                 return grad
             return grad.to(buf.param_dtype).to(grad.dtype)
         if buf.grads_in_full and (grad.dtype != buf.param_dtype or buf.keeps_wide(self.index)):
@@ -142,6 +162,7 @@ class ShardedParameter:
         return self._local_leaf
 
     def _local_grad_arrived(self, grad):
+        self._refuse_late_grad()
         self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
         return self._widened(grad, self._local_leaf.grad)
 
@@ -182,19 +203,40 @@ class ShardedParameter:
         into the preset `.grad` view. A DTensor gradient in other placements (Partial) is
         redistributed to the parameter's first, so what lands in the buffer is the gradient of
         this rank's local piece."""
+        self._refuse_late_grad()
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
         self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
         return self._widened(grad, self._unsharded.grad)
 
+    def _refuse_late_grad(self):
+        """A gradient after the unit reduced this backward's gradients and resharded (the
+        full-shape parameter used outside the unit's forward, reached by backward after the
+        unit's own backward) would land in a `.grad` nobody reduces: refused by name."""
+        if self.unit.reduced:
+            raise RuntimeError(
+                f"{self.fqn}: a gradient arrived after its unit ({self.unit.name}) reduced its "
+                "gradients in this backward (the parameter is used outside the unit's forward, "
+                "and backward reached that use after the unit's own backward): use it inside "
+                "a forward of a module of its unit, or shard the module that uses it in the "
+                "same unit")
+
     def preset_grad(self) -> None:
         """Point the full-shape face's `.grad` at its slot of the buffer backward accumulates
-        into (a DTensor over that slot for a DTensor parameter), so autograd adds in place."""
+        into (a DTensor over that slot for a DTensor parameter), so autograd adds in place.
+        A `.grad` already there came in this iteration before the unit's backward began (the
+        faces' `.grad` are dropped at every reshard): the parameter was used outside the
+        unit's forward (a head of the root called after the root's forward, the backwards of
+        a chunked loss); the buffer adds it instead of it being overwritten."""
+        early = [face.grad for face in (self._unsharded, self._local_leaf)
+                 if face is not None and face.grad is not None]
         view = self.buffer.backward_grad_view(self.index)
         self.unsharded.grad = view if self.dtensor_spec is None else \
             grad_face(view, self.dtensor_spec)
         if self._local_leaf is not None:
             self._local_leaf.grad = view
+        for grad in early:
+            self.buffer.add_early_grad(self.index, grad, self.unit.mp_policy.keeps_wide_grads)
 
     @property
     def flat_range(self) -> tuple[int, int]:

@@ -820,6 +820,15 @@ class FSDPUnit:
         self.finish_gradients()
         return False
 
+    def fold_outside_grads(self):
+        """Sharded parameters that got a gradient from outside their unit's forward and none
+        reduced for them in this backward (no_sync, or no use inside): it goes into the
+        gradient shard too, which the flat optimizers and the norm read."""
+        for p in self.params:
+            if p.foreign_grad() is not None:
+                p.buffer.zero_grad_if_released()
+                p.set_sharded_grad()
+
     def finish_gradients(self):
         for buf, members, pending in self._finishers:
             with explain_timeout(f"the replicas' all-reduce of unit {self.name}'s gradients"):
@@ -868,7 +877,8 @@ def _prepare_accumulation(buf, params) -> bool:
     (zero_grad's set_to_none): then the reduce-scatter writes straight into the shard. Ranges
     of dropped ones are zeroed first: a tensor without `.grad` has zeros in the shard, which
     the norm and the optimizer rely on (this backward may bring it none, being frozen)."""
-    dropped = [p for p in params if p.sharded.grad is None]
+    # (a gradient autograd put on the sharded parameter is added after: set_sharded_grad)
+    dropped = [p for p in params if p.sharded.grad is None or p.foreign_grad() is not None]
     if len(dropped) == len(params):
         return False
     for p in dropped:  # rare: some dropped, some kept
@@ -886,6 +896,7 @@ def _final_callback(ctx):
         unit.finish_gradients()
         unit.reshard_after_its_backward()
         unit._end_backward()
+        unit.fold_outside_grads()
     for unit in ctx.order:  # host gradient shards (offload) copied during backward: arrived
         for buf in unit.buffers:
             buf.wait_grad_copies()

@@ -258,6 +258,7 @@ class DBuffer:
         self.grads_in_full = False
         self._grad_written = []
         self._deferred = {}  # tensor index -> its gradient held aside (grad_arrived)
+        self._early = {}     # tensor index -> [gradients that came before backward began]
         self._wide = {}      # tensor index -> its gradient kept wider (keep_wide_grad)
         self._reducing_full = False   # a reduce-scatter reads `full`: keep its storage
         self._full_views = self._full_grad_views = self._full_as_grad_views = None
@@ -559,6 +560,7 @@ class DBuffer:
         should stay so is kept aside: `keep_wide_grad`). Otherwise: a separate zeroed
         `full_grad` buffer (in `grad_dtype`), kept across `no_sync` micro-steps."""
         self._wide = {}
+        self._early = {}
         if grads_in_place and not self.full_grad_live:
             self.grads_in_full = True
             self._grad_written = [False] * len(self.layout.placements)
@@ -631,13 +633,37 @@ class DBuffer:
             target[p.offset:p.offset + p.numel].copy_(grad.reshape(-1))
         self._wide = {}
 
+    def add_early_grad(self, i: int, grad: torch.Tensor, keep_wide: bool = False) -> None:
+        """Tensor i's gradient that autograd put in its `.grad` before this backward began
+        (the parameter was used outside its unit's forward: a head called after the forward,
+        a loss over several backwards), which would be lost when `.grad` becomes the slot.
+        Added into the separate gradient buffer now; in place, the range still holds the
+        parameter until the unit's backward is over, so it waits for `flush_deferred_grads`.
+        `keep_wide`: one wider than the compute dtype is summed wide (keep_wide_grad)."""
+        grad = getattr(grad, "_local_tensor", grad).detach()
+        if not self.grads_in_full:
+            self.full_grad_view(i).add_(grad)
+            return
+        self._early.setdefault(i, []).append((grad, keep_wide and grad.dtype != self.param_dtype))
+
     def flush_deferred_grads(self) -> None:
         """The gradients `grad_arrived` held aside go into their ranges (no value is read any
-        more: the unit's backward is over)."""
+        more: the unit's backward is over), then those that came before it began are added."""
         for i, grad in self._deferred.items():
             self.backward_grad_view(i).copy_(getattr(grad, "_local_tensor", grad))
             self._grad_written[i] = True
         self._deferred = {}
+        for i, grads in self._early.items():
+            view = self.backward_grad_view(i)
+            if not self._grad_written[i]:  # nothing else came: the range is still the value
+                view.zero_()
+                self._grad_written[i] = True
+            for grad, wide in grads:
+                if wide or i in self._wide:  # the reduction reads the wide sum, not the range
+                    self.keep_wide_grad(i, grad, view)
+                else:
+                    view.add_(grad)
+        self._early = {}
 
     @property
     def grad_on_host(self) -> bool:
@@ -655,6 +681,18 @@ class DBuffer:
             self._host_grad_live = False
         else:
             self.grad.untyped_storage().resize_(0)
+
+    def zero_grad_if_released(self) -> None:
+        """Give a released gradient shard its storage back, zeroed (tensors without a
+        gradient have zeros there), so one tensor's gradient can be added into it."""
+        if self.has_grad:
+            return
+        if self.grad_on_host:
+            self.wait_grad_copies()
+            self._host_grad_live = True
+        else:
+            self.grad.untyped_storage().resize_(self._grad_bytes)
+        self.grad.zero_()
 
     def wait_grad_copies(self) -> None:
         """The last asynchronous copy of a reduction into the host gradient shard is done."""
@@ -741,6 +779,7 @@ class DBuffer:
         self.drop_full_grad()
         self.partial = None
         self._deferred = {}
+        self._early = {}
         self._wide = {}
         self._reducing_full = False
         self.free_full()
