@@ -47,6 +47,7 @@ __all__ = ["ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES", "PlanCac
 # values (4), the int32 keys (4), and the lookup `below[key]`: the int64 copy of the keys that
 # indexing makes (8) and its int32 result (4). (Measured: benchmarks/capacity_check.py.)
 ADAMW8BIT_STEP_BYTES_PER_ELEMENT = 28
+UNITS_CHECK_BYTES = 16  # fsdp/unit.py's digest of the units a forward ran: one per forward
 # ... and once per process and device, its lookup tables: for the signed and the unsigned code
 # table, the midpoint count below each of the 2^17 float keys (int32), and the small tables
 # (codes, midpoints) of at most 256 fp32 entries each.
@@ -386,9 +387,13 @@ def traffic(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
         moved[2] += over_all * p.groups
         moved[3] += p.groups
         moved[4] += p.full if in_group else 0
-    return add_traffic(setup.traffic(0, 0), *(
+    out = add_traffic(setup.traffic(0, 0), *(
         setup.traffic(g, r, M, (gg, rg) if setup.quantized else None, h)
         for M, (g, r, gg, rg, h) in sorted(by_group.items())))
+    M = setup.shard_size  # each forward's check that every rank ran the same units: a ring
+    if M > 1:             # all-reduce of two int64 over the root's shard group (fsdp/unit.py)
+        out["all_reduce"] += setup.grad_accum * 2 * (M - 1) * UNITS_CHECK_BYTES // M
+    return out
 
 
 def pcie(root: Unit, others: list, setup: Setup, cache: PlanCache) -> dict:
