@@ -162,6 +162,12 @@ def _run(code):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# DeepSpeed's safe_* accessors, patched where scripts import them from
+_SAFE_ACCESSORS = [f"safe_{verb}_{scope}_{what}" for verb in ("get", "set")
+                   for scope in ("full", "local")
+                   for what in ("fp32_param", "grad", "optimizer_state")]
+
+
 def test_the_patches_are_the_same_whatever_was_imported_first():
     first = _run(_SCRIPT.format(before=_LATE, after=""))
     later = _run(_SCRIPT.format(before="", after=_LATE))
@@ -173,7 +179,10 @@ def test_the_patches_are_the_same_whatever_was_imported_first():
         "accelerate.accelerator.Accelerator.get_state_dict", "deepspeed.initialize",
         "deepspeed.runtime.activation_checkpointing.checkpointing.configure",
         "deepspeed.runtime.zero.GatheredParameters", "deepspeed.runtime.zero.Init",
-        "deepspeed.tp_model_init", "peft.tuners.lora.model.LoraModel._replace_module",
+        "deepspeed.tp_model_init", *(f"deepspeed.utils.{module}{name}"
+                                     for module in ("", "tensor_fragment.")
+                                     for name in _SAFE_ACCESSORS),
+        "peft.tuners.lora.model.LoraModel._replace_module",
         "peft.tuners.tuners_utils.BaseTuner._replace_module",
         "peft.tuners.tuners_utils.BaseTunerLayer._move_adapter_to_device_of_base_layer",
         "torch.nn.parameter.Parameter.ds_shape", "torch.nn.parameter.Parameter.ds_status",
