@@ -143,7 +143,8 @@ def test_resume_continues_the_run_exactly(tmp_path):
     uninterrupted = read_csv(tmp_path / "run" / "metrics.csv")
     assert len(uninterrupted) == 7
     assert sorted(os.listdir(tmp_path / "run")) == ["global_step3", "global_step6", "latest",
-                                                    "metrics.csv", "metrics.png"]
+                                                    "latest.crc32", "metrics.csv",
+                                                    "metrics.png"]
     again = run_example([*common, "--resume", "run/global_step3"], tmp_path)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "resumed from run/global_step3 at step 3" in again.stdout
