@@ -215,8 +215,32 @@ def threaded_training(fs):
     return on_threads(body)
 
 
+_ON_THREADS = """
+import json, sys
+sys.path[:0] = {path!r}
+import test_fsdp2_peer_behaviours as t
+runs = t.threaded_training(t.{which})
+print("RESULT " + json.dumps([(losses, [p.detach().flatten().tolist() for p in params])
+                              for losses, params in runs]), flush=True)
+"""
+
+
+def _trained_on_threads(which):
+    """threaded_training in a process of its own: torch 2.11's threaded process group leaves
+    state behind that crashes a later one (or a later test's backward) in the same process."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _ON_THREADS.format(path=sys.path, which=which)],
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [(losses, [torch.tensor(p) for p in params])
+            for losses, params in json.loads(lines[0][len("RESULT "):])]
+
+
 def test_ranks_as_threads_of_one_process_train_as_with_fsdp2():
-    ours, theirs = threaded_training(fully_shard), threaded_training(torch_fully_shard)
+    ours, theirs = _trained_on_threads("fully_shard"), _trained_on_threads("torch_fully_shard")
     for (our_losses, our_params), (their_losses, their_params) in zip(ours, theirs):
         assert our_losses == pytest.approx(their_losses, rel=1e-6)
         for a, b in zip(our_params, their_params):

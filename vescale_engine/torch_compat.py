@@ -12,6 +12,7 @@ branching on torch itself, so a new release's difference has one home.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ __all__ = ["route_subclass_dispatch", "all_gather_native", "reduce_scatter_nativ
 # subclass's __torch_dispatch__ is registered as the rule of every operator known then.
 
 _ROUTED: dict = {}  # subclass -> the Library holding its rules (None: not needed here)
+_ROUTING = threading.Lock()
 
 
 def _subclass_dispatch_honoured(mesh) -> bool:
@@ -58,6 +60,12 @@ def route_subclass_dispatch(cls, mesh) -> None:
     class; `mesh` is any mesh of this process, for the probe). Nothing to do from torch 2.12."""
     if cls in _ROUTED:
         return
+    with _ROUTING:  # ranks as threads of one process reach here at once
+        if cls not in _ROUTED:
+            _route(cls, mesh)
+
+
+def _route(cls, mesh) -> None:
     if _subclass_dispatch_honoured(mesh):
         _ROUTED[cls] = None
         return
