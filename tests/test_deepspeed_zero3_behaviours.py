@@ -216,15 +216,24 @@ def _accessors(rank, config):
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = DenseModel()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
+    model.embed.bias.requires_grad_(False)  # frozen: DeepSpeed keeps no fp32 copy of it
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=config)
     seen, losses = {}, []
-    named = list(engine.module.named_parameters())
+    frozen = dict(engine.module.named_parameters())["embed.bias"]
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     for step in range(STEPS):
         loss = engine(*_data(step, rank))
         engine.backward(loss)
         if step == 1:  # after backward, before the step: the reduced gradients
             seen["grad"] = {n: utils.safe_get_full_grad(p).clone() for n, p in named}
+            utils.safe_update_full_grad_vectorized([p for _, p in named],
+                                                   lambda grad, p: grad * 2)
+            seen["doubled"] = {n: utils.safe_get_full_grad(p).clone() for n, p in named}
+            seen["frozen"] = [utils.safe_get_full_fp32_param(frozen),
+                              utils.safe_get_local_fp32_param(frozen),
+                              utils.safe_get_full_optimizer_state(frozen, "exp_avg")]
         engine.step()
         losses.append(loss.item())
         if step == 1:
@@ -259,7 +268,8 @@ def accessors_rank(rank, world):
         vescale_engine.unpatch()
     ds = _accessors(rank, CONFIG)
     out = {"losses": (ds["losses"], ours["losses"])}
-    for what in ("grad", "param", "exp_avg", "exp_avg_sq"):
+    out["frozen"] = (ds["frozen"], ours["frozen"])
+    for what in ("grad", "doubled", "param", "exp_avg", "exp_avg_sq"):
         out[what] = max((ours[what][n] - ds[what][n]).abs().max().item() /
                         max(ds[what][n].abs().max().item(), 1e-12) for n in ds[what])
     out["edited"] = max((a - b).abs().max().item() for a, b in zip(ours["edited"], ds["edited"]))
@@ -280,8 +290,9 @@ def _is_a_run_of(piece, flat) -> bool:
 def test_safe_accessors_read_and_write_as_under_deepspeed(pool):
     results = pool.run(accessors_rank, timeout=300)
     for r in results:
-        for what in ("grad", "param", "exp_avg", "exp_avg_sq"):
+        for what in ("grad", "doubled", "param", "exp_avg", "exp_avg_sq"):
             assert r[what] < 1e-5, (what, r[what])
+        assert r["frozen"] == ([None] * 3, [None] * 3), r["frozen"]
         # the writes: read back alike (our local write too: the ranks' pieces of the bias)
         assert r["edited"] < 1e-6 and r["halved"] == 0 and r["zeroed"] == 0, r
         ds_losses, losses = r["losses"]

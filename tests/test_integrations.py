@@ -165,7 +165,8 @@ def _run(code):
 # DeepSpeed's safe_* accessors, patched where scripts import them from
 _SAFE_ACCESSORS = [f"safe_{verb}_{scope}_{what}" for verb in ("get", "set")
                    for scope in ("full", "local")
-                   for what in ("fp32_param", "grad", "optimizer_state")]
+                   for what in ("fp32_param", "grad", "optimizer_state")] + \
+    ["safe_update_full_grad_vectorized"]
 
 
 def test_the_patches_are_the_same_whatever_was_imported_first():

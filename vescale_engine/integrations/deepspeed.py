@@ -278,15 +278,38 @@ _ACCESSORS = {
 def _install_accessors() -> None:
     utils = importlib.import_module("deepspeed.utils")
     fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
-    for name, how in _ACCESSORS.items():
+    makers = {**{name: functools.partial(_accessor, **dict(zip(("scope", "verb", "what"), how)))
+                 for name, how in _ACCESSORS.items()},
+              "safe_update_full_grad_vectorized": _update_full_grads}
+    for name, make in makers.items():
         for owner in (utils, fragment):
             current = getattr(owner, name, None)
             if current is None:
                 raise missing_name("deepspeed", f"{owner.__name__}.{name}")
             if not _is_ours(current):
-                new = _accessor(current, *how)
+                new = make(current)
                 new.__vescale_original__ = current
                 replace("deepspeed", owner, name, new)
+
+
+def _update_full_grads(original):
+    """safe_update_full_grad_vectorized(params, update_func): `update_func(full gradient,
+    param)` on our parameters' full gradients (gathered; the result written back to each
+    rank's piece), DeepSpeed's own for the rest."""
+    @functools.wraps(original)
+    def update(param_list, update_func):
+        rest = []
+        for p in param_list:
+            sp = sharded_of(p)
+            if sp is None:
+                rest.append(p)
+            elif p.requires_grad:
+                full = full_value(sp, "grad")
+                if full is not None:
+                    set_full_value(sp, "grad", update_func(full, p))
+        if rest:
+            original(rest, update_func)
+    return update
 
 
 def _accessor(original, scope, verb, what):
@@ -297,6 +320,11 @@ def _accessor(original, scope, verb, what):
         if sp is None:
             return original(param, *args)
         key = what or args[-1]
+        if not param.requires_grad:  # DeepSpeed keeps no fp32 copy, gradient or state of it
+            if verb == "get":
+                return None
+            raise RuntimeError(f"deepspeed.utils.{original.__name__} on a frozen parameter of "
+                               f"shape {list(sp.shape)}: DeepSpeed keeps no {key} of it to set")
         if scope == "full":
             return full_value(sp, key) if verb == "get" else set_full_value(sp, key, args[0])
         piece = local_piece(sp, key)
