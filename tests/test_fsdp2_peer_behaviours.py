@@ -72,6 +72,14 @@ ACCEPTED = {
 }
 
 
+# Where torch 2.11 and 2.12's FSDP2 decide otherwise than 2.13's (the rule ours follows at every
+# torch): they miss a weight tied across units (no check) and refuse any ModuleList, even one
+# with a forward. There 2.13's outcome is the reference.
+_NEWER_FSDP2 = {"tied_between_units": "ValueError", "tied_unit_and_root": "ValueError",
+                "module_list_with_forward": "ok"}
+_OLD_FSDP2 = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+
+
 class _ListWithForward(nn.ModuleList):
     def forward(self, x):
         return self[0](x)
@@ -95,6 +103,8 @@ def refusals_rank(rank, world):
     for name, case in {**REFUSALS, **ACCEPTED}.items():
         out[name] = {engine: outcome(lambda: case(fs)) for engine, fs in
                      (("fsdp2", torch_fully_shard), ("ours", fully_shard))}
+        if _OLD_FSDP2 and name in _NEWER_FSDP2:
+            out[name]["fsdp2"] = (_NEWER_FSDP2[name], None)
     return out
 
 
@@ -316,7 +326,11 @@ def chunked_loss_rank(rank, world):
             except Exception as err:  # reported as the case's outcome
                 out[(mode, accum)] = f"{type(err).__name__}: {err}"
                 continue
-            theirs = chunked_loss_training(torch_fully_shard, rank, mode, accum)
+            try:
+                theirs = chunked_loss_training(torch_fully_shard, rank, mode, accum)
+            except RuntimeError as err:  # torch 2.11's FSDP2 fails the per-chunk backward
+                out[(mode, accum)] = f"no reference: torch's FSDP2 raised {err}"
+                continue
             out[(mode, accum)] = max(
                 [abs(a - b) / abs(b) for a, b in zip(ours[0], theirs[0])] +
                 [((ours[1][n] - p).norm() / p.norm()).item() for n, p in theirs[1].items()])
@@ -325,9 +339,12 @@ def chunked_loss_rank(rank, world):
 
 def test_a_grouped_head_called_on_its_own_after_the_forward_trains_as_with_fsdp2(pool):
     for out in pool.run(chunked_loss_rank):
+        # (before torch 2.13 FSDP2 itself fails the per-chunk backward: no reference there)
         wrong = {case: diff for case, diff in out.items()
-                 if isinstance(diff, str) or diff > 1e-6}
+                 if (diff > 1e-6 if not isinstance(diff, str) else
+                     not (_OLD_FSDP2 and diff.startswith("no reference")))}
         assert not wrong, wrong
+        assert any(not isinstance(diff, str) for diff in out.values()), out
 
 
 # -- 4. DTensor ops on a sharded parameter between steps --------------------------------------------

@@ -124,8 +124,19 @@ def train(rank, world, engine, pattern, bf16, set_to_none, micro_batches):
     return grads, params
 
 
+# Before torch 2.13 autograd refuses the bf16 chunked loss's fp32 gradient for its bf16 hidden
+# states, under FSDP2 and ours alike: the pattern cannot run there
+_OLD_FSDP2 = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+
+
 def _compare(pool, pattern, bf16=False, set_to_none=True, micro_batches=1):
-    theirs = pool.run(train, "torch", pattern, bf16, set_to_none, micro_batches)
+    try:
+        theirs = pool.run(train, "torch", pattern, bf16, set_to_none, micro_batches)
+    except AssertionError as err:
+        if not (_OLD_FSDP2 and "Found dtype Float but expected BFloat16" in str(err)):
+            raise
+        pytest.skip(f"torch {torch.__version__}'s autograd refuses this pattern under its own "
+                    "FSDP2 (an fp32 gradient for bf16 hidden states)")
     ours = pool.run(train, "ours", pattern, bf16, set_to_none, micro_batches)
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=1e-5)
     for rank, ((their_grads, their_params), (our_grads, our_params)) in \
