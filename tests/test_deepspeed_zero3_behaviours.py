@@ -80,6 +80,12 @@ def _train_moe(rank, config, flag_leaf):
     model = MoEModel()
     if flag_leaf:
         set_z3_leaf_modules(model, [RoutedExperts])
+    return (*_train(rank, model, config), model.moe.routed)
+
+
+def _train(rank, model, config):
+    """DeepSpeed's loop: (losses, the full state dict after STEPS steps, the engine's class)."""
+    import deepspeed
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     losses = []
@@ -90,7 +96,7 @@ def _train_moe(rank, config, flag_leaf):
         losses.append(loss.item())
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return losses, state, model.moe.routed, type(engine).__name__
+    return losses, state, type(engine).__name__
 
 
 def leaf_modules_rank(rank, world):
@@ -99,7 +105,7 @@ def leaf_modules_rank(rank, world):
     import vescale_engine
     from vescale_engine.engine.leaf_modules import units_with_whole_leaves
     from vescale_engine.engine.wrap import default_units
-    ds_losses, ds_state, routed, name = _train_moe(rank, CONFIG, flag_leaf=True)
+    ds_losses, ds_state, name, routed = _train_moe(rank, CONFIG, flag_leaf=True)
     assert name == "DeepSpeedEngine", name
     original = deepspeed.initialize
     vescale_engine.patch_deepspeed()
@@ -114,7 +120,7 @@ def leaf_modules_rank(rank, world):
         deepspeed.initialize = original
         vescale_engine.unpatch()
     out = {"ds_losses": ds_losses, "routed": routed}
-    for key, (losses, state, _, name) in runs.items():
+    for key, (losses, state, name, _) in runs.items():
         assert name == "VeScaleEngine", name
         diff = max((state[k] - ds_state[k]).abs().max().item() for k in ds_state)
         out[key] = (losses, diff)
@@ -163,17 +169,7 @@ def _train_per_rank_init(rank, config):
     if rank == 0:
         with torch.no_grad():
             model.head.weight.fill_(0.05)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
-    losses = []
-    for step in range(STEPS):
-        loss = engine(*_data(step, rank))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return losses, state, type(engine).__name__
+    return _train(rank, model, config)
 
 
 def per_rank_init_rank(rank, world):

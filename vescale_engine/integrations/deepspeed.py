@@ -80,13 +80,7 @@ def install() -> None:
                               (checkpointing, "configure", _configure),
                               (zero, "Init", _init),
                               (zero, "GatheredParameters", _gathered_parameters)):
-        current = getattr(owner, name, None)
-        if current is None:
-            raise missing_name("deepspeed", f"{owner.__name__}.{name}")
-        if not _is_ours(current):
-            new = make(current)
-            new.__vescale_original__ = current
-            replace("deepspeed", owner, name, new)
+        _wrap(owner, name, make)
     _install_accessors()
     for name, compute in (("ds_status", _ds_status), ("ds_shape", _ds_shape)):
         if not isinstance(nn.Parameter.__dict__.get(name), _Attribute):
@@ -283,13 +277,19 @@ def _install_accessors() -> None:
               "safe_update_full_grad_vectorized": _update_full_grads}
     for name, make in makers.items():
         for owner in (utils, fragment):
-            current = getattr(owner, name, None)
-            if current is None:
-                raise missing_name("deepspeed", f"{owner.__name__}.{name}")
-            if not _is_ours(current):
-                new = make(current)
-                new.__vescale_original__ = current
-                replace("deepspeed", owner, name, new)
+            _wrap(owner, name, make)
+
+
+def _wrap(owner, name: str, make) -> None:
+    """`owner.name` replaced by `make(original)` (once: a second install finds ours); a
+    DeepSpeed without the name is one line naming it."""
+    current = getattr(owner, name, None)
+    if current is None:
+        raise missing_name("deepspeed", f"{owner.__name__}.{name}")
+    if not _is_ours(current):
+        new = make(current)
+        new.__vescale_original__ = current
+        replace("deepspeed", owner, name, new)
 
 
 def _update_full_grads(original):
