@@ -357,3 +357,148 @@ def test_a_second_initialize_on_a_sharded_model_is_refused_and_changes_nothing(p
     for refused, unchanged in pool.run(second_initialize_rank, timeout=120):
         assert refused.startswith("initialize: the model is sharded already"), refused
         assert unchanged
+
+
+CHUNKS = 3  # backward passes per optimizer step in the loops below
+
+
+def _manual_backward_loop(rank, config, how):
+    """DeepSpeed 0.19.8's two manual-backward idioms, as its own tests write them:
+    `coalesce`: CHUNKS backward passes inside engine.coalesce_grad_reduction(), the boundary
+    set on the last, then step() (`chunks`: the same loop without the block, its reference);
+    `scale`: `engine.scale(loss).backward()` then step() every micro-step (`engine`: with
+    engine.backward(loss), its reference)."""
+    import deepspeed
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = DenseModel()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    dtype = torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+    losses = []
+    for step in range(STEPS):
+        context = engine.coalesce_grad_reduction() if how == "coalesce" else _Nothing()
+        with context:
+            for i in range(CHUNKS):
+                x, y = _data(step * CHUNKS + i, rank)
+                loss = engine(x.to(dtype), y.to(dtype))
+                if how in ("coalesce", "chunks"):
+                    engine.set_gradient_accumulation_boundary(i == CHUNKS - 1)
+                if how == "scale":
+                    engine.scale(loss).backward()
+                else:
+                    engine.backward(loss)
+                losses.append(loss.item())
+                if how in ("scale", "engine"):
+                    engine.step()
+        if how in ("coalesce", "chunks"):
+            engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return losses, state, type(engine).__name__
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _refusals(config):
+    """What DeepSpeed refuses around the two idioms, on our engine: (exception type, message)."""
+    import deepspeed
+    torch.manual_seed(0)
+    model = DenseModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except Exception as err:  # noqa: BLE001 (the type is what is compared)
+            out[key] = (type(err).__name__, str(err))
+
+    def step_inside():
+        with engine.coalesce_grad_reduction():
+            engine.step()
+
+    def no_sync_inside():
+        with engine.coalesce_grad_reduction():
+            with engine.no_sync():
+                pass
+
+    def coalesce_inside():
+        with engine.no_sync():
+            with engine.coalesce_grad_reduction():
+                pass
+
+    attempt("step inside", step_inside)
+    attempt("no_sync inside", no_sync_inside)
+    attempt("coalesce inside no_sync", coalesce_inside)
+    attempt("scale of a vector", lambda: engine.scale(torch.ones(2, requires_grad=True) * 2))
+    attempt("scale without a graph", lambda: engine.scale(torch.ones(())))
+    return out
+
+
+def manual_backward_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    from vescale_engine.shard.dbuffer import STATS
+    fp16 = {**CONFIG, "gradient_accumulation_steps": 2,
+            "train_batch_size": 2 * TOKENS * world,
+            "fp16": {"enabled": True, "initial_scale_power": 8}}
+    ds = {"coalesce": _manual_backward_loop(rank, CONFIG, "coalesce"),
+          "scale": _manual_backward_loop(rank, fp16, "scale")}
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        ours, counts = {}, {}
+        for how, config in (("coalesce", CONFIG), ("chunks", CONFIG), ("scale", fp16),
+                            ("engine", fp16)):
+            before = STATS.reduce_scatters
+            ours[how] = _manual_backward_loop(rank, {**config, "vescale": {}}, how)
+            counts[how] = STATS.reduce_scatters - before
+        refusals = _refusals({**CONFIG, "vescale": {}})
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    ds_refusals = _refusals(CONFIG)
+
+    def diff(a, b):
+        return max((a[1][k] - b[1][k]).abs().max().item() for k in a[1])
+
+    return dict(names={k: v[2] for k, v in {**ours, **{"ds " + k: v for k, v in ds.items()}}.items()},
+                losses={k: (ours[k][0], ds[k][0]) for k in ds},
+                vs_deepspeed={k: diff(ours[k], ds[k]) for k in ds},
+                coalesce_vs_chunks=diff(ours["coalesce"], ours["chunks"]),
+                scale_vs_engine=diff(ours["scale"], ours["engine"]),
+                counts=counts, refusals=refusals, ds_refusals=ds_refusals)
+
+
+def test_coalesce_grad_reduction_and_scale_train_as_under_deepspeed(pool):
+    results = pool.run(manual_backward_rank, timeout=400)
+    for r in results:
+        assert set(r["names"].values()) == {"VeScaleEngine", "DeepSpeedEngine"}
+        assert [n for k, n in r["names"].items() if not k.startswith("ds ")] == \
+            ["VeScaleEngine"] * 4, r["names"]
+        for how, (losses, ds_losses) in r["losses"].items():
+            tolerance = TOLERANCE if how == "coalesce" else 2e-3  # fp16 losses
+            assert all(abs(a - b) <= tolerance * abs(b) for a, b in
+                       zip(losses, ds_losses, strict=True)), (how, losses, ds_losses)
+        assert r["vs_deepspeed"]["coalesce"] < 1e-5, r["vs_deepspeed"]
+        assert r["vs_deepspeed"]["scale"] < 2e-3, r["vs_deepspeed"]  # fp16 compute
+        # the coalesced block reduces once per step what per-micro-step reduction reduced
+        # CHUNKS times, to the same values; engine.scale's backward is engine.backward's
+        assert r["coalesce_vs_chunks"] < 1e-6, r["coalesce_vs_chunks"]
+        assert r["scale_vs_engine"] == 0, r["scale_vs_engine"]
+        assert r["counts"]["coalesce"] * CHUNKS == r["counts"]["chunks"] > 0, r["counts"]
+        # refused as DeepSpeed refuses them: the same exception type, before anything runs
+        for key, ds_outcome in r["ds_refusals"].items():
+            assert ds_outcome is not None and r["refusals"][key] is not None, (key, r)
+            assert r["refusals"][key][0] == ds_outcome[0], (key, r["refusals"][key], ds_outcome)

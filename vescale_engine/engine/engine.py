@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from ..checkpoint.background import BackgroundSaves
 from ..checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from ..checkpoint.sharded import load_checkpoint, save_checkpoint
-from ..fsdp.api import no_sync, release
+from ..fsdp.api import no_sync, reduce_kept_gradients, release
 from ..fsdp.deepspeed_params import serve_optimizer
 from ..fsdp.guards import require_materialized
 from ..fsdp.lookup import units_under
@@ -110,6 +110,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._backward_graph = None  # autograd graph task the backward prologue ran for
         self._in_engine_backward = False
         self._user_no_sync = 0
+        self._coalescing = False     # inside coalesce_grad_reduction
+        self._script_scaled = None   # the loss engine.scale scaled, until its backward starts
+        self._backward_script_scaled = False
         self._sync_context = None
         self._destroyed = False
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
@@ -159,14 +162,31 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         graph = torch._C._current_graph_task_id()
         if graph != self._backward_graph:
             self._backward_graph = graph
-            self._backward_prologue(self._output_loss)
+            scaled, self._script_scaled = self._script_scaled, None
+            self._backward_script_scaled = scaled is not None
+            self._backward_prologue(self._output_loss if scaled is None else scaled)
             Variable._execution_engine.queue_callback(self._backward_epilogue)
         factor = self._gradient_factor()
         return grad if factor == 1.0 else grad * factor
 
     def _gradient_factor(self) -> float:
-        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        """1/accumulation steps, times the fp16 loss scale unless engine.scale applied it."""
+        scale = self.loss_scaler.loss_scale \
+            if self.loss_scaler is not None and not self._backward_script_scaled else 1.0
         return scale / self.gradient_accumulation_steps()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's scale, for a script's own backward (`engine.scale(loss).backward()`):
+        the loss times the fp16 loss scale (the loss itself without fp16). That backward then
+        divides by the accumulation steps, as engine.backward and a plain loss.backward() do."""
+        self._check_alive()
+        assert self.optimizer is not None, "must provide optimizer during init in order to use scale"
+        assert isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None, \
+            "loss must be a scalar tensor with grad_fn. For non-scalar tensors, use tensor.backward(grad)"
+        self._script_scaled = loss.detach()
+        if self.loss_scaler is None:
+            return loss
+        return loss.float() * self.loss_scaler.loss_scale  # in fp32, as engine.backward
 
     def _choose_gradient_sync(self):
         """Every micro-step reduce-scatters into the sharded gradient (ZeRO-3's memory: no
@@ -211,6 +231,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
             raise ValueError("engine.backward needs a scalar loss tensor")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        self._script_scaled = None  # (engine.backward(engine.scale(loss)) scales twice, as DeepSpeed)
         self._backward_prologue(loss.detach())
         self._in_engine_backward = True
         try:
@@ -226,11 +247,32 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, without communication."""
         self._check_alive()
+        assert not self._coalescing, \
+            "no_sync cannot be entered inside coalesce_grad_reduction (it already is one)"
         self._user_no_sync += 1
         try:
             yield
         finally:
             self._user_no_sync -= 1
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's coalesce_grad_reduction: the backward passes inside keep their full
+        gradients locally (as no_sync), and the exit reduce-scatters them once into the gradient
+        shards, on every rank, before the step that follows. engine.step() inside, and nesting
+        with no_sync, are errors, as in DeepSpeed. A block left by an exception reduces
+        nothing: what its backward passes kept is reduced with the next backward that syncs."""
+        self._check_alive()
+        assert not self._user_no_sync and not self._coalescing, \
+            "coalesce_grad_reduction cannot be nested inside another no_sync context"
+        self._coalescing = True
+        self._user_no_sync += 1
+        try:
+            yield
+        finally:
+            self._user_no_sync -= 1
+            self._coalescing = False
+        reduce_kept_gradients(self.module)
 
     # -- the optimizer step --------------------------------------------------------------------
 
@@ -242,6 +284,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         With vescale.save_on_signal, an optimizer step after the signal saves a checkpoint and
         raises Preempted (preemption.py)."""
         self._check_alive()
+        assert not self._user_no_sync, \
+            "It is illegal to call Engine.step() inside no_sync context manager"
         self._colocation.require_on_device("engine.step")
         if self._saves is not None:  # a background save's end (or failure), on every rank
             self._saves.poll(self.device)

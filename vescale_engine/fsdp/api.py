@@ -301,6 +301,21 @@ def no_sync(module: nn.Module):
             ctx.require_sync = True
 
 
+def reduce_kept_gradients(module: nn.Module) -> None:
+    """Reduce-scatter now the full gradients that backward passes inside `no_sync` kept under
+    `module`, into the gradient shards (added to what they hold), without a backward: every
+    rank calls it. A no-op where nothing is kept."""
+    units = units_under(module)
+    for unit in units:
+        unit.reduce_kept_gradients()
+    for unit in units:
+        unit.advance_gradients()
+    for unit in units:
+        unit.finish_gradients()
+        for buf in unit.buffers:
+            buf.wait_grad_copies()
+
+
 def release(module: nn.Module) -> None:
     """Undo fully_shard's runtime on every unit under `module`: reshard, free gradient and full
     buffers, remove the forward hooks and give each module its own class back (no longer an

@@ -774,6 +774,18 @@ class FSDPUnit:
                     p.unreduced = False
         self.reshard_after_its_backward()
 
+    def reduce_kept_gradients(self):
+        """Start reducing, outside any backward, the full gradients no_sync kept: what the
+        next backward that syncs would have reduced with its own (DeepSpeed's
+        coalesce_grad_reduction reduces at its exit). advance/finish_gradients complete it."""
+        kept = [p for p in self.params if p.unreduced]
+        for buf in {id(p.buffer): p.buffer for p in kept}.values():
+            self._finishers.append((buf, [p for p in kept if p.buffer is buf], buf.reduce_scatter(
+                accumulate=_prepare_accumulation(buf, [p for p in self.params if p.buffer is buf]),
+                all_reduce=self.requires_all_reduce)))
+        for p in kept:
+            p.unreduced = False
+
     @property
     def syncs_gradients(self) -> bool:
         """Backward reduces gradients (neither no_sync nor set_requires_gradient_sync(False))."""
