@@ -513,3 +513,34 @@ def test_forwards_that_run_different_units_are_one_line_before_the_step(pool, ba
         "ranks skip) must run the same units on every rank: flag the module as a ZeRO-3 leaf "
         "(deepspeed.utils.set_z3_leaf_modules) or make it one FSDP unit with what chooses "
         "between them"), results[0]
+
+
+# -- hooks and profiler ranges --------------------------------------------------------------------
+
+def hooks_rank(rank, world):
+    """A user's forward pre-hook registered before fully_shard, and a profiler around a step."""
+    out = {}
+    for which, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        seen = []
+        model[0].register_forward_pre_hook(lambda m, args: seen.append(
+            (isinstance(m.weight, DTensor), tuple(m.weight.shape))))
+        fs(model[0])
+        fs(model)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(torch.randn(2, 4)).sum().backward()
+        names = {e.name.split(" (")[0] for e in prof.events()
+                 if e.name.startswith(("vescale::", "FSDP::"))}
+        out[which] = (seen, sorted(names))
+    return out
+
+
+def test_a_users_pre_hook_sees_full_parameters_and_a_profile_names_our_collectives(pool):
+    for r in pool.run(hooks_rank, timeout=120):
+        # FSDP2's pre-hook runs before the user's (prepend): the full, unsharded weight
+        assert r["ours"][0] == r["torch"][0] == [(False, (8, 4))], r
+        assert "FSDP::all_gather" in r["torch"][1], r["torch"][1]  # the profiler sees ranges
+        assert {"vescale::pre_forward", "vescale::post_forward", "vescale::all_gather",
+                "vescale::all_gather_wait", "vescale::pre_backward", "vescale::reduce_scatter",
+                "vescale::reduce_scatter_wait"} <= set(r["ours"][1]), r["ours"][1]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.background import BackgroundSaves
@@ -294,7 +295,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
             if self._signal_save is not None:
                 self._signal_save.vote()  # before the norm: read below, once queued
             self.timers.start("optimizer")
-            self._take_model_step(lr_kwargs)
+            with record_function("vescale::optimizer_step"):
+                self._take_model_step(lr_kwargs)
             self.timers.stop("optimizer")
             self.timers.optimizer_step_done()
             self.global_samples += self.train_batch_size()

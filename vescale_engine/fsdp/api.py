@@ -251,7 +251,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         to_fsdp_class(m)
         guard_apply(m)
         guard_init_weights(m)
-        m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        # first of the pre-hooks, as FSDP2's: a user's own see the full parameters
+        m.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(unit.post_forward)
     return module
 

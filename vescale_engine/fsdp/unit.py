@@ -1,12 +1,15 @@
 """`fully_shard`: the zero-copy FSDP runtime over DBuffers.
 
 Call it on the units (each decoder block, say), then on the root, as with PyTorch FSDP2. Between
-steps `model.parameters()` yields plain 1-D parameters over each rank's flat piece of the fp32
-master shard (FSDP1's use_orig_params style; docs/architecture.md says why), so element-wise
-torch optimizers work unchanged. During forward and backward the module holds full-shape
-parameters that are views of the unit's all-gathered buffer.
+steps the module holds each parameter as FSDP2 does, a DTensor (our RaggedDTensor) over this
+rank's range of the fp32 master shard; the engine asks for plain 1-D flat pieces instead
+(`flat_parameters=True`, what DeepSpeed-style code expects), and TP/EP parameters are flat
+pieces either way. During forward and backward the module holds full-shape parameters that are
+views of the unit's all-gathered buffer.
 
-Hooks, per unit: pre-forward unshards (and prefetches the next unit's all-gather), post-forward
+Hooks, per unit (the pre-forward hook registered first, as FSDP2's, so that a user's own
+pre-hooks see the full parameters; every hook and collective in a profiler range named
+`vescale::...`): pre-forward unshards (and prefetches the next unit's all-gather), post-forward
 reshards and hooks the outputs, the first output gradient unshards again for backward (and
 prefetches the unit backward runs next), and once the unit's inputs have their gradients, all of
 its parameter gradients are in the full gradient buffer and are reduce-scattered. A callback at
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
+from torch.profiler import record_function
 from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _apply_to_tensors
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -89,12 +93,14 @@ class UnitContext:
 
 def _not_traced(method):
     """torch.compile does not trace into the forward hooks (collectives, Python state): a
-    compiled module's call runs them eagerly around its graph, as FSDP2's hooks are run."""
+    compiled module's call runs them eagerly around its graph, as FSDP2's hooks are run. Each
+    call is a profiler range, `vescale::pre_forward (unit)` say."""
     @functools.wraps(method)
-    def hook(*args, **kwargs):
-        if not torch.compiler.is_compiling():
-            return method(*args, **kwargs)
-        return torch._dynamo.disable(method, recursive=True)(*args, **kwargs)
+    def hook(self, *args, **kwargs):
+        with record_function(f"vescale::{method.__name__} ({self.name})"):
+            if not torch.compiler.is_compiling():
+                return method(self, *args, **kwargs)
+            return torch._dynamo.disable(method, recursive=True)(self, *args, **kwargs)
     return hook
 
 
@@ -443,8 +449,9 @@ class FSDPUnit:
         regathers = self.reshard_after_forward and not (self.is_root and
                                                         self.auto_reshard_after_forward)
         tag = self.ctx.iteration if self.ctx is not None and (backward or regathers) else None
-        self._pending_gather = [buf.all_gather(async_op=True, hpz_tag=tag, backward=backward)
-                                for buf in self.buffers]
+        with record_function(f"vescale::all_gather ({self.name})"):
+            self._pending_gather = [buf.all_gather(async_op=True, hpz_tag=tag,
+                                                   backward=backward) for buf in self.buffers]
         if not async_op:
             self.wait_unshard()
 
@@ -456,7 +463,8 @@ class FSDPUnit:
             return
         if not self._pending_gather:
             self.unshard(async_op=True)
-        with explain_timeout(f"the all-gather of unit {self.name}'s parameters"):
+        with explain_timeout(f"the all-gather of unit {self.name}'s parameters"), \
+                record_function(f"vescale::all_gather_wait ({self.name})"):
             for work in self._pending_gather:
                 work.wait()
         STATS.log("unshard_wait", self.name)
@@ -694,6 +702,10 @@ class FSDPUnit:
     def _pre_backward(self, grad):
         if self.in_backward:
             return grad
+        with record_function(f"vescale::pre_backward ({self.name})"):
+            return self._begin_backward(grad)
+
+    def _begin_backward(self, grad):
         self.in_backward = True
         ctx = self.ctx
         if not ctx.callback_queued:
@@ -763,28 +775,27 @@ class FSDPUnit:
                 for p in gradients:
                     p.unreduced = True
             else:
-                for buf in self.buffers:
-                    members = [p for p in gradients if p.buffer is buf]
-                    if members:
-                        self._finishers.append((buf, members, buf.reduce_scatter(
-                            accumulate=_prepare_accumulation(
-                                buf, [p for p in self.params if p.buffer is buf]),
-                            all_reduce=self.requires_all_reduce)))
-                for p in gradients:
-                    p.unreduced = False
+                self._reduce(gradients)
         self.reshard_after_its_backward()
+
+    def _reduce(self, gradients):
+        """Start the reduce-scatters of these parameters' full gradients, per buffer; added
+        to what each gradient shard holds unless the user dropped it."""
+        with record_function(f"vescale::reduce_scatter ({self.name})"):
+            for buf in {id(p.buffer): p.buffer for p in gradients}.values():
+                self._finishers.append((buf, [p for p in gradients if p.buffer is buf],
+                                        buf.reduce_scatter(
+                    accumulate=_prepare_accumulation(
+                        buf, [p for p in self.params if p.buffer is buf]),
+                    all_reduce=self.requires_all_reduce)))
+        for p in gradients:
+            p.unreduced = False
 
     def reduce_kept_gradients(self):
         """Start reducing, outside any backward, the full gradients no_sync kept: what the
         next backward that syncs would have reduced with its own (DeepSpeed's
         coalesce_grad_reduction reduces at its exit). advance/finish_gradients complete it."""
-        kept = [p for p in self.params if p.unreduced]
-        for buf in {id(p.buffer): p.buffer for p in kept}.values():
-            self._finishers.append((buf, [p for p in kept if p.buffer is buf], buf.reduce_scatter(
-                accumulate=_prepare_accumulation(buf, [p for p in self.params if p.buffer is buf]),
-                all_reduce=self.requires_all_reduce)))
-        for p in kept:
-            p.unreduced = False
+        self._reduce([p for p in self.params if p.unreduced])
 
     @property
     def syncs_gradients(self) -> bool:
@@ -824,7 +835,8 @@ class FSDPUnit:
     def advance_gradients(self) -> bool:
         """Wait for this unit's reduce-scatters and start the replicas' all-reduces; finish at
         once where there is none. Whether all-reduces are now in flight."""
-        with explain_timeout(f"the reduce-scatter of unit {self.name}'s gradients"):
+        with explain_timeout(f"the reduce-scatter of unit {self.name}'s gradients"), \
+                record_function(f"vescale::reduce_scatter_wait ({self.name})"):
             for _, _, pending in self._finishers:
                 pending.wait_reduce_scatter()
         if any(pending.all_reducing for _, _, pending in self._finishers):
