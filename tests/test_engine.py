@@ -549,7 +549,12 @@ def breakdown_rank(rank, world, out_dir):
             **CONFIG, "steps_per_print": 2, "wall_clock_breakdown": True,
             "fp16": {"enabled": True, "initial_scale_power": 10},
             "csv_monitor": monitor, "tensorboard": monitor})
-        losses = [_train_step(engine, rank, step) for step in range(3)]
+        losses = [_train_step(engine, rank, step) for step in range(2)]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            losses.append(_train_step(engine, rank, 2))
+    ranges = {e.name.split(" (")[0] for e in prof.events() if e.name.startswith("vescale::")}
+    assert {"vescale::optimizer_step", "vescale::all_gather",
+            "vescale::reduce_scatter"} <= ranges, ranges
     return messages, losses, engine.global_samples, engine.get_lr()[0]
 
 
