@@ -3,8 +3,8 @@
 The order is the table under "## Layers" in docs/architecture.md (its first fenced block): one
 line per layer, lowest first, `layer: modules` (indented lines continue it), a module named by its dotted path under
 `vescale_engine` (a package name covers everything inside it). A module may import from its own
-layer and the layers below. Every import statement counts, at module level and inside functions;
-only those under `if TYPE_CHECKING:` are exempt (type-only back references). A module the table
+layer and the layers below. Every import statement counts, at module level, inside functions
+and under `if TYPE_CHECKING:` (a type-only back reference is a circle too). A module the table
 does not place, or a name in the table that is no module, is an error too.
 
 Other libraries are patched in vescale_engine/integrations/ only: no other module imports it
@@ -50,25 +50,14 @@ def package_modules(root: pathlib.Path = ROOT) -> dict:
     return out
 
 
-def _type_checking_nodes(tree) -> set:
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(sub) for sub in ast.walk(node))
-    return skip
-
-
 def imports(modules: dict) -> list:
     """[(importer, imported, file, line)] for every import of a package module by another, at
-    any depth of the file (functions included), except under TYPE_CHECKING."""
+    any depth of the file (functions and TYPE_CHECKING blocks included)."""
     edges = []
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_nodes(tree)
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = here[:len(here) - (node.level - 1)]

@@ -2,17 +2,14 @@
 the runtime and the packages above look them up through here)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
-
-if TYPE_CHECKING:
-    from .unit import FSDPUnit
 
 __all__ = ["unit_of", "units_under", "sharded_parameters"]
 
 
-def unit_of(module: nn.Module) -> FSDPUnit | None:
+def unit_of(module: nn.Module):
+    """The FSDPUnit fully_shard made `module` part of, or None (no import of unit.py: it is
+    above this module)."""
     return getattr(module, "_vescale_unit", None)
 
 
