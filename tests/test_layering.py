@@ -209,7 +209,7 @@ def test_config_schemas_is_below_every_layer():
 
 def test_the_checker_sees_deferred_imports_circles_and_upward_imports(tmp_path):
     """The checker on a small package: a deferred upward import and a circle are reported, a
-    TYPE_CHECKING back reference is not."""
+    TYPE_CHECKING back reference too."""
     pkg = tmp_path / PACKAGE
     (pkg / "low").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -222,7 +222,13 @@ def test_the_checker_sees_deferred_imports_circles_and_upward_imports(tmp_path):
     (pkg / "upper.py").write_text("")
     table = [("low", ["low"]), ("high", ["high", "upper", PACKAGE])]
     assert layering_problems(tmp_path, table) == [
-        f"import circle: {PACKAGE}.low.a ({PACKAGE}/low/a.py:5) -> {PACKAGE}.low.b "
+        f"{PACKAGE}/low/a.py:3: {PACKAGE}.low.a (layer low) imports {PACKAGE}.high "
+        "(layer high, above it): a layer imports only from itself and below",
+        f"import circle: {PACKAGE}.high ({PACKAGE}/high.py:2) -> {PACKAGE}.low.a "
+        f"({PACKAGE}/low/a.py:3) -> {PACKAGE}.high"]  # (one cycle per group: a, b, high)
+    (pkg / "low" / "a.py").write_text("def f():\n    from .b import x\n")
+    assert layering_problems(tmp_path, table) == [
+        f"import circle: {PACKAGE}.low.a ({PACKAGE}/low/a.py:2) -> {PACKAGE}.low.b "
         f"({PACKAGE}/low/b.py:1) -> {PACKAGE}.low.a"]
     (pkg / "low" / "b.py").write_text("def h():\n    from .. import upper\n")
     assert layering_problems(tmp_path, table) == [

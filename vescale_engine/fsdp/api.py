@@ -26,7 +26,8 @@ from .module_class import (FSDPState, register_fsdp_forward_method, restore_clas
 from .policy import as_policy
 from .unit import FSDPUnit, UnitContext
 
-__all__ = ["fully_shard", "no_sync", "release", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "no_sync", "reduce_kept_gradients", "release",
+           "register_fsdp_forward_method"]
 
 
 def _resolve_mesh(mesh):
