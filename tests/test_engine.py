@@ -468,7 +468,7 @@ def backward_styles_rank(rank, world, extra):
                           engine.get_global_grad_norm())
     (l1, s1, g1, n1), (l2, s2, g2, n2) = results["engine"], results["plain"]
     worst = max((s1[k] - s2[k]).abs().max().item() for k in s1)
-    in_place = {unit_of(m).grads_in_place for m in engine.module.modules() if unit_of(m)}
+    in_place = {unit_of(m).switches.grads_in_place for m in engine.module.modules() if unit_of(m)}
     return l1 == l2, worst, g1 == g2 == 3, n1 == n2, in_place
 
 

@@ -689,7 +689,7 @@ def hints_rank(rank, world):
     model = shard(build(), fully_shard)
     model.set_post_optim_event(torch.Event(device="cpu"))
     model(*micro_batches(0, rank, world)[0]).backward()
-    return diff, unit_of(model).post_optim_event is None
+    return diff, unit_of(model).switches.post_optim_event is None
 
 
 def test_set_is_last_backward_and_set_post_optim_event(pool):

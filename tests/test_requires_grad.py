@@ -224,7 +224,7 @@ def toggle_step(model, ids, step, sharded):
         last.self_attn.k_proj.weight.requires_grad_(False)
     loss = lm_loss(model(input_ids=ids).logits, ids)
     if sharded and step > 0:  # what the module holds now (from the 2nd forward on)
-        assert unit_of(last)._unsharded and not unit_of(first)._unsharded
+        assert unit_of(last).is_unsharded and not unit_of(first).is_unsharded
     if step == 1:
         last.self_attn.q_proj.weight.requires_grad_(False)
         first.self_attn.q_proj.weight.requires_grad_(False)

@@ -187,22 +187,22 @@ class VeScaleFSDPModule(FSDPModule):
         """False: backward keeps full gradients unreduced (no collective), as no_sync; the
         next backward with True reduce-scatters what was kept. HSDP: the all-reduce too."""
         for unit in _units(self, recurse):
-            unit.requires_gradient_sync = bool(requires_gradient_sync)
-            unit.requires_all_reduce = bool(requires_gradient_sync)
+            unit.switches.requires_gradient_sync = bool(requires_gradient_sync)
+            unit.switches.requires_all_reduce = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but skips the replicas' all-reduce; the outputs add up
         until a backward with True all-reduces their sum into the gradient shard. No effect
         without replicas, as in FSDP2."""
         for unit in _units(self, recurse):
-            unit.requires_all_reduce = bool(requires_all_reduce)
+            unit.switches.requires_all_reduce = bool(requires_all_reduce)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2 lets the last reductions of a backward run on into the next micro-batch when
         False. Every backward here finishes its reductions before it returns (what True
         asks), so the flag changes no result; it is kept for code that reads it back."""
         for unit in units_under(self):
-            unit.is_last_backward = bool(is_last_backward)
+            unit.switches.is_last_backward = bool(is_last_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by `factor` instead of the number of ranks (this
@@ -247,8 +247,8 @@ class VeScaleFSDPModule(FSDPModule):
             raise ValueError("reshard_after_forward should be a bool, got "
                              f"{type(reshard_after_forward)}")
         for unit in _units(self, recurse):
-            unit.reshard_after_forward = reshard_after_forward
-            unit.auto_reshard_after_forward = False
+            unit.switches.reshard_after_forward = reshard_after_forward
+            unit.switches.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -257,24 +257,24 @@ class VeScaleFSDPModule(FSDPModule):
         backward: reshard() (or True before the last micro-batch) before the optimizer step
         and the forward after it, as with FSDP2."""
         for unit in _units(self, recurse):
-            unit.reshard_after_backward = bool(reshard_after_backward)
+            unit.switches.reshard_after_backward = bool(reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward does not all-gather this unit (its backward reads none of its
         parameters, e.g. an embedding); its gradients are computed and reduced as usual."""
-        _unit(self).unshard_in_backward = bool(unshard_in_backward)
+        _unit(self).switches.unshard_in_backward = bool(unshard_in_backward)
 
     # -- prefetching ---------------------------------------------------------------------------
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """This module's forward issues these modules' all-gathers (instead of the next unit
         of the last forward's order)."""
-        _unit(self).forward_prefetch = _units_of(modules)
+        _unit(self).switches.forward_prefetch = _units_of(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
         """This module's backward issues these modules' all-gathers (instead of the unit
         before it in forward order)."""
-        _unit(self).backward_prefetch = _units_of(modules)
+        _unit(self).switches.backward_prefetch = _units_of(modules)
 
     def _set_unshard_async_op(self, async_op: bool):
         """FSDP2's private switch for all-gathers on the compute stream: ours always issue
@@ -286,7 +286,7 @@ class VeScaleFSDPModule(FSDPModule):
         """The root's next forward waits for `event` (recorded after the optimizer step)
         before its first all-gather, then drops it. On CPU there are no streams to wait on
         and FSDP2 does nothing with it either; it is dropped the same way."""
-        _unit(self).post_optim_event = event
+        _unit(self).switches.post_optim_event = event
 
     # -- communication FSDP2 lets users replace: refused ---------------------------------------
 

@@ -196,7 +196,7 @@ class ShardedParameter:
 
     def _accumulated(self, _):
         """Autograd added into `.grad` (not so in torch.autograd.grad, which only returns)."""
-        self.unit.accumulated = True
+        self.unit.calls.accumulated = True
 
     def _grad_arrived(self, grad):
         """Runs once all of this parameter's gradient is summed, just before autograd adds it
