@@ -288,7 +288,7 @@ def accumulation_memory(local):
         engine.step()
         after.append(held())
     full_grad = {u.name: sum(b._full_bytes for b in u.buffers if any(
-        p.buffer is b for p in u.trainable)) for u in units}
+        p.buffer is b for p in u.params if p.requires_grad)) for u in units}
     return after, full_grad, engine.global_steps, unmade
 
 

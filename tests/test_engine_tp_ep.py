@@ -408,7 +408,7 @@ def train_against_one_process(rank, world, build, keys, micro_rows):
                   split=sum(sp.dtensor_spec is not None for sp in names.values()),
                   units=sorted({(type(u.module).__name__,
                                  tuple(dist.get_process_group_ranks(u.buffers[0].shard_group)),
-                                 u.gradient_divide_factor)
+                                 u.group.gradient_divide_factor)
                                 for u in units_under(engine.module) if u.buffers}, key=str),
                   router=type(names["model.layers.0.mlp.gate.weight"].unit.module).__name__
                   if "model.layers.0.mlp.gate.weight" in names else None,

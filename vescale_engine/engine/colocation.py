@@ -173,7 +173,7 @@ class Colocation:
         self._require_sharded()
         if "lp_grads" in state_types:  # shards whose every gradient was dropped (zero_grad's
             for unit in units_under(self.module):  # set_to_none) are dead: freed, not copied
-                unit.release_dropped_gradients()
+                unit.group.release_dropped_gradients()
         pin = bool(pin_memory) and self.device.type != "cpu"  # pinning needs an accelerator
         moved = []
         with torch.no_grad():

@@ -3,7 +3,8 @@ policy.py (MixedPrecisionPolicy, granularity per parameter) < param.py (ShardedP
 lookup.py (the units and parameters under a module) < guards.py (moves, casts, init_weights,
 meta leftovers) < unit_build.py (wrap time: find, check, plan) < param_group.py (ParamGroup:
 unshard, reshard, reduce) < context.py (what a root's units share; the end-of-backward
-callback) < unit.py (FSDPUnit: hooks, root, prefetch, when to unshard and reduce) < module_class.py (the FSDPModule class a wrapped module gets, its
+callback) < backward.py (a unit's backward: its state, hooks, reduction) < unit.py
+(FSDPUnit: forward hooks, root, prefetch, when to unshard) < module_class.py (the FSDPModule class a wrapped module gets, its
 methods on the unit) < fsdp2_args.py (FSDP2's fully_shard arguments in our terms) <
 materialize.py (meta-device materialization, users call `vescale_engine.materialize`;
 reset_parameters at full shape) < api.py (fully_shard, no_sync, release) < state_dict.py

@@ -244,7 +244,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
             buf.keep_fp8 = True
         unit.fp8_linears = install_fp8_linears(unit)
     if offload is not None:
-        unit.offload_to_host(offload)
+        unit.group.offload_to_host(offload)
     install_full_shape_reset(unit)
     keep_parameters_on_assign(unit)
     for m in modules:
@@ -311,9 +311,9 @@ def reduce_kept_gradients(module: nn.Module) -> None:
     for unit in units:
         unit.reduce_kept_gradients()
     for unit in units:
-        unit.advance_gradients()
+        unit.group.advance_gradients()
     for unit in units:
-        unit.finish_gradients()
+        unit.group.finish_gradients()
         for buf in unit.buffers:
             buf.wait_grad_copies()
 

@@ -97,15 +97,15 @@ def reuse_distances(order) -> dict:
 
 def final_callback(ctx):
     for unit in reversed(ctx.order):
-        if unit.owes_post_backward():
-            unit.post_backward()
+        if unit.backward.owes_post_backward():
+            unit.backward.post_backward()
     for unit in reversed(ctx.order):  # every all-reduce in flight before waiting for any
-        unit.advance_gradients()
+        unit.group.advance_gradients()
     for unit in reversed(ctx.order):
-        unit.finish_gradients()
-        unit.reshard_after_its_backward()
-        unit.end_backward()
-        unit.fold_outside_grads()
+        unit.group.finish_gradients()
+        unit.backward.reshard()
+        unit.backward.end()
+        unit.group.fold_outside_grads()
     for unit in ctx.order:  # host gradient shards (offload) copied during backward: arrived
         for buf in unit.buffers:
             buf.wait_grad_copies()

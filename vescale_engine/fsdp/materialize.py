@@ -88,7 +88,7 @@ def allocate_shards(module: nn.Module, device=None) -> None:
                              "unit manages it; call fully_shard on its module (or the root) first")
     for unit in units_under(module):
         if unit.is_meta:
-            unit.allocate(device)
+            unit.group.allocate(device)
     made = {}  # one tensor per buffer object, so a buffer registered twice stays shared
     for sub in module.modules():
         for name, buf in sub._buffers.items():

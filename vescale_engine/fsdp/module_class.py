@@ -333,7 +333,7 @@ class VeScaleFSDPModule(FSDPModule):
             if units:
                 device = fn(torch.empty(0, device="meta")).device
                 for unit in units:
-                    unit.allocate(device)
+                    unit.group.allocate(device)
                 managed = {id(t) for u in units_under(self) for p in u.params
                            for t in (p.sharded, p.sharded.grad) if t is not None}
                 fn = _keeping(managed, fn)

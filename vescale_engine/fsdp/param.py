@@ -156,14 +156,15 @@ class ShardedParameter:
             self._accept_wide_grads(leaf)
             leaf.register_hook(self._local_grad_arrived)
             leaf.register_post_accumulate_grad_hook(self._accumulated)
-            if self.unit.in_backward:  # (a recompute in backward: the slot is set already)
+            if self.unit.backward.in_backward:  # (a recompute in backward: the slot is set)
                 leaf.grad = self.buffer.backward_grad_view(self.index)
             self._local_leaf = leaf
         return self._local_leaf
 
     def _local_grad_arrived(self, grad):
         self._refuse_late_grad()
-        self.buffer.grad_arrived(self.index, self._local_leaf, self.unit.in_nested_backward())
+        self.buffer.grad_arrived(self.index, self._local_leaf,
+                                 self.unit.backward.in_nested_backward())
         return self._widened(grad, self._local_leaf.grad)
 
     @property
@@ -196,7 +197,7 @@ class ShardedParameter:
 
     def _accumulated(self, _):
         """Autograd added into `.grad` (not so in torch.autograd.grad, which only returns)."""
-        self.unit.calls.accumulated = True
+        self.unit.backward.calls.accumulated = True
 
     def _grad_arrived(self, grad):
         """Runs once all of this parameter's gradient is summed, just before autograd adds it
@@ -206,14 +207,15 @@ class ShardedParameter:
         self._refuse_late_grad()
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
-        self.buffer.grad_arrived(self.index, self._unsharded, self.unit.in_nested_backward())
+        self.buffer.grad_arrived(self.index, self._unsharded,
+                                 self.unit.backward.in_nested_backward())
         return self._widened(grad, self._unsharded.grad)
 
     def _refuse_late_grad(self):
         """A gradient after the unit reduced this backward's gradients and resharded (the
         full-shape parameter used outside the unit's forward, reached by backward after the
         unit's own backward) would land in a `.grad` nobody reduces: refused by name."""
-        if self.unit.reduced:
+        if self.unit.backward.reduced:
             raise RuntimeError(
                 f"{self.fqn}: a gradient arrived after its unit ({self.unit.name}) reduced its "
                 "gradients in this backward (the parameter is used outside the unit's forward, "

@@ -428,7 +428,7 @@ def _take_assigned(unit):
                     p.register(p.sharded)  # ours back: refused, nothing changed
                     raise
                 if unit.is_meta:
-                    unit.allocate(values.device)
+                    unit.group.allocate(values.device)
                 with torch.no_grad():
                     p.local().copy_(values)
                 p.register(p.sharded)

@@ -20,47 +20,28 @@ its gradients come from a nested backward (docs/architecture.md, "Activation che
 """
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
-from torch.autograd import Variable
-from torch.autograd.graph import get_gradient_edge
 from torch.distributed.utils import _apply_to_tensors
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..shard.dbuffer import STATS
+from .backward import UnitBackward, hook_outputs, register_post_backward
 from .context import (ACTIVE, ForwardToken, UnitContext, check_same_units, compare_units,
-                      final_callback, forward_in_progress, keeps_graph, next_iteration,
-                      reset_iteration, reuse_distances, running_backward)
+                      forward_in_progress, next_iteration, reset_iteration, reuse_distances,
+                      running_backward)
 from .guards import require_materialized
 from .param_group import ParamGroup, ShardedState
 from .policy import as_policy, granularity_of
 from .unit_build import BuildOptions, build_unit
 
-__all__ = ["FSDPUnit", "UnitContext", "Switches", "TrainingState", "forward_in_progress",
+__all__ = ["FSDPUnit", "UnitContext", "Switches", "forward_in_progress",
            "running_backward", "reset_iteration"]
 
 _UNIT_IDS = itertools.count()
-
-
-class TrainingState(enum.Enum):
-    """Where a unit is in its backward (reset when the backward ends)."""
-    IDLE = "idle"
-    BACKWARD = "backward"        # its outputs' gradient arrived: gradients are coming in
-    REDUCED = "reduced"          # then post_backward: its gradients are reduced (or kept)
-    REDUCED_UNREACHED = "reduced, unreached"  # post_backward, no output gradient came first
-
-
-_STEPS = {  # the transitions a backward may make (and back to IDLE from any)
-    (TrainingState.IDLE, TrainingState.BACKWARD),
-    (TrainingState.BACKWARD, TrainingState.REDUCED),
-    (TrainingState.IDLE, TrainingState.REDUCED_UNREACHED),
-    (TrainingState.REDUCED_UNREACHED, TrainingState.REDUCED),
-}
 
 
 @dataclass
@@ -79,20 +60,6 @@ class Switches:
     backward_prefetch: list | None = None  # in backward (None: the one before in forward)
     post_optim_event: object = None      # waited for before the root's first all-gather
     is_last_backward: bool = True        # a hint only: every backward finishes reductions
-
-
-@dataclass
-class _Calls:
-    """This iteration's calls of the unit, what its backward owes them, and what the running
-    backward did (reset by _reset_iteration and _end_backward)."""
-    forward_calls: int = 0       # calls that recorded a graph, their inputs hooked
-    calls_without_hook: int = 0  # calls that recorded a graph, no input requiring grad
-    reentrant_calls: int = 0     # calls without gradients inside a forward that has them
-    recomputes_left: int = 0     # reentrant recomputations still to come in backward
-    pending_post_backward: int = 0  # post-backward hooks still to run
-    hook_recompute: bool = False    # the next post-forward in backward hooks its outputs
-    delivers_grads: bool = False    # this backward adds into the parameters' .grad
-    accumulated: bool = False       # a parameter's .grad was added to (ShardedParameter)
 
 
 def _not_traced(method):
@@ -135,8 +102,7 @@ class FSDPUnit:
                                  grads_in_place=grads_in_place)
         self.ctx = None
         self.is_root = False
-        self.state = TrainingState.IDLE
-        self.calls = _Calls()
+        self.backward = UnitBackward(self)
         self._to_run = set()  # modules of a grouped unit yet to run this pass
         self._keep = False    # unsharded by an explicit unshard() or kept after backward
         self._storage_checked = False  # nothing left on meta: checked at the first forward
@@ -183,16 +149,6 @@ class FSDPUnit:
     def numel(self) -> int:
         return self.group.numel
 
-    @property
-    def trainable(self):
-        return [p for p in self.params if p.requires_grad]
-
-    def allocate(self, device) -> None:
-        self.group.allocate(device)
-
-    def offload_to_host(self, pin_memory: bool) -> None:
-        self.group.offload_to_host(pin_memory)
-
     def set_gradient_divide_factor(self, factor) -> None:
         """What the summed gradients are divided by from the next reduction on."""
         if factor is not None and not factor > 0:
@@ -205,42 +161,16 @@ class FSDPUnit:
 
     # -- the backward's state ------------------------------------------------------------------
 
-    def _step(self, to: TrainingState) -> None:
-        assert (self.state, to) in _STEPS, f"{self.name}: {self.state.name} -> {to.name}"
-        self.state = to
-
-    @property
-    def in_backward(self) -> bool:
-        """This backward reached the unit's outputs (its gradients are arriving or reduced)."""
-        return self.state in (TrainingState.BACKWARD, TrainingState.REDUCED)
-
-    @property
-    def reduced(self) -> bool:
-        return self.state in (TrainingState.REDUCED, TrainingState.REDUCED_UNREACHED)
-
-    def owes_post_backward(self) -> bool:
-        """The final callback runs post_backward for a unit this iteration ran."""
-        return self.in_backward or self.calls.forward_calls or self.calls.calls_without_hook
-
     def _reset_iteration(self):
         """A new forward: forget the last graph's calls."""
-        self.calls = _Calls()
+        self.backward.new_iteration()
         self._to_run = set()
         for p in self.params:
             p.graphed = False
-        self.end_backward()
 
-    def end_backward(self):
-        """A backward finished: what the next one through the same graph (retain_graph=True)
-        starts from. Each hooked call and each reentrant checkpoint's recomputation (whose
-        nested backward brings that call's gradients) is owed its post-backward again."""
-        calls = self.calls
-        calls.pending_post_backward = calls.forward_calls + calls.reentrant_calls
-        calls.recomputes_left = calls.reentrant_calls
-        calls.delivers_grads = calls.accumulated = False
-        self.state = TrainingState.IDLE
-        for p in self.params:
-            p.backward_flag = None
+    def keep_unsharded(self):
+        """Stay unsharded until the next forward (set_reshard_after_backward(False))."""
+        self._keep = True
 
     def _note_graphed(self):
         """A forward with gradients is about to run: the parameters requiring grad now are the
@@ -249,24 +179,6 @@ class FSDPUnit:
             for p in self.params:
                 if p.requires_grad:
                     p.graphed = True
-
-    def _gradient_members(self):
-        """The parameters whose gradient this backward delivers, as autograd does on an
-        unsharded model: recorded by a forward with requires_grad set and still set now (or
-        holding an unreduced no_sync gradient). A flag changed while the unit's backward ran
-        cannot be honoured either way: an error naming it."""
-        for p in self.params:
-            if p.backward_flag is not None and p.requires_grad != p.backward_flag:
-                raise RuntimeError(
-                    f"{p.fqn}: requires_grad changed from {p.backward_flag} to "
-                    f"{p.requires_grad} while the backward of its unit ({self.name}) ran; set "
-                    "it before that backward starts or after it ends")
-            if p.backward_flag is False and p.full_face is not None and \
-                    p.full_face.grad is not None:
-                raise RuntimeError(
-                    f"{p.fqn}: got a gradient with requires_grad=False at the start of its "
-                    f"unit's backward ({self.name}); set requires_grad before backward starts")
-        return [p for p in self.params if (p.graphed and p.requires_grad) or p.unreduced]
 
     # -- unshard / reshard ---------------------------------------------------------------------
 
@@ -306,9 +218,10 @@ class FSDPUnit:
     @_not_traced
     def pre_forward(self, module, args, kwargs):
         args, kwargs = self._cast_inputs(args, kwargs)
+        calls = self.backward.calls
         if running_backward():  # an activation checkpoint's recomputation
-            if torch.is_grad_enabled() and not (self.calls.recomputes_left or self.calls.forward_calls or
-                                                self.calls.calls_without_hook):
+            if torch.is_grad_enabled() and not (calls.recomputes_left or calls.forward_calls or
+                                                calls.calls_without_hook):
                 raise RuntimeError(
                     f"fully_shard: {self.name} runs with gradients inside a backward, but its "
                     "forward ran neither with gradients nor inside a root forward that had "
@@ -317,7 +230,7 @@ class FSDPUnit:
                     "use_reentrant=False")
             self.wait_unshard()
             self._note_graphed()
-            if torch.is_grad_enabled() and self.calls.recomputes_left > 0:
+            if torch.is_grad_enabled() and calls.recomputes_left > 0:
                 args, kwargs = self._hook_reentrant_recompute(args, kwargs)
             return args, kwargs
         if ACTIVE.ctx is None:
@@ -342,19 +255,19 @@ class FSDPUnit:
         self._note_graphed()
         STATS.log("forward", self.name)
         if torch.is_grad_enabled():
-            args, kwargs, hooked = _register_post_backward(self, args, kwargs, ctx.token)
+            args, kwargs, hooked = register_post_backward(self.backward, args, kwargs, ctx.token)
             if hooked:
-                self.calls.forward_calls += 1
-                self.calls.pending_post_backward += 1
+                calls.forward_calls += 1
+                calls.pending_post_backward += 1
             else:
-                self.calls.calls_without_hook += 1
+                calls.calls_without_hook += 1
         elif ctx.token is not None:
             # No gradients inside a forward that records them: a reentrant checkpoint's first
             # pass (torch's use_reentrant=True, DeepSpeed's), whose recomputation in backward
             # is hooked then; or a call nothing differentiates, which the final callback ends.
-            self.calls.reentrant_calls += 1
-            self.calls.recomputes_left += 1
-            self.calls.pending_post_backward += 1
+            calls.reentrant_calls += 1
+            calls.recomputes_left += 1
+            calls.pending_post_backward += 1
         return args, kwargs
 
     def _hook_reentrant_recompute(self, args, kwargs):
@@ -363,23 +276,24 @@ class FSDPUnit:
         begin the unit's backward, its inputs end it), so that nested backward's gradients
         are reduced. A non-reentrant recomputation never gets here: its call recorded a
         graph in forward, and only that graph's backward brings gradients."""
-        self.calls.recomputes_left -= 1
-        args, kwargs, hooked = _register_post_backward(self, args, kwargs, None)
+        calls = self.backward.calls
+        calls.recomputes_left -= 1
+        args, kwargs, hooked = register_post_backward(self.backward, args, kwargs, None)
         if not hooked:  # nothing to end the unit's backward: the final callback does
-            self.calls.pending_post_backward -= 1
-            self.calls.calls_without_hook += 1
-        self.calls.hook_recompute = True
+            calls.pending_post_backward -= 1
+            calls.calls_without_hook += 1
+        calls.hook_recompute = True
         return args, kwargs
 
     @_not_traced
     def post_forward(self, module, args, output):
         if running_backward():
-            if self.calls.hook_recompute:
-                self.calls.hook_recompute = False
-                self._hook_outputs(output, None)
+            if self.backward.calls.hook_recompute:
+                self.backward.calls.hook_recompute = False
+                hook_outputs(self.backward, output, None)
             return self._cast_output(output)
         if torch.is_grad_enabled():
-            self._hook_outputs(output, self.ctx.token)
+            hook_outputs(self.backward, output, self.ctx.token)
         if self.is_root or ACTIVE.opener is module:  # this call began the forward
             self._end_forward()
         elif len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
@@ -428,12 +342,6 @@ class FSDPUnit:
         dtype = self.mp_policy.output_dtype
         return output if dtype is None else _cast_floating(output, dtype)
 
-    def _hook_outputs(self, output, token):
-        hook = _OutputGradHook(self, token)
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(hook)
-
     def _reused_soon(self) -> bool:
         """Will backward need these parameters again soon enough to keep them gathered? The
         unit backward starts with (the last of the previous forward) always: resharding it would
@@ -442,7 +350,8 @@ class FSDPUnit:
         if self.ctx is None or not (torch.is_grad_enabled() or self.ctx.backward_pending):
             return False  # (a forward without gradients keeps what a pending backward needs)
         distance = self.ctx.reuse_distance.get(self)
-        return distance is not None and (distance == 0 or distance < self.switches.max_reuse_distance)
+        return distance is not None and (distance == 0 or
+                                         distance < self.switches.max_reuse_distance)
 
     def _begin_root_forward(self, module):
         """A forward begins at `module` (this unit's): the root's, or a unit's called on its
@@ -458,9 +367,10 @@ class FSDPUnit:
             self._storage_checked = True
         ctx = self.ctx
         ctx.token = None  # (left behind by a forward that raised)
-        if self.switches.post_optim_event is not None:  # (FSDP2: a no-op on CPU, which has no streams)
+        event = self.switches.post_optim_event
+        if event is not None:  # (FSDP2: a no-op on CPU, which has no streams)
             if self.device.type != "cpu":
-                self.switches.post_optim_event.wait()  # all-gathers go out on this stream
+                event.wait()  # all-gathers go out on this stream
             self.switches.post_optim_event = None
         if not ctx.backward_pending:
             check_same_units(ctx)  # a forward nothing differentiated (an evaluation)
@@ -500,83 +410,6 @@ class FSDPUnit:
                 if nxt is not self and not nxt.is_root:
                     nxt.unshard(async_op=True)
 
-    def _pre_backward(self, grad):
-        if self.in_backward:
-            return grad
-        with record_function(f"vescale::pre_backward ({self.name})"):
-            return self._begin_backward(grad)
-
-    def _begin_backward(self, grad):
-        self._step(TrainingState.BACKWARD if self.state is TrainingState.IDLE
-                   else TrainingState.REDUCED)
-        ctx = self.ctx
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            ctx.backward_task = torch._C._current_graph_task_id()
-            Variable._execution_engine.queue_callback(functools.partial(final_callback, ctx))
-        self.wait_unshard()
-        STATS.log("backward", self.name)
-        for p in self.params:
-            p.backward_flag = p.requires_grad
-        trainable = [p for p in self.params if p.backward_flag]
-        # Whether this backward adds into the parameters' .grad: not torch.autograd.grad
-        # (input gradients). Parameters that only a reentrant checkpoint inside the unit
-        # uses are not in this graph but in its nested backward's: `accumulated` tells.
-        self.calls.delivers_grads = any(_accumulates(p) for p in trainable)
-        # A gradient may be written over its parameter once complete, unless something reads
-        # the value after that: a retained graph's next backward, the next recomputation of a
-        # reentrant checkpoint (each has a nested backward of its own), or the next forward
-        # (the unit stays unsharded after backward: set_reshard_after_backward(False)).
-        in_place = self.switches.grads_in_place and self.syncs_gradients and \
-            not self.calls.reentrant_calls and not keeps_graph() and self.switches.reshard_after_backward
-        for buf in {id(p.buffer): p.buffer for p in trainable}.values():
-            buf.begin_backward(grads_in_place=in_place)
-        for p in trainable:
-            p.preset_grad()
-        order = ctx.order
-        if self.switches.backward_prefetch is not None:  # set_modules_to_backward_prefetch
-            for unit in self.switches.backward_prefetch:
-                if unit is not self:
-                    unit.unshard(async_op=True)
-        elif self.is_root:  # backward reaches the last unit of the forward first
-            if order and order[-1] is not self:
-                order[-1].unshard(async_op=True)
-        elif self in order:  # the unit backward reaches next is the one before us in forward
-            i = order.index(self)
-            if i > 0:  # a no-op when it stayed gathered since its forward
-                order[i - 1].unshard(async_op=True)
-        return grad
-
-    def in_nested_backward(self) -> bool:
-        """Autograd runs a backward inside the one that began this backward: a reentrant
-        checkpoint's, over its recomputation (another recomputation may follow it)."""
-        return torch._C._current_graph_task_id() != self.ctx.backward_task
-
-    def post_backward(self):
-        """All of this unit's parameter gradients are in: reduce-scatter, then reshard."""
-        if self.reduced:
-            return
-        self._step(TrainingState.REDUCED if self.state is TrainingState.BACKWARD
-                   else TrainingState.REDUCED_UNREACHED)
-        for buf in self.buffers:
-            buf.flush_deferred_grads()
-        STATS.log("post_backward", self.name)
-        ctx = self.ctx
-        for unit in ctx.all_reducing:  # issued one unit ago: overlapped with that unit
-            unit.finish_gradients()
-        # One reduce-scatter in flight at a time frees each full gradient buffer as early as
-        # FSDP2 does; the replicas' all-reduce it leads to runs during the next unit.
-        ctx.all_reducing = [unit for unit in ctx.reducing if unit.advance_gradients()]
-        ctx.reducing = [self]
-        delivered = self.in_backward and (self.calls.delivers_grads or self.calls.accumulated)
-        gradients = self._gradient_members() if delivered else []
-        if gradients:
-            if not self.syncs_gradients:
-                self.group.keep_unreduced(gradients)
-            else:
-                self.group.reduce(gradients, self.switches.requires_all_reduce)
-        self.reshard_after_its_backward()
-
     def reduce_kept_gradients(self):
         """Start reducing, outside any backward, the full gradients no_sync kept: what the
         next backward that syncs would have reduced with its own (DeepSpeed's
@@ -584,97 +417,12 @@ class FSDPUnit:
         self.group.reduce([p for p in self.params if p.unreduced],
                           self.switches.requires_all_reduce)
 
-    @property
-    def syncs_gradients(self) -> bool:
-        """Backward reduces gradients (neither no_sync nor set_requires_gradient_sync(False))."""
-        return self.ctx.require_sync and self.switches.requires_gradient_sync
-
-    def reshard_after_its_backward(self):
-        """Reshard, unless set_reshard_after_backward(False) keeps the unit unsharded for the
-        next forward (its `.grad` views of the full gradient buffers are dropped)."""
-        if self.switches.reshard_after_backward or not self.is_unsharded:
-            self.reshard()
-            return
-        for p in self.params:
-            p.drop_full_grads()
-        self._keep = True
-
     def abandon_iteration(self):
         """This unit's part of `reset_iteration`."""
         self.group.abandon()
         self.reshard()  # (waits for an all-gather in flight)
         self._reset_iteration()
 
-    def advance_gradients(self) -> bool:
-        return self.group.advance_gradients()
-
-    def finish_gradients(self):
-        self.group.finish_gradients()
-
-    def fold_outside_grads(self):
-        self.group.fold_outside_grads()
-
-
-def _accumulates(p) -> bool:
-    """Will the running backward add into this parameter's .grad? Not in
-    torch.autograd.grad, nor in a backward(inputs=...) that leaves it out."""
-    for face in (p.full_face, p._local_leaf):
-        if face is None or not face.requires_grad:
-            continue
-        try:
-            if torch._C._will_engine_execute_node(get_gradient_edge(face).node):
-                return True
-        except RuntimeError:  # torch raises for a leaf inside autograd.grad, which never
-            pass              # accumulates
-    return False
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the unit's inputs whose backward runs once the unit's own backward is done."""
-
-    @staticmethod
-    def forward(ctx, unit, token, *inputs):
-        ctx.unit = unit
-        ctx.token = token  # the graph holds its forward's token (see UnitContext.live_forwards)
-        return inputs if len(inputs) > 1 else inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        unit = ctx.unit
-        if ctx.token is not None:
-            unit.ctx.reached.add(ctx.token)
-        ctx.token = None
-        unit.calls.pending_post_backward -= 1
-        if unit.calls.pending_post_backward == 0 and unit.calls.calls_without_hook == 0:
-            unit.post_backward()
-        return (None, None, *grads)
-
-
-class _OutputGradHook:
-    """The hook on a unit's outputs: the unit's backward begins. It holds its forward's token
-    for as long as the graph holds the hook."""
-
-    def __init__(self, unit, token):
-        self.unit = unit
-        self.token = token
-
-    def __call__(self, grad):
-        if self.token is not None:
-            self.unit.ctx.reached.add(self.token)
-        return self.unit._pre_backward(grad)
-
-
-def _register_post_backward(unit, args, kwargs, token):
-    flat, spec = tree_flatten((args, kwargs))
-    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not positions:
-        return args, kwargs, False
-    out = _PostBackward.apply(unit, token, *[flat[i] for i in positions])
-    out = out if isinstance(out, tuple) else (out,)
-    for i, t in zip(positions, out):
-        flat[i] = t
-    args, kwargs = tree_unflatten(flat, spec)
-    return args, kwargs, True
 
 
 def _cast_floating(tree, dtype):
