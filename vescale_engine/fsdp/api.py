@@ -23,7 +23,7 @@ from .materialize import install_full_shape_reset
 from .state_dict import keep_parameters_on_assign
 from .module_class import (FSDPState, register_fsdp_forward_method, restore_class,
                            to_fsdp_class)
-from .policy import as_policy
+from .policy import CommunicationPolicy, as_policy
 from .unit import FSDPUnit, UnitContext
 
 __all__ = ["fully_shard", "no_sync", "reduce_kept_gradients", "release",
@@ -57,6 +57,27 @@ def _resolve_mesh(mesh):
 _HPZ_GROUPS = weakref.WeakKeyDictionary()
 
 
+def _modules_to_shard(module) -> list:
+    """The modules of one fully_shard call, refused as FSDP2 refuses them (one line, before
+    any collective)."""
+    check_versions()  # a torch below the supported range: one line, before anything runs
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialized process group "
+                           "(torch.distributed.init_process_group)")
+    modules = fsdp2_args.root_modules(module) if isinstance(module, (list, tuple)) \
+        else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
+    if not isinstance(module, (list, tuple)):
+        _check_not_container(module)
+    for m in modules:
+        if getattr(m, "_vescale_unit", None) is not None:
+            raise AssertionError(  # FSDP2's type for a second application
+                f"fully_shard was already applied to this {type(m).__name__}: a module is "
+                "sharded once")
+    return modules
+
+
 def _check_not_container(module) -> None:
     """FSDP2 refuses a ModuleList / ModuleDict without a forward of its own: its forward never
     runs, so nothing would gather its parameters (a list of its modules is one unit)."""
@@ -69,8 +90,6 @@ def _check_not_container(module) -> None:
 
 def _hpz_group(size, group, replicate_group):
     """hpZ's group for `size` (None for 1: off); its groups are made once, by every rank."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"hpz_partition_size must be an int >= 1, got {size!r}")
     if size == 1:
         return None
     world = dist.get_world_size()
@@ -178,21 +197,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     Shard/Replicate or is on meta, a second call on the same module, an argument refused) are
     raised here, before any collective.
     """
-    check_versions()  # a torch below the supported range: one line, before anything runs
-    if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs an initialized process group "
-                           "(torch.distributed.init_process_group)")
-    modules = fsdp2_args.root_modules(module) if isinstance(module, (list, tuple)) \
-        else [module]
-    if not modules or not all(isinstance(m, nn.Module) for m in modules):
-        raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
-    if not isinstance(module, (list, tuple)):
-        _check_not_container(module)
-    for m in modules:
-        if getattr(m, "_vescale_unit", None) is not None:
-            raise AssertionError(  # FSDP2's type for a second application
-                f"fully_shard was already applied to this {type(m).__name__}: a module is "
-                "sharded once")
+    modules = _modules_to_shard(module)
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
     group, replicate_group = _resolve_mesh(mesh)
     reshard_after_forward = fsdp2_args.reshard_after_forward_of(
@@ -203,40 +208,19 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
     if max_reuse_distance < 0:
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
-    quantized = {k: v for k, v in (("weights", quantized_weights),
-                                   ("gradients", quantized_gradients)) if v is not None}
-    for kind, size in quantized.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"quantized_{kind} must be a group size in elements (an int >= "
-                             f"1), got {size!r}")
-    hpz = _hpz_group(hpz_partition_size, group, replicate_group)
-    if quantization_format not in ("int8", "fp8_e4m3"):
-        raise ValueError(f"quantization_format must be 'int8' or 'fp8_e4m3', got "
-                         f"{quantization_format!r}")
-    if quantization_format != "int8" and quantized_weights is None:
-        raise ValueError(f"quantization_format={quantization_format!r} is what the weights "
-                         "travel as: set quantized_weights too (gradients are int8)")
-    if fp8_matmul and quantization_format != "fp8_e4m3":
-        raise ValueError("fp8_matmul=True computes from weights gathered as FP8 tiles: set "
-                         "quantized_weights and quantization_format='fp8_e4m3'")
-    if fp8_matmul and hpz is not None:
-        raise ValueError("fp8_matmul=True with hpz_partition_size > 1 is not supported yet "
-                         "(backward's gathers from the secondary copies carry no FP8 values)")
+    comm = CommunicationPolicy(quantized_weights, quantized_gradients, quantization_format,
+                               fp8_matmul, hpz_partition_size, native_collectives)
+    hpz = _hpz_group(comm.hpz_partition_size, group, replicate_group)
     if fp8_matmul:
         _require_rowwise_scaled_mm(modules, group)
-    if len(set(quantized.values())) > 1:
-        raise ValueError(f"quantized_weights={quantized_weights} and quantized_gradients="
-                         f"{quantized_gradients}: one group size serves both (the planner "
-                         "lays the unit out for one)")
     unit = FSDPUnit(modules if isinstance(module, (list, tuple)) else module, group,
                     replicate_group, reshard_after_forward, mp_policy, granularity, max_buffers,
-                    align_bytes, grads_in_place, max_reuse_distance, native_collectives,
+                    align_bytes, grads_in_place, max_reuse_distance, comm.native_collectives,
                     gradient_divide_factor, ignored=fsdp2_args.ignored_ids(ignored_params),
                     placement=fsdp2_args.placement_of(shard_placement_fn),
-                    flat_parameters=flat_parameters,
-                    quantize_group=next(iter(quantized.values()), None),
-                    quantized=tuple(quantized), hpz_group=hpz,
-                    quantize_format=quantization_format)
+                    flat_parameters=flat_parameters, quantize_group=comm.quantize_group,
+                    quantized=comm.quantized, hpz_group=hpz,
+                    quantize_format=comm.quantization_format)
     if quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
         _warn_untiled(unit)
     if fp8_matmul:

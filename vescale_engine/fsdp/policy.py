@@ -1,5 +1,7 @@
-"""What a user chooses for a unit: the mixed-precision policy and, per parameter, the
-sharding granularity. Plain types at the bottom of the FSDP runtime; nothing here knows units."""
+"""What a user chooses for a unit: the mixed-precision policy, how its parameters and
+gradients travel (CommunicationPolicy) and, per parameter, the sharding granularity. Plain
+types at the bottom of the FSDP runtime, each checked once when made; nothing here knows
+units."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +13,7 @@ import torch
 from .. import torch_compat
 from ..plan.granularity import parse_granularity
 
-__all__ = ["MixedPrecisionPolicy", "as_policy", "granularity_of"]
+__all__ = ["MixedPrecisionPolicy", "CommunicationPolicy", "as_policy", "granularity_of"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,61 @@ def granularity_of(granularity):
         return next((g for pattern, g in overrides if fnmatch.fnmatchcase(fqn, pattern)),
                     default)
     return resolve
+
+
+@dataclass(frozen=True)
+class CommunicationPolicy:
+    """How a unit's weights and gradients travel: fully_shard's keywords of the same names,
+    checked together when the policy is made (each problem one ValueError naming them).
+    `quantized_weights` / `quantized_gradients`: int8 groups of that many elements (ZeRO++'s
+    qwZ / qgZ; one group size for both); `quantization_format`: what the weights travel as
+    ("int8", or "fp8_e4m3" tiles); `fp8_matmul`: Linears compute from the FP8 tiles;
+    `hpz_partition_size`: hpZ's secondary copies (1: off); `native_collectives`: the backend's
+    collectives even on gloo."""
+    quantized_weights: int | None = None
+    quantized_gradients: int | None = None
+    quantization_format: str = "int8"
+    fp8_matmul: bool = False
+    hpz_partition_size: int = 1
+    native_collectives: bool = False
+
+    def __post_init__(self):
+        for kind, size in (("weights", self.quantized_weights),
+                           ("gradients", self.quantized_gradients)):
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or
+                                     size < 1):
+                raise ValueError(f"quantized_{kind} must be a group size in elements (an int "
+                                 f">= 1), got {size!r}")
+        size = self.hpz_partition_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"hpz_partition_size must be an int >= 1, got {size!r}")
+        if self.quantization_format not in ("int8", "fp8_e4m3"):
+            raise ValueError(f"quantization_format must be 'int8' or 'fp8_e4m3', got "
+                             f"{self.quantization_format!r}")
+        if self.quantization_format != "int8" and self.quantized_weights is None:
+            raise ValueError(f"quantization_format={self.quantization_format!r} is what the "
+                             "weights travel as: set quantized_weights too (gradients are int8)")
+        if self.fp8_matmul and self.quantization_format != "fp8_e4m3":
+            raise ValueError("fp8_matmul=True computes from weights gathered as FP8 tiles: set "
+                             "quantized_weights and quantization_format='fp8_e4m3'")
+        if self.fp8_matmul and size > 1:
+            raise ValueError("fp8_matmul=True with hpz_partition_size > 1 is not supported yet "
+                             "(backward's gathers from the secondary copies carry no FP8 "
+                             "values)")
+        sizes = {self.quantized_weights, self.quantized_gradients} - {None}
+        if len(sizes) > 1:
+            raise ValueError(f"quantized_weights={self.quantized_weights} and "
+                             f"quantized_gradients={self.quantized_gradients}: one group size "
+                             "serves both (the planner lays the unit out for one)")
+
+    @property
+    def quantized(self) -> tuple:
+        """What travels as int8 groups: "weights" and/or "gradients"."""
+        return tuple(kind for kind, size in (("weights", self.quantized_weights),
+                                             ("gradients", self.quantized_gradients))
+                     if size is not None)
+
+    @property
+    def quantize_group(self) -> int | None:
+        """Elements per group (one size serves both)."""
+        return self.quantized_weights or self.quantized_gradients

@@ -180,8 +180,36 @@ def _run_elementwise(cls, func, args, kwargs):
     first = _first_ragged(args, kwargs)
     if "out" in writes or any(name.startswith("out") for name in kwargs):
         raise refuse(func, first, "out= variants are not supported")
-    # Pass 1: the ragged layout at each position of the tensor lists, and of the single
-    # (non-list) operands, which pair with every position.
+    layouts, single = _operand_layouts(func, args, kwargs, first)
+
+    def ragged_at(position) -> bool:
+        if single is not None:
+            return True
+        return bool(layouts) if position is None else position in layouts
+
+    def unwrap(name, value):
+        if _is_tensor_list(value):
+            return [_local_operand(func, first, ragged_at(i), name, t)
+                    for i, t in enumerate(value)]
+        return _local_operand(func, first, ragged_at(None), name, value)
+
+    listed = _is_tensor_list(args[0])
+    if writes and not listed and not is_ragged(args[0]):
+        raise refuse(func, first, "it writes into a tensor that is not the RaggedShard DTensor")
+    out = func(*[unwrap(n, v) for n, v in zip(names, args)],
+               **{n: unwrap(n, v) for n, v in kwargs.items()})
+    if writes and not listed:
+        return args[0]  # in place: the same tensor object, as torch returns
+    if not func._schema.returns:
+        return None
+    return _wrap_results(cls, func, out, args, kwargs, first if single is not None else None,
+                         listed)
+
+
+def _operand_layouts(func, args, kwargs, first):
+    """The ragged layout at each position of the tensor lists, and of the single (non-list)
+    operands, which pair with every position: ({position: layout}, single layout or None);
+    operands of different layouts are refused."""
     layouts, single = {}, None
     for value in list(args) + list(kwargs.values()):
         for position, t in (enumerate(value) if _is_tensor_list(value) else [(None, value)]):
@@ -198,54 +226,42 @@ def _run_elementwise(cls, func, args, kwargs):
                 layouts[position] = key
     if single is not None and any(key != single for key in layouts.values()):
         raise refuse(func, first, "its operands have different layouts")
+    return layouts, single
 
-    def ragged_at(position) -> bool:
-        if single is not None:
-            return True
-        return bool(layouts) if position is None else position in layouts
 
-    # Pass 2: local tensors for ragged ones; 0-d tensors as they are (a DTensor reduced to its
-    # value); anything else next to a ragged tensor is refused.
-    def local(name, position, t):
-        if is_ragged(t):
-            return t._local_tensor
-        if not isinstance(t, torch.Tensor):
-            return t
-        if not ragged_at(position):
-            if isinstance(t, DTensor):
-                raise refuse(func, first, "it mixes RaggedShard DTensors with other DTensors")
-            return t
-        if t.dim() == 0:
-            return t.full_tensor() if isinstance(t, DTensor) else t
-        if name == "scalars" and not isinstance(t, DTensor):
-            return t  # a foreach op's one scalar per list entry
-        kind = "DTensor" if isinstance(t, DTensor) else "plain tensor"
-        raise refuse(func, first, f"it has a {kind} operand of shape {list(t.shape)}: only 0-d "
-                     "tensors mix with a RaggedShard DTensor")
+def _local_operand(func, first, ragged_here: bool, name, t):
+    """The local tensor of a ragged operand; 0-d tensors as they are (a DTensor reduced to its
+    value); anything else next to a ragged tensor is refused."""
+    if is_ragged(t):
+        return t._local_tensor
+    if not isinstance(t, torch.Tensor):
+        return t
+    if not ragged_here:
+        if isinstance(t, DTensor):
+            raise refuse(func, first, "it mixes RaggedShard DTensors with other DTensors")
+        return t
+    if t.dim() == 0:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    if name == "scalars" and not isinstance(t, DTensor):
+        return t  # a foreach op's one scalar per list entry
+    kind = "DTensor" if isinstance(t, DTensor) else "plain tensor"
+    raise refuse(func, first, f"it has a {kind} operand of shape {list(t.shape)}: only 0-d "
+                 "tensors mix with a RaggedShard DTensor")
 
-    def unwrap(name, value):
-        if _is_tensor_list(value):
-            return [local(name, i, t) for i, t in enumerate(value)]
-        return local(name, None, value)
 
-    listed = _is_tensor_list(args[0])
-    if writes and not listed and not is_ragged(args[0]):
-        raise refuse(func, first, "it writes into a tensor that is not the RaggedShard DTensor")
-    out = func(*[unwrap(n, v) for n, v in zip(names, args)],
-               **{n: unwrap(n, v) for n, v in kwargs.items()})
-    if writes and not listed:
-        return args[0]  # in place: the same tensor object, as torch returns
-    if not func._schema.returns:
-        return None
+def _wrap_results(cls, func, out, args, kwargs, single_like, listed):
+    """The local results as RaggedShard DTensors of their operands' layouts (`single_like`:
+    the ragged single operand every result takes the layout of, if any)."""
     examples = {}
     for value in list(args) + list(kwargs.values()):
         if _is_tensor_list(value):
             for i, t in enumerate(value):
                 if is_ragged(t):
                     examples.setdefault(i, t)
+    first = _first_ragged(args, kwargs)
 
     def wrap(o, position):
-        like = first if single is not None or position is None else examples.get(position)
+        like = first if single_like is not None or position is None else examples.get(position)
         if not isinstance(o, torch.Tensor) or like is None:
             return o
         if o.shape != like._local_tensor.shape:  # not element-wise after all: never wrap it
