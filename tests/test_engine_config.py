@@ -48,13 +48,15 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
     assert [n.split(" (")[0] for n in cfg.not_acted_on] == ["zero_optimization.overlap_comm"]
     assert cfg.max_reuse_distance == 0  # absent: only the last unit stays gathered
     # absent: reduce-scatter every micro-step, gloo's exchanges
-    assert cfg.local_grad_accumulation is False and cfg.native_collectives is False
+    assert cfg.local_grad_accumulation is False
+    assert cfg.communication.native_collectives is False
     reuse = build_config({"train_batch_size": 2, "zero_optimization": {
         "stage": 3, "stage3_max_reuse_distance": 1e9}}, world_size=2)
     assert reuse.max_reuse_distance == 10 ** 9 and reuse.not_acted_on == ()
     runtime = build_config({"train_batch_size": 2, "vescale": {
         "local_grad_accumulation": True, "native_collectives": True}}, world_size=2)
-    assert runtime.local_grad_accumulation is True and runtime.native_collectives is True
+    assert runtime.local_grad_accumulation is True
+    assert runtime.communication.native_collectives is True
     assert runtime.not_acted_on == ()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from config_schemas.validate import (ConfigError, offload_param_below_stage_3, r
                                      validate_config)
 
 from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
+from ..fsdp.policy import CommunicationPolicy
 from ..plan.quantization import DEFAULT_GROUP
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
@@ -223,7 +225,6 @@ class EngineConfig:
     max_reuse_distance: int = 0
     grads_in_place: bool = True
     local_grad_accumulation: bool = False
-    native_collectives: bool = False
     hsdp_replicate_size: int = 1
     parallel: ParallelSizes | None = None  # the rank layout (None: built without one)
     tensor_parallel_plan: dict = field(default_factory=dict)  # vescale.tensor_parallel
@@ -245,17 +246,11 @@ class EngineConfig:
     # checkpoint.writer.decoupled: save_checkpoint returns once the state is staged in host
     # memory; a thread writes it (checkpoint/background.py)
     background_saves: bool = False
-    # zero_optimization.zero_quantized_weights / zero_quantized_gradients: int8 weight
-    # all-gathers / gradient reduce-scatters in groups of `quantization_group` elements
-    # (vescale.quantization_group_size; shard/quantize.py)
-    quantized_weights: bool = False
-    quantized_gradients: bool = False
-    quantization_group: int = DEFAULT_GROUP
-    quantization_format: str = "int8"  # the weights': "int8" or "fp8_e4m3" (tile scales)
-    fp8_matmul: bool = False  # Linears compute their forward from the gathered FP8 tiles
-    # zero_optimization.zero_hpz_partition_size: backward re-gathers inside groups of this
-    # many consecutive ranks (1: off)
-    hpz_partition_size: int = 1
+    # how weights and gradients travel: zero_optimization.zero_quantized_weights /
+    # zero_quantized_gradients (int8 groups of vescale.quantization_group_size elements),
+    # vescale.quantization_format, vescale.fp8_matmul, zero_optimization.zero_hpz_partition_size,
+    # vescale.native_collectives (fully_shard's CommunicationPolicy, checked there)
+    communication: CommunicationPolicy = field(default_factory=CommunicationPolicy)
 
 
 def _offload_optimizer(section: dict | None) -> dict | None:
@@ -391,7 +386,6 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0)),
         grads_in_place=ves.get("grads_in_place", True),
         local_grad_accumulation=ves.get("local_grad_accumulation", False),
-        native_collectives=ves.get("native_collectives", False),
         hsdp_replicate_size=ves.get("hsdp_replicate_size", 1),
         parallel=sizes,
         tensor_parallel_plan=dict(ves.get("tensor_parallel", {})),
@@ -408,38 +402,38 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         canonical=config,
         background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
                               .get("decoupled", False)),
-        quantized_weights=_quantized(zero, "zero_quantized_weights", stage, sizes, prefix),
-        quantized_gradients=_quantized(zero, "zero_quantized_gradients", stage, sizes, prefix),
-        quantization_group=int(ves.get("quantization_group_size", DEFAULT_GROUP)),
-        quantization_format=_quantization_format(zero, ves, prefix),
-        hpz_partition_size=_hpz_partition_size(zero, stage, sizes, offload, prefix),
-        fp8_matmul=_fp8_matmul(zero, ves, prefix),
+        communication=_communication(zero, ves, stage, sizes, offload, prefix),
     )
 
 
-def _fp8_matmul(zero: dict, ves: dict, prefix: str) -> bool:
-    """vescale.fp8_matmul: only over weights gathered as FP8 tiles, and not with hpZ."""
-    if not ves.get("fp8_matmul", False):
-        return False
-    if ves.get("quantization_format", "int8") != "fp8_e4m3":
-        raise ConfigError([f"{prefix}vescale.fp8_matmul computes from weights gathered as FP8 "
-                           "tiles: set zero_optimization.zero_quantized_weights and "
-                           "vescale.quantization_format \"fp8_e4m3\""])
-    if int(zero.get("zero_hpz_partition_size", 1) or 1) > 1:
-        raise ConfigError([f"{prefix}vescale.fp8_matmul with zero_hpz_partition_size > 1 is "
-                           "not supported yet (backward's gathers from the secondary copies "
-                           "carry no FP8 values)"])
-    return True
+# fully_shard's names in CommunicationPolicy's messages -> the config keys that set them
+_CONFIG_NAMES = {"quantized_weights": "zero_optimization.zero_quantized_weights",
+                 "quantized_gradients": "zero_optimization.zero_quantized_gradients",
+                 "quantization_format": "vescale.quantization_format",
+                 "fp8_matmul": "vescale.fp8_matmul",
+                 "hpz_partition_size": "zero_optimization.zero_hpz_partition_size",
+                 "native_collectives": "vescale.native_collectives"}
 
 
-def _quantization_format(zero: dict, ves: dict, prefix: str) -> str:
-    """vescale.quantization_format: what the quantized weight all-gathers send."""
-    fmt = ves.get("quantization_format", "int8")
-    if fmt != "int8" and not zero.get("zero_quantized_weights", False):
-        raise ConfigError([f"{prefix}vescale.quantization_format {fmt!r} is for the weights: "
-                           "set zero_optimization.zero_quantized_weights (gradients are "
-                           "quantized to int8)"])
-    return fmt
+def _communication(zero: dict, ves: dict, stage: int, sizes: ParallelSizes, offload,
+                   prefix: str) -> CommunicationPolicy:
+    """The config's communication keys as fully_shard's CommunicationPolicy, which checks
+    them together; its error is re-raised naming the config keys."""
+    group = int(ves.get("quantization_group_size", DEFAULT_GROUP))
+    weights = _quantized(zero, "zero_quantized_weights", stage, sizes, prefix)
+    gradients = _quantized(zero, "zero_quantized_gradients", stage, sizes, prefix)
+    try:
+        return CommunicationPolicy(
+            quantized_weights=group if weights else None,
+            quantized_gradients=group if gradients else None,
+            quantization_format=ves.get("quantization_format", "int8"),
+            fp8_matmul=bool(ves.get("fp8_matmul", False)),
+            hpz_partition_size=_hpz_partition_size(zero, stage, sizes, offload, prefix),
+            native_collectives=bool(ves.get("native_collectives", False)))
+    except ValueError as err:
+        message = re.sub(r"\b(" + "|".join(_CONFIG_NAMES) + r")\b",
+                         lambda m: _CONFIG_NAMES[m.group(1)], str(err))
+        raise ConfigError([prefix + message]) from None
 
 
 def _hpz_partition_size(zero: dict, stage: int, sizes: ParallelSizes, offload, prefix) -> int:

@@ -2,6 +2,7 @@
 read from the model), and the device mesh they shard over."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -87,12 +88,7 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                   flat_parameters=True,
                   max_reuse_distance=cfg.max_reuse_distance,
                   grads_in_place=cfg.grads_in_place,
-                  native_collectives=cfg.native_collectives,
-                  quantized_weights=cfg.quantization_group if cfg.quantized_weights else None,
-                  quantized_gradients=cfg.quantization_group if cfg.quantized_gradients
-                  else None,
-                  hpz_partition_size=cfg.hpz_partition_size,
-                  quantization_format=cfg.quantization_format, fp8_matmul=cfg.fp8_matmul,
+                  **dataclasses.asdict(cfg.communication),  # its fields: fully_shard's keywords
                   granularity=granularity,
                   max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
                   mp_policy=MixedPrecisionPolicy(
@@ -128,7 +124,7 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
         _warn_coarse_shampoo(cfg, model, choice)
-        if cfg.fp8_matmul:
+        if cfg.communication.fp8_matmul:
             routed = sum(u.fp8_linears for u in units_under(model))
             (LOG.info if routed else LOG.warning)(
                 f"vescale.fp8_matmul: {routed} nn.Linear layers compute their forward from "
