@@ -36,7 +36,9 @@ from ..launch.collective_timeout import explain_timeout
 from ..plan.planner import TensorSpec, plan_unit
 from ..plan.quantization import quantization_block
 from ..shard.collectives import default_device
-from ..shard.dbuffer import STATS, DBuffer, release_free_host_memory
+from ..shard.dbuffer import DBuffer
+from ..shard.host_memory import release_free_host_memory
+from ..shard.stats import STATS
 from .guards import is_deferred, require_materialized
 from .dtensor_params import dtensor_spec_of, layout_key, local_tensor, tp_block
 from .param import ShardedParameter

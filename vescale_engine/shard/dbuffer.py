@@ -12,13 +12,6 @@ Must not know about modules or config.
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
-import time
-from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -28,143 +21,13 @@ from . import collectives
 from .compute_shard import ComputeShard
 from .quantize import (GroupLayout, TileLayout, dequantize, dequantize_sum, dequantize_tiles,
                        quantize, quantize_tiles)
+from .stats import STATS, TimedWork
 
-__all__ = ["DBuffer", "PendingReduction", "CollectiveStats", "STATS", "release_free_host_memory"]
-
-
-@dataclass
-class CollectiveStats:
-    """What the collective path did: the bytes it copied (the design says zero), how many
-    collectives it issued (and how many of them were the backend's own, `native`), and, when
-    `record` is set, the order of events (for tests).
-
-    Communication time (wall_clock_breakdown) is the stall that waiting for a collective put
-    on compute, i.e. what prefetch and overlap did not hide. On CPU that is host time inside
-    wait() (`wait_s`). On an accelerator wait() only makes the compute stream wait, so while
-    `time_device_waits` is set each wait is bracketed by two timing events on the compute
-    stream (`pending_device_waits`), read once the device has finished them (`settle`)."""
-    bytes_copied: int = 0
-    bytes_gathered: int = 0     # the all-gathers' outputs (int8 and scales when quantized)
-    bytes_reduced: int = 0      # the reduce-scatters' inputs
-    hpz_gathers: int = 0        # all-gathers from the hpZ secondary copy (inside its group)
-    all_gathers: int = 0
-    reduce_scatters: int = 0
-    all_reduces: int = 0
-    native: int = 0
-    wait_s: float = 0.0         # host seconds inside wait() (CPU tensors)
-    device_wait_s: float = 0.0  # compute-stream stall measured by events (accelerators)
-    time_device_waits: bool = False
-    pending_device_waits: list = field(default_factory=list)
-    record: bool = False
-    events: list = field(default_factory=list)
-
-    def log(self, *event):
-        if self.record:
-            self.events.append(event)
-
-    def settle(self) -> None:
-        """Add the finished event pairs' stalls into device_wait_s (the device must be done
-        with them: the caller synchronizes first)."""
-        for start, end in self.pending_device_waits:
-            self.device_wait_s += start.elapsed_time(end) / 1000.0
-        self.pending_device_waits.clear()
-
-    def reset(self):
-        self.bytes_copied = self.all_gathers = self.reduce_scatters = self.all_reduces = 0
-        self.bytes_gathered = self.bytes_reduced = self.hpz_gathers = 0
-        self.native = 0
-        self.wait_s = self.device_wait_s = 0.0
-        self.pending_device_waits.clear()
-        self.events.clear()
-
-
-def _timing_event(device: torch.device):
-    return torch.Event(device=device, enable_timing=True)
-
-
-class _TimedWork:
-    """A collective's handle whose wait() counts the stall it causes (see CollectiveStats)."""
-
-    def __init__(self, work, device: torch.device,
-                 event_factory: Callable[[torch.device], object] = _timing_event):
-        self.work = work
-        self.device = device
-        self.event_factory = event_factory
-
-    def wait(self):
-        if self.device.type == "cpu":
-            start = time.perf_counter()
-            self.work.wait()
-            STATS.wait_s += time.perf_counter() - start
-        elif STATS.time_device_waits:
-            start, end = self.event_factory(self.device), self.event_factory(self.device)
-            start.record()
-            self.work.wait()  # enqueues the compute stream's wait on the collective
-            end.record()
-            STATS.pending_device_waits.append((start, end))
-        else:
-            self.work.wait()
-
-
-STATS = CollectiveStats()
+__all__ = ["DBuffer", "PendingReduction"]
 
 
 def _held(tensor) -> int:
     return 0 if tensor is None else tensor.untyped_storage().nbytes()
-
-
-def _glibc_malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, ...)
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _resident_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class _HeapTrimmer:
-    """Keeps resident memory from climbing step after step without paying page faults every
-    step.
-
-    Full buffers are freed and made again every step. glibc keeps freed pages resident and its
-    heap fragments, so resident memory climbs a little every step; handing all free pages back
-    after every backward (malloc_trim) stops that, but then each step touches fresh pages
-    (page faults: about 6% of a CPU step). So: note the largest resident size over the first
-    backwards (warm-up), and trim only once it has grown past that by `GROWTH`."""
-
-    GROWTH = 1.1
-    LEARN_CALLS = 4
-
-    def __init__(self):
-        self.calls = 0
-        self.limit = None
-
-    def __call__(self) -> None:
-        if _MALLOC_TRIM is None:
-            return
-        self.calls += 1
-        resident = _resident_bytes()
-        if resident is None:  # cannot watch it: trim every time
-            _MALLOC_TRIM(0)
-        elif self.calls <= self.LEARN_CALLS:
-            self.limit = max(self.limit or 0, resident * self.GROWTH)
-        elif resident > self.limit:
-            _MALLOC_TRIM(0)
-
-
-release_free_host_memory = _HeapTrimmer()
 
 
 class DBuffer:
@@ -473,7 +336,7 @@ class DBuffer:
         if not async_op:
             work.wait()
             return None
-        return _TimedWork(work, self.device)
+        return TimedWork(work, self.device)
 
     def _keep_secondary(self, tag) -> None:
         """This rank's part of the gathered `full` into its hpZ secondary copy."""
@@ -491,7 +354,7 @@ class DBuffer:
         STATS.log("all_gather_hpz", self.name)
         work = collectives.all_gather(self.full, self.secondary, self.hpz_group,
                                       async_op=async_op, native=self.native)
-        return _TimedWork(work, self.device) if async_op else work
+        return TimedWork(work, self.device) if async_op else work
 
     def _quantized_all_gather(self, source: torch.Tensor):
         """This rank's shard quantized, payload and scales all-gathered (two collectives; a
@@ -737,7 +600,7 @@ class DBuffer:
             work = collectives.reduce_scatter(out, source, self.shard_group,
                                               op=self.reduction.reduce_scatter_op,
                                               native=self.native)
-        return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct,
+        return PendingReduction(self, TimedWork(work, self.device), out, accumulate, direct,
                                 source, deferred=defer)
 
     def _quantized_reduce_scatter(self, out: torch.Tensor, source: torch.Tensor):
@@ -858,7 +721,7 @@ class PendingReduction:
             STATS.log("all_reduce", buf.name)
             work = dist.all_reduce(self.out, op=buf.reduction.all_reduce_op,
                                    group=buf.replicate_group, async_op=True)
-            self.all_reduce = _TimedWork(work, buf.device)
+            self.all_reduce = TimedWork(work, buf.device)
 
     def discard(self) -> None:
         """Wait for the collectives in flight, keep nothing of their result."""
