@@ -177,7 +177,7 @@ def check_bf16_accumulation(device):
     follows the fp32 run within bf16's resolution, the parameters moved, and each mode did the
     reduce-scatters it should. (A falling loss is no test here: 6 steps on random tokens can
     end on the loss they began with at bf16's 0.4% resolution; the H200 run of 2026-11-30 did.)"""
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     details, runs, reductions, moved = {}, {}, {}, {}
     for local in (False, True, "fp32"):
         precision = {} if local == "fp32" else {"bf16": {"enabled": True}}

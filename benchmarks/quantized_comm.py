@@ -49,7 +49,7 @@ def worker(args):
     from gpt_model import GPT, GPTConfig
     from train_gpt import get_batch, load_text
     from vescale_engine import initialize
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
 
     device = torch.device(args.device)
     if args.device == "cuda":

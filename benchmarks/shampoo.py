@@ -33,7 +33,7 @@ def worker(args):
     import torch
     sys.path.insert(0, ROOT)
     from vescale_engine import initialize
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
 
     torch.set_num_threads(1)
     config, data, model = example_setup(args)

@@ -318,7 +318,7 @@ def generation_rank(rank, world):
     # TRL 1.x's private context manager; before it (trl 0.24) the public one did the same
     _unwrap_model_for_generation = getattr(utils, "_unwrap_model_for_generation", None) or \
         utils.unwrap_model_for_generation
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     engine, reference, opt = pair()
     out = {"before": [train_both(engine, reference, opt, 0)]}
     prompt = tokens(9)[:, :4]

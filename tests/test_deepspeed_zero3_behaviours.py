@@ -449,7 +449,7 @@ def manual_backward_rank(rank, world):
     import deepspeed
 
     import vescale_engine
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     fp16 = {**CONFIG, "gradient_accumulation_steps": 2,
             "train_batch_size": 2 * TOKENS * world,
             "fp16": {"enabled": True, "initial_scale_power": 8}}

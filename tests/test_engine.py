@@ -32,7 +32,7 @@ def pool(request):
 
 def engine_rank(rank, world, local_accumulation):
     from deepspeed.runtime.lr_schedules import WarmupLR
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     reference = fm.make("gpt")
     ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
     ref_sched = WarmupLR(ref_opt, **CONFIG["scheduler"]["params"])
@@ -310,7 +310,7 @@ def test_communication_time_comes_from_device_events_on_accelerators(monkeypatch
     the stall timed by events recorded around it on the compute stream (an injected event
     factory here), not host time; on CPU it is host time inside wait(), labelled as such."""
     from vescale_engine.engine import timers
-    from vescale_engine.shard.dbuffer import STATS, _TimedWork
+    from vescale_engine.shard.stats import STATS, TimedWork
     log = []
 
     class Event:  # what torch.Event(device, enable_timing=True) offers
@@ -329,17 +329,17 @@ def test_communication_time_comes_from_device_events_on_accelerators(monkeypatch
 
     monkeypatch.setattr(STATS, "time_device_waits", False)
     STATS.reset()
-    _TimedWork(Work(), torch.device("cuda", 0), Event).wait()
+    TimedWork(Work(), torch.device("cuda", 0), Event).wait()
     assert log == ["wait"] and not STATS.pending_device_waits  # not timing: no events
     breakdown = timers.WallClockBreakdown(True)
     assert STATS.time_device_waits
     log.clear()
     for _ in range(2):
-        _TimedWork(Work(), torch.device("cuda", 0), Event).wait()
+        TimedWork(Work(), torch.device("cuda", 0), Event).wait()
     assert log == ["record", "wait", "record"] * 2 and STATS.wait_s == 0.0
     line = breakdown.line()
     assert "communication 14.0 ms" in line and "host wait" not in line, line
-    _TimedWork(Work(), torch.device("cpu"), Event).wait()
+    TimedWork(Work(), torch.device("cpu"), Event).wait()
     assert log[-1] == "wait" and STATS.wait_s > 0  # CPU: host time, no events
     assert timers.HOST_WAIT_LABEL + " " in breakdown.line()
     STATS.reset()

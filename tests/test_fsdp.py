@@ -14,7 +14,7 @@ from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.optim import adamw as adamw_module
 from vescale_engine.optim.clip import clip_grad_norm_
-from vescale_engine.shard.dbuffer import STATS
+from vescale_engine.shard.stats import STATS
 from vescale_engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard,
                                  gathered_parameters, no_sync, sharded_parameters,
                                  sharded_state_dict, unit_of)
@@ -724,21 +724,21 @@ def test_granularity_overrides_by_parameter_name(pool):
 def test_heap_trim_waits_for_growth_past_the_warm_up_size(monkeypatch):
     """After the warm-up backwards, malloc_trim runs only once resident memory has grown past
     the largest warm-up size by GROWTH: not every step (page faults), not never (growth)."""
-    from vescale_engine.shard import dbuffer
+    from vescale_engine.shard import host_memory
     trims = []
-    monkeypatch.setattr(dbuffer, "_MALLOC_TRIM", lambda pad: trims.append(pad))
+    monkeypatch.setattr(host_memory, "_MALLOC_TRIM", lambda pad: trims.append(pad))
     sizes = iter([800, 1000, 980, 1000,     # warm-up: the limit becomes 1.1 x 1000
                   1050, 1099, 1101,         # the third one passes it
                   700, 900, 1099, 1200])
-    monkeypatch.setattr(dbuffer, "_resident_bytes", lambda: next(sizes))
-    trimmer = dbuffer._HeapTrimmer()
+    monkeypatch.setattr(host_memory, "_resident_bytes", lambda: next(sizes))
+    trimmer = host_memory._HeapTrimmer()
     trimmed = []
     for _ in range(11):
         before = len(trims)
         trimmer()
         trimmed.append(len(trims) > before)
     assert trimmed == [False] * 6 + [True] + [False] * 3 + [True]
-    monkeypatch.setattr(dbuffer, "_resident_bytes", lambda: None)  # cannot watch: every time
+    monkeypatch.setattr(host_memory, "_resident_bytes", lambda: None)  # cannot watch: every time
     trimmer()
     assert len(trims) == 3
 

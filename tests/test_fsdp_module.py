@@ -27,7 +27,7 @@ from vescale_engine.fsdp.fsdp2_args import reshard_after_forward_of
 from vescale_engine.fsdp.module_class import VeScaleFSDPModule
 from vescale_engine.materialize import materialize
 from vescale_engine.shard.collectives import gradient_reduction
-from vescale_engine.shard.dbuffer import STATS
+from vescale_engine.shard.stats import STATS
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 32, 16, 8, 8
 TOL = 1e-6  # relative, losses and all parameters together (most cases are bitwise)

@@ -224,7 +224,7 @@ def train_run(rank, world, quantized, steps, lr=1e-3, bf16=True):
     before and after, for the example GPT on `world` ranks."""
     from vescale_engine import initialize
     from vescale_engine.fsdp import full_state_dict
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     cfg = config(quantized, bf16=bf16)
     cfg["optimizer"]["params"].update(lr=lr, weight_decay=0.0)
     engine, *_ = initialize(model=fm.make("gpt"), config=cfg)
@@ -358,7 +358,7 @@ def hpz_run(rank, world, hpz, quantized, steps=4):
     from vescale_engine import initialize
     from vescale_engine.fsdp import full_state_dict
     from vescale_engine.fsdp.lookup import units_under
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     cfg = config(quantized, bf16=False)
     cfg["zero_optimization"]["zero_hpz_partition_size"] = hpz
     engine, *_ = initialize(model=fm.make("gpt"), config=cfg)
@@ -442,7 +442,7 @@ def fp8_run(rank, world, fmt, steps, matmul=False):
     import torch.nn.functional as F
     from vescale_engine import initialize
     from vescale_engine.fsdp import fp8_linear
-    from vescale_engine.shard.dbuffer import STATS
+    from vescale_engine.shard.stats import STATS
     cfg = config(() if fmt == "bf16" else WEIGHTS)
     cfg["vescale"]["granularity"] = {"default": "tile:16x128"}
     if fmt != "bf16":

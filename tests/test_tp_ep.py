@@ -27,7 +27,7 @@ from vescale_engine import optim as vopt
 from vescale_engine.fsdp import fully_shard, unit_of
 from vescale_engine.fsdp.lookup import units_under
 from vescale_engine.optim.clip import clip_grad_norm_
-from vescale_engine.shard.dbuffer import STATS
+from vescale_engine.shard.stats import STATS
 
 WORLD = 4
 STEPS = 5

@@ -2,9 +2,9 @@
 
 forward, backward and optimizer are wall-clock spans the engine opens and closes;
 communication is the stall that waiting for all-gathers, reduce-scatters and replica
-all-reduces put on compute, i.e. what prefetch and overlap did not hide (dbuffer.STATS). It falls
-inside forward and backward, so the four do not add up to the step time. Reported as
-milliseconds per optimizer step, averaged since the last report.
+all-reduces put on compute, i.e. what prefetch and overlap did not hide (shard/stats.py's
+STATS). It falls inside forward and backward, so the four do not add up to the step time.
+Reported as milliseconds per optimizer step, averaged since the last report.
 
 How communication is measured depends on where the tensors live: on an accelerator wait() only
 enqueues a stream wait, so host time inside it says nothing; there each wait is bracketed by
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..shard.dbuffer import STATS
+from ..shard.stats import STATS
 
 __all__ = ["WallClockBreakdown"]
 

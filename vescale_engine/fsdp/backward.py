@@ -14,7 +14,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..shard.dbuffer import STATS
+from ..shard.stats import STATS
 from .context import final_callback, keeps_graph
 
 __all__ = ["TrainingState", "Calls", "UnitBackward", "register_post_backward", "hook_outputs"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..launch.collective_timeout import explain_timeout
-from ..shard.dbuffer import release_free_host_memory
+from ..shard.host_memory import release_free_host_memory
 
 __all__ = ["UnitContext", "ForwardToken", "ACTIVE", "forward_in_progress", "running_backward",
            "keeps_graph", "reset_iteration", "reuse_distances", "final_callback",

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from ..launch.collective_timeout import explain_timeout
-from ..shard.dbuffer import STATS
+from ..shard.stats import STATS
 
 __all__ = ["ParamGroup", "ShardedState"]
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.utils import _apply_to_tensors
 from torch.profiler import record_function
 
-from ..shard.dbuffer import STATS
+from ..shard.stats import STATS
 from .backward import UnitBackward, hook_outputs, register_post_backward
 from .context import (ACTIVE, ForwardToken, UnitContext, check_same_units, compare_units,
                       forward_in_progress, next_iteration, reset_iteration, reuse_distances,

@@ -6,165 +6,29 @@ gradient shard, and its full gradient (during backward). All-gather writes strai
 full buffer from the local shard and reduce-scatter reads straight from the full gradient buffer
 into the local shard: no copy-in, no copy-out, one collective per buffer. Full buffers keep their
 tensor objects for life and only their storage is allocated and freed (`resize_`), so parameter
-views and tensors saved by autograd stay valid; no `record_stream` is ever needed.
+views and tensors saved by autograd stay valid; no `record_stream` is ever needed. What the
+collectives send (the weights as they are, int8 groups, FP8 tiles; hpZ's secondary gather) is
+the buffer's wire formats (wire/), chosen once, in `_wire_formats`.
 
 Must not know about modules or config.
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
-import time
-from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
 from ..plan.planner import BufferLayout
-from ..plan.quantization import TILE_COLS
 from . import collectives
 from .compute_shard import ComputeShard
-from .quantize import (GroupLayout, TileLayout, dequantize, dequantize_sum, dequantize_tiles,
-                       quantize, quantize_tiles)
+from .quantize import GroupLayout
+from .stats import STATS, TimedWork
+from .wire import Fp8TileGather, HpzGather, Int8Gather, Int8Reduce, PlainGather, PlainReduce
 
-__all__ = ["DBuffer", "PendingReduction", "CollectiveStats", "STATS", "release_free_host_memory"]
-
-
-@dataclass
-class CollectiveStats:
-    """What the collective path did: the bytes it copied (the design says zero), how many
-    collectives it issued (and how many of them were the backend's own, `native`), and, when
-    `record` is set, the order of events (for tests).
-
-    Communication time (wall_clock_breakdown) is the stall that waiting for a collective put
-    on compute, i.e. what prefetch and overlap did not hide. On CPU that is host time inside
-    wait() (`wait_s`). On an accelerator wait() only makes the compute stream wait, so while
-    `time_device_waits` is set each wait is bracketed by two timing events on the compute
-    stream (`pending_device_waits`), read once the device has finished them (`settle`)."""
-    bytes_copied: int = 0
-    bytes_gathered: int = 0     # the all-gathers' outputs (int8 and scales when quantized)
-    bytes_reduced: int = 0      # the reduce-scatters' inputs
-    hpz_gathers: int = 0        # all-gathers from the hpZ secondary copy (inside its group)
-    all_gathers: int = 0
-    reduce_scatters: int = 0
-    all_reduces: int = 0
-    native: int = 0
-    wait_s: float = 0.0         # host seconds inside wait() (CPU tensors)
-    device_wait_s: float = 0.0  # compute-stream stall measured by events (accelerators)
-    time_device_waits: bool = False
-    pending_device_waits: list = field(default_factory=list)
-    record: bool = False
-    events: list = field(default_factory=list)
-
-    def log(self, *event):
-        if self.record:
-            self.events.append(event)
-
-    def settle(self) -> None:
-        """Add the finished event pairs' stalls into device_wait_s (the device must be done
-        with them: the caller synchronizes first)."""
-        for start, end in self.pending_device_waits:
-            self.device_wait_s += start.elapsed_time(end) / 1000.0
-        self.pending_device_waits.clear()
-
-    def reset(self):
-        self.bytes_copied = self.all_gathers = self.reduce_scatters = self.all_reduces = 0
-        self.bytes_gathered = self.bytes_reduced = self.hpz_gathers = 0
-        self.native = 0
-        self.wait_s = self.device_wait_s = 0.0
-        self.pending_device_waits.clear()
-        self.events.clear()
-
-
-def _timing_event(device: torch.device):
-    return torch.Event(device=device, enable_timing=True)
-
-
-class _TimedWork:
-    """A collective's handle whose wait() counts the stall it causes (see CollectiveStats)."""
-
-    def __init__(self, work, device: torch.device,
-                 event_factory: Callable[[torch.device], object] = _timing_event):
-        self.work = work
-        self.device = device
-        self.event_factory = event_factory
-
-    def wait(self):
-        if self.device.type == "cpu":
-            start = time.perf_counter()
-            self.work.wait()
-            STATS.wait_s += time.perf_counter() - start
-        elif STATS.time_device_waits:
-            start, end = self.event_factory(self.device), self.event_factory(self.device)
-            start.record()
-            self.work.wait()  # enqueues the compute stream's wait on the collective
-            end.record()
-            STATS.pending_device_waits.append((start, end))
-        else:
-            self.work.wait()
-
-
-STATS = CollectiveStats()
+__all__ = ["DBuffer", "PendingReduction"]
 
 
 def _held(tensor) -> int:
     return 0 if tensor is None else tensor.untyped_storage().nbytes()
-
-
-def _glibc_malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, ...)
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _resident_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class _HeapTrimmer:
-    """Keeps resident memory from climbing step after step without paying page faults every
-    step.
-
-    Full buffers are freed and made again every step. glibc keeps freed pages resident and its
-    heap fragments, so resident memory climbs a little every step; handing all free pages back
-    after every backward (malloc_trim) stops that, but then each step touches fresh pages
-    (page faults: about 6% of a CPU step). So: note the largest resident size over the first
-    backwards (warm-up), and trim only once it has grown past that by `GROWTH`."""
-
-    GROWTH = 1.1
-    LEARN_CALLS = 4
-
-    def __init__(self):
-        self.calls = 0
-        self.limit = None
-
-    def __call__(self) -> None:
-        if _MALLOC_TRIM is None:
-            return
-        self.calls += 1
-        resident = _resident_bytes()
-        if resident is None:  # cannot watch it: trim every time
-            _MALLOC_TRIM(0)
-        elif self.calls <= self.LEARN_CALLS:
-            self.limit = max(self.limit or 0, resident * self.GROWTH)
-        elif resident > self.limit:
-            _MALLOC_TRIM(0)
-
-
-release_free_host_memory = _HeapTrimmer()
 
 
 class DBuffer:
@@ -184,31 +48,15 @@ class DBuffer:
                  quantize_group: int | None = None, quantized: tuple = (), hpz_group=None,
                  quantize_format: str = "int8"):
         self.layout = layout
-        # ZeRO++'s hpZ (zero_hpz_partition_size): every primary all-gather leaves this rank's
-        # 1/N of `full` in `secondary` (N = the hpZ group's size, consecutive ranks); a
-        # backward all-gather of the same iteration (`tag`) gathers from those copies inside
-        # the group instead of over every rank
         self.hpz_group = hpz_group
-        self.secondary = None
-        self.secondary_tag = None
-        # ZeRO++'s zero_quantized_weights / _gradients: int8 groups and their scales cross the
-        # network instead of the weights ("weights" in `quantized`) or the gradients
-        # ("gradients"), in groups of `quantize_group` elements (quantize.py)
-        self.quant = GroupLayout(layout, quantize_group) if quantized else None
-        self.quant_weights = "weights" in quantized
-        self.quant_grads = "gradients" in quantized
-        # FP8 weights ("fp8_e4m3"): matrices of whole-row blocks by FP8 tiles (TileLayout),
-        # every other tensor (norms, biases) by int8 groups; gradients stay int8
-        self.quant_format = quantize_format if self.quant_weights else "int8"
-        self.weight_groups, self.tiles = self.quant, None
-        if self.quant_format == "fp8_e4m3":
-            self.weight_groups = GroupLayout(layout, quantize_group, tiles=True)
-            self.tiles = TileLayout(layout)
-        # fully_shard(fp8_matmul=True): the last gather's FP8 values and tile scales kept with
-        # `full` (fp8_tensor) for the Linears that compute from them (fsdp/fp8_linear.py)
+        # What crosses the network (wire/): one format for the weights' gathers, one for the
+        # gradients' reductions
+        self.gather_format, self.reduce_format = self._wire_formats(
+            layout, quantize_group, quantized, hpz_group, quantize_format)
+        # fully_shard(fp8_matmul=True): a gather format with an FP8 form keeps the last
+        # gather's (fp8_tensor) for the Linears that compute from it (fsdp/fp8_linear.py)
         self.keep_fp8 = False
-        self._fp8 = None  # (gathered bytes, gathered tile scales, the full views' versions)
-        self._quant_to(device)
+        self._formats_to(device)
         self.name = name
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -273,6 +121,26 @@ class DBuffer:
             end = max(min(p.offset + p.numel, lo + S), lo) - lo
             self.local_ranges.append((start, max(start, end)))
 
+    @staticmethod
+    def _wire_formats(layout, quantize_group, quantized, hpz_group, quantize_format):
+        """The buffer's gather and reduce formats, from its constructor's arguments: ZeRO++'s
+        int8 groups of `quantize_group` elements for the weights ("weights" in `quantized`)
+        and the gradients ("gradients"); FP8 weights ("fp8_e4m3": matrices of whole-row
+        blocks by FP8 tiles, every other tensor by int8 groups; gradients stay int8); hpZ's
+        secondary gather inside `hpz_group` around the weights' format. The one place that
+        knows the formats."""
+        groups = GroupLayout(layout, quantize_group) if quantized else None
+        if "weights" not in quantized:
+            gather = PlainGather()
+        elif quantize_format == "fp8_e4m3":
+            gather = Fp8TileGather(layout, quantize_group)
+        else:
+            gather = Int8Gather(groups)
+        if hpz_group is not None:
+            gather = HpzGather(gather, hpz_group)
+        reduce = Int8Reduce(groups) if "gradients" in quantized else PlainReduce()
+        return gather, reduce
+
     def _choose_collectives(self) -> None:
         """Native (the backend's) collectives or gloo's exchange, and how gradients are
         averaged: both depend on the backend that serves the storage's device."""
@@ -283,7 +151,8 @@ class DBuffer:
             collectives.tensor_backend(self.shard_group, self.master),
             None if self.replicate_group is None else
             collectives.tensor_backend(self.replicate_group, self.master),
-            exchange=not self.native or self.quant_grads, divide_factor=self.divide_factor,
+            exchange=not self.native or self.reduce_format.sums_itself,
+            divide_factor=self.divide_factor,
             force_sum=self.force_sum)
 
     def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
@@ -320,13 +189,12 @@ class DBuffer:
         self.grad = torch.empty(self.shard_size, dtype=self.master.dtype, device=self.device)
         self.release_grad()
         self._choose_collectives()
-        self._quant_to(self.device)
+        self._formats_to(self.device)
 
-    def _quant_to(self, device) -> None:
-        """The quantization layouts' index tensors where the storage is."""
-        for held in (self.quant, self.weight_groups, self.tiles):
-            if held is not None:
-                held.to(device)
+    def _formats_to(self, device) -> None:
+        """The wire formats' index tensors where the storage is."""
+        self.gather_format.to(device)
+        self.reduce_format.to(device)
 
     # -- the master in host memory (ZeRO-Offload) -----------------------------------------------
 
@@ -439,17 +307,19 @@ class DBuffer:
         return tensor
 
     def all_gather(self, async_op: bool = True, hpz_tag=None, backward: bool = False):
-        """Gather every rank's shard into `full`, in place. With a lower compute dtype the
-        master shard is cast straight into this rank's slot (one fused op), which is then the
-        collective's input; otherwise the master shard is the input. A master in host memory
-        sends its compute shard instead (refreshed first if the master changed). With hpZ a
-        forward gather given `hpz_tag` (its iteration) keeps this rank's secondary copy, and
-        a `backward` gather of that iteration gathers the copies inside the hpZ group (what
-        that forward computed with)."""
+        """Gather every rank's shard into `full`, in place, in the buffer's gather format
+        (wire/). With hpZ a forward gather given `hpz_tag` (its iteration) keeps this rank's
+        secondary copy, and a `backward` gather of that iteration gathers the copies inside
+        the hpZ group (what that forward computed with)."""
         self._allocate("full")
-        self._fp8 = None
-        if backward and hpz_tag is not None and self.secondary_tag == hpz_tag:
-            return self._secondary_all_gather(async_op)
+        return self.gather_format(self, async_op, hpz_tag, backward)
+
+    def gather_input(self) -> torch.Tensor:
+        """What this rank's gather sends, counted as one all-gather. With a lower compute
+        dtype the master shard is cast straight into this rank's slot of `full` (one fused
+        op), which is then the collective's input; otherwise the master shard is the input. A
+        master in host memory sends its compute shard instead (refreshed first if the master
+        changed)."""
         S = self.shard_size
         slot = self.full[self.rank * S:(self.rank + 1) * S]
         if self.compute is not None:
@@ -462,88 +332,36 @@ class DBuffer:
         STATS.all_gathers += 1
         STATS.native += self.native
         STATS.log("all_gather", self.name)
-        if self.quant_weights:
-            work = self._quantized_all_gather(source)
-        else:
-            STATS.bytes_gathered += self._full_bytes
-            work = collectives.all_gather(self.full, source, self.shard_group, async_op=True,
-                                          native=self.native)
-        if self.hpz_group is not None and hpz_tag is not None and not backward:
-            work = collectives.Joined([work], lambda: self._keep_secondary(hpz_tag))
-        if not async_op:
-            work.wait()
-            return None
-        return _TimedWork(work, self.device)
+        return source
 
-    def _keep_secondary(self, tag) -> None:
-        """This rank's part of the gathered `full` into its hpZ secondary copy."""
-        n, j = dist.get_world_size(self.hpz_group), dist.get_rank(self.hpz_group)
-        part = self.full.numel() // n
-        if self.secondary is None:
-            self.secondary = torch.empty(part, dtype=self.param_dtype, device=self.device)
-        self.secondary.copy_(self.full[j * part:(j + 1) * part])
-        self.secondary_tag = tag
+    def full_views(self) -> list:
+        """Every tensor's full view (full_view), made now if they are not yet."""
+        if self._full_views is None:
+            self._full_views = self._views(self.full)
+        return self._full_views
 
-    def _secondary_all_gather(self, async_op: bool):
-        STATS.all_gathers += 1
-        STATS.hpz_gathers += 1
-        STATS.bytes_gathered += self._full_bytes
-        STATS.log("all_gather_hpz", self.name)
-        work = collectives.all_gather(self.full, self.secondary, self.hpz_group,
-                                      async_op=async_op, native=self.native)
-        return _TimedWork(work, self.device) if async_op else work
+    @property
+    def tiles(self):
+        """The FP8 tiles the weights travel as (quantize.py's TileLayout); None if not."""
+        return self.gather_format.tiles
 
-    def _quantized_all_gather(self, source: torch.Tensor):
-        """This rank's shard quantized, payload and scales all-gathered (two collectives; a
-        third for FP8 tiles' scales), every shard dequantized into `full` when the handle is
-        waited for."""
-        groups, tiles, W, S = self.weight_groups, self.tiles, self.world_size, self.shard_size
-        # FP8: the tiles' values as FP8 bytes, written into the groups quantize skipped
-        q, scales = quantize(source, groups.lengths[self.rank], groups.max_groups,
-                             groups.runs(self.rank))
-        sent = [(q, torch.empty(W * S, dtype=q.dtype, device=self.device)),
-                (scales, torch.empty(W * groups.max_groups, dtype=torch.float32,
-                                     device=self.device))]
-        if tiles is not None and tiles.max_tiles:  # FP8 tiles: their scales (q has the values)
-            tile_scales = quantize_tiles(source, q.view(torch.uint8), tiles.pieces[self.rank],
-                                         tiles.max_tiles)
-            sent.append((tile_scales, torch.empty(W * tiles.max_tiles, dtype=torch.float32,
-                                                  device=self.device)))
-        STATS.bytes_gathered += sum(out.numel() * out.element_size() for _, out in sent)
-        works = [collectives.all_gather(out, mine, self.shard_group, async_op=True,
-                                        native=self.native) for mine, out in sent]
-
-        def finish():
-            dequantize(self.full, sent[0][1], sent[1][1], groups.padded, groups.runs())
-            if len(sent) > 2:  # the tiled tensors, which dequantize skipped
-                dequantize_tiles(self.full, sent[0][1].view(torch.uint8), sent[2][1],
-                                 tiles.tensors)
-                if self.keep_fp8:
-                    if self._full_views is None:  # made now, so that their versions count
-                        self._full_views = self._views(self.full)
-                    self._fp8 = (sent[0][1].view(torch.uint8), sent[2][1],
-                                 [view._version for view in self._full_views])
-        return collectives.Joined(works, finish)
+    @property
+    def secondary(self):
+        """hpZ's copy of this rank's part of `full`; None without hpZ or before a gather."""
+        return self.gather_format.secondary
 
     def fp8_tensor(self, index: int, weight: torch.Tensor):
         """Tensor `index`'s gathered FP8 values (rows x width, float8_e4m3fn), its tile scales
         (tile rows x width / 128) and rows per tile, while `weight` (its view of `full`) still
         holds what they were dequantized to; None otherwise (not gathered as FP8 tiles, the
         weight written since (its version counter is its full view's), or freed)."""
-        held = self._fp8
-        if (held is None or index not in self.tiles.tensor_of
-                or weight._version != held[2][index]):
-            return None
-        offset, numel, width, rows_per_tile, tiles = self.tiles.tensor_of[index]
-        values = held[0][offset:offset + numel].view(torch.float8_e4m3fn)
-        return (values.view(numel // width, width),
-                held[1][tiles].view(-1, width // TILE_COLS), rows_per_tile)
+        return self.gather_format.fp8_tensor(index, weight)
 
     def free_full(self) -> None:
         if self._reducing_full:  # the in-flight reduce-scatter frees it when it finishes
             return
         self.grads_in_full = False
-        self._fp8 = None
+        self.gather_format.forget()
         if self.full is not None and not self.keep_full_storage:
             self.full.untyped_storage().resize_(0)
 
@@ -730,33 +548,9 @@ class DBuffer:
         STATS.reduce_scatters += 1
         STATS.native += self.native
         STATS.log("reduce_scatter", self.name)
-        if self.quant_grads:
-            work = self._quantized_reduce_scatter(out, source)
-        else:
-            STATS.bytes_reduced += source.numel() * source.element_size()
-            work = collectives.reduce_scatter(out, source, self.shard_group,
-                                              op=self.reduction.reduce_scatter_op,
-                                              native=self.native)
-        return PendingReduction(self, _TimedWork(work, self.device), out, accumulate, direct,
+        work = self.reduce_format(self, out, source)
+        return PendingReduction(self, TimedWork(work, self.device), out, accumulate, direct,
                                 source, deferred=defer)
-
-    def _quantized_reduce_scatter(self, out: torch.Tensor, source: torch.Tensor):
-        """ZeRO++'s qgZ: every rank's range of the full gradients quantized by that range's
-        groups, exchanged all-to-all (int8 and scales), then dequantized and summed in fp32
-        by its owner into `out` when the handle is waited for (the sum: the reduction divides
-        after, as for the exchange)."""
-        groups, W = self.quant, self.world_size
-        q, scales = quantize(source, groups.padded, W * groups.max_groups, groups.runs())
-        q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)
-        STATS.bytes_reduced += q.numel() + scales.numel() * 4
-        works = [dist.all_to_all_single(q_in, q, group=self.shard_group, async_op=True),
-                 dist.all_to_all_single(scales_in, scales, group=self.shard_group,
-                                        async_op=True)]
-        handle = collectives.Joined(works, lambda: dequantize_sum(
-            out, q_in, scales_in, groups.lengths[self.rank], groups.max_groups,
-            groups.runs(self.rank)))
-        handle.sent = (q, scales)  # alive until the exchange is done, whatever the backend keeps
-        return handle
 
     def _free_reduced_source(self) -> None:
         if self._reducing_full:
@@ -808,7 +602,7 @@ class DBuffer:
             held = [] if self.compute.on_host else [("compute", self.compute.tensor)]
         else:
             held = [("master", self.master), ("grad", self.grad)]
-        held.append(("secondary", self.secondary))  # hpZ's copy, when there is one
+        held += self.gather_format.held()  # (hpZ's secondary copy)
         return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
                 t.device.type == self.device.type and _held(t) > 0]
 
@@ -858,7 +652,7 @@ class PendingReduction:
             STATS.log("all_reduce", buf.name)
             work = dist.all_reduce(self.out, op=buf.reduction.all_reduce_op,
                                    group=buf.replicate_group, async_op=True)
-            self.all_reduce = _TimedWork(work, buf.device)
+            self.all_reduce = TimedWork(work, buf.device)
 
     def discard(self) -> None:
         """Wait for the collectives in flight, keep nothing of their result."""
@@ -912,3 +706,4 @@ class PendingReduction:
                 buf._grad_copied.record()
         if buf.offload_stats is not None:
             buf.offload_stats.bytes_to_host += out.numel() * out.element_size()
+

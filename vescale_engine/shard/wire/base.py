@@ -1,0 +1,70 @@
+"""The two wire-format interfaces a DBuffer calls (as FSDP2's AllGather and ReduceScatter
+comms): a gather format fills the full buffer from every rank's shard, a reduce format fills
+one rank's shard from every rank's full gradients. Each issues its collectives, counts what
+they move in STATS and returns one handle to wait for; the storage, the views and what
+happens around the collectives stay DBuffer's.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from ..stats import TimedWork
+
+if TYPE_CHECKING:
+    from ..dbuffer import DBuffer
+
+__all__ = ["GatherFormat", "ReduceFormat"]
+
+
+class GatherFormat(ABC):
+    """How the weights travel into `full` (DBuffer.all_gather, once `full` has storage)."""
+
+    tiles = None      # FP8 tiles the weights travel as (fp8_linear routes Linears by them)
+    secondary = None  # hpZ's copy of this rank's part of `full`
+
+    def __call__(self, buf: DBuffer, async_op: bool = True, tag=None, backward: bool = False):
+        """Gather every rank's shard into `buf.full`: the handle, or None once done when not
+        `async_op`. `tag` and `backward` are for formats that keep something across the
+        gathers of one iteration (hpZ)."""
+        work = self.send(buf, buf.gather_input())
+        if not async_op:
+            work.wait()
+            return None
+        return TimedWork(work, buf.device)
+
+    @abstractmethod
+    def send(self, buf: DBuffer, source):
+        """Issue the collectives that put every rank's `source` (S elements) into `buf.full`,
+        count their bytes, and return one handle whose wait() leaves `full` filled."""
+
+    def to(self, device) -> None:
+        """Index tensors onto the storage's device (meta: nothing)."""
+
+    def forget(self) -> None:
+        """`full` is freed or refilled: whatever the last gather kept beside it is stale."""
+
+    def held(self) -> list:
+        """[(name, tensor)] the format keeps on the device between gathers
+        (DBuffer.device_state)."""
+        return []
+
+    def fp8_tensor(self, index: int, weight):
+        """Tensor `index`'s gathered FP8 form (DBuffer.fp8_tensor); None: not kept."""
+        return None
+
+
+class ReduceFormat(ABC):
+    """How the full gradients travel into one rank's shard (DBuffer.reduce_scatter)."""
+
+    # Sums outside the backend's reduce-scatter: no AVG inside it, the divide comes after
+    # (collectives.gradient_reduction's `exchange`)
+    sums_itself = False
+
+    @abstractmethod
+    def __call__(self, buf: DBuffer, out, source):
+        """Issue the reduction of every rank's `source` (W x S) into this rank's `out` (S),
+        count its bytes, and return one handle whose wait() leaves `out` filled."""
+
+    def to(self, device) -> None:
+        """Index tensors onto the storage's device (meta: nothing)."""
