@@ -2,17 +2,14 @@
 comms): a gather format fills the full buffer from every rank's shard, a reduce format fills
 one rank's shard from every rank's full gradients. Each issues its collectives, counts what
 they move in STATS and returns one handle to wait for; the storage, the views and what
-happens around the collectives stay DBuffer's.
+happens around the collectives stay DBuffer's. (`buf` is that DBuffer, unannotated: a type-only
+import of dbuffer.py, which imports this package, is an import circle.)
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 from ..stats import TimedWork
-
-if TYPE_CHECKING:
-    from ..dbuffer import DBuffer
 
 __all__ = ["GatherFormat", "ReduceFormat"]
 
@@ -23,7 +20,7 @@ class GatherFormat(ABC):
     tiles = None      # FP8 tiles the weights travel as (fp8_linear routes Linears by them)
     secondary = None  # hpZ's copy of this rank's part of `full`
 
-    def __call__(self, buf: DBuffer, async_op: bool = True, tag=None, backward: bool = False):
+    def __call__(self, buf, async_op: bool = True, tag=None, backward: bool = False):
         """Gather every rank's shard into `buf.full`: the handle, or None once done when not
         `async_op`. `tag` and `backward` are for formats that keep something across the
         gathers of one iteration (hpZ)."""
@@ -34,7 +31,7 @@ class GatherFormat(ABC):
         return TimedWork(work, buf.device)
 
     @abstractmethod
-    def send(self, buf: DBuffer, source):
+    def send(self, buf, source):
         """Issue the collectives that put every rank's `source` (S elements) into `buf.full`,
         count their bytes, and return one handle whose wait() leaves `full` filled."""
 
@@ -62,7 +59,7 @@ class ReduceFormat(ABC):
     sums_itself = False
 
     @abstractmethod
-    def __call__(self, buf: DBuffer, out, source):
+    def __call__(self, buf, out, source):
         """Issue the reduction of every rank's `source` (W x S) into this rank's `out` (S),
         count its bytes, and return one handle whose wait() leaves `out` filled."""
 
