@@ -128,8 +128,9 @@ def check_placement(device):
         train(engine, 2)
         wrong = []
         for buf in dbuffers(engine.module):
-            for attr in ("master", "grad", "full", "full_grad"):
-                t = getattr(buf, attr)  # full buffers are None until first needed
+            tensors = {"master": buf.master, "grad": buf.grad, "full": buf.full,
+                       "full_grad": buf.unreduced.full_grad}
+            for attr, t in tensors.items():  # full buffers are None until first needed
                 if t is not None and t.device.type != device.type:
                     wrong.append(f"{buf.name}.{attr} on {t.device}")
         for t in state_tensors(optimizer):
@@ -268,7 +269,8 @@ def check_memory(device):
             torch.cuda.synchronize()
             allocated.append(torch.cuda.memory_allocated())
     held = [f"{buf.name}.{attr}" for buf in dbuffers(engine.module)
-            for attr in ("full_bytes_held", "full_grad_bytes_held") if getattr(buf, attr)]
+            for attr, nbytes in (("full_bytes_held", buf.full_bytes_held),
+                                 ("full_grad_bytes_held", buf.unreduced.bytes_held)) if nbytes]
     engine.destroy()
     details = {"full_buffers_held_after_step": held}
     ok = not held

@@ -277,7 +277,7 @@ def accumulation_memory(local):
         "vescale": {**CONFIG["vescale"], "local_grad_accumulation": local}})
     units = [unit_of(m) for m in engine.module.modules() if unit_of(m)]
     # wrapping made no full-size tensor at all (not even one freed right away)
-    unmade = all(b.full is None and b.full_grad is None for u in units for b in u.buffers)
+    unmade = all(b.full is None and b.unreduced.full_grad is None for u in units for b in u.buffers)
 
     def held():
         return {u.name: sum(b.full_bytes_held for b in u.buffers) for u in units}

@@ -1089,13 +1089,13 @@ def expert_gradients_land_early(rank, world):
             setattr(m, name, torch.nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
     fully_shard(model, mesh=mesh["efsdp"].get_group())
     for fqn, sp in sharded_parameters(model):
-        real = sp.buffer.grad_arrived
+        real = sp.buffer.unreduced.grad_arrived
 
         def landed(i, t, *rest, _fqn=fqn, _real=real, _index=sp.index):
             if i == _index and _fqn not in events:
                 events.append(_fqn)
             return _real(i, t, *rest)
-        sp.buffer.grad_arrived = landed
+        sp.buffer.unreduced.grad_arrived = landed
     x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(5 + rank))
     model(x).square().sum().backward()
     plain(x).square().sum().backward()

@@ -380,7 +380,7 @@ def grads_in_place_rank(rank, world):
                     if p.sharded.requires_grad:
                         p.unsharded.register_post_accumulate_grad_hook(
                             lambda t, buf=p.buffer: separate.append(
-                                buf.full_grad_bytes_held))
+                                buf.unreduced.bytes_held))
             want = reference_step(reference, ref_opt, "gpt", step)
             got = sharded_step(model, opt, "gpt", step, rank, world, 1 if mode == "sync" else 2,
                                mode == "no_sync", mode == "late no_sync")
@@ -611,7 +611,7 @@ def hsdp_rank(rank, world, native, avg=False):
         model = shard_model(fm.make("gpt"), mesh=mesh, native_collectives=native)
     finally:
         collectives._AVG_BACKENDS = avg_backends
-    reduction = unit_of(model.blocks[0]).buffers[0].reduction
+    reduction = unit_of(model.blocks[0]).buffers[0].comm.reduction
     ops = (reduction.reduce_scatter_op, reduction.all_reduce_op, reduction.post_divide)
     ref_opt = torch.optim.AdamW(reference.parameters(), **LR)
     opt = vopt.AdamW(model.parameters(), **LR)

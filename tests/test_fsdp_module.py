@@ -659,7 +659,7 @@ def divide_rank(rank, world):
         warnings.simplefilter("always")
         model.set_reduce_scatter_divide_factor(3.0)
     out["deprecated"] = [str(w.message) for w in caught if w.category is FutureWarning]
-    out["factor"] = unit_of(model).buffers[0].reduction.post_divide
+    out["factor"] = unit_of(model).buffers[0].comm.reduction.post_divide
     return out
 
 

@@ -369,8 +369,9 @@ def hpz_run(rank, world, hpz, quantized, steps=4):
     finally:
         STATS.record = False
     kinds = [event[0] for event in STATS.events if event[0].startswith("all_gather")]
-    groups = {tuple(dist.get_process_group_ranks(b.hpz_group))
-              for u in units_under(engine.module) for b in u.buffers if b.hpz_group is not None}
+    groups = {tuple(dist.get_process_group_ranks(b.gather_format.hpz_group))
+              for u in units_under(engine.module) for b in u.buffers
+              if b.gather_format.hpz_group is not None}
     # the secondary copies: 1/N of each full buffer that backward gathers again (not the root's)
     copies = {"root": [], "others": []}
     for u in units_under(engine.module):

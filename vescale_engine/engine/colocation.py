@@ -154,7 +154,7 @@ class Colocation:
                     f"offload_states: unit {unit.name} holds its full parameters (inside "
                     "deepspeed.zero.GatheredParameters or a forward that keeps them): offload "
                     "between steps, outside it")
-            if any(b.full_grad_live or b.full_grad_bytes_held for b in unit.buffers):
+            if any(b.unreduced.live or b.unreduced.bytes_held for b in unit.buffers):
                 raise RuntimeError(
                     f"offload_states: unit {unit.name} holds unreduced full gradients "
                     "(engine.no_sync or vescale.local_grad_accumulation): offload after the "

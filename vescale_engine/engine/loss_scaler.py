@@ -136,7 +136,7 @@ def _norm_misses_ranks(parameters) -> bool:
     for p in parameters:
         sp = getattr(p, "_vescale", None)
         if sp is not None and (sp.dtensor_spec is not None or
-                               dist.get_world_size(sp.buffer.norm_group) != world):
+                               dist.get_world_size(sp.buffer.comm.norm_group) != world):
             return True
     return False
 

@@ -115,7 +115,7 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
         expert = ds_experts.sharding(module) if ds_experts else {}
         fully_shard(module, **{**kwargs, **expert})
         for buf in unit_of(module).buffers if expert else ():
-            buf.norm_group = None  # the norm counts every expert-parallel rank's experts once
+            buf.comm.norm_group = None  # the norm counts every expert-parallel rank's experts once
     # the root stays unsharded from forward into backward, which starts with it (FSDP2's
     # default for the root: reshard_after_forward=None)
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})

@@ -225,7 +225,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         _warn_untiled(unit)
     if fp8_matmul:
         for buf in unit.buffers:
-            buf.keep_fp8 = True
+            buf.gather_format.keep_fp8 = True
         unit.fp8_linears = install_fp8_linears(unit)
     if offload is not None:
         unit.group.offload_to_host(offload)
@@ -316,7 +316,7 @@ def release(module: nn.Module) -> None:
             unit.reshard()
             for buf in unit.buffers:
                 buf.release_grad()
-                buf.drop_full_grad()
+                buf.unreduced.drop_full_grad()
             for p in unit.params:
                 p.sharded.grad = None
             for mod, _ in {id(m): (m, n) for p in unit.params

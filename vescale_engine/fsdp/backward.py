@@ -136,7 +136,7 @@ class UnitBackward:
             not self.calls.reentrant_calls and not keeps_graph() and \
             unit.switches.reshard_after_backward
         for buf in {id(p.buffer): p.buffer for p in trainable}.values():
-            buf.begin_backward(grads_in_place=in_place)
+            buf.unreduced.begin_backward(grads_in_place=in_place)
         for p in trainable:
             p.preset_grad()
         self._prefetch()
@@ -165,7 +165,7 @@ class UnitBackward:
         self._step(TrainingState.REDUCED if self.state is TrainingState.BACKWARD
                    else TrainingState.REDUCED_UNREACHED)
         for buf in unit.buffers:
-            buf.flush_deferred_grads()
+            buf.unreduced.flush_deferred_grads()
         STATS.log("post_backward", unit.name)
         ctx = unit.ctx
         for other in ctx.all_reducing:  # issued one unit ago: overlapped with that unit

@@ -122,7 +122,7 @@ class ShardedParameter:
         leaf takes gradients of any dtype (grad_dtype None, as FSDP2 sets it in backward from
         torch 2.15): autograd adds what it computed into the preset slot, and the hook sees a
         gradient autograd made wider (rms_norm's weight under bf16) before any rounding."""
-        if self.buffer.grad_dtype != self.buffer.param_dtype:
+        if self.buffer.unreduced.dtype != self.buffer.param_dtype:
             leaf.grad_dtype = None
 
     def _widened(self, grad, slot):
@@ -133,7 +133,7 @@ class ShardedParameter:
         the compute dtype otherwise (torch 2.14's FSDP2 and DeepSpeed, whose unsharded
         gradients have the parameter's dtype)."""
         buf = self.buffer
-        if buf.grad_dtype == buf.param_dtype:
+        if buf.unreduced.dtype == buf.param_dtype:
             return grad  # the slot has the compute dtype: autograd's add rounds
         if not self.unit.mp_policy.keeps_wide_grads:
             # (no slot: it came before the unit's backward, autograd keeps it as it is)
@@ -141,8 +141,10 @@ class ShardedParameter:
                                                  slot.dtype == buf.param_dtype):
                 return grad
             return grad.to(buf.param_dtype).to(grad.dtype)
-        if buf.grads_in_full and (grad.dtype != buf.param_dtype or buf.keeps_wide(self.index)):
-            buf.keep_wide_grad(self.index, grad, slot)
+        unreduced = buf.unreduced
+        if unreduced.in_full and (grad.dtype != buf.param_dtype or
+                                  unreduced.keeps_wide(self.index)):
+            unreduced.keep_wide_grad(self.index, grad, slot)
         return grad
 
     def _local_leaf_of(self) -> nn.Parameter:
@@ -157,14 +159,14 @@ class ShardedParameter:
             leaf.register_hook(self._local_grad_arrived)
             leaf.register_post_accumulate_grad_hook(self._accumulated)
             if self.unit.backward.in_backward:  # (a recompute in backward: the slot is set)
-                leaf.grad = self.buffer.backward_grad_view(self.index)
+                leaf.grad = self.buffer.unreduced.backward_grad_view(self.index)
             self._local_leaf = leaf
         return self._local_leaf
 
     def _local_grad_arrived(self, grad):
         self._refuse_late_grad()
-        self.buffer.grad_arrived(self.index, self._local_leaf,
-                                 self.unit.backward.in_nested_backward())
+        self.buffer.unreduced.grad_arrived(self.index, self._local_leaf,
+                                           self.unit.backward.in_nested_backward())
         return self._widened(grad, self._local_leaf.grad)
 
     @property
@@ -207,8 +209,8 @@ class ShardedParameter:
         self._refuse_late_grad()
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
-        self.buffer.grad_arrived(self.index, self._unsharded,
-                                 self.unit.backward.in_nested_backward())
+        self.buffer.unreduced.grad_arrived(self.index, self._unsharded,
+                                           self.unit.backward.in_nested_backward())
         return self._widened(grad, self._unsharded.grad)
 
     def _refuse_late_grad(self):
@@ -232,13 +234,14 @@ class ShardedParameter:
         a chunked loss); the buffer adds it instead of it being overwritten."""
         early = [face.grad for face in (self._unsharded, self._local_leaf)
                  if face is not None and face.grad is not None]
-        view = self.buffer.backward_grad_view(self.index)
+        view = self.buffer.unreduced.backward_grad_view(self.index)
         self.unsharded.grad = view if self.dtensor_spec is None else \
             grad_face(view, self.dtensor_spec)
         if self._local_leaf is not None:
             self._local_leaf.grad = view
         for grad in early:
-            self.buffer.add_early_grad(self.index, grad, self.unit.mp_policy.keeps_wide_grads)
+            self.buffer.unreduced.add_early_grad(self.index, grad,
+                                                 self.unit.mp_policy.keeps_wide_grads)
 
     @property
     def flat_range(self) -> tuple[int, int]:

@@ -178,7 +178,7 @@ class ParamGroup:
     def keep_unreduced(self, gradients) -> None:
         """no_sync: the full gradients stay, unreduced, for a later backward's reduction."""
         for buf in self.buffers:
-            buf.keep_grads_unreduced()
+            buf.unreduced.move_to_full_grad()
         for p in gradients:
             p.unreduced = True
 
@@ -228,7 +228,7 @@ class ParamGroup:
             pending.discard()
         self._finishers = []
         for buf in self.buffers:
-            buf.discard_unreduced()
+            buf.unreduced.discard()
         for p in self.params:
             p.unreduced = False
 

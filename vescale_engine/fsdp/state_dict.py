@@ -183,7 +183,7 @@ def all_gather_master(full, buf):
     """The collective runs where the buffer's collectives run: a master offloaded to host
     memory (optim/offload.py) is copied to the device first."""
     source = buf.master if buf.master.device == full.device else buf.master.to(full.device)
-    collectives.all_gather(full, source, buf.shard_group, async_op=False, native=buf.native)
+    collectives.all_gather(full, source, buf.shard_group, async_op=False, native=buf.comm.native)
 
 
 def named_entries(module) -> list:

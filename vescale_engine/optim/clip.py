@@ -36,8 +36,8 @@ def _piece_groups(buf, spec) -> tuple:
     (HSDP's replicate group, TP peers of a replicated tensor) hold copies and are left out, so
     every element counts once."""
     if spec is None:
-        return (buf.norm_group,)
-    return (buf.norm_group, *(spec.mesh.get_group(d) for d in sharded_mesh_dims(spec)))
+        return (buf.comm.norm_group,)
+    return (buf.comm.norm_group, *(spec.mesh.get_group(d) for d in sharded_mesh_dims(spec)))
 
 
 def _device_of(buffers, plain, parameters) -> torch.device:

@@ -23,6 +23,7 @@ device is served by gloo takes the exchange.
 `gradient_reduction` decides how gradients are averaged over the data-parallel ranks, as FSDP2
 does: AVG inside the collective where the backend has it (NCCL) for fp32/bf16; for fp16, which
 overflows at 65504, a divide by about sqrt(W) before the sum and the rest after it.
+`CommSettings` holds one buffer's inputs to these choices and what they chose.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from .. import torch_compat
 
 __all__ = ["Joined", "all_gather", "reduce_scatter", "GradientReduction",
-           "gradient_reduction",
+           "gradient_reduction", "CommSettings",
            "backend_for", "tensor_backend", "uses_exchange", "default_device"]
 
 _native_all_gather = torch_compat.all_gather_native
@@ -119,6 +120,40 @@ def gradient_reduction(dtype: torch.dtype, shard_size: int, replicas: int,
     post = (1 if rs_avg else shard_size) * (1 if ar_avg else replicas)
     return GradientReduction(1.0, dist.ReduceOp.AVG if rs_avg else dist.ReduceOp.SUM,
                              dist.ReduceOp.AVG if ar_avg else dist.ReduceOp.SUM, float(post))
+
+
+
+@dataclass
+class CommSettings:
+    """One buffer's settings for its collectives: the groups besides its shard group, how its
+    gradients are averaged (set at construction, changed by DBuffer.set_reduction), and what
+    follows from the backend that serves its storage's device (`native` and `reduction`,
+    None until `choose` knows that device)."""
+    replicate_group: object  # HSDP's replicas, all-reduced after the reduce-scatter; or None
+    replicas: int            # its size (1 without one)
+    # The group over which the gradient norm sums the buffer's shards: its shard group, unless
+    # other groups hold different tensors under the same layout (DeepSpeed MoE experts: set
+    # to None, the world, which spans every expert-parallel rank's experts)
+    norm_group: object
+    reduce_dtype: torch.dtype
+    native_requested: bool = False  # fully_shard's native_collectives
+    divide_factor: float | None = None  # None: the average over shard group x replicas
+    force_sum: bool = False  # SUM collectives and one divide after (set_force_sum)
+    native: bool | None = None  # the backend's collectives, not gloo's exchange
+    reduction: GradientReduction | None = None
+
+    def choose(self, shard_group, tensor: torch.Tensor, shard_size: int,
+               sums_itself: bool) -> None:
+        """`native` and `reduction` for storage on `tensor`'s device, over `shard_group` of
+        `shard_size` ranks; `sums_itself`: the reduce format sums outside the backend."""
+        self.native = not uses_exchange(shard_group, tensor, native=self.native_requested)
+        self.reduction = gradient_reduction(
+            self.reduce_dtype, shard_size, self.replicas, tensor_backend(shard_group, tensor),
+            None if self.replicate_group is None else
+            tensor_backend(self.replicate_group, tensor),
+            exchange=not self.native or sums_itself,
+            divide_factor=self.divide_factor,
+            force_sum=self.force_sum)
 
 
 class Joined:

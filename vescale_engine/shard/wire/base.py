@@ -19,6 +19,10 @@ class GatherFormat(ABC):
 
     tiles = None      # FP8 tiles the weights travel as (fp8_linear routes Linears by them)
     secondary = None  # hpZ's copy of this rank's part of `full`
+    hpz_group = None  # the group hpZ's secondary gathers run in
+    # fully_shard(fp8_matmul=True): a format with an FP8 form keeps the last gather's
+    # (fp8_tensor) for the Linears that compute from it (fsdp/fp8_linear.py)
+    keep_fp8 = False
 
     def __call__(self, buf, async_op: bool = True, tag=None, backward: bool = False):
         """Gather every rank's shard into `buf.full`: the handle, or None once done when not

@@ -15,8 +15,8 @@ __all__ = ["Fp8TileGather"]
 class Fp8TileGather(Int8Gather):
     """FP8 weights: matrices of whole-row blocks travel as FP8 bytes in the payload where their
     piece's one int8 group would be, with one fp32 scale per tile (quantize.py's TileLayout)
-    in a third all-gather; every other tensor (norms, biases) as int8 groups. With the
-    buffer's `keep_fp8` the last gather's FP8 values and tile scales stay with `full` for the
+    in a third all-gather; every other tensor (norms, biases) as int8 groups. With `keep_fp8`
+    (fp8_matmul) the last gather's FP8 values and tile scales stay with `full` for the
     Linears that compute from them (fp8_tensor)."""
 
     def __init__(self, layout, group):
@@ -51,7 +51,7 @@ class Fp8TileGather(Int8Gather):
         if len(sent) > 2:  # the tiled tensors, which dequantize skipped
             dequantize_tiles(buf.full, sent[0][1].view(torch.uint8), sent[2][1],
                              self.tiles.tensors)
-            if buf.keep_fp8:  # the full views made now, so that their versions count
+            if self.keep_fp8:  # the full views made now, so that their versions count
                 self.kept = (sent[0][1].view(torch.uint8), sent[2][1],
                              [view._version for view in buf.full_views()])
 

@@ -20,7 +20,7 @@ class HpzGather(GatherFormat):
 
     def __init__(self, primary: GatherFormat, group):
         self.primary = primary
-        self.group = group
+        self.hpz_group = group
         self.secondary = None
         self.tag = None  # the iteration whose forward filled `secondary`
 
@@ -41,7 +41,7 @@ class HpzGather(GatherFormat):
 
     def _keep(self, buf, tag) -> None:
         """This rank's part of the gathered `full` into its secondary copy."""
-        n, j = dist.get_world_size(self.group), dist.get_rank(self.group)
+        n, j = dist.get_world_size(self.hpz_group), dist.get_rank(self.hpz_group)
         part = buf.full.numel() // n
         if self.secondary is None:
             self.secondary = torch.empty(part, dtype=buf.param_dtype, device=buf.device)
@@ -53,8 +53,8 @@ class HpzGather(GatherFormat):
         STATS.hpz_gathers += 1
         STATS.bytes_gathered += buf._full_bytes
         STATS.log("all_gather_hpz", buf.name)
-        work = collectives.all_gather(buf.full, self.secondary, self.group,
-                                      async_op=async_op, native=buf.native)
+        work = collectives.all_gather(buf.full, self.secondary, self.hpz_group,
+                                      async_op=async_op, native=buf.comm.native)
         return TimedWork(work, buf.device) if async_op else work
 
     def to(self, device) -> None:
@@ -69,6 +69,14 @@ class HpzGather(GatherFormat):
     @property
     def tiles(self):
         return self.primary.tiles
+
+    @property
+    def keep_fp8(self):
+        return self.primary.keep_fp8
+
+    @keep_fp8.setter
+    def keep_fp8(self, keep: bool) -> None:
+        self.primary.keep_fp8 = keep
 
     def fp8_tensor(self, index, weight):
         return self.primary.fp8_tensor(index, weight)

@@ -29,7 +29,7 @@ class Int8Gather(GatherFormat):
         sent = self.pack(buf, source)
         STATS.bytes_gathered += sum(out.numel() * out.element_size() for _, out in sent)
         works = [collectives.all_gather(out, mine, buf.shard_group, async_op=True,
-                                        native=buf.native) for mine, out in sent]
+                                        native=buf.comm.native) for mine, out in sent]
         return collectives.Joined(works, lambda: self.unpack(buf, sent))
 
     def pack(self, buf, source) -> list:

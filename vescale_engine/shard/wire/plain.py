@@ -15,7 +15,7 @@ class PlainGather(GatherFormat):
     def send(self, buf, source):
         STATS.bytes_gathered += buf._full_bytes
         return collectives.all_gather(buf.full, source, buf.shard_group, async_op=True,
-                                      native=buf.native)
+                                      native=buf.comm.native)
 
 
 class PlainReduce(ReduceFormat):
@@ -24,5 +24,5 @@ class PlainReduce(ReduceFormat):
     def __call__(self, buf, out, source):
         STATS.bytes_reduced += source.numel() * source.element_size()
         return collectives.reduce_scatter(out, source, buf.shard_group,
-                                          op=buf.reduction.reduce_scatter_op,
-                                          native=buf.native)
+                                          op=buf.comm.reduction.reduce_scatter_op,
+                                          native=buf.comm.native)
