@@ -508,3 +508,57 @@ def test_the_patch_checker_sees_each_way_of_patching(tmp_path):
     assert all(line.startswith(f"{PACKAGE}/core/bad.py:") for line in found)
     assert integrations_importers(tmp_path) == [
         f"{PACKAGE}/core/uses.py:2: {PACKAGE}.core.uses imports {PACKAGE}.integrations.ok"]
+
+
+# -- the runtime core stays in pieces a reader can hold -------------------------------------------
+# fsdp/ and shard/: no class over MAX_CLASS_LINES lines or MAX_ATTRIBUTES instance attributes
+# (names assigned as `self.x = ...` anywhere in it), no function over MAX_FUNCTION_LINES lines
+# of code (its docstring aside).
+MAX_CLASS_LINES, MAX_ATTRIBUTES, MAX_FUNCTION_LINES = 350, 20, 60
+
+
+def oversized(root: pathlib.Path = ROOT, packages=("fsdp", "shard")) -> list:
+    """'file: what' for every class and function over the limits."""
+    problems = []
+    for package in packages:
+        for path in sorted((root / PACKAGE / package).rglob("*.py")):
+            where = path.relative_to(root)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    attributes = {t.attr for t in ast.walk(node)
+                                  if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
+                                  and isinstance(t.value, ast.Name) and t.value.id == "self"}
+                    if lines > MAX_CLASS_LINES or len(attributes) > MAX_ATTRIBUTES:
+                        problems.append(f"{where}: class {node.name}: {lines} lines, "
+                                        f"{len(attributes)} attributes")
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    doc = node.body[0]
+                    if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                            isinstance(doc.value.value, str):
+                        lines -= doc.end_lineno - doc.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        problems.append(f"{where}: {node.name}: {lines} lines of code")
+    return problems
+
+
+def test_no_class_or_function_of_the_runtime_core_outgrows_the_limits():
+    assert not oversized(), oversized()
+
+
+def test_the_size_checker_counts_lines_attributes_and_code(tmp_path):
+    pkg = tmp_path / PACKAGE / "fsdp"
+    pkg.mkdir(parents=True)
+    (tmp_path / PACKAGE / "shard").mkdir()
+    attributes = "".join(f"        self.a{i} = {i}\n" for i in range(MAX_ATTRIBUTES + 1))
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    doc = '    """' + "\n" * 30 + '    """\n'
+    (pkg / "m.py").write_text("class Wide:\n    def __init__(self):\n" + attributes +
+                              "def long():\n" + body + "def documented():\n" + doc +
+                              body[:-len(f"    x{MAX_FUNCTION_LINES - 1} = "
+                                         f"{MAX_FUNCTION_LINES - 1}\n")])
+    assert oversized(tmp_path) == [
+        f"{PACKAGE}/fsdp/m.py: class Wide: {MAX_ATTRIBUTES + 3} lines, "
+        f"{MAX_ATTRIBUTES + 1} attributes",
+        f"{PACKAGE}/fsdp/m.py: long: {MAX_FUNCTION_LINES + 1} lines of code"]
