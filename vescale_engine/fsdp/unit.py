@@ -66,12 +66,16 @@ def _not_traced(method):
     """torch.compile does not trace into the forward hooks (collectives, Python state): a
     compiled module's call runs them eagerly around its graph, as FSDP2's hooks are run. Each
     call is a profiler range, `vescale::pre_forward (unit)` say."""
+    def ranged(self, *args, **kwargs):
+        with record_function(f"vescale::{method.__name__} ({self.name})"):
+            return method(self, *args, **kwargs)
+
     @functools.wraps(method)
     def hook(self, *args, **kwargs):
-        with record_function(f"vescale::{method.__name__} ({self.name})"):
-            if not torch.compiler.is_compiling():
-                return method(self, *args, **kwargs)
-            return torch._dynamo.disable(method, recursive=True)(self, *args, **kwargs)
+        if not torch.compiler.is_compiling():
+            return ranged(self, *args, **kwargs)
+        # the range too runs eagerly: nothing of the hook enters the traced graph
+        return torch._dynamo.disable(ranged, recursive=True)(self, *args, **kwargs)
     return hook
 
 
