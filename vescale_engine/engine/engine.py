@@ -181,9 +181,12 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         the loss times the fp16 loss scale (the loss itself without fp16). That backward then
         divides by the accumulation steps, as engine.backward and a plain loss.backward() do."""
         self._check_alive()
-        assert self.optimizer is not None, "must provide optimizer during init in order to use scale"
-        assert isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None, \
-            "loss must be a scalar tensor with grad_fn. For non-scalar tensors, use tensor.backward(grad)"
+        # AssertionError, DeepSpeed's type, raised even under python -O
+        if self.optimizer is None:
+            raise AssertionError("must provide optimizer during init in order to use scale")
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None):
+            raise AssertionError("loss must be a scalar tensor with grad_fn. For non-scalar "
+                                 "tensors, use tensor.backward(grad)")
         self._script_scaled = loss.detach()
         if self.loss_scaler is None:
             return loss
@@ -232,7 +235,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
             raise ValueError("engine.backward needs a scalar loss tensor")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        self._script_scaled = None  # (engine.backward(engine.scale(loss)) scales twice, as DeepSpeed)
+        self._script_scaled = None  # engine.backward(engine.scale(loss)) scales twice, as DeepSpeed
         self._backward_prologue(loss.detach())
         self._in_engine_backward = True
         try:
@@ -248,8 +251,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, without communication."""
         self._check_alive()
-        assert not self._coalescing, \
-            "no_sync cannot be entered inside coalesce_grad_reduction (it already is one)"
+        if self._coalescing:  # DeepSpeed's AssertionError, raised even under python -O
+            raise AssertionError("no_sync cannot be entered inside coalesce_grad_reduction (it "
+                                 "already is one)")
         self._user_no_sync += 1
         try:
             yield
@@ -264,8 +268,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         with no_sync, are errors, as in DeepSpeed. A block left by an exception reduces
         nothing: what its backward passes kept is reduced with the next backward that syncs."""
         self._check_alive()
-        assert not self._user_no_sync and not self._coalescing, \
-            "coalesce_grad_reduction cannot be nested inside another no_sync context"
+        if self._user_no_sync or self._coalescing:  # (DeepSpeed's AssertionError)
+            raise AssertionError(
+                "coalesce_grad_reduction cannot be nested inside another no_sync context")
         self._coalescing = True
         self._user_no_sync += 1
         try:
@@ -285,8 +290,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         With vescale.save_on_signal, an optimizer step after the signal saves a checkpoint and
         raises Preempted (preemption.py)."""
         self._check_alive()
-        assert not self._user_no_sync, \
-            "It is illegal to call Engine.step() inside no_sync context manager"
+        if self._user_no_sync:  # (DeepSpeed's AssertionError)
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context "
+                                 "manager")
         self._colocation.require_on_device("engine.step")
         if self._saves is not None:  # a background save's end (or failure), on every rank
             self._saves.poll(self.device)
