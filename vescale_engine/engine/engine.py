@@ -235,7 +235,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
             raise ValueError("engine.backward needs a scalar loss tensor")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        self._script_scaled = None  # engine.backward(engine.scale(loss)) scales twice, as DeepSpeed
+        self._script_scaled = None  # engine.backward(engine.scale(loss)): twice, as DeepSpeed
         self._backward_prologue(loss.detach())
         self._in_engine_backward = True
         try:
