@@ -63,7 +63,13 @@ REFUSALS = {
     "scalar_parameter": lambda fs: fs(_with_scalar()),
     "tied_between_units": lambda fs: _tied_step(fs, (lambda m: [m.emb], lambda m: [m.head])),
     "tied_unit_and_root": lambda fs: _tied_step(fs, (lambda m: [m.emb],)),
+    "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1, 1))),
+    "applied_twice": lambda fs: fs(fs(nn.Linear(4, 4))),
 }
+# FSDP2's words where its own tests match them (a regex over the message): ours says them too.
+WORDS = {"mesh_3d": "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
+         "applied_twice": "Each distinct composable distributed API can only be applied to a "
+                          "module once."}
 # What FSDP2 accepts beside them, which ours must accept too.
 ACCEPTED = {
     "list_holding_a_module_list": lambda fs: fs([nn.ModuleList([nn.Linear(4, 4)])]),
@@ -115,6 +121,9 @@ def test_what_fsdp2_refuses_ours_refuses_with_its_error_type(pool):
             (theirs, _), (ours, message) = out[name]["fsdp2"], out[name]["ours"]
             if theirs == "ok" or ours != theirs or "\n" in message:
                 wrong.append(f"{name}: ours {ours}: {message}; FSDP2 {out[name]['fsdp2']}")
+            elif name in WORDS and not all(WORDS[name] in said for said in (
+                    message, out[name]["fsdp2"][1] or WORDS[name])):
+                wrong.append(f"{name}: ours says {message!r}; FSDP2 {out[name]['fsdp2']}")
         wrong += [f"{name}: {out[name]}" for name in ACCEPTED
                   if out[name] != {"fsdp2": ("ok", None), "ours": ("ok", None)}]
         assert not wrong, "\n".join(wrong)

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
 from torch.distributed.tensor import DTensor, Shard
 
-from dist_harness import RankPool
+from dist_harness import RankPool, rank_pools
 from vescale_engine.fsdp import (MixedPrecisionPolicy, fully_shard, gathered_parameters,
                                  register_fsdp_forward_method, unit_of)
 from vescale_engine.fsdp.api import release
@@ -286,12 +286,61 @@ def test_reshard_after_forward_bool_int_and_the_root(pool):
                            "of 2, not 3", out["3"]
 
 
-def test_reshard_after_forward_int_other_than_1_and_the_group_is_refused():
-    assert reshard_after_forward_of(4, 4) is True and reshard_after_forward_of(1, 4) is False
-    assert reshard_after_forward_of(None, 4) is None
-    with pytest.raises(NotImplementedError, match=r"^reshard_after_forward=2: resharding to "
-                                                  r"groups of 2 ranks after forward"):
-        reshard_after_forward_of(2, 4)
+def reshard_to_pairs_rank(rank, world):
+    """reshard_after_forward=2 on 4 ranks: FSDP2 reshards to pairs after forward and backward
+    gathers inside them; ours is hpZ's secondary copy (the same values)."""
+    out = {"diff": both(rank, world, lambda fn: (train(m := shard(
+        build(), fn, blocks={"reshard_after_forward": 2}, root={"reshard_after_forward": 2}),
+        rank, world), m))}
+    model = shard(build(), fully_shard, blocks={"reshard_after_forward": 2},
+                  root={"reshard_after_forward": 2})
+    STATS.reset()
+    STATS.record = True
+    try:
+        loss = model(*micro_batches(0, rank, world)[0])
+        out["sharded after forward"] = all(isinstance(p, DTensor) for p in model.parameters())
+        loss.backward()
+    finally:
+        STATS.record = False
+    kinds = [event[0] for event in STATS.events if event[0].startswith("all_gather")]
+    out["gathers"] = (kinds.count("all_gather_hpz"), len(kinds))
+    out["groups"] = {tuple(dist.get_process_group_ranks(b.gather_format.hpz_group))
+                     for b in unit_of(model.blocks[0]).buffers}
+    try:
+        fully_shard(build(), reshard_after_forward=2, hpz_partition_size=4)
+        out["both sizes"] = "no error"
+    except ValueError as err:
+        out["both sizes"] = str(err)
+    # FSDP2's post-forward mesh inside an HSDP replica: hpZ's groups are ranks of the world
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    try:
+        fully_shard(build(), mesh=mesh, reshard_after_forward=2)
+        out["hsdp"] = "no error"
+    except NotImplementedError as err:
+        out["hsdp"] = str(err)
+    return out
+
+
+def test_reshard_after_forward_to_a_smaller_group_trains_as_fsdp2_gathering_inside_it():
+    with rank_pools() as pools:
+        outs = pools(4).run(reshard_to_pairs_rank)
+    for rank, out in enumerate(outs):
+        assert out["diff"] < TOL, out["diff"]
+        assert out["sharded after forward"]  # a DTensor between forward and backward, as FSDP2's
+        hpz, gathers = out["gathers"]  # the blocks' backward gathers (not the root's): the pair
+        assert 0 < hpz < gathers, out["gathers"]
+        assert out["groups"] == ({(0, 1)} if rank < 2 else {(2, 3)}), out["groups"]
+        assert out["both sizes"] == "reshard_after_forward=2 and hpz_partition_size=4 name two " \
+            "sizes for the groups to reshard to after forward; pass one of them"
+        assert out["hsdp"].startswith("reshard_after_forward=2 needs a unit sharded over every "
+                                      "rank (no HSDP"), out["hsdp"]
+
+
+def test_reshard_after_forward_int_maps_to_a_bool_and_a_group_size():
+    assert reshard_after_forward_of(4, 4) == (True, 1)
+    assert reshard_after_forward_of(1, 4) == (False, 1)
+    assert reshard_after_forward_of(None, 4) == (None, 1)
+    assert reshard_after_forward_of(2, 4) == (True, 2)
 
 
 def placement_rank(rank, world):

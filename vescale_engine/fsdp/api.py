@@ -50,7 +50,8 @@ def _resolve_mesh(mesh):
         if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
             raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
         return mesh.get_group(1), mesh.get_group(0)
-    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; "
+                     "2-D: (replicate, shard), HSDP)")  # FSDP2's words
 
 
 # the default process group -> {N: this rank's hpZ group of N consecutive ranks}
@@ -72,9 +73,9 @@ def _modules_to_shard(module) -> list:
         _check_not_container(module)
     for m in modules:
         if getattr(m, "_vescale_unit", None) is not None:
-            raise AssertionError(  # FSDP2's type for a second application
-                f"fully_shard was already applied to this {type(m).__name__}: a module is "
-                "sharded once")
+            raise AssertionError(  # FSDP2's type and words for a second application
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard was already applied to this {type(m).__name__}")
     return modules
 
 
@@ -88,17 +89,19 @@ def _check_not_container(module) -> None:
                          "pass them as a list: fully_shard(list(container)))")
 
 
-def _hpz_group(size, group, replicate_group):
-    """hpZ's group for `size` (None for 1: off); its groups are made once, by every rank."""
+def _hpz_group(size, group, replicate_group, argument="hpz_partition_size"):
+    """hpZ's group for `size` (None for 1: off); its groups are made once, by every rank.
+    `argument` is the name the caller gave the size (in the errors)."""
     if size == 1:
         return None
     world = dist.get_world_size()
     if replicate_group is not None or dist.get_world_size(group) != world:
-        raise ValueError(f"hpz_partition_size={size} needs a unit sharded over every rank (no "
-                         "HSDP, tensor, expert or sequence parallelism): its groups are "
-                         "consecutive ranks of the world")
+        raise NotImplementedError(
+            f"{argument}={size} needs a unit sharded over every rank (no HSDP, tensor, expert "
+            "or sequence parallelism): its groups are consecutive ranks of the world; pass "
+            "reshard_after_forward=True or False with this mesh")
     if world % size:
-        raise ValueError(f"hpz_partition_size={size} does not divide the {world} ranks")
+        raise ValueError(f"{argument}={size} does not divide the {world} ranks")
     made = _HPZ_GROUPS.setdefault(dist.group.WORLD, {})
     if size not in made:
         for first in range(0, world, size):  # every rank makes every group, in one order
@@ -137,7 +140,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     FSDP2's signature, FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
     refused): `module` one module or a list of them (one unit, one all-gather for all);
     `reshard_after_forward` None (True, but the root stays unsharded into backward), a bool,
-    or an int (the shard group's size is True, 1 is False; other sizes are refused);
+    or an int (the shard group's size is True, 1 is False; another divisor N reshards to
+    groups of N consecutive ranks after forward: `hpz_partition_size=N`, below);
     `shard_placement_fn` (None or Shard(0) per parameter; other dims refused); `mp_policy`
     (ours or torch's MixedPrecisionPolicy, every field); `offload_policy` (OffloadPolicy() or
     CPUOffloadPolicy(): shards in host memory); `ignored_params` (left as they are, not
@@ -200,8 +204,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     modules = _modules_to_shard(module)
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
     group, replicate_group = _resolve_mesh(mesh)
-    reshard_after_forward = fsdp2_args.reshard_after_forward_of(
+    reshard_after_forward, post_forward = fsdp2_args.reshard_after_forward_of(
         reshard_after_forward, dist.get_world_size(group))
+    if post_forward > 1:  # FSDP2's post-forward mesh: hpZ's secondary copies
+        if hpz_partition_size not in (1, post_forward):
+            raise ValueError(f"reshard_after_forward={post_forward} and hpz_partition_size="
+                             f"{hpz_partition_size} name two sizes for the groups to reshard "
+                             "to after forward; pass one of them")
+        hpz_partition_size = post_forward
     offload = fsdp2_args.offload_of(offload_policy)
     mp_policy = as_policy(mp_policy)
     if gradient_divide_factor is not None and not gradient_divide_factor > 0:
@@ -210,7 +220,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
     comm = CommunicationPolicy(quantized_weights, quantized_gradients, quantization_format,
                                fp8_matmul, hpz_partition_size, native_collectives)
-    hpz = _hpz_group(comm.hpz_partition_size, group, replicate_group)
+    hpz = _hpz_group(comm.hpz_partition_size, group, replicate_group,
+                     "reshard_after_forward" if post_forward > 1 else "hpz_partition_size")
     if fp8_matmul:
         _require_rowwise_scaled_mm(modules, group)
     unit = FSDPUnit(modules if isinstance(module, (list, tuple)) else module, group,

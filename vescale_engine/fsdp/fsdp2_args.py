@@ -2,8 +2,10 @@
 error before any collective where we cannot honour it.
 
 - `reshard_after_forward`: None (FSDP2's default: True but for the root), a bool, or an int:
-  the shard group's size is True and 1 is False (as FSDP2 maps them); any other divisor (a
-  second, smaller group to reshard to after forward) is refused.
+  the shard group's size is True and 1 is False (as FSDP2 maps them); any other divisor N
+  reshards after forward to groups of N consecutive ranks, from which backward all-gathers
+  (FSDP2's post-forward mesh): that is ZeRO++'s hpZ, so it becomes `hpz_partition_size=N`
+  (secondary copies of 1/N of the gathered parameters; api.py).
 - `shard_placement_fn(param)`: None or Shard(0) keeps each dim-0 slice whole on one rank,
   as FSDP2's Shard(0) does: the parameter's granularity becomes one whose blocks are whole
   dim-0 slices (rows:1 for a matrix or a vector, block:<slice> above); Shard(d) for d > 0
@@ -24,24 +26,20 @@ __all__ = ["reshard_after_forward_of", "placement_of", "offload_of", "ignored_id
            "check_dp_mesh_dims", "root_modules"]
 
 
-def reshard_after_forward_of(value, shard_size: int):
-    """None, True or False for a unit, from FSDP2's bool-or-int (or None)."""
+def reshard_after_forward_of(value, shard_size: int) -> tuple:
+    """(None, True or False for a unit; the size of the groups to reshard to after forward,
+    1 for all ranks), from FSDP2's bool-or-int (or None)."""
     if value is None or isinstance(value, bool):
-        return value
+        return value, 1
     if not isinstance(value, int):
         raise ValueError("reshard_after_forward should be a bool or an int representing the "
                          f"group size to reshard to, not {value}")
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError("If passing reshard_after_forward as an int, it should be a factor of "
                          f"{shard_size}, not {value}")
-    if value == shard_size:
-        return True
     if value == 1:
-        return False
-    raise NotImplementedError(
-        f"reshard_after_forward={value}: resharding to groups of {value} ranks after forward "
-        "(FSDP2 then all-gathers over those in backward) is not supported by vescale_engine's "
-        f"fully_shard; pass True (reshard to all {shard_size}) or False (keep unsharded)")
+        return False, 1
+    return True, (1 if value == shard_size else value)
 
 
 def placement_of(shard_placement_fn):
