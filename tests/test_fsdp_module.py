@@ -343,6 +343,59 @@ def test_reshard_after_forward_int_maps_to_a_bool_and_a_group_size():
     assert reshard_after_forward_of(2, 4) == (True, 2)
 
 
+def cast_rank(rank, world):
+    """model.to(dtype) after fully_shard, as FSDP2 allows it: the sharded parameters (the same
+    objects) in the new dtype, then trained; and what we refuse instead of casting."""
+    out = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        def run(fn, dtype=dtype):
+            model = shard(build(), fn)
+            before = list(model.parameters())
+            model.to(dtype)
+            faces = [(p.dtype, p.to_local().dtype, p._spec.tensor_meta.dtype)
+                     for p in model.parameters()]
+            out[f"{dtype} same objects"] = all(a is b for a, b in zip(before,
+                                                                      model.parameters()))
+            out[f"{dtype} faces"] = {face for face in faces}
+            losses = train(model, rank, world)
+            out[f"{dtype} grads"] = {p.grad is None or p.grad.dtype == dtype
+                                     for p in model.parameters()}
+            return losses, model
+        out[str(dtype)] = both(rank, world, run)
+    refused = {}
+    model = shard(build(), fully_shard)
+    model(*micro_batches(0, rank, world)[0]).backward()
+    grouped = shard(build(), fully_shard, group=True)  # one unit over both blocks
+    for name, cast in (("gradients held", lambda: model.to(torch.float64)),
+                       ("half a unit", lambda: grouped.blocks[0].to(torch.float64))):
+        try:
+            cast()
+            refused[name] = "no error"
+        except RuntimeError as err:
+            refused[name] = str(err)
+    out["refused"] = refused
+    out["unchanged"] = {p.dtype for m in (model, grouped) for p in m.parameters()}
+    return out
+
+
+def test_a_cast_after_fully_shard_casts_the_shards_and_trains_as_fsdp2(pool):
+    for out in pool.run(cast_rank):
+        for dtype in (torch.float64, torch.bfloat16):
+            assert out[str(dtype)] < TOL, (dtype, out[str(dtype)])  # (bitwise where measured)
+            assert out[f"{dtype} same objects"] and out[f"{dtype} grads"] == {True}
+            assert out[f"{dtype} faces"] == {(dtype, dtype, dtype)}, out[f"{dtype} faces"]
+        refused = out["refused"]
+        assert refused["gradients held"].endswith(
+            "cannot cast the sharded parameters to torch.float64: its gradients are held (call "
+            "it after zero_grad)"), refused
+        assert refused["half a unit"].startswith("Block.to(torch.float64): unit Block+Block#"), \
+            refused
+        assert refused["half a unit"].endswith(
+            "also holds Block, which is not under it; cast the module that holds every module "
+            "of the unit"), refused
+        assert out["unchanged"] == {torch.float32}  # nothing changed where it was refused
+
+
 def placement_rank(rank, world):
     dim0 = both(rank, world, lambda fn: (train(m := shard(
         build(), fn, blocks={"shard_placement_fn": lambda p: Shard(0)},

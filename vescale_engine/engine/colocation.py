@@ -40,9 +40,23 @@ __all__ = ["STATE_TYPES", "Colocation", "state_type_names"]
 
 # DeepSpeed's OffloadStateTypeEnum values, in its order.
 STATE_TYPES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
-# DBuffer.device_state() names -> the state type that moves them.
+# device_state() names -> the state type that moves them.
 _BUFFER_STATE_TYPE = {"master": "hp_params", "compute": "lp_params", "grad": "lp_grads",
                       "secondary": "lp_params"}
+
+
+def device_state(buf) -> list:
+    """[(name, tensor)] of the shard tensors a DBuffer holds on its device now (the master, a
+    compute-dtype shard where there is one, the gradient, hpZ's secondary copy): what moves
+    off the device and back. Full buffers are not among them."""
+    if buf.offloaded is not None:  # master and gradient are in host memory
+        compute = buf.offloaded.compute
+        held = [] if compute.on_host else [("compute", compute.tensor)]
+    else:
+        held = [("master", buf.master), ("grad", buf.grad)]
+    held += buf.gather_format.held()  # (hpZ's secondary copy)
+    return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
+            t.device.type == buf.device.type and t.untyped_storage().nbytes() > 0]
 
 
 def _name(value) -> str:
@@ -135,7 +149,7 @@ class Colocation:
             for tensor in getattr(self.optimizer, "held_tensors", list)():
                 add("optim_states", tensor)  # (ours: per-element weight decay)
         for buf in self._buffers():
-            for name, tensor in buf.device_state():
+            for name, tensor in device_state(buf):
                 if _BUFFER_STATE_TYPE[name] in state_types:
                     add(_BUFFER_STATE_TYPE[name], tensor)
         return found

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .lookup import sharded_parameters
+from .lookup import sharded_parameters, units_under
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
            "require_materialized", "guard_init_weights", "flat_parameters"]
@@ -24,13 +24,18 @@ def guard_apply(module: nn.Module) -> None:
     torch would replace each parameter's data with a new tensor, silently cutting it off from
     its DBuffer. A call that leaves every managed parameter as it is (`.to` its own device and
     dtype, `.float()` on fp32) still runs, and so does `to_empty` on shards still on meta (the
-    module's class gives them storage: fsdp/module_class.py); anything else raises before
-    touching the module."""
+    module's class gives them storage: fsdp/module_class.py); a cast to another floating dtype
+    casts the shards (FSDP2's `model.to(dtype)` after sharding: ParamGroup.cast); anything else
+    raises before touching the module."""
     module._apply = types.MethodType(_guarded_apply, module)  # parents' recursion calls it too
 
 
 def _guarded_apply(self, fn, recurse=True):
-    _check_apply(self, fn)
+    dtype = _cast_of(self, fn)
+    if dtype is not None:  # FSDP2's module.to(dtype) after sharding: the shards are cast
+        _cast_units(self, dtype)
+    else:
+        _check_apply(self, fn)
     # Every managed parameter is left as it is, but torch swaps a DTensor-subclass parameter for
     # a new Parameter even then (losing `_vescale`, what ties it to its buffer): the sharded
     # faces sit the recursion out, their slots None (which _apply skips) so the order stays.
@@ -44,6 +49,44 @@ def _guarded_apply(self, fn, recurse=True):
     finally:
         for module, name, param in held:
             module._parameters[name] = param
+
+
+def _cast_of(module, fn):
+    """The floating dtype `fn` casts every managed parameter to, on its own device (`.to(dtype)`,
+    `.double()`, `.half()`, ...); None for anything else (a move, a no-op, mixed targets), and
+    where the cast is refused (_check_apply): parameters still on meta (materialize first) or
+    the engine's plain pieces (its config sets the dtypes; its optimizer holds the master)."""
+    targets = set()
+    for _, p in sharded_parameters(module):
+        before = p.sharded
+        if before.is_meta or p.unit.flat_parameters:
+            return None
+        try:  # an empty tensor like it answers what fn does to a tensor of its dtype and device
+            after = fn(torch.empty(0, dtype=before.dtype, device=before.device))
+        except Exception:
+            return None
+        if after.device != before.device or not after.dtype.is_floating_point:
+            return None
+        targets.add((before.dtype, after.dtype))
+    dtypes = {after for before, after in targets}
+    if len(dtypes) != 1 or all(before == after for before, after in targets):
+        return None
+    return dtypes.pop()
+
+
+def _cast_units(module, dtype) -> None:
+    """Every unit under `module` cast, each checked first (a unit reaching outside `module`,
+    one that cannot be cast now): one line before any unit changes."""
+    inside = {id(m) for m in module.modules()}
+    units = units_under(module)
+    for unit in units:
+        outside = [m for m in unit.modules if id(m) not in inside]
+        if outside:
+            raise RuntimeError(f"{type(module).__name__}.to({dtype}): unit {unit.name} also holds "
+                               f"{type(outside[0]).__name__}, which is not under it; cast the "
+                               "module that holds every module of the unit")
+    for unit in units:
+        unit.group.cast(dtype, unit.mp_policy)
 
 
 def _check_apply(module, fn):

@@ -264,6 +264,12 @@ class ShardedParameter:
         for module, name in self.registrations:
             module._parameters[name] = which
 
+    def forget_full_faces(self) -> None:
+        """The full-shape faces are made again at the next unshard (after a cast: views of a
+        full buffer in another dtype)."""
+        self._unsharded = self._local_leaf = None
+        self._hooked = False
+
     def bind_storage(self) -> None:
         """After the buffer got real storage (`DBuffer.allocate`): `sharded` becomes the view of
         the new master shard. The same Parameter object (its contents are swapped), so every

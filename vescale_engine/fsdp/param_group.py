@@ -75,6 +75,28 @@ class ParamGroup:
         if self.offload is not None:
             self.offload_to_host(self.offload)
 
+    def cast(self, dtype, mp_policy) -> None:
+        """FSDP2's `module.to(dtype)` after sharding: every buffer's master in `dtype`, the
+        sharded parameters (the same objects) over it, the full-shape faces made again at the
+        next unshard. Only between steps, on buffers in device memory that travel plain; one
+        line naming the unit otherwise, before anything changes."""
+        why = "its parameters are unsharded (call it between steps)" \
+            if self.state is not ShardedState.SHARDED else \
+            "its shards are offloaded to host memory" if self.offload is not None else \
+            "its gradients are held (call it after zero_grad)" if any(
+                b.has_grad or b.unreduced.bytes_held for b in self.buffers) else \
+            "its collectives are quantized or hpZ's" if any(
+                not (b.gather_format.plain and b.reduce_format.plain) for b in self.buffers) \
+            else None
+        if why is not None:
+            raise RuntimeError(f"{self.name}: cannot cast the sharded parameters to {dtype}: "
+                               f"{why}")
+        for buf in self.buffers:
+            buf.cast(dtype, *mp_policy.buffer_dtypes(dtype))
+        for p in self.params:
+            p.forget_full_faces()
+            p.bind_storage()
+
     def offload_to_host(self, pin_memory: bool) -> None:
         """FSDP2's CPUOffloadPolicy: the master and gradient shards live in host memory (pinned
         on an accelerator when asked), the sharded parameters view them, so any optimizer over

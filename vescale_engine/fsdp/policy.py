@@ -45,6 +45,15 @@ class MixedPrecisionPolicy:
         return dtype if torch_compat.fsdp2_grads_in_reduce_dtype() else \
             (self.param_dtype or dtype)
 
+    def buffer_dtypes(self, dtype: torch.dtype) -> tuple:
+        """(compute, reduction, unreduced gradient) dtypes of a buffer of `dtype` parameters:
+        gradients accumulate in the reduce dtype when it is the wider one (as FSDP2's)."""
+        param_dtype = self.param_dtype or dtype
+        reduce_dtype = self.reduce_dtype_for(dtype)
+        grad_dtype = reduce_dtype if reduce_dtype.is_floating_point and \
+            reduce_dtype.itemsize > param_dtype.itemsize else param_dtype
+        return param_dtype, reduce_dtype, grad_dtype
+
     @property
     def keeps_wide_grads(self) -> bool:
         return torch_compat.fsdp2_grads_in_reduce_dtype() if self.keep_wide_grads is None \

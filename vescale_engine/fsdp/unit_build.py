@@ -130,11 +130,7 @@ def _device(name, found, order):
 
 
 def _buffer(layout, dtype, device, group, replicate_group, options, name):
-    param_dtype = options.mp_policy.param_dtype or dtype
-    reduce_dtype = options.mp_policy.reduce_dtype_for(dtype)
-    # gradients accumulate in the reduce dtype when it is the wider one (as FSDP2's)
-    grad_dtype = reduce_dtype if reduce_dtype.is_floating_point and \
-        reduce_dtype.itemsize > param_dtype.itemsize else param_dtype
+    param_dtype, reduce_dtype, grad_dtype = options.mp_policy.buffer_dtypes(dtype)
     return DBuffer(layout, dtype=dtype, device=device, shard_group=group,
                    replicate_group=replicate_group, param_dtype=param_dtype,
                    reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, name=name,

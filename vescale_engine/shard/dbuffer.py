@@ -140,6 +140,21 @@ class DBuffer:
         self._choose_collectives()
         self._formats_to(self.device)
 
+    def cast(self, dtype, param_dtype, reduce_dtype, grad_dtype) -> None:
+        """FSDP2's `module.to(dtype)` after sharding, between steps (no full buffer, no
+        gradient held): the master shard in `dtype`; the compute, reduction and unreduced
+        gradient dtypes as the unit's policy derives them from it (its `buffer_dtypes`).
+        The full buffers are made anew, in the new compute dtype, at the next unshard."""
+        self.master = self.master.to(dtype)
+        self.grad = torch.empty_like(self.master)
+        self.release_grad()
+        self.param_dtype, self.comm.reduce_dtype, self.unreduced.dtype = \
+            param_dtype, reduce_dtype, grad_dtype
+        self.full = self._full_views = None
+        self._full_bytes = self.world_size * self.shard_size * param_dtype.itemsize
+        if not self.is_meta:
+            self._choose_collectives()
+
     def _formats_to(self, device) -> None:
         """The wire formats' index tensors where the storage is."""
         self.gather_format.to(device)
@@ -380,20 +395,6 @@ class DBuffer:
             if isinstance(factor, torch.Tensor) and factor.device != self.grad.device:
                 factor = factor.to(self.grad.device)  # a host gradient shard (offload)
             self.grad.mul_(factor)
-
-    def device_state(self) -> list:
-        """[(name, tensor)] of the shard tensors this buffer holds on its device now (the
-        master, a compute-dtype shard where there is one, the gradient, hpZ's secondary
-        copy): what engine/colocation.py moves off the device and back. Full buffers are not
-        among them."""
-        if self.offloaded is not None:  # master and gradient are in host memory
-            compute = self.offloaded.compute
-            held = [] if compute.on_host else [("compute", compute.tensor)]
-        else:
-            held = [("master", self.master), ("grad", self.grad)]
-        held += self.gather_format.held()  # (hpZ's secondary copy)
-        return [(name, t) for name, t in held if isinstance(t, torch.Tensor) and
-                t.device.type == self.device.type and _held(t) > 0]
 
 
 class PendingReduction:

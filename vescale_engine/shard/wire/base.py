@@ -17,6 +17,7 @@ __all__ = ["GatherFormat", "ReduceFormat"]
 class GatherFormat(ABC):
     """How the weights travel into `full` (DBuffer.all_gather, once `full` has storage)."""
 
+    plain = False     # the values travel as they are (a dtype change keeps the format valid)
     tiles = None      # FP8 tiles the weights travel as (fp8_linear routes Linears by them)
     secondary = None  # hpZ's copy of this rank's part of `full`
     hpz_group = None  # the group hpZ's secondary gathers run in
@@ -47,7 +48,7 @@ class GatherFormat(ABC):
 
     def held(self) -> list:
         """[(name, tensor)] the format keeps on the device between gathers
-        (DBuffer.device_state)."""
+        (engine/colocation.py's device_state)."""
         return []
 
     def fp8_tensor(self, index: int, weight):
@@ -57,6 +58,8 @@ class GatherFormat(ABC):
 
 class ReduceFormat(ABC):
     """How the full gradients travel into one rank's shard (DBuffer.reduce_scatter)."""
+
+    plain = False  # the values travel as they are
 
     # Sums outside the backend's reduce-scatter: no AVG inside it, the divide comes after
     # (collectives.gradient_reduction's `exchange`)

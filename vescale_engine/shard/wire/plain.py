@@ -12,6 +12,8 @@ __all__ = ["PlainGather", "PlainReduce"]
 class PlainGather(GatherFormat):
     """The shard in the compute dtype, all-gathered straight into `full`."""
 
+    plain = True
+
     def send(self, buf, source):
         STATS.bytes_gathered += buf._full_bytes
         return collectives.all_gather(buf.full, source, buf.shard_group, async_op=True,
@@ -20,6 +22,8 @@ class PlainGather(GatherFormat):
 
 class PlainReduce(ReduceFormat):
     """The full gradients reduce-scattered with the buffer's reduction op."""
+
+    plain = True
 
     def __call__(self, buf, out, source):
         STATS.bytes_reduced += source.numel() * source.element_size()
