@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dist_harness import RankPool
 from vescale_engine.fsdp import fully_shard
@@ -65,11 +65,17 @@ REFUSALS = {
     "tied_unit_and_root": lambda fs: _tied_step(fs, (lambda m: [m.emb],)),
     "mesh_3d": lambda fs: fs(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1, 1))),
     "applied_twice": lambda fs: fs(fs(nn.Linear(4, 4))),
+    "shard_dim_invalid": lambda fs: fs(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                                       shard_placement_fn=lambda p: Shard(1)),
+    "shard_dim1_uneven": lambda fs: fs(nn.Linear(3, 4),
+                                       shard_placement_fn=lambda p: Shard(p.ndim - 1)),
 }
 # FSDP2's words where its own tests match them (a regex over the message): ours says them too.
 WORDS = {"mesh_3d": "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
          "applied_twice": "Each distinct composable distributed API can only be applied to a "
-                          "module once."}
+                          "module once.",
+         "shard_dim_invalid": "Shard dim 1 is invalid for 1D tensor",
+         "shard_dim1_uneven": "FSDP does not support uneven sharding on dim 1"}
 # What FSDP2 accepts beside them, which ours must accept too.
 ACCEPTED = {
     "list_holding_a_module_list": lambda fs: fs([nn.ModuleList([nn.Linear(4, 4)])]),

@@ -218,6 +218,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
     if max_reuse_distance < 0:
         raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
+    fsdp2_args.check_placements(shard_placement_fn, modules, fsdp2_args.ignored_ids(
+        ignored_params), dist.get_world_size(group))
     comm = CommunicationPolicy(quantized_weights, quantized_gradients, quantization_format,
                                fp8_matmul, hpz_partition_size, native_collectives)
     hpz = _hpz_group(comm.hpz_partition_size, group, replicate_group,

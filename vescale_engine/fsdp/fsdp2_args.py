@@ -22,8 +22,8 @@ import math
 
 from ..plan.granularity import Granularity, parse_granularity
 
-__all__ = ["reshard_after_forward_of", "placement_of", "offload_of", "ignored_ids",
-           "check_dp_mesh_dims", "root_modules"]
+__all__ = ["reshard_after_forward_of", "placement_of", "check_placements", "offload_of",
+           "ignored_ids", "check_dp_mesh_dims", "root_modules"]
 
 
 def reshard_after_forward_of(value, shard_size: int) -> tuple:
@@ -66,6 +66,32 @@ def placement_of(shard_placement_fn):
                 "only; return None or Shard(0)")
         return dim0_granularity(policy, shape)
     return placement
+
+
+def check_placements(shard_placement_fn, modules, ignored: set, shard_size: int) -> None:
+    """What FSDP2 itself refuses of `shard_placement_fn`'s answers, with its error types and
+    words, looked at over every parameter the call will manage before anything is planned (as
+    FSDP2 finds them at wrap time): a dim the parameter does not have (AssertionError), then a
+    dim > 0 that the shard group does not divide (NotImplementedError). What FSDP2 accepts and
+    we do not (an even Shard(d > 0)) is placement_of's refusal, after these."""
+    if shard_placement_fn is None:
+        return
+    from torch.distributed.tensor import DTensor, Shard
+    params = [p for m in modules for p in m.parameters()
+              if id(p) not in ignored and getattr(p, "_vescale", None) is None]
+    answers = []
+    for param in dict.fromkeys(params):
+        result = shard_placement_fn(param)
+        if isinstance(result, Shard):
+            dim = result.dim + param.ndim if result.dim < 0 else result.dim
+            if not 0 <= dim < max(param.ndim, 1):
+                raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: "
+                                     f"{tuple(param.shape)}")
+            answers.append((param, dim))
+    for param, dim in answers:
+        if dim > 0 and not isinstance(param, DTensor) and param.shape[dim] % shard_size:
+            raise NotImplementedError(f"FSDP does not support uneven sharding on dim {dim}: "
+                                      f"{param.size()} (world size: {shard_size})")
 
 
 def dim0_granularity(policy, shape) -> Granularity:
