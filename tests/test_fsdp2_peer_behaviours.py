@@ -559,3 +559,86 @@ def test_a_users_pre_hook_sees_full_parameters_and_a_profile_names_our_collectiv
         assert {"vescale::pre_forward", "vescale::post_forward", "vescale::all_gather",
                 "vescale::all_gather_wait", "vescale::pre_backward", "vescale::reduce_scatter",
                 "vescale::reduce_scatter_wait"} <= set(r["ours"][1]), r["ours"][1]
+
+
+# -- a parameter assigned in place of a sharded one ---------------------------------------------
+
+class NormFromWeights(nn.Module):
+    """A root parameter computed from its children's weights after they are materialized (as
+    torch's test_reset_sharded_param_in_lazy_init does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Linear(4, 4, bias=False)
+        self.layer2 = nn.Linear(4, 4, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(4))
+
+    def forward(self, x):
+        return (self.layer2(self.layer1(x)) * self.weight_norm).sum()
+
+
+def _assigned_training(model, rank, world, sharded):
+    """reset_parameters on the children from one seed, the root's parameter assigned from their
+    norms, then two SGD steps on this rank's rows of one batch: losses and full parameters."""
+    torch.manual_seed(1)
+    model.layer1.reset_parameters()
+    model.layer2.reset_parameters()
+    with torch.no_grad():
+        norm = torch.linalg.norm(model.layer1.weight, dim=1) + \
+            torch.linalg.norm(model.layer2.weight, dim=1)
+    model.weight_norm = nn.Parameter(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.arange(24.0).view(6, 4) / 24
+    losses = []
+    for _ in range(2):
+        rows = x[rank::world] if sharded else x
+        # each rank's share of the batch's loss, scaled so that the average of the ranks'
+        # gradients (what fully_shard reduces) is the whole batch's
+        loss = model(rows) / len(x) * (world if sharded else 1)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        total = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    from vescale_engine.fsdp import full_state_dict
+    params = full_state_dict(model) if sharded else {k: v.detach() for k, v in
+                                                     model.state_dict().items()}
+    return losses, params
+
+
+def assigned_rank(rank, world):
+    plain = _assigned_training(NormFromWeights(), rank, world, sharded=False)
+    out = {}
+    for meta in (False, True):
+        with torch.device("meta" if meta else "cpu"):
+            model = NormFromWeights()
+        fully_shard(model.layer1)
+        fully_shard(model.layer2)
+        fully_shard(model)
+        if meta:
+            model.layer1.to_empty(device="cpu")
+            model.layer2.to_empty(device="cpu")
+        losses, params = _assigned_training(model, rank, world, sharded=True)
+        out[meta] = (max(abs(a - b) for a, b in zip(losses, plain[0])),
+                     max((params[k] - plain[1][k]).abs().max().item() for k in plain[1]),
+                     type(model.weight_norm).__name__)
+    # a unit on meta with one of its two parameters assigned: still on meta, named at forward
+    with torch.device("meta"):
+        half = nn.Linear(4, 4)
+    fully_shard(half)
+    half.bias = nn.Parameter(torch.zeros(4))
+    out["partly assigned"] = outcome(lambda: half(torch.ones(1, 4)))
+    return out
+
+
+def test_a_parameter_assigned_after_fully_shard_is_taken_into_the_shard(pool):
+    for out in pool.run(assigned_rank):
+        for meta in (False, True):  # without the fix the assigned values were dropped silently
+            loss, params, kind = out[meta]
+            assert loss < 1e-6 and params < 1e-6 and kind == "RaggedDTensor", (meta, out[meta])
+        kind, message = out["partly assigned"]
+        assert kind == "RuntimeError" and message.startswith("weight (and 1 more) is still on "
+                                                             "the meta device at forward"), message

@@ -17,7 +17,7 @@ from ..shard.collectives import default_device
 from ..versions import check_versions
 from . import fsdp2_args
 from .fp8_linear import install_fp8_linears
-from .guards import guard_apply, guard_init_weights
+from .guards import guard_apply, guard_init_weights, take_assignments
 from .lookup import unit_of, units_under
 from .materialize import install_full_shape_reset
 from .state_dict import keep_parameters_on_assign
@@ -244,6 +244,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         unit.group.offload_to_host(offload)
     install_full_shape_reset(unit)
     keep_parameters_on_assign(unit)
+    take_assignments()
     for m in modules:
         m._vescale_unit = unit
         to_fsdp_class(m)

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from .lookup import sharded_parameters, units_under
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
-           "require_materialized", "guard_init_weights", "flat_parameters"]
+           "require_materialized", "take_assignments", "assigned_piece", "guard_init_weights",
+           "flat_parameters"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +159,87 @@ def require_materialized(module: nn.Module, when: str) -> None:
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
         raise RuntimeError(f"{left[0]}{more} is still on the meta device at {when}: call "
                            "vescale_engine.materialize(model) (or load_hf_checkpoint) first")
+
+
+def take_assignments() -> None:
+    """A parameter assigned in place of a managed one (`model.w = nn.Parameter(t)` after
+    fully_shard: an init computed from other weights, a module's own re-init) would be replaced
+    by our face at the next unshard and its values dropped, silently. As FSDP2 takes what a
+    module holds into its sharded parameters, torch's parameter-registration hook (every
+    `register_parameter`, which attribute assignment and `load_state_dict(assign=True)` use)
+    takes the values into the shard and registers our sharded parameter instead, so
+    `model.parameters()` and an optimizer made afterwards see ours. A unit still on meta keeps
+    the values (ShardedParameter.initial) and takes storage on their device once every one of
+    its parameters has one, or when it is materialized. Installed once, by fully_shard."""
+    global _TAKING
+    if _TAKING is None:
+        _TAKING = nn.modules.module.register_module_parameter_registration_hook(_take_assigned)
+
+
+_TAKING = None
+
+
+def _take_assigned(module, name, param):
+    current = module._parameters.get(name)
+    p = getattr(current, "_vescale", None) or getattr(current, "_vescale_full", None)
+    if p is None or param is None or not _foreign(param, p):
+        return None
+    if current is p.full_face:
+        raise RuntimeError(f"{type(module).__name__}.{name} ({p.fqn}) was assigned while its "
+                           f"fully_shard unit ({p.unit.name}) holds it unsharded (inside a "
+                           "forward or before its backward): assign it between steps")
+    where = f"{type(module).__name__}.{name}"
+    values = assigned_piece(p, where, param, "an assignment")
+    with torch.no_grad():
+        if p.buffer.is_meta:  # kept whole until the unit has storage (allocate writes it)
+            whole = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+            if tuple(whole.shape) != tuple(p.shape):
+                raise ValueError(f"an assignment: {where} ({p.fqn}) is still on meta and takes "
+                                 "a whole tensor, not a sharded one")
+            p.initial = whole
+            if all(q.initial is not None for q in p.unit.params):
+                p.unit.group.allocate(values.device)
+        else:
+            p.local().copy_(values)
+    if p.sharded.requires_grad != param.requires_grad:
+        p.sharded.requires_grad_(param.requires_grad)
+    return p.sharded
+
+
+def _foreign(current, p) -> bool:
+    """`current` is a tensor of the user's, not a face of `p` or of another managed parameter
+    (a weight tied again after sharding stays as the unit's registrations say)."""
+    return current is not None and current is not p.sharded and current is not p.full_face \
+        and getattr(current, "_vescale", None) is None and \
+        getattr(current, "_vescale_full", None) is None
+
+
+def assigned_piece(p, where: str, value, how: str) -> torch.Tensor:
+    """This rank's flat range of a tensor put in place of managed parameter `p` (by `how`): a
+    RaggedDTensor of its layout, or a whole tensor of its shape (plain, or a DTensor every
+    rank holds whole: Replicate, as torch's ops on sharded parameters often return). Anything
+    else is refused before anything changed."""
+    from torch.distributed.tensor import Replicate
+    from ..shard.ragged_dtensor import RaggedDTensor
+    if isinstance(value, DTensor) and not isinstance(value, RaggedDTensor) and \
+            all(isinstance(x, Replicate) for x in value.placements):
+        value = value.to_local()
+    if isinstance(value, RaggedDTensor) and isinstance(p.sharded, RaggedDTensor):
+        if value.placements == p.sharded.placements and value.shape == p.sharded.shape:
+            piece = value._local_tensor
+            if not piece.is_meta:
+                return piece
+    elif not isinstance(value, DTensor) and tuple(value.shape) == tuple(p.shape) and \
+            not value.is_meta:
+        start, end = p.flat_range
+        return value.detach().reshape(-1)[start:end]
+    what = f"{type(value).__name__} {list(value.shape)}" + \
+        (f" {list(value.placements)}" if isinstance(value, DTensor) else "") + \
+        (" on meta" if value.is_meta else "")
+    raise ValueError(f"{how}: {where} ({p.fqn} in its fully_shard unit) was given a {what}; a "
+                     "fully_shard parameter takes its own layout's DTensor "
+                     f"({list(getattr(p.sharded, 'placements', []))}) or a whole tensor of shape "
+                     f"{list(p.shape)} with values")
 
 
 def _is_piece(param) -> bool:

@@ -16,7 +16,7 @@ from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
 from ..shard.ragged import RaggedShard, box_decomposition, map_box
 from .dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
-from .guards import require_materialized
+from .guards import assigned_piece, require_materialized
 from .lookup import sharded_parameters, units_under
 
 __all__ = ["gathered_parameters", "full_state_dict", "sharded_state_dict", "gather_full",
@@ -423,7 +423,8 @@ def _take_assigned(unit):
                 if current is None or current is p.sharded or current is p.full_face:
                     continue
                 try:
-                    values = _assigned_piece(p, f"{type(owner).__name__}.{name}", current)
+                    values = assigned_piece(p, f"{type(owner).__name__}.{name}", current,
+                                            "load_state_dict(assign=True)")
                 except ValueError:
                     p.register(p.sharded)  # ours back: refused, nothing changed
                     raise
@@ -435,24 +436,3 @@ def _take_assigned(unit):
     return hook
 
 
-def _assigned_piece(p, where: str, value) -> torch.Tensor:
-    """This rank's flat range of an assigned tensor: a RaggedDTensor of the parameter's layout,
-    or a whole plain tensor of its shape. Anything else is refused before anything changed."""
-    from ..shard.ragged_dtensor import RaggedDTensor
-    if isinstance(value, RaggedDTensor) and isinstance(p.sharded, RaggedDTensor):
-        if value.placements == p.sharded.placements and value.shape == p.sharded.shape:
-            piece = value._local_tensor
-            if not piece.is_meta:
-                return piece
-    elif not isinstance(value, DTensor) and tuple(value.shape) == tuple(p.shape) and \
-            not value.is_meta:
-        start, end = p.flat_range
-        return value.detach().reshape(-1)[start:end]
-    what = f"{type(value).__name__} {list(value.shape)}" + \
-        (f" {list(value.placements)}" if isinstance(value, DTensor) else "") + \
-        (" on meta" if value.is_meta else "")
-    raise ValueError(f"load_state_dict(assign=True): {where} ({p.fqn} in its fully_shard unit) "
-                     f"was given a {what}; a "
-                     "fully_shard parameter takes its own layout's DTensor "
-                     f"({list(getattr(p.sharded, 'placements', []))}) or a whole tensor of shape "
-                     f"{list(p.shape)} with values")
