@@ -191,15 +191,14 @@ def _take_assigned(module, name, param):
     where = f"{type(module).__name__}.{name}"
     values = assigned_piece(p, where, param, "an assignment")
     with torch.no_grad():
-        if p.buffer.is_meta:  # kept whole until the unit has storage (allocate writes it)
-            whole = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
-            if tuple(whole.shape) != tuple(p.shape):
-                raise ValueError(f"an assignment: {where} ({p.fqn}) is still on meta and takes "
-                                 "a whole tensor, not a sharded one")
-            p.initial = whole
+        whole = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+        if p.buffer.is_meta and tuple(whole.shape) == tuple(p.shape):
+            p.initial = whole  # kept until the unit has storage (allocate writes it)
             if all(q.initial is not None for q in p.unit.params):
                 p.unit.group.allocate(values.device)
-        else:
+        else:  # (this rank's piece of a unit on meta: a sharded state dict's, as Accelerate's
+            if p.buffer.is_meta:  # cpu_ram_efficient_loading assigns every one of them)
+                p.unit.group.allocate(values.device)
             p.local().copy_(values)
     if p.sharded.requires_grad != param.requires_grad:
         p.sharded.requires_grad_(param.requires_grad)
