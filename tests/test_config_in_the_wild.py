@@ -341,7 +341,7 @@ def test_a_config_hugging_face_filled_in_builds():
 
 def test_direct_initialize_configs_build_with_deepspeeds_meaning():
     rlhf = build_config(_load("openrlhf_style_zero3.json"), world_size=4)
-    assert rlhf.max_reuse_distance == 10 ** 9  # "auto": DeepSpeed's default
+    assert rlhf.memory.max_reuse_distance == 10 ** 9  # "auto": DeepSpeed's default
     assert rlhf.batch.gradient_accumulation_steps == 4 and rlhf.bf16
     not_acted = [entry.split(" (")[0] for entry in rlhf.not_acted_on]
     assert "zero_optimization.sub_group_size" in not_acted and "data_types" in not_acted
@@ -361,7 +361,7 @@ def test_aliases_are_read_as_the_canonical_key():
         "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "train_micro_batch_size_per_gpu": 2}, world_size=2)
     assert cfg.bf16 and cfg.param_dtype == "bfloat16"  # bfloat16 = bf16
-    assert cfg.max_reuse_distance == 10 ** 9  # max_reuse_distance = stage3_max_reuse_distance
+    assert cfg.memory.max_reuse_distance == 10 ** 9  # max_reuse_distance = stage3_max_reuse_distance
     assert cfg.gather_16bit_weights_on_model_save is True  # the deprecated fp16 name
     assert cfg.optimizer["type"] == "AdamW"
     assert "bfloat16" in cfg.raw and "bf16" not in cfg.raw  # raw stays as given

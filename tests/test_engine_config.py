@@ -43,16 +43,17 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
     assert cfg.param_dtype == "bfloat16" and cfg.reduce_dtype is None
     assert cfg.zero_stage == 2 and cfg.reshard_after_forward is False
     assert cfg.granularity == "rows:16" and cfg.granularity_overrides == {"*.experts.*": "tensor"}
-    assert cfg.max_buffers == 2 and cfg.hsdp_replicate_size == 2 and cfg.grads_in_place is False
+    assert cfg.sharding.max_buffers == 2 and cfg.hsdp_replicate_size == 2 and \
+        cfg.memory.grads_in_place is False
     assert cfg.module_classes == ("Block",) and cfg.gradient_clipping == 1.0
     assert [n.split(" (")[0] for n in cfg.not_acted_on] == ["zero_optimization.overlap_comm"]
-    assert cfg.max_reuse_distance == 0  # absent: only the last unit stays gathered
+    assert cfg.memory.max_reuse_distance == 0  # absent: only the last unit stays gathered
     # absent: reduce-scatter every micro-step, gloo's exchanges
     assert cfg.local_grad_accumulation is False
     assert cfg.communication.native_collectives is False
     reuse = build_config({"train_batch_size": 2, "zero_optimization": {
         "stage": 3, "stage3_max_reuse_distance": 1e9}}, world_size=2)
-    assert reuse.max_reuse_distance == 10 ** 9 and reuse.not_acted_on == ()
+    assert reuse.memory.max_reuse_distance == 10 ** 9 and reuse.not_acted_on == ()
     runtime = build_config({"train_batch_size": 2, "vescale": {
         "local_grad_accumulation": True, "native_collectives": True}}, world_size=2)
     assert runtime.local_grad_accumulation is True

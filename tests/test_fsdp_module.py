@@ -956,3 +956,38 @@ def test_torch_compile_of_blocks_before_or_after_fully_shard(pool, when):
         assert diff < 1e-5, diff
         assert graphs == 1, graphs
         assert all("disable" in reason for reason in breaks), breaks
+
+
+def policies_rank(rank, world):
+    """fully_shard's policy objects train as the keywords they hold; a keyword beside its
+    policy, or a bad value in one, is one line before anything is sharded."""
+    from vescale_engine.fsdp.policy import MemoryPolicy, ShardingPolicy
+    keywords = dict(granularity="rows:4", max_buffers=2, grads_in_place=False,
+                    max_reuse_distance=10 ** 6)
+    policies = dict(sharding=ShardingPolicy(granularity="rows:4", max_buffers=2),
+                    memory=MemoryPolicy(grads_in_place=False, max_reuse_distance=10 ** 6))
+    out = {}
+    for name, kwargs in (("keywords", keywords), ("policies", policies)):
+        model = shard(build(), fully_shard, blocks=kwargs, root=kwargs)
+        out[name] = (train(model, rank, world), full_parameters(model),
+                     [b.layout.shard_size for b in unit_of(model.blocks[0]).buffers])
+    for name, call in (
+            ("both", lambda: fully_shard(build(), max_buffers=3, sharding=ShardingPolicy())),
+            ("bad", lambda: MemoryPolicy(max_reuse_distance=-1)),
+            ("granularity", lambda: ShardingPolicy(granularity="rows:x"))):
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_policies_are_the_keywords_they_hold(pool):
+    for out in pool.run(policies_rank):
+        assert difference(out["keywords"][:2], out["policies"][:2]) == 0.0
+        assert out["keywords"][2] == out["policies"][2]
+        assert out["both"] == "max_buffers=3 was passed beside a ShardingPolicy: set it in the " \
+                              "policy instead"
+        assert out["bad"] == "max_reuse_distance must be an int >= 0, got -1"
+        assert "rows:x" in out["granularity"], out["granularity"]

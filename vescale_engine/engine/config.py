@@ -16,7 +16,7 @@ from config_schemas.validate import (ConfigError, offload_param_below_stage_3, r
                                      validate_config)
 
 from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
-from ..fsdp.policy import CommunicationPolicy
+from ..fsdp.policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy
 from ..plan.quantization import DEFAULT_GROUP
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
@@ -217,13 +217,9 @@ class EngineConfig:
     min_params: int | None
     granularity: str
     granularity_overrides: dict = field(default_factory=dict)
-    max_buffers: int = 4
-    align_bytes: int = 16
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
-    max_reuse_distance: int = 0
-    grads_in_place: bool = True
     local_grad_accumulation: bool = False
     hsdp_replicate_size: int = 1
     parallel: ParallelSizes | None = None  # the rank layout (None: built without one)
@@ -251,6 +247,13 @@ class EngineConfig:
     # vescale.quantization_format, vescale.fp8_matmul, zero_optimization.zero_hpz_partition_size,
     # vescale.native_collectives (fully_shard's CommunicationPolicy, checked there)
     communication: CommunicationPolicy = field(default_factory=CommunicationPolicy)
+    # the planner's buffers and alignment (vescale.planner.max_buffers / align_bytes) and the
+    # engine's plain pieces (flat_parameters); the granularity is set at wrap time, where the
+    # optimizer's needs join the config's (engine/wrap.py)
+    sharding: ShardingPolicy = field(default_factory=lambda: ShardingPolicy(
+        flat_parameters=True))
+    # zero_optimization.stage3_max_reuse_distance, vescale.grads_in_place
+    memory: MemoryPolicy = field(default_factory=MemoryPolicy)
 
 
 def _offload_optimizer(section: dict | None) -> dict | None:
@@ -378,13 +381,9 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         min_params=wrap.get("min_params"),
         granularity=granularity.get("default", "rows:1"),
         granularity_overrides=dict(granularity.get("overrides", {})),
-        max_buffers=ves.get("planner", {}).get("max_buffers", 4),
-        align_bytes=ves.get("planner", {}).get("align_bytes", 16),
         param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
         reduce_dtype=_reduce_dtype(config, mp, sizes.sp),
         reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
-        max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0)),
-        grads_in_place=ves.get("grads_in_place", True),
         local_grad_accumulation=ves.get("local_grad_accumulation", False),
         hsdp_replicate_size=ves.get("hsdp_replicate_size", 1),
         parallel=sizes,
@@ -403,6 +402,11 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
                               .get("decoupled", False)),
         communication=_communication(zero, ves, stage, sizes, offload, prefix),
+        sharding=ShardingPolicy(max_buffers=ves.get("planner", {}).get("max_buffers", 4),
+                                align_bytes=ves.get("planner", {}).get("align_bytes", 16),
+                                flat_parameters=True),
+        memory=MemoryPolicy(grads_in_place=ves.get("grads_in_place", True),
+                            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0))),
     )
 
 

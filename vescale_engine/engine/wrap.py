@@ -81,16 +81,12 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"overrides": cfg.granularity_overrides,
                         **({"default": cfg.granularity} if "default" in given else {})}, model)
-    # flat_parameters: DeepSpeed ZeRO-3's view of a sharded parameter (a plain tensor that
-    # deepspeed.zero.GatheredParameters fills in place), which the DeepSpeed-aware libraries
-    # the engine serves (transformers, PEFT, TRL) rely on
+    # cfg.sharding.flat_parameters: DeepSpeed ZeRO-3's view of a sharded parameter (a plain
+    # tensor that deepspeed.zero.GatheredParameters fills in place), which the DeepSpeed-aware
+    # libraries the engine serves (transformers, PEFT, TRL) rely on
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                  flat_parameters=True,
-                  max_reuse_distance=cfg.max_reuse_distance,
-                  grads_in_place=cfg.grads_in_place,
-                  **dataclasses.asdict(cfg.communication),  # its fields: fully_shard's keywords
-                  granularity=granularity,
-                  max_buffers=cfg.max_buffers, align_bytes=cfg.align_bytes,
+                  sharding=dataclasses.replace(cfg.sharding, granularity=granularity),
+                  memory=cfg.memory, communication=cfg.communication,
                   mp_policy=MixedPrecisionPolicy(
                       param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
                       # DeepSpeed's: gradients reduced in the compute dtype unless told, each

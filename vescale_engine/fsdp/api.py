@@ -3,6 +3,7 @@ FSDPModules), and what undoes or suspends them (`release`, `no_sync`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 import weakref
 
@@ -23,7 +24,8 @@ from .materialize import install_full_shape_reset
 from .state_dict import keep_parameters_on_assign
 from .module_class import (FSDPState, register_fsdp_forward_method, restore_class,
                            to_fsdp_class)
-from .policy import CommunicationPolicy, as_policy
+from .policy import (CommunicationPolicy, MemoryPolicy, ShardingPolicy, as_policy,
+                     policy_of)
 from .unit import FSDPUnit, UnitContext
 
 __all__ = ["fully_shard", "no_sync", "reduce_kept_gradients", "release",
@@ -134,7 +136,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                 gradient_divide_factor: float | None = None,
                 flat_parameters: bool = False, quantized_weights: int | None = None,
                 quantized_gradients: int | None = None, hpz_partition_size: int = 1,
-                quantization_format: str = "int8", fp8_matmul: bool = False):
+                quantization_format: str = "int8", fp8_matmul: bool = False,
+                sharding: ShardingPolicy | None = None, memory: MemoryPolicy | None = None,
+                communication: CommunicationPolicy | None = None):
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
     FSDP2's signature, FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
@@ -197,6 +201,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     gathered parameters, so that backward re-gathers them inside its group of N consecutive
     ranks (a node) instead of over every rank; it costs 1/N of the unit's full parameters in
     the compute dtype per rank, for life.
+    `sharding`, `memory`, `communication`: the same choices as policy objects (fsdp/policy.py:
+    ShardingPolicy holds granularity, max_buffers, align_bytes and flat_parameters;
+    MemoryPolicy grads_in_place and max_reuse_distance; CommunicationPolicy the quantization,
+    format, fp8_matmul, hpZ and native-collective keywords), each checked once when made and
+    passed whole; a keyword set beside its policy is an error.
     Errors (no parameters, mixed devices, a mesh this rank is not in, a DTensor that is not
     Shard/Replicate or is on meta, a second call on the same module, an argument refused) are
     raised here, before any collective.
@@ -206,45 +215,34 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     group, replicate_group = _resolve_mesh(mesh)
     reshard_after_forward, post_forward = fsdp2_args.reshard_after_forward_of(
         reshard_after_forward, dist.get_world_size(group))
-    if post_forward > 1:  # FSDP2's post-forward mesh: hpZ's secondary copies
-        if hpz_partition_size not in (1, post_forward):
-            raise ValueError(f"reshard_after_forward={post_forward} and hpz_partition_size="
-                             f"{hpz_partition_size} name two sizes for the groups to reshard "
-                             "to after forward; pass one of them")
-        hpz_partition_size = post_forward
     offload = fsdp2_args.offload_of(offload_policy)
     mp_policy = as_policy(mp_policy)
     if gradient_divide_factor is not None and not gradient_divide_factor > 0:
         raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
-    if max_reuse_distance < 0:
-        raise ValueError(f"max_reuse_distance must be >= 0, got {max_reuse_distance}")
+    sharding = policy_of(ShardingPolicy, sharding, dict(
+        granularity=granularity, max_buffers=max_buffers, align_bytes=align_bytes,
+        flat_parameters=flat_parameters))
+    memory = policy_of(MemoryPolicy, memory, dict(grads_in_place=grads_in_place,
+                                                  max_reuse_distance=max_reuse_distance))
     fsdp2_args.check_placements(shard_placement_fn, modules, fsdp2_args.ignored_ids(
         ignored_params), dist.get_world_size(group))
-    comm = CommunicationPolicy(quantized_weights, quantized_gradients, quantization_format,
-                               fp8_matmul, hpz_partition_size, native_collectives)
+    comm = _with_post_forward(policy_of(CommunicationPolicy, communication, dict(
+        quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
+        quantization_format=quantization_format, fp8_matmul=fp8_matmul,
+        hpz_partition_size=hpz_partition_size, native_collectives=native_collectives)),
+        post_forward)
     hpz = _hpz_group(comm.hpz_partition_size, group, replicate_group,
                      "reshard_after_forward" if post_forward > 1 else "hpz_partition_size")
-    if fp8_matmul:
+    if comm.fp8_matmul:
         _require_rowwise_scaled_mm(modules, group)
     unit = FSDPUnit(modules if isinstance(module, (list, tuple)) else module, group,
-                    replicate_group, reshard_after_forward, mp_policy, granularity, max_buffers,
-                    align_bytes, grads_in_place, max_reuse_distance, comm.native_collectives,
-                    gradient_divide_factor, ignored=fsdp2_args.ignored_ids(ignored_params),
-                    placement=fsdp2_args.placement_of(shard_placement_fn),
-                    flat_parameters=flat_parameters, quantize_group=comm.quantize_group,
-                    quantized=comm.quantized, hpz_group=hpz,
-                    quantize_format=comm.quantization_format)
-    if quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
+                    replicate_group, reshard_after_forward, mp_policy, sharding, memory, comm,
+                    gradient_divide_factor=gradient_divide_factor,
+                    ignored=fsdp2_args.ignored_ids(ignored_params),
+                    placement=fsdp2_args.placement_of(shard_placement_fn), hpz_group=hpz)
+    if comm.quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
         _warn_untiled(unit)
-    if fp8_matmul:
-        for buf in unit.buffers:
-            buf.gather_format.keep_fp8 = True
-        unit.fp8_linears = install_fp8_linears(unit)
-    if offload is not None:
-        unit.group.offload_to_host(offload)
-    install_full_shape_reset(unit)
-    keep_parameters_on_assign(unit)
-    take_assignments()
+    _finish(unit, comm, offload)
     for m in modules:
         m._vescale_unit = unit
         to_fsdp_class(m)
@@ -254,6 +252,31 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         m.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(unit.post_forward)
     return module
+
+
+def _with_post_forward(comm: CommunicationPolicy, post_forward: int) -> CommunicationPolicy:
+    """FSDP2's post-forward mesh (reshard_after_forward=N) as hpZ's secondary copies."""
+    if post_forward == 1:
+        return comm
+    if comm.hpz_partition_size not in (1, post_forward):
+        raise ValueError(f"reshard_after_forward={post_forward} and hpz_partition_size="
+                         f"{comm.hpz_partition_size} name two sizes for the groups to reshard "
+                         "to after forward; pass one of them")
+    return dataclasses.replace(comm, hpz_partition_size=post_forward)
+
+
+def _finish(unit, comm: CommunicationPolicy, offload) -> None:
+    """What a built unit gets before its modules are hooked: FP8 matmuls, offload, the
+    full-shape resets and the assignment guards."""
+    if comm.fp8_matmul:
+        for buf in unit.buffers:
+            buf.gather_format.keep_fp8 = True
+        unit.fp8_linears = install_fp8_linears(unit)
+    if offload is not None:
+        unit.group.offload_to_host(offload)
+    install_full_shape_reset(unit)
+    keep_parameters_on_assign(unit)
+    take_assignments()
 
 
 def _state(module):

@@ -1,7 +1,8 @@
-"""What a user chooses for a unit: the mixed-precision policy, how its parameters and
-gradients travel (CommunicationPolicy) and, per parameter, the sharding granularity. Plain
-types at the bottom of the FSDP runtime, each checked once when made; nothing here knows
-units."""
+"""What a user chooses for a unit: the mixed-precision policy, how its parameters are laid out
+(ShardingPolicy: granularity, buffers, alignment, the face between steps), what it keeps in
+memory (MemoryPolicy) and how its parameters and gradients travel (CommunicationPolicy).
+Frozen dataclasses at the bottom of the FSDP runtime, each checked once when made and passed
+whole; nothing here knows units."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,10 @@ import torch
 
 from .. import torch_compat
 from ..plan.granularity import parse_granularity
+from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 
-__all__ = ["MixedPrecisionPolicy", "CommunicationPolicy", "as_policy", "granularity_of"]
+__all__ = ["MixedPrecisionPolicy", "ShardingPolicy", "MemoryPolicy", "CommunicationPolicy",
+           "as_policy", "granularity_of", "policy_of"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,68 @@ def granularity_of(granularity):
         return next((g for pattern, g in overrides if fnmatch.fnmatchcase(fqn, pattern)),
                     default)
     return resolve
+
+
+def _count(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How a unit's parameters are laid out: fully_shard's keywords of the same names, checked
+    when the policy is made. `granularity`: the planner's atomic block per parameter, one
+    policy ("element", "rows:K", "tile:RxC", "tensor") or {"default": policy, "overrides":
+    {parameter-name glob: policy}}; `max_buffers`: how many DBuffers a unit may be split into
+    when its blocks' sizes couple (the lcm trap); `align_bytes`: each tensor's start in the
+    buffer; `flat_parameters`: the parameters between steps are plain 1-D pieces (DeepSpeed
+    ZeRO-3's view, the engine's) instead of RaggedDTensors of their global shape."""
+    granularity: object = "rows:1"
+    max_buffers: int = DEFAULT_MAX_BUFFERS
+    align_bytes: int = DEFAULT_ALIGN_BYTES
+    flat_parameters: bool = False
+
+    def __post_init__(self):
+        granularity_of(self.granularity)  # an unparsable policy: its ValueError now
+        _count("max_buffers", self.max_buffers, 1)
+        _count("align_bytes", self.align_bytes, 1)
+
+    @property
+    def resolve(self):
+        """fqn -> Granularity."""
+        return granularity_of(self.granularity)
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """What a unit keeps in memory beyond FSDP2's own switches (reshard_after_forward,
+    offload_policy): `grads_in_place`, backward writes each gradient over its own full
+    parameter once that parameter's gradient is complete (one full-size buffer in backward
+    instead of two); `max_reuse_distance` (DeepSpeed's stage3_max_reuse_distance, in
+    elements), a unit stays gathered from its forward to its backward when fewer elements than
+    this are gathered in between."""
+    grads_in_place: bool = True
+    max_reuse_distance: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.grads_in_place, bool):
+            raise ValueError(f"grads_in_place must be a bool, got {self.grads_in_place!r}")
+        _count("max_reuse_distance", self.max_reuse_distance, 0)
+
+
+def policy_of(cls, given, keywords: dict):
+    """`given` (a policy of `cls`, or None) or one made from fully_shard's `keywords` of its
+    fields; both, with a keyword away from its default, is one ValueError naming it."""
+    if given is None:
+        return cls(**keywords)
+    if not isinstance(given, cls):
+        raise TypeError(f"expected a {cls.__name__}, got {type(given).__name__}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name, value in keywords.items():
+        if value is not defaults[name] and value != defaults[name]:
+            raise ValueError(f"{name}={value!r} was passed beside a {cls.__name__}: set it in "
+                             "the policy instead")
+    return given
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from .context import (ACTIVE, ForwardToken, UnitContext, check_same_units, compa
                       running_backward)
 from .guards import require_materialized
 from .param_group import ParamGroup, ShardedState
-from .policy import as_policy, granularity_of
+from .policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy, as_policy
 from .unit_build import BuildOptions, build_unit
 
 __all__ = ["FSDPUnit", "UnitContext", "Switches", "forward_in_progress",
@@ -85,25 +85,26 @@ class FSDPUnit:
     unshard, reshard and reduce."""
 
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
-                 granularity, max_buffers, align_bytes, grads_in_place, max_reuse_distance,
-                 native_collectives=False, gradient_divide_factor=None, *, ignored=(),
-                 placement=None, flat_parameters=False, quantize_group=None, quantized=(),
-                 hpz_group=None, quantize_format="int8"):
+                 sharding=ShardingPolicy(), memory=MemoryPolicy(),
+                 communication=CommunicationPolicy(), *, gradient_divide_factor=None,
+                 ignored=(), placement=None, hpz_group=None):
         """`module`: one module, or several (FSDP2's `fully_shard([a, b])`: one unit, one
         all-gather, over all of them). `reshard_after_forward` None: True, but not for the
         root (FSDP2's default); an explicit True reshards the root too. `ignored`: ids of
         parameters left as they are (FSDP2's ignored_params). `placement(fqn, param, policy)`:
-        the granularity a parameter gets instead of `policy` (FSDP2's shard_placement_fn)."""
+        the granularity a parameter gets instead of `policy` (FSDP2's shard_placement_fn).
+        `sharding`, `memory`, `communication`: fsdp/policy.py's; `hpz_group`: the group hpZ's
+        backward gathers run in (made by fully_shard from communication.hpz_partition_size)."""
         self.modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
         self.module = self.modules[0]
         self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
         self.mp_policy = as_policy(mp_policy)
-        self.flat_parameters = flat_parameters  # sharded faces: plain pieces, not RaggedDTensors
+        self.flat_parameters = sharding.flat_parameters  # faces: plain pieces, not RaggedDTensors
         self.fp8_linears = 0  # nn.Linears computing from FP8 tiles (fully_shard(fp8_matmul))
         self.switches = Switches(reshard_after_forward=reshard_after_forward in (None, True),
                                  auto_reshard_after_forward=reshard_after_forward is None,
-                                 max_reuse_distance=max_reuse_distance,
-                                 grads_in_place=grads_in_place)
+                                 max_reuse_distance=memory.max_reuse_distance,
+                                 grads_in_place=memory.grads_in_place)
         self.ctx = None
         self.is_root = False
         self.backward = UnitBackward(self)
@@ -111,14 +112,16 @@ class FSDPUnit:
         self._keep = False    # unsharded by an explicit unshard() or kept after backward
         self._storage_checked = False  # nothing left on meta: checked at the first forward
         self.group = ParamGroup(self.name, None, [], [], gradient_divide_factor)
+        quantized = communication.quantized
         options = BuildOptions(
-            granularity=granularity_of(granularity), max_buffers=max_buffers,
-            align_bytes=align_bytes, mp_policy=self.mp_policy, ignored=frozenset(ignored),
-            placement=placement, flat_parameters=flat_parameters,
-            native_collectives=native_collectives,
-            quantize_group=quantize_group if quantized else None, quantized=tuple(quantized),
-            quantize_format=quantize_format, hpz_group=hpz_group,
-            divide_factor=gradient_divide_factor)
+            granularity=sharding.resolve, max_buffers=sharding.max_buffers,
+            align_bytes=sharding.align_bytes, mp_policy=self.mp_policy,
+            ignored=frozenset(ignored), placement=placement,
+            flat_parameters=sharding.flat_parameters,
+            native_collectives=communication.native_collectives,
+            quantize_group=communication.quantize_group if quantized else None,
+            quantized=quantized, quantize_format=communication.quantization_format,
+            hpz_group=hpz_group, divide_factor=gradient_divide_factor)
         self.group.device, self.group.buffers, self.group.params = \
             build_unit(self, group, replicate_group, options)
 
