@@ -13,7 +13,6 @@ import zlib
 import torch
 
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
-from ..shard.ragged import RaggedShard
 from ..shard.ragged_dtensor import local_of
 from .dcp import CheckpointError, write_error
 from .piece import RaggedPiece
@@ -42,9 +41,7 @@ def _local_start(p) -> int:
     sp = getattr(p, "_vescale", None)
     if sp is None:
         return 0
-    buf = sp.buffer
-    placement = buf.layout.placements[sp.index]
-    start, end = RaggedShard(sp.shape, sp.block, placement.local_units(buf.world_size)).local_range(buf.rank)
+    start, end = sp.layout.local_range(sp.buffer.rank)
     assert end - start == local_of(p).numel(), (sp.fqn, start, end, local_of(p).numel())
     return start
 

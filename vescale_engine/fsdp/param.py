@@ -34,6 +34,7 @@ class ShardedParameter:
         self.shape = spec.shape
         self.block = spec.block
         self._grad_face = None    # (gradient shard it views, its RaggedDTensor over it)
+        self._layout = None       # its RaggedShard (layout), made at first use
         self.sharded = nn.Parameter(self._face(buffer.master_view(index)),
                                     requires_grad=requires_grad)
         self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
@@ -63,8 +64,7 @@ class ShardedParameter:
         if self.dtensor_spec is not None or self.unit.flat_parameters:
             return piece
         buf = self.buffer
-        layout = RaggedShard(self.shape, self.block,
-                             buf.layout.placements[self.index].local_units(buf.world_size))
+        layout = self.layout
         # The compute device's mesh (an offloaded master is on the host, its collectives are
         # not); on meta, a placeholder until bind_storage.
         device_type = "cpu" if buf.device.type == "meta" else buf.device.type
@@ -244,13 +244,23 @@ class ShardedParameter:
                                                  self.unit.mp_policy.keeps_wide_grads)
 
     @property
+    def layout(self) -> RaggedShard:
+        """This parameter's RaggedShard over its shard group (of its TP/EP-local tensor): which
+        whole blocks each rank holds. Made once; the sharded face, the optimizers' matrices and
+        the checkpoints' boxes all read it."""
+        if self._layout is None:
+            buf = self.buffer
+            self._layout = RaggedShard(self.shape, self.block,
+                                       buf.layout.placements[self.index].local_units(
+                                           buf.world_size))
+        return self._layout
+
+    @property
     def flat_range(self) -> tuple[int, int]:
         """[begin, end) of this rank's piece in the full tensor flattened row-major: `sharded`
-        holds exactly `full.reshape(-1)[begin:end]` (empty when begin == end)."""
-        start, end = self.buffer.local_ranges[self.index]
-        begin = self.buffer.rank * self.buffer.shard_size + start - \
-            self.buffer.layout.placements[self.index].offset
-        return (begin, begin + end - start) if end > start else (0, 0)
+        holds exactly `full.reshape(-1)[begin:end]` ((0, 0) when it holds nothing)."""
+        begin, end = self.layout.local_range(self.buffer.rank)
+        return (begin, end) if end > begin else (0, 0)
 
     def drop_full_grads(self) -> None:
         """The full-shape faces' `.grad` views point into the full buffer: dropped at reshard."""

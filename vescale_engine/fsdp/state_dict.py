@@ -10,11 +10,10 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
-from ..shard.ragged import RaggedShard, box_decomposition, map_box
+from ..shard.ragged import box_decomposition, map_box
 from .dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from .guards import assigned_piece, require_materialized
 from .lookup import sharded_parameters, units_under
@@ -395,9 +394,7 @@ def sharded_state_dict(module: nn.Module) -> dict:
     refuse_tp_ep([p for _, p in sharded_parameters(module)], "sharded_state_dict",
                  "its RaggedShard would describe the TP/EP-local tensor as the global one")
     for fqn, p in sharded_parameters(module):
-        placement = p.buffer.layout.placements[p.index]
-        spec = RaggedShard(p.shape, p.block, placement.local_units(p.buffer.world_size))
-        out[fqn] = (p.local(), spec)
+        out[fqn] = (p.local(), p.layout)
     return out
 
 

@@ -507,9 +507,7 @@ class Muon(torch.optim.Optimizer):
 
 def _local_range(sp) -> tuple[int, int]:
     """This rank's flat [start, end) of the parameter's (TP/EP-local) tensor."""
-    buf = sp.buffer
-    units = buf.layout.placements[sp.index].local_units(buf.world_size)
-    return RaggedShard(sp.shape, sp.block, units).local_range(buf.rank)
+    return sp.layout.local_range(sp.buffer.rank)
 
 
 def _overlap(start, end, lo, hi) -> tuple[int, int]:
@@ -523,8 +521,7 @@ def _flat_matrices(index, sp, group) -> list:
     replicated, or experts EP split on a stacked dim): each matrix's pieces are its ranges on
     the shard group's ranks, in rank order."""
     buf = sp.buffer
-    spec = RaggedShard(sp.shape, sp.block, buf.layout.placements[sp.index].local_units(
-        buf.world_size))
+    spec = sp.layout
     rows, cols = sp.shape[-2], sp.shape[-1]
     local_start, local_end = spec.local_range(buf.rank)
     out = []

@@ -42,7 +42,6 @@ import torch
 from ..checkpoint.piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.optim_spec import SHAMPOO_DEFAULTS, shampoo_granularity_for
-from ..shard.ragged import RaggedShard
 from ..shard.ragged_dtensor import local_of
 from .flat import evaluate_closure
 
@@ -118,9 +117,7 @@ class _Layout:
 
 
 def _local_range(sp) -> tuple[int, int]:
-    buf = sp.buffer
-    units = buf.layout.placements[sp.index].local_units(buf.world_size)
-    return RaggedShard(sp.shape, sp.block, units).local_range(buf.rank)
+    return sp.layout.local_range(sp.buffer.rank)
 
 
 def _matrix_map(sp):
