@@ -204,6 +204,69 @@ def test_ranks_that_drew_different_initial_values_start_from_rank_0s(pool):
     assert abs(results[0]["head"] - 0.05) < 0.1
 
 
+class HandsOutBias(nn.Linear):
+    """A module that returns its own bias beside its output (DeepSpeed's "external
+    parameter"): its caller computes with it, in forward and so in backward."""
+
+    def forward(self, x):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        out = super().forward(x)
+        return out, self.bias, self.bias.ds_status == ZeroParamStatus.AVAILABLE
+
+
+class UsesChildsBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.child = HandsOutBias(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+        self.available = []  # the child's bias, as its caller received it
+
+    def forward(self, x, y):
+        out, bias, available = self.child(self.embed(x))
+        self.available.append(available)
+        return nn.functional.mse_loss(self.head(out * bias), y)  # (the product saves the bias)
+
+
+def _train_returned_parameter(rank, config):
+    import deepspeed
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = UsesChildsBias()
+    losses, state, name = _train(rank, model, config)
+    return losses, state, name, model.available
+
+
+def returned_parameter_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    # every Linear a unit: the child reshards after its forward unless it is kept
+    config = {**CONFIG, "vescale": {"wrap_policy": {"module_classes": ["HandsOutBias"]}}}
+    ds_losses, ds_state, name, ds_available = _train_returned_parameter(rank, CONFIG)
+    assert name == "DeepSpeedEngine", name
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        losses, state, name, available = _train_returned_parameter(rank, config)
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    assert name == "VeScaleEngine", name
+    return dict(ds_losses=ds_losses, losses=losses, ds_available=ds_available,
+                available=available,
+                diff=max((state[k] - ds_state[k]).abs().max().item() for k in ds_state))
+
+
+def test_a_parameter_a_module_returns_stays_gathered_for_its_caller_as_under_deepspeed(pool):
+    for r in pool.run(returned_parameter_rank, timeout=300):
+        assert r["ds_available"] == [True] * STEPS and r["available"] == [True] * STEPS, r
+        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+                   zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
+        assert r["diff"] < 1e-5, r["diff"]
+
+
 def _accessors(rank, config):
     """What a script reads and writes through deepspeed.utils' safe_* accessors."""
     import deepspeed

@@ -303,6 +303,8 @@ class FSDPUnit:
             hook_outputs(self.backward, output, self.ctx.token)
         if self.is_root or ACTIVE.opener is module:  # this call began the forward
             self._end_forward()
+        elif self._returns_own_parameter(output):
+            pass  # the caller computes with it, in forward and backward: kept until backward
         elif len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
             self._to_run.discard(id(module))
             if not self._to_run:
@@ -310,6 +312,21 @@ class FSDPUnit:
         else:
             self._reshard_after_forward()
         return self._cast_output(output)
+
+    def _returns_own_parameter(self, output) -> bool:
+        """A forward that returns one of its unit's full parameters (DeepSpeed's "external
+        parameters": a module handing its bias to its caller) leaves the unit gathered until
+        its backward reshards it, since the caller's forward and the caller's backward (which
+        runs before this unit's) read it; resharding now would free what they read."""
+        found = []
+
+        def visit(t):
+            full = getattr(t, "_vescale_full", None)
+            if full is not None and full.unit is self:
+                found.append(t)
+            return t
+        _apply_to_tensors(visit, output)
+        return bool(found)
 
     def _end_forward(self):
         """The root's forward, or the call of a unit run on its own, ends."""
