@@ -224,7 +224,7 @@ class FSDPUnit:
 
     @_not_traced
     def pre_forward(self, module, args, kwargs):
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
         calls = self.backward.calls
         if running_backward():  # an activation checkpoint's recomputation
             if torch.is_grad_enabled() and not (calls.recomputes_left or calls.forward_calls or
@@ -298,12 +298,12 @@ class FSDPUnit:
             if self.backward.calls.hook_recompute:
                 self.backward.calls.hook_recompute = False
                 hook_outputs(self.backward, output, None)
-            return self._cast_output(output)
+            return cast_output(self.mp_policy, output)
         if torch.is_grad_enabled():
             hook_outputs(self.backward, output, self.ctx.token)
         if self.is_root or ACTIVE.opener is module:  # this call began the forward
             self._end_forward()
-        elif self._returns_own_parameter(output):
+        elif returns_own_parameter(self, output):
             pass  # the caller computes with it, in forward and backward: kept until backward
         elif len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
             self._to_run.discard(id(module))
@@ -311,22 +311,7 @@ class FSDPUnit:
                 self._reshard_after_forward()
         else:
             self._reshard_after_forward()
-        return self._cast_output(output)
-
-    def _returns_own_parameter(self, output) -> bool:
-        """A forward that returns one of its unit's full parameters (DeepSpeed's "external
-        parameters": a module handing its bias to its caller) leaves the unit gathered until
-        its backward reshards it, since the caller's forward and the caller's backward (which
-        runs before this unit's) read it; resharding now would free what they read."""
-        found = []
-
-        def visit(t):
-            full = getattr(t, "_vescale_full", None)
-            if full is not None and full.unit is self:
-                found.append(t)
-            return t
-        _apply_to_tensors(visit, output)
-        return bool(found)
+        return cast_output(self.mp_policy, output)
 
     def _end_forward(self):
         """The root's forward, or the call of a unit run on its own, ends."""
@@ -353,18 +338,6 @@ class FSDPUnit:
         """A unit but the root, once its forward call (a group: its modules) ran."""
         if self.switches.reshard_after_forward and not self._reused_soon():
             self.reshard()
-
-    def _cast_inputs(self, args, kwargs):
-        """FSDP2's cast_forward_inputs: floating tensors among the inputs to param_dtype."""
-        dtype = self.mp_policy.param_dtype
-        if not (self.mp_policy.cast_forward_inputs and dtype):
-            return args, kwargs
-        return _cast_floating((args, kwargs), dtype)
-
-    def _cast_output(self, output):
-        """FSDP2's output_dtype: floating tensors among the outputs cast to it."""
-        dtype = self.mp_policy.output_dtype
-        return output if dtype is None else _cast_floating(output, dtype)
 
     def _reused_soon(self) -> bool:
         """Will backward need these parameters again soon enough to keep them gathered? The
@@ -447,6 +420,36 @@ class FSDPUnit:
         self.reshard()  # (waits for an all-gather in flight)
         self._reset_iteration()
 
+
+
+def cast_inputs(policy, args, kwargs):
+    """FSDP2's cast_forward_inputs: floating tensors among the inputs to param_dtype."""
+    dtype = policy.param_dtype
+    if not (policy.cast_forward_inputs and dtype):
+        return args, kwargs
+    return _cast_floating((args, kwargs), dtype)
+
+
+def cast_output(policy, output):
+    """FSDP2's output_dtype: floating tensors among the outputs cast to it."""
+    dtype = policy.output_dtype
+    return output if dtype is None else _cast_floating(output, dtype)
+
+
+def returns_own_parameter(unit, output) -> bool:
+    """A forward that returns one of `unit`'s full parameters (DeepSpeed's "external
+    parameters": a module handing its bias to its caller) leaves the unit gathered until its
+    backward reshards it, since the caller's forward and the caller's backward (which runs
+    before this unit's) read it; resharding now would free what they read."""
+    found = []
+
+    def visit(t):
+        full = getattr(t, "_vescale_full", None)
+        if full is not None and full.unit is unit:
+            found.append(t)
+        return t
+    _apply_to_tensors(visit, output)
+    return bool(found)
 
 
 def _cast_floating(tree, dtype):
