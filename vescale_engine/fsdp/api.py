@@ -21,7 +21,6 @@ from .fp8_linear import install_fp8_linears
 from .guards import guard_apply, guard_init_weights, take_assignments
 from .lookup import unit_of, units_under
 from .materialize import install_full_shape_reset
-from .state_dict import keep_parameters_on_assign
 from .module_class import (FSDPState, register_fsdp_forward_method, restore_class,
                            to_fsdp_class)
 from .policy import (CommunicationPolicy, MemoryPolicy, ShardingPolicy, as_policy,
@@ -275,7 +274,6 @@ def _finish(unit, comm: CommunicationPolicy, offload) -> None:
     if offload is not None:
         unit.group.offload_to_host(offload)
     install_full_shape_reset(unit)
-    keep_parameters_on_assign(unit)
     take_assignments()
 
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from .lookup import sharded_parameters, units_under
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
-           "require_materialized", "take_assignments", "assigned_piece", "guard_init_weights",
+           "require_materialized", "take_assignments", "guard_init_weights",
            "flat_parameters"]
 
 
@@ -208,8 +208,7 @@ def _take_assigned(module, name, param):
 def _foreign(current, p) -> bool:
     """`current` is a tensor of the user's, not a face of `p` or of another managed parameter
     (a weight tied again after sharding stays as the unit's registrations say)."""
-    return current is not None and current is not p.sharded and current is not p.full_face \
-        and getattr(current, "_vescale", None) is None and \
+    return current is not None and getattr(current, "_vescale", None) is None and \
         getattr(current, "_vescale_full", None) is None
 
 

@@ -15,12 +15,12 @@ from ..launch.collective_timeout import explain_timeout
 from ..shard import collectives
 from ..shard.ragged import box_decomposition, map_box
 from .dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
-from .guards import assigned_piece, require_materialized
+from .guards import require_materialized
 from .lookup import sharded_parameters, units_under
 
 __all__ = ["gathered_parameters", "full_state_dict", "sharded_state_dict", "gather_full",
            "gather_selected", "GatheredBuffer", "gathered_buffers", "all_gather_master",
-           "named_entries", "gather_to_rank0", "keep_parameters_on_assign"]
+           "named_entries", "gather_to_rank0"]
 
 
 @contextlib.contextmanager
@@ -396,40 +396,3 @@ def sharded_state_dict(module: nn.Module) -> dict:
     for fqn, p in sharded_parameters(module):
         out[fqn] = (p.local(), p.layout)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# load_state_dict(assign=True)
-
-def keep_parameters_on_assign(unit) -> None:
-    """`load_state_dict(sd, assign=True)` (Accelerate's FSDP2 loading; torch's
-    set_model_state_dict for a model on meta) puts the state dict's tensors in the modules in
-    place of our parameters. Left so, they would be cut off the DBuffer (the optimizer's step
-    and every gather would keep using the old storage), silently. A post hook on each module
-    holding parameters of `unit` takes what was assigned into the shard (allocating it if the
-    unit was on meta) and puts our parameter back, as FSDP2 re-adopts an assigned parameter."""
-    for module in {id(m): m for p in unit.params for m, _ in p.registrations}.values():
-        module.register_load_state_dict_post_hook(_take_assigned(unit))
-
-
-def _take_assigned(unit):
-    def hook(module, incompatible_keys):
-        for p in unit.params:
-            for owner, name in p.registrations:
-                current = owner._parameters.get(name) if owner is module else None
-                if current is None or current is p.sharded or current is p.full_face:
-                    continue
-                try:
-                    values = assigned_piece(p, f"{type(owner).__name__}.{name}", current,
-                                            "load_state_dict(assign=True)")
-                except ValueError:
-                    p.register(p.sharded)  # ours back: refused, nothing changed
-                    raise
-                if unit.is_meta:
-                    unit.group.allocate(values.device)
-                with torch.no_grad():
-                    p.local().copy_(values)
-                p.register(p.sharded)
-    return hook
-
-
