@@ -441,15 +441,15 @@ def returns_own_parameter(unit, output) -> bool:
     parameters": a module handing its bias to its caller) leaves the unit gathered until its
     backward reshards it, since the caller's forward and the caller's backward (which runs
     before this unit's) read it; resharding now would free what they read."""
-    found = []
-
-    def visit(t):
-        full = getattr(t, "_vescale_full", None)
-        if full is not None and full.unit is unit:
-            found.append(t)
-        return t
-    _apply_to_tensors(visit, output)
-    return bool(found)
+    # (every forward of every unit passes here: a plain walk, nothing rebuilt)
+    if isinstance(output, torch.Tensor):
+        full = getattr(output, "_vescale_full", None)
+        return full is not None and full.unit is unit
+    if isinstance(output, (list, tuple)):
+        return any(returns_own_parameter(unit, x) for x in output)
+    if isinstance(output, dict):  # (transformers' ModelOutput too)
+        return any(returns_own_parameter(unit, x) for x in output.values())
+    return False
 
 
 def _cast_floating(tree, dtype):
