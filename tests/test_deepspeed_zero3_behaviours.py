@@ -267,6 +267,66 @@ def test_a_parameter_a_module_returns_stays_gathered_for_its_caller_as_under_dee
         assert r["diff"] < 1e-5, r["diff"]
 
 
+class ReadsChildrensWeights(nn.Module):
+    """A parent computing with its children's weights (DeepSpeed gathers a parameter read in
+    forward, its ZeROOrderedDict): after the child ran, and of a child that never runs.
+    (Read before the child runs and used after it: DeepSpeed frees it at the child's end.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.child = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+        self.unused = nn.Linear(DIM, DIM)
+        self.shapes = []  # the shapes of the weights the parent read
+
+    def forward(self, x, y):
+        h = self.child(self.embed(x))
+        read = [self.child.weight, self.unused.weight]
+        self.shapes.append([tuple(w.shape) for w in read])
+        h = nn.functional.linear(h, read[0]) + nn.functional.linear(h, read[1])
+        return nn.functional.mse_loss(self.head(h), y)
+
+
+def _train_reads_weights(rank, config):
+    import deepspeed
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = ReadsChildrensWeights()
+    losses, state, name = _train(rank, model, config)
+    return losses, state, name, model.shapes
+
+
+def reads_weights_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    # every Linear a unit of its own: each is sharded when the parent reads it
+    config = {**CONFIG, "vescale": {"wrap_policy": {"module_classes": ["Linear"]}}}
+    ds_losses, ds_state, name, ds_shapes = _train_reads_weights(rank, CONFIG)
+    assert name == "DeepSpeedEngine", name
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        losses, state, name, shapes = _train_reads_weights(rank, config)
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    assert name == "VeScaleEngine", name
+    return dict(ds_losses=ds_losses, losses=losses, ds_shapes=ds_shapes, shapes=shapes,
+                keys={k: (state[k] - ds_state[k]).abs().max().item() for k in ds_state}, diff=max((state[k] - ds_state[k]).abs().max().item() for k in ds_state))
+
+
+def test_a_parent_reading_its_childrens_weights_in_forward_gets_them_whole_as_under_deepspeed(
+        pool):
+    for r in pool.run(reads_weights_rank, timeout=300):
+        assert r["shapes"] == r["ds_shapes"] == [[(DIM, DIM)] * 2] * STEPS, r
+        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+                   zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
+        assert r["diff"] < 1e-5, str(r["keys"])
+
+
 def _accessors(rank, config):
     """What a script reads and writes through deepspeed.utils' safe_* accessors."""
     import deepspeed

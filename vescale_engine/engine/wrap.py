@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import optim
 from ..fsdp.api import fully_shard
+from ..fsdp.deepspeed_params import gather_on_read
 from ..fsdp.lookup import unit_of, units_under
 from ..fsdp.policy import MixedPrecisionPolicy
 from .deepspeed_moe import expert_sharding
@@ -115,6 +116,7 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     # the root stays unsharded from forward into backward, which starts with it (FSDP2's
     # default for the root: reshard_after_forward=None)
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})
+    gather_on_read(units_under(model))  # a parameter read in forward, as DeepSpeed gathers it
     if ds_experts is not None:  # what checkpoints refuse (deepspeed_moe.refuse_with_experts)
         model._vescale_expert_units = tuple(m for m in choice.modules if ds_experts.sharding(m))
     if dist.get_rank() == 0:

@@ -48,6 +48,8 @@ class Calls:
     hook_recompute: bool = False    # the next post-forward in backward hooks its outputs
     delivers_grads: bool = False    # this backward adds into the parameters' .grad
     accumulated: bool = False       # a parameter's .grad was added to (ShardedParameter)
+    outside_reads: int = 0  # parameters handed to code outside the unit in forward: the unit
+    #                         stays gathered, and reduces at the end of backward
 
 
 class UnitBackward:
@@ -71,7 +73,16 @@ class UnitBackward:
 
     def owes_post_backward(self) -> bool:
         """The final callback runs post_backward for a unit this iteration ran."""
-        return self.in_backward or self.calls.forward_calls or self.calls.calls_without_hook
+        calls = self.calls
+        return self.in_backward or calls.forward_calls or calls.calls_without_hook or \
+            calls.outside_reads
+
+    def grad_arrives(self, grad) -> None:
+        """A gradient reached one of the unit's full parameters. One read outside the unit in
+        forward (unit.serve_outside_read) may get it before the unit's outputs get theirs,
+        or without the unit having run: that begins the unit's backward."""
+        if self.state is TrainingState.IDLE and self.calls.outside_reads:
+            self.pre_backward(grad)
 
     def new_iteration(self) -> None:
         """A new forward: forget the last graph's calls."""
@@ -245,7 +256,8 @@ class _PostBackward(torch.autograd.Function):
         ctx.token = None
         calls = backward.calls
         calls.pending_post_backward -= 1
-        if calls.pending_post_backward == 0 and calls.calls_without_hook == 0:
+        if calls.pending_post_backward == 0 and not (calls.calls_without_hook or
+                                                     calls.outside_reads):
             backward.post_backward()
         return (None, None, *grads)
 
@@ -282,4 +294,7 @@ def hook_outputs(backward, output, token):
     hook = _OutputGradHook(backward, token)
     for t in tree_flatten(output)[0]:
         if isinstance(t, torch.Tensor) and t.requires_grad:
+            if t.is_leaf and "_vescale_full" in t.__dict__:
+                continue  # a full parameter returned (a hook on it would stay for life): its
+                #           gradient begins the backward (UnitBackward.grad_arrives)
             t.register_hook(hook)

@@ -19,6 +19,11 @@ accelerate 1.11 and 1.16, transformers 5.6 and 5.24), and what we give them:
   bf16 parameters hold), with `modifier_rank=r` in the master dtype, and rank r's values are
   broadcast and written into every rank's master shard on exit. Without modifier_rank,
   changes are dropped on exit, as DeepSpeed drops them.
+- A parameter read inside a forward while its unit is sharded (a parent computing with a
+  child's weight after the child ran: `F.linear(x, self.child.weight)`): gathered and handed
+  out full, as DeepSpeed's ZeROOrderedDict gathers its "external parameters"
+  (`ReadGathers`, the engine's modules' `_parameters`); outside a forward the sharded piece,
+  as DeepSpeed hands out its partition.
 - TRL's `remove_hooks` / `add_hooks` (trl.models.utils, around generation inside
   GatheredParameters(model.parameters())): for our engine they suspend and restore the units'
   forward hooks, so generation computes with the gathered parameters and re-gathers nothing.
@@ -47,9 +52,9 @@ from torch.distributed.tensor import DTensor
 from .guards import require_materialized
 from .lookup import units_under
 from .state_dict import gather_selected
-from .unit import forward_in_progress, running_backward
+from .unit import forward_in_progress, running_backward, serve_outside_read
 
-__all__ = ["sharded_of", "holds_full", "GatheredShards", "suspend_hooks", "resume_hooks",
+__all__ = ["sharded_of", "holds_full", "ReadGathers", "gather_on_read", "GatheredShards", "suspend_hooks", "resume_hooks",
            "serve_optimizer", "local_piece", "full_value", "set_full_value"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
@@ -71,6 +76,36 @@ def holds_full(p, sp) -> bool:
         module, name = sp.registrations[0]
         return module._parameters.get(name) is p
     return False
+
+
+# -- a parameter read in forward -----------------------------------------------------------------
+
+class ReadGathers(dict):
+    """`module._parameters` of a module whose parameters the engine shards: a sharded
+    parameter read (`module.weight`) inside a root's forward, but not in backward, is gathered
+    by its unit (unit.serve_outside_read) and the full one returned. Iterating
+    (`named_parameters()`) reads nothing through here."""
+    __slots__ = ()
+
+    def __getitem__(self, key):
+        p = dict.__getitem__(self, key)
+        if not forward_in_progress() or not isinstance(p, torch.Tensor):
+            return p
+        sp = p.__dict__.get("_vescale")  # a sharded face (a full one has _vescale_full)
+        if sp is None or id(p) in _GATHERED or running_backward() or \
+                torch.compiler.is_compiling():
+            return p
+        serve_outside_read(sp.unit, sp)
+        return dict.__getitem__(self, key)
+
+
+def gather_on_read(units) -> None:
+    """Give the modules holding `units`' parameters ReadGathers (once; idempotent)."""
+    for unit in units:
+        for sp in unit.params:
+            for module, _ in sp.registrations:
+                if type(module._parameters) is not ReadGathers:
+                    module._parameters = ReadGathers(module._parameters)
 
 
 # -- GatheredParameters ------------------------------------------------------------------------

@@ -165,6 +165,7 @@ class ShardedParameter:
 
     def _local_grad_arrived(self, grad):
         self._refuse_late_grad()
+        self.unit.backward.grad_arrives(grad)
         self.buffer.unreduced.grad_arrived(self.index, self._local_leaf,
                                            self.unit.backward.in_nested_backward())
         return self._widened(grad, self._local_leaf.grad)
@@ -207,6 +208,7 @@ class ShardedParameter:
         redistributed to the parameter's first, so what lands in the buffer is the gradient of
         this rank's local piece."""
         self._refuse_late_grad()
+        self.unit.backward.grad_arrives(grad)
         if self.dtensor_spec is not None:
             grad = grad_in_placements(grad, self.dtensor_spec)
         self.buffer.unreduced.grad_arrived(self.index, self._unsharded,

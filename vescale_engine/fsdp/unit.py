@@ -39,7 +39,7 @@ from .policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy, as_policy
 from .unit_build import BuildOptions, build_unit
 
 __all__ = ["FSDPUnit", "UnitContext", "Switches", "forward_in_progress",
-           "running_backward", "reset_iteration"]
+           "running_backward", "reset_iteration", "serve_outside_read"]
 
 _UNIT_IDS = itertools.count()
 
@@ -304,7 +304,7 @@ class FSDPUnit:
         if self.is_root or ACTIVE.opener is module:  # this call began the forward
             self._end_forward()
         elif returns_own_parameter(self, output):
-            pass  # the caller computes with it, in forward and backward: kept until backward
+            serve_outside_read(self, None)  # the caller computes with it
         elif len(self.modules) > 1:  # a group reshards once all its modules ran (FSDP2)
             self._to_run.discard(id(module))
             if not self._to_run:
@@ -336,7 +336,8 @@ class FSDPUnit:
 
     def _reshard_after_forward(self):
         """A unit but the root, once its forward call (a group: its modules) ran."""
-        if self.switches.reshard_after_forward and not self._reused_soon():
+        if self.switches.reshard_after_forward and not self._reused_soon() and \
+                not self.backward.calls.outside_reads:
             self.reshard()
 
     def _reused_soon(self) -> bool:
@@ -434,6 +435,25 @@ def cast_output(policy, output):
     """FSDP2's output_dtype: floating tensors among the outputs cast to it."""
     dtype = policy.output_dtype
     return output if dtype is None else _cast_floating(output, dtype)
+
+
+def serve_outside_read(unit, param) -> None:
+    """Code outside the unit computes with its full parameter `param` (None: one the unit
+    returned) in a root's forward, DeepSpeed's "external parameters" (deepspeed_params'
+    ReadGathers). Gathered until the backward ends (the reader's backward may run before
+    or after the unit's own), which reduces its gradients (UnitBackward.grad_arrives)."""
+    ctx = ACTIVE.ctx
+    if unit.ctx not in (None, ctx):
+        raise RuntimeError(
+            f"fully_shard: {param.fqn if param else unit.name} (unit {unit.name}) is read "
+            "inside the forward of a model it is not part of; gather it outside that "
+            "forward (deepspeed.zero.GatheredParameters) or shard both as one model")
+    unit.ctx = ctx
+    if unit not in ctx.order:  # (read before its own forward, or without one)
+        ctx.order.append(unit)
+    unit.wait_unshard()
+    unit._note_graphed()  # as its forward would: a parameter without gradient gets zeros
+    unit.backward.calls.outside_reads += 1
 
 
 def returns_own_parameter(unit, output) -> bool:
