@@ -429,7 +429,6 @@ def _semantic_errors(config) -> list:
                       f"param_dtype is {dtype!r}: drop one of them")
     errors += _batch_errors(config)
     errors += _optimizer_errors(config.get("optimizer"))
-    errors += _offload_param_errors(config.get("zero_optimization", {}))
     return errors
 
 
@@ -444,21 +443,24 @@ def offload_param_below_stage_3(zero) -> str | None:
             f"zero_optimization.stage is {_show(stage)}: parameters are not sharded)")
 
 
-def _offload_param_errors(zero) -> list:
-    """offload_param with device "cpu" acts at ZeRO stage 3 together with offload_optimizer
-    with device "cpu" (the fp32 master lives with the optimizer state): without it, an error
-    naming what to add. Below stage 3 it is not acted on (`offload_param_below_stage_3`)."""
-    param = zero.get("offload_param") or {}
+def offload_param_alone(zero) -> str | None:
+    """What offload_param with device "cpu" at stage 3 does without offload_optimizer, when
+    it moves nothing (initialize offloads the shards when there is no optimizer at all); else
+    None."""
+    param = zero.get("offload_param") if isinstance(zero, dict) else None
     if not isinstance(param, dict) or param.get("device") != "cpu" or \
             offload_param_below_stage_3(zero):
-        return []
-    key = "zero_optimization.offload_param"
+        return None
     optimizer = zero.get("offload_optimizer") or {}
     if isinstance(optimizer, dict) and optimizer.get("device") in ("cpu", "auto"):
-        return []
-    return [f"{key}: needs zero_optimization.offload_optimizer with device \"cpu\" too: the "
-            "fp32 master lives with the optimizer state, and offloading only the compute-dtype "
-            "shard would keep the master on the device and save nothing"]
+        return None
+    return ("zero_optimization.offload_param without offload_optimizer (DeepSpeed then moves "
+            "only its 16-bit copy of the parameter shards to host memory, keeping the fp32 "
+            "master, gradients and optimizer state on the device; the engine keeps no 16-bit "
+            "copy, all-gather casts the fp32 master shard, so the device holds what "
+            "DeepSpeed's does and nothing moves. Without any optimizer, where DeepSpeed's "
+            "16-bit copy is all there is, initialize keeps the shards in host memory. Add "
+            "offload_optimizer with device \"cpu\" to move the master and optimizer state)")
 
 
 def node_at(parts):
@@ -547,9 +549,10 @@ def check_config(config, allow_auto: bool = True) -> Report:
     if messages:
         return Report(messages, aliases=notes, ignored=ignored)
     not_acted_on = _not_acted_on(canonical, schema, names)
-    below = offload_param_below_stage_3(canonical.get("zero_optimization"))
-    if below:
-        not_acted_on.append(below)
+    for offload in (offload_param_below_stage_3, offload_param_alone):
+        why = offload(canonical.get("zero_optimization"))
+        if why:
+            not_acted_on.append(why)
     return Report([], not_acted_on, auto, notes, ignored, canonical)
 
 

@@ -471,12 +471,14 @@ def test_offload_param_acts_with_offload_optimizer_at_stage_3_only(caplog):
                                                        "offload_param": True}
     alone = config()
     alone["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
-    with pytest.raises(ConfigError) as err:
-        build_config(alone, 2)
-    assert str(err.value) == (
-        "zero_optimization.offload_param: needs zero_optimization.offload_optimizer with device "
-        "\"cpu\" too: the fp32 master lives with the optimizer state, and offloading only the "
-        "compute-dtype shard would keep the master on the device and save nothing")
+    with caplog.at_level("WARNING", logger="vescale_engine"):
+        built = build_config(alone, 2)
+    assert built.offload_optimizer is None  # nothing moves where there is an optimizer
+    assert built.offload_param_alone == {"ratio": 1.0, "pin_memory": False, "offload_param": True}
+    assert ["accepted but not acted on: zero_optimization.offload_param without "
+            "offload_optimizer (DeepSpeed then moves only its 16-bit copy" in r.getMessage()
+            for r in caplog.records] == [True], caplog.records
+    caplog.clear()
     # below stage 3 DeepSpeed does not read it (public stage-2 configs set it): a warning
     stage2 = config({"ratio": 1.0}, param=True)
     stage2["zero_optimization"]["stage"] = 2
@@ -486,6 +488,53 @@ def test_offload_param_acts_with_offload_optimizer_at_stage_3_only(caplog):
     assert ("accepted but not acted on: zero_optimization.offload_param (read at ZeRO stage 3 "
             "only, as DeepSpeed does; zero_optimization.stage is 2: parameters are not "
             "sharded)") in [r.getMessage() for r in caplog.records]
+
+
+def run_param_alone(rank, world):
+    """offload_param without offload_optimizer: with an optimizer nothing moves (the run equals
+    one without offload_param bitwise); without any optimizer the shards live on the host and
+    forward computes the same."""
+    def alone(with_optimizer, param=True):
+        cfg = config()
+        if not with_optimizer:
+            del cfg["optimizer"]
+        cfg["zero_optimization"] = {"stage": 3, **({"offload_param": {"device": "cpu"}}
+                                                   if param else {})}
+        return make_engine(cfg)
+    out = {}
+    for param in (True, False):
+        torch.manual_seed(0)
+        engine = alone(True, param)
+        out[f"offloaded_{param}"] = [engine.optimizer.offload is not None and
+                                     engine.optimizer.offload.offloads(b)
+                                     for b in buffers_of(engine)]
+        out[f"train_{param}"] = train(engine, rank, world, 2)
+        out[f"shards_{param}"] = shards(engine)
+        engine.destroy()
+    idx, tgt = next(iter(fm.rank_micro_batches("gpt", 0, rank, world, MICRO, 1)))
+    for param in (True, False):
+        torch.manual_seed(0)
+        engine = alone(False, param)
+        out[f"inference_offloaded_{param}"] = [engine.optimizer.offload is not None and
+                                               engine.optimizer.offload.offloads(b)
+                                               for b in buffers_of(engine)]
+        with torch.no_grad():
+            out[f"inference_{param}"] = engine(idx, tgt).item()
+        engine.destroy()
+    out["same_shards"] = all(torch.equal(out["shards_True"][k], v)
+                             for k, v in out.pop("shards_False").items())
+    del out["shards_True"]
+    return out
+
+
+def test_offload_param_alone_moves_nothing_beside_an_optimizer_and_everything_without(pools):
+    for out in pools(2).run(run_param_alone):
+        assert out["offloaded_True"] == out["offloaded_False"] and \
+            not any(out["offloaded_True"]), out
+        assert out["train_True"] == out["train_False"] and out["same_shards"], out
+        assert out["inference_offloaded_True"] and all(out["inference_offloaded_True"]), out
+        assert not any(out["inference_offloaded_False"]), out
+        assert out["inference_True"] == out["inference_False"], out
 
 
 def test_device_none_with_other_keys_is_a_warning_naming_them(caplog):

@@ -12,7 +12,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from config_schemas.validate import (ConfigError, offload_param_below_stage_3, read_config,
+from config_schemas.validate import (ConfigError, offload_param_alone,
+                                     offload_param_below_stage_3, read_config,
                                      validate_config)
 
 from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
@@ -238,6 +239,9 @@ class EngineConfig:
     # zero_optimization.offload_optimizer with device "cpu": {"ratio", "pin_memory",
     # "offload_param"} (offload_param: device "cpu" there too), else None
     offload_optimizer: dict | None = None
+    # offload_param (device "cpu", stage 3) without offload_optimizer: the offload initialize
+    # applies when there is no optimizer at all (else nothing moves: validate.offload_param_alone)
+    offload_param_alone: dict | None = None
     canonical: dict = field(default_factory=dict)  # the validated config, canonical names
     # checkpoint.writer.decoupled: save_checkpoint returns once the state is staged in host
     # memory; a thread writes it (checkpoint/background.py)
@@ -280,14 +284,15 @@ def _offloads(name: str, section: dict | None) -> bool:
 
 
 def _offload_param(zero: dict) -> bool:
-    """Whether parameters offload (offload_param device "cpu" at stage 3; the validator refused
-    it without offload_optimizer). Below stage 3 it is a warning: DeepSpeed does not read it
-    there, and public stage-2 configs set it."""
-    below = offload_param_below_stage_3(zero)
-    if below:
-        if _rank() == 0:
-            LOG.warning("accepted but not acted on: %s", below)
-        return False
+    """Whether parameters offload (offload_param device "cpu" at stage 3). Below stage 3 it is
+    a warning: DeepSpeed does not read it there, and public stage-2 configs set it. Without
+    offload_optimizer a warning too: nothing moves unless there is no optimizer at all."""
+    for offload in (offload_param_below_stage_3, offload_param_alone):
+        why = offload(zero)
+        if why:
+            if _rank() == 0:
+                LOG.warning("accepted but not acted on: %s", why)
+            return offload is offload_param_alone
     return _offloads("zero_optimization.offload_param", zero.get("offload_param"))
 
 
@@ -358,10 +363,13 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
     offload = _offload_optimizer(zero.get("offload_optimizer"))
-    if _offload_param(zero) and offload is not None:
-        pin = (zero.get("offload_param") or {}).get("pin_memory", False)
-        offload = {**offload, "offload_param": True,
-                   "pin_memory": offload["pin_memory"] or bool(pin)}
+    alone = None
+    if _offload_param(zero):
+        pin = bool((zero.get("offload_param") or {}).get("pin_memory", False))
+        if offload is not None:
+            offload = {**offload, "offload_param": True, "pin_memory": offload["pin_memory"] or pin}
+        else:
+            alone = {"ratio": 1.0, "pin_memory": pin, "offload_param": True}
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
     return EngineConfig(
@@ -397,7 +405,7 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save",
                                                     False),
         save_on_signal=_save_on_signal(ves.get("save_on_signal")),
-        offload_optimizer=offload,
+        offload_optimizer=offload, offload_param_alone=alone,
         canonical=config,
         background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
                               .get("decoupled", False)),

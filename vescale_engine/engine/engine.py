@@ -647,7 +647,9 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         params = [p for p in module.parameters() if p.requires_grad]
     else:
         params = resolve_named_parameters(chosen, module)
-    offload = cfg.offload_optimizer is not None
+    offload = cfg.offload_optimizer
+    if offload is None and optimizer is None and cfg.optimizer is None:
+        offload = cfg.offload_param_alone  # no optimizer: DeepSpeed's shards are on the host
     if instance:  # with offload, Trainer's torch AdamW becomes ours (steps on the host)
         opt = rebuild_for_offload(optimizer, params) if offload else \
             rebuild_optimizer(optimizer, params)
@@ -655,7 +657,7 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         opt = build_optimizer(cfg.optimizer, optimizer, params)
     if offload:  # before any state exists: it is made on the host
         check_offloadable(opt)
-        opt.offload_to_host(**cfg.offload_optimizer)
+        opt.offload_to_host(**offload)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
     serve_optimizer(opt)  # its state for DeepSpeed's safe_get_full_optimizer_state and kin
     engine = VeScaleEngine(module, cfg, opt, sched, device, meshes, mpu)

@@ -22,7 +22,8 @@ to the host as the unit finishes reducing. The device keeps a compute-dtype shar
 all-gather sends (`param_shard`), which comes back after each step. With
 offload_param as well the compute shard lives on the host (in place of the staging tensor) and
 each all-gather copies it to the device instead. `pcie` counts those bytes. offload_param
-without offload_optimizer is refused by initialize: ours is estimated without offload then.
+without offload_optimizer moves nothing where there is an optimizer: ours is estimated without
+offload then.
 """
 from __future__ import annotations
 
