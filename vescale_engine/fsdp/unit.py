@@ -31,8 +31,8 @@ from torch.profiler import record_function
 from ..shard.stats import STATS
 from .backward import UnitBackward, hook_outputs, register_post_backward
 from .context import (ACTIVE, ForwardToken, UnitContext, check_same_units, compare_units,
-                      forward_in_progress, next_iteration, reset_iteration, reuse_distances,
-                      running_backward)
+                      final_callback, forward_in_progress, next_iteration, reset_iteration,
+                      reuse_distances, running_backward)
 from .guards import require_materialized
 from .param_group import ParamGroup, ShardedState
 from .policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy, as_policy
@@ -358,6 +358,10 @@ class FSDPUnit:
         if self.ctx is None:
             self.is_root = True
             self.ctx = UnitContext()
+        elif self.ctx.callback_queued and not running_backward():
+            # the last backward raised (its final callback never ran): end it now as it would
+            # have ended, keeping the gradients it computed (as torch keeps them in .grad)
+            final_callback(self.ctx)
         if self.ctx.root_module is None:  # (no_sync may have made the context)
             self.ctx.root_module = module
         if not self._storage_checked:  # the first forward: everything must have storage
