@@ -429,6 +429,11 @@ def _semantic_errors(config) -> list:
                       f"param_dtype is {dtype!r}: drop one of them")
     errors += _batch_errors(config)
     errors += _optimizer_errors(config.get("optimizer"))
+    if config.get("managed_gradient_accumulation") is False and \
+            config.get("vescale", {}).get("local_grad_accumulation") is True:
+        errors.append("vescale.local_grad_accumulation needs managed_gradient_accumulation "
+                      "true: with false the caller's step() ends the accumulation, so no "
+                      "backward knows it is the last one, which must reduce")
     return errors
 
 

@@ -401,6 +401,69 @@ def test_training_goes_on_after_a_backward_that_raised_keeping_its_gradients(poo
         assert max(r["diff"].values()) < 1e-5, str(r["diff"])
 
 
+def _train_unmanaged(rank, config):
+    """DeepSpeed's managed_gradient_accumulation false: the script's step() ends each window,
+    after 3 backward passes, then after 1 (gradient_accumulation_steps 2 all the same)."""
+    import deepspeed
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = DenseModel()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    out = {"losses": [], "boundaries": [], "counters": []}
+    for window, backwards in enumerate((3, 1)):
+        for i in range(backwards):
+            loss = engine(*_data(10 * window + i, rank))
+            engine.backward(loss)
+            out["losses"].append(loss.item())
+            out["boundaries"].append(engine.is_gradient_accumulation_boundary())
+        engine.step()
+        out["counters"].append((engine.global_steps, engine.global_samples, engine.micro_steps))
+    try:
+        with engine.coalesce_grad_reduction():
+            pass
+    except AssertionError as err:
+        out["coalesce"] = str(err)
+    out["managed"] = engine.managed_gradient_accumulation()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        out["state"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    out["name"] = type(engine).__name__
+    return out
+
+
+def unmanaged_rank(rank, world):
+    import deepspeed
+
+    import vescale_engine
+    config = {**CONFIG, "gradient_accumulation_steps": 2, "managed_gradient_accumulation": False}
+    theirs = _train_unmanaged(rank, config)
+    assert theirs["name"] == "DeepSpeedEngine", theirs["name"]
+    original = deepspeed.initialize
+    vescale_engine.patch_deepspeed()
+    try:
+        ours = _train_unmanaged(rank, {**config, "vescale": {}})
+    finally:
+        deepspeed.initialize = original
+        vescale_engine.unpatch()
+    assert ours["name"] == "VeScaleEngine", ours["name"]
+    diff = max((ours["state"][k] - theirs["state"][k]).abs().max().item() for k in theirs["state"])
+    return {"ours": {k: v for k, v in ours.items() if k != "state"},
+            "theirs": {k: v for k, v in theirs.items() if k != "state"}, "diff": diff}
+
+
+def test_managed_gradient_accumulation_false_steps_at_every_step_call_as_under_deepspeed(pool):
+    for r in pool.run(unmanaged_rank, timeout=300):
+        ours, theirs = r["ours"], r["theirs"]
+        assert theirs["counters"] == [(1, 3 * TOKENS * 2, 1), (2, 4 * TOKENS * 2, 2)], theirs
+        for key in ("boundaries", "counters", "coalesce", "managed"):
+            assert ours[key] == theirs[key], (key, ours[key], theirs[key])
+        assert not ours["managed"] and "managed_gradient_accumulation=False" in ours["coalesce"]
+        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+                   zip(ours["losses"], theirs["losses"], strict=True)), r
+        assert r["diff"] < 1e-5, r["diff"]
+
+
 def _accessors(rank, config):
     """What a script reads and writes through deepspeed.utils' safe_* accessors."""
     import deepspeed

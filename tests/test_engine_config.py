@@ -58,7 +58,10 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
         "local_grad_accumulation": True, "native_collectives": True}}, world_size=2)
     assert runtime.local_grad_accumulation is True
     assert runtime.communication.native_collectives is True
-    assert runtime.not_acted_on == ()
+    assert runtime.not_acted_on == () and runtime.managed_gradient_accumulation is True
+    unmanaged = build_config({"train_batch_size": 2, "managed_gradient_accumulation": False},
+                             world_size=2)
+    assert unmanaged.managed_gradient_accumulation is False and unmanaged.not_acted_on == ()
 
 
 @pytest.mark.parametrize("config,world,message", [
@@ -69,6 +72,9 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
       "vescale": {"mixed_precision": {"param_dtype": "bf16"}}}, 2,
      "fp16.enabled computes in float16, but vescale.mixed_precision.param_dtype is 'bf16'"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 5}}, 2, "zero_optimization.stage"),
+    ({"train_batch_size": 8, "managed_gradient_accumulation": False,
+      "vescale": {"local_grad_accumulation": True}}, 2,
+     "vescale.local_grad_accumulation needs managed_gradient_accumulation true"),
 ])
 def test_build_config_errors(config, world, message):
     with pytest.raises(ConfigError, match=message):

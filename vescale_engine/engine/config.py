@@ -222,6 +222,8 @@ class EngineConfig:
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
     local_grad_accumulation: bool = False
+    # DeepSpeed's managed_gradient_accumulation: False, every step() call is a boundary
+    managed_gradient_accumulation: bool = True
     hsdp_replicate_size: int = 1
     parallel: ParallelSizes | None = None  # the rank layout (None: built without one)
     tensor_parallel_plan: dict = field(default_factory=dict)  # vescale.tensor_parallel
@@ -393,6 +395,7 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         reduce_dtype=_reduce_dtype(config, mp, sizes.sp),
         reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
         local_grad_accumulation=ves.get("local_grad_accumulation", False),
+        managed_gradient_accumulation=config.get("managed_gradient_accumulation", True),
         hsdp_replicate_size=ves.get("hsdp_replicate_size", 1),
         parallel=sizes,
         tensor_parallel_plan=dict(ves.get("tensor_parallel", {})),

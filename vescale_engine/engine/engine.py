@@ -117,6 +117,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._sync_context = None
         self._destroyed = False
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
+        self._in_step = False  # inside step() (managed_gradient_accumulation false: a boundary)
+        self._unmanaged_backwards = 0  # backward passes since the last step(), when unmanaged
         self.checkpoint_stall_s = None  # the last save_checkpoint's time in the caller
         self._compile_report = None  # set by compile()
         self._colocation = Colocation(module, optimizer, device)  # offload_states' record
@@ -214,6 +216,8 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._check_alive()
         if loss is not None:
             self._window_losses.append(loss.float())
+        if not self.managed_gradient_accumulation():
+            self._unmanaged_backwards += 1
         # Counted per backward, not per step(): Accelerate calls step() once per window.
         self.progress.micro_step(self.train_micro_batch_size_per_gpu() * self.dp_world_size,
                                  self._tokens and self._tokens * self._token_ranks)
@@ -268,6 +272,10 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         with no_sync, are errors, as in DeepSpeed. A block left by an exception reduces
         nothing: what its backward passes kept is reduced with the next backward that syncs."""
         self._check_alive()
+        if not self.managed_gradient_accumulation():  # (DeepSpeed's AssertionError)
+            raise AssertionError(
+                "coalesce_grad_reduction is not supported with managed_gradient_accumulation="
+                "False; the caller already owns the accumulation boundary via step()")
         if self._user_no_sync or self._coalescing:  # (DeepSpeed's AssertionError)
             raise AssertionError(
                 "coalesce_grad_reduction cannot be nested inside another no_sync context")
@@ -296,16 +304,20 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._colocation.require_on_device("engine.step")
         if self._saves is not None:  # a background save's end (or failure), on every rank
             self._saves.poll(self.device)
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            if self._signal_save is not None:
-                self._signal_save.vote()  # before the norm: read below, once queued
-            self.timers.start("optimizer")
-            with record_function("vescale::optimizer_step"):
-                self._take_model_step(lr_kwargs)
-            self.timers.stop("optimizer")
-            self.timers.optimizer_step_done()
-            self.global_samples += self.train_batch_size()
+        self._in_step = True
+        try:
+            boundary = self.is_gradient_accumulation_boundary()
+            if boundary:
+                if self._signal_save is not None:
+                    self._signal_save.vote()  # before the norm: read below, once queued
+                self.timers.start("optimizer")
+                with record_function("vescale::optimizer_step"):
+                    self._take_model_step(lr_kwargs)
+                self.timers.stop("optimizer")
+                self.timers.optimizer_step_done()
+                self.global_samples += self._samples_this_step()
+        finally:
+            self._in_step = False
         self.micro_steps += 1
         if boundary:
             self._report()
@@ -379,10 +391,24 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """The boundary set_gradient_accumulation_boundary gave last, once it was called;
-        otherwise every gradient_accumulation_steps-th step() call."""
+        otherwise every gradient_accumulation_steps-th step() call (with
+        managed_gradient_accumulation false: every step() call, true only inside it)."""
         if self._boundary is not None:
             return self._boundary
+        if not self.managed_gradient_accumulation():
+            return self._in_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self.engine_config.managed_gradient_accumulation
+
+    def _samples_this_step(self) -> int:
+        """A train batch per optimizer step; unmanaged, the micro-batches backpropagated
+        since the last step (DeepSpeed's count)."""
+        if self.managed_gradient_accumulation():
+            return self.train_batch_size()
+        backwards, self._unmanaged_backwards = self._unmanaged_backwards, 0
+        return self.train_batch_size() // self.gradient_accumulation_steps() * backwards
 
     def zero_grad(self):
         self._check_alive()
