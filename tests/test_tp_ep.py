@@ -368,6 +368,8 @@ def blocks_of(unit):
 def tp_refusals(rank, world):
     """What does not support TP/EP parameters yet says so (one line naming the parameter),
     and the block rule as the planner got it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     from vescale_engine.fsdp import full_state_dict, gathered_parameters, sharded_state_dict
     from vescale_engine.optim import Shampoo
     from vescale_engine.optim.adamw8bit import AdamW8bit
@@ -377,7 +379,10 @@ def tp_refusals(rank, world):
                 "adamw8bit": lambda: AdamW8bit(model.parameters()),
                 "shampoo": lambda: Shampoo(model.parameters()),
                 "sharded_state_dict": lambda: sharded_state_dict(model),
-                "gathered_parameters": lambda: gathered_parameters(model).__enter__()}
+                "gathered_parameters": lambda: gathered_parameters(model).__enter__(),
+                # torch's own: DCP would save each rank's flat piece as the whole tensor
+                "state_dict": lambda: model.state_dict(),
+                "get_model_state_dict": lambda: get_model_state_dict(model)}
     for name, attempt in attempts.items():
         try:
             attempt()
@@ -394,6 +399,12 @@ def test_refusals_and_block_rule(pool):
     for name in ("adamw8bit", "sharded_state_dict", "gathered_parameters"):
         assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
         assert "\n" not in out[name] and ".weight" in out[name], out[name]
+    for name in ("state_dict", "get_model_state_dict"):
+        assert out[name] == (
+            "state_dict: w1.weight is a tensor/expert-parallel parameter, which between "
+            "steps is this rank's flat piece under fully_shard, not FSDP2's 2-D DTensor: torch's "
+            "state_dict and DCP would save the pieces as whole tensors; use "
+            "vescale_engine.full_state_dict(model) (the global tensors)"), (name, out[name])
     assert out["empty_piece"].startswith("fully_shard: w1.weight [1, 8] placed (Shard(dim=0),)"
                                          ": the piece of mesh coordinate [1] is empty"), \
         out["empty_piece"]

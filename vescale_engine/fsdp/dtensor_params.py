@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 __all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
+           "guard_state_dict_of_pieces",
            "dtensor_face", "LocalLeafRoute", "grad_face", "grad_in_placements", "local_index_maps",
            "global_shape", "local_of_global", "refuse_tp_ep"]
 
@@ -219,3 +221,34 @@ def refuse_tp_ep(params, who: str, why: str) -> None:
             raise NotImplementedError(
                 f"{who}: {sp.fqn} is a tensor/expert-parallel (TP/EP-sharded DTensor) "
                 f"parameter, which {who} does not support yet ({why})")
+
+
+_GUARDED = weakref.WeakSet()  # modules whose state_dict guard_state_dict_of_pieces hooked
+
+
+def guard_state_dict_of_pieces(params) -> None:
+    """torch's `state_dict()` (and so DCP's `get_model_state_dict`) over a TP/EP parameter of a
+    fully_shard unit: between steps the module holds this rank's plain flat piece there, not
+    FSDP2's 2-D DTensor, and DCP would save each rank's piece under one key as if it were the
+    whole tensor (keeping one of them): refused in one line naming the parameter and what gives
+    its values. (`keep_vars=True`, what our own gathers call, is let through.)"""
+    for sp in params:
+        if not sharded_mesh_dims(sp.dtensor_spec):
+            continue
+        for module, _ in sp.registrations:
+            if module not in _GUARDED:
+                _GUARDED.add(module)
+                module.register_state_dict_pre_hook(_refuse_pieces)
+
+
+def _refuse_pieces(module, prefix, keep_vars) -> None:
+    if keep_vars:
+        return
+    for value in module._parameters.values():
+        sp = value.__dict__.get("_vescale") if isinstance(value, torch.Tensor) else None
+        if sp is not None and value is sp.sharded and sharded_mesh_dims(sp.dtensor_spec):
+            raise NotImplementedError(
+                f"state_dict: {sp.fqn} is a tensor/expert-parallel parameter, which between "
+                "steps is this rank's flat piece under fully_shard, not FSDP2's 2-D DTensor: "
+                "torch's state_dict and DCP would save the pieces as whole tensors; use "
+                "vescale_engine.full_state_dict(model) (the global tensors)")

@@ -14,7 +14,8 @@ from ..plan.planner import TensorSpec, plan_unit
 from ..plan.quantization import quantization_block
 from ..shard.collectives import default_device
 from ..shard.dbuffer import DBuffer
-from .dtensor_params import dtensor_spec_of, layout_key, local_tensor, tp_block
+from .dtensor_params import (dtensor_spec_of, guard_state_dict_of_pieces, layout_key,
+                             local_tensor, tp_block)
 from .guards import is_deferred
 from .param import ShardedParameter
 from .policy import MixedPrecisionPolicy
@@ -88,6 +89,8 @@ def build_unit(unit, group, replicate_group, options: BuildOptions):
                                        dtensor_specs[i]))
     for i in order:  # a module still holding one of them shares it with this unit
         found[i][1]._vescale_sharded_by = unit.name
+    if not options.flat_parameters:  # (the engine's plain pieces are DeepSpeed's view)
+        guard_state_dict_of_pieces(params)
     return device, buffers, params
 
 
