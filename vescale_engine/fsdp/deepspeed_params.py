@@ -89,11 +89,12 @@ class ReadGathers(dict):
 
     def __getitem__(self, key):
         p = dict.__getitem__(self, key)
-        if not forward_in_progress() or not isinstance(p, torch.Tensor):
+        # (first: a compiled forward must not trace, nor guard on, the runtime's state)
+        if torch.compiler.is_compiling() or not forward_in_progress() or \
+                not isinstance(p, torch.Tensor):
             return p
         sp = p.__dict__.get("_vescale")  # a sharded face (a full one has _vescale_full)
-        if sp is None or id(p) in _GATHERED or running_backward() or \
-                torch.compiler.is_compiling():
+        if sp is None or id(p) in _GATHERED or running_backward():
             return p
         serve_outside_read(sp.unit, sp)
         return dict.__getitem__(self, key)
