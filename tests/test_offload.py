@@ -463,7 +463,6 @@ def test_nvme_and_offload_param_are_one_line_naming_what_works():
 
 
 def test_offload_param_acts_with_offload_optimizer_at_stage_3_only(caplog):
-    from config_schemas.validate import ConfigError
     from vescale_engine.engine.config import build_config
     both = config({"ratio": 1.0}, param=True)
     both["zero_optimization"]["offload_optimizer"]["pin_memory"] = False  # either one pins
@@ -501,13 +500,15 @@ def run_param_alone(rank, world):
         cfg["zero_optimization"] = {"stage": 3, **({"offload_param": {"device": "cpu"}}
                                                    if param else {})}
         return make_engine(cfg)
+
+    def offloaded(engine):
+        off = engine.optimizer.offload
+        return [off is not None and off.offloads(b) for b in buffers_of(engine)]
     out = {}
     for param in (True, False):
         torch.manual_seed(0)
         engine = alone(True, param)
-        out[f"offloaded_{param}"] = [engine.optimizer.offload is not None and
-                                     engine.optimizer.offload.offloads(b)
-                                     for b in buffers_of(engine)]
+        out[f"offloaded_{param}"] = offloaded(engine)
         out[f"train_{param}"] = train(engine, rank, world, 2)
         out[f"shards_{param}"] = shards(engine)
         engine.destroy()
@@ -515,9 +516,7 @@ def run_param_alone(rank, world):
     for param in (True, False):
         torch.manual_seed(0)
         engine = alone(False, param)
-        out[f"inference_offloaded_{param}"] = [engine.optimizer.offload is not None and
-                                               engine.optimizer.offload.offloads(b)
-                                               for b in buffers_of(engine)]
+        out[f"inference_offloaded_{param}"] = offloaded(engine)
         with torch.no_grad():
             out[f"inference_{param}"] = engine(idx, tgt).item()
         engine.destroy()

@@ -54,8 +54,9 @@ from .lookup import units_under
 from .state_dict import gather_selected
 from .unit import forward_in_progress, running_backward, serve_outside_read
 
-__all__ = ["sharded_of", "holds_full", "ReadGathers", "gather_on_read", "GatheredShards", "suspend_hooks", "resume_hooks",
-           "serve_optimizer", "local_piece", "full_value", "set_full_value"]
+__all__ = ["sharded_of", "holds_full", "ReadGathers", "gather_on_read", "GatheredShards",
+           "suspend_hooks", "resume_hooks", "serve_optimizer", "local_piece", "full_value",
+           "set_full_value"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
 
