@@ -235,6 +235,7 @@ def hf_full_disk(rank, world, root):
         last = str(err)
     torch.distributed.barrier()
     unchanged = unchanged and last is not None and digests(root) == before
+    torch.distributed.barrier()  # every rank read the files before the next save replaces them
     engine.save_hf_checkpoint(root, dtype="fp32", max_shard_size="20KB")
     return message, seconds, unchanged, len(before)
 
