@@ -557,7 +557,7 @@ def strided_boxes(rank, world):
     dim 0 and 1, _StridedShard as transformers' packed gate/up, FSDP2's 2-D expert placement):
     [(placements, global shape, [(offsets, values)])]."""
     from torch.distributed.tensor import distribute_tensor
-    from vescale_engine.checkpoint.piece import RaggedPiece
+    from vescale_engine.shard.ragged_piece import RaggedPiece
     from vescale_engine.fsdp.dtensor_params import local_index_maps
     full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
     out = []
@@ -742,7 +742,7 @@ def test_optimizer_state_in_its_own_shape_must_be_mapped_for_tp_ep_parameters():
     from types import SimpleNamespace
     from torch.distributed.tensor import Shard
     from vescale_engine.checkpoint.dcp import CheckpointError
-    from vescale_engine.checkpoint.piece import RaggedPiece
+    from vescale_engine.shard.ragged_piece import RaggedPiece
     from vescale_engine.checkpoint.entries import optimizer_entries
     p = torch.zeros(4)
     p._vescale = SimpleNamespace(dtensor_spec=SimpleNamespace(placements=(Shard(0),)))
@@ -1079,6 +1079,7 @@ def expert_gradients_land_early(rank, world):
     from torch.distributed.tensor import Shard, distribute_tensor
     from vescale_engine.fsdp import fully_shard
     from vescale_engine.fsdp.lookup import sharded_parameters
+    from vescale_engine.shard.ragged_dtensor import local_of
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     events = []
     model = _LocalExperts(4, events)
@@ -1087,7 +1088,7 @@ def expert_gradients_land_early(rank, world):
         for name in ("w1", "w2"):
             full = getattr(m, name).detach()
             setattr(m, name, torch.nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
-    fully_shard(model, mesh=mesh["efsdp"].get_group())
+    fully_shard(model, mesh=mesh["efsdp"])
     for fqn, sp in sharded_parameters(model):
         real = sp.buffer.unreduced.grad_arrived
 
@@ -1106,7 +1107,8 @@ def expert_gradients_land_early(rank, world):
         dist.all_reduce(summed, group=mesh["efsdp"].get_group())  # over efsdp, then / 2
         begin, end = sp.flat_range
         if end > begin:
-            errors[fqn] = (sp.sharded.grad - (summed / 2).reshape(-1)[begin:end]).abs().max().item()
+            errors[fqn] = (local_of(sp.sharded.grad) - (summed / 2).reshape(-1)[begin:end]
+                           ).abs().max().item()
     return events, errors
 
 

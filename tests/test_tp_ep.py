@@ -368,8 +368,6 @@ def blocks_of(unit):
 def tp_refusals(rank, world):
     """What does not support TP/EP parameters yet says so (one line naming the parameter),
     and the block rule as the planner got it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     from vescale_engine.fsdp import full_state_dict, gathered_parameters, sharded_state_dict
     from vescale_engine.optim import Shampoo
     from vescale_engine.optim.adamw8bit import AdamW8bit
@@ -380,9 +378,11 @@ def tp_refusals(rank, world):
                 "shampoo": lambda: Shampoo(model.parameters()),
                 "sharded_state_dict": lambda: sharded_state_dict(model),
                 "gathered_parameters": lambda: gathered_parameters(model).__enter__(),
-                # torch's own: DCP would save each rank's flat piece as the whole tensor
-                "state_dict": lambda: model.state_dict(),
-                "get_model_state_dict": lambda: get_model_state_dict(model)}
+                "view": lambda: model.blocks[0].w1.weight.view(-1),
+                # the sharded face joins the dp and TP meshes: a process group is no mesh
+                "process_group_mesh": lambda: fully_shard(parallelize_module(
+                    MLP(), tp_meshes()[1], {"w1": ColwiseParallel()}),
+                    mesh=tp_meshes()[0].get_group())}
     for name, attempt in attempts.items():
         try:
             attempt()
@@ -399,12 +399,10 @@ def test_refusals_and_block_rule(pool):
     for name in ("adamw8bit", "sharded_state_dict", "gathered_parameters"):
         assert out[name] is not None and "TP/EP" in out[name], (name, out[name])
         assert "\n" not in out[name] and ".weight" in out[name], out[name]
-    for name in ("state_dict", "get_model_state_dict"):
-        assert out[name] == (
-            "state_dict: w1.weight is a tensor/expert-parallel parameter, which between "
-            "steps is this rank's flat piece under fully_shard, not FSDP2's 2-D DTensor: torch's "
-            "state_dict and DCP would save the pieces as whole tensors; use "
-            "vescale_engine.full_state_dict(model) (the global tensors)"), (name, out[name])
+    assert "must keep its shape" in out["view"], out["view"]
+    assert out["process_group_mesh"].startswith(
+        "fully_shard: w1.weight is a DTensor on the mesh"), out["process_group_mesh"]
+    assert "pass mesh= the data-parallel DeviceMesh" in out["process_group_mesh"]
     assert out["empty_piece"].startswith("fully_shard: w1.weight [1, 8] placed (Shard(dim=0),)"
                                          ": the piece of mesh coordinate [1] is empty"), \
         out["empty_piece"]
@@ -418,6 +416,126 @@ def test_refusals_and_block_rule(pool):
     assert out["full_shapes"] == {"blocks.0.w1.weight": (16, 8), "blocks.0.w1.bias": (16,),
                                   "blocks.0.w2.weight": (8, 16), "blocks.0.w2.bias": (8,)}, \
         out["full_shapes"]
+
+
+def torch_tp_mlp():
+    """tp_mlp() sharded by torch's own fully_shard (FSDP2) instead of ours."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    global fully_shard
+    ours = fully_shard
+    fully_shard = lambda module, mesh, **_: torch_fully_shard(module, mesh=mesh)  # noqa: E731
+    try:
+        return tp_mlp()
+    finally:
+        fully_shard = ours
+
+
+def tp_faces_against_fsdp2(rank, world, tmpdir):
+    """The same TP model under our fully_shard and FSDP2's: the parameters between steps,
+    two AdamW steps, torch's clip_grad_norm_ and a row norm over them, state dicts, DCP
+    checkpoints written by one and read by the other."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         set_model_state_dict)
+    _, dp_rank, _, model = tp_mlp()
+    _, _, _, theirs = torch_tp_mlp()
+    out = {"faces": {n: (type(p).__name__, [type(q).__name__ for q in p.placements],
+                         p.device_mesh.mesh_dim_names)
+                     for n, p in model.named_parameters() if n.startswith("blocks.0.")},
+           "torch_faces": {n: ([type(q).__name__ for q in p.placements][1:],
+                               p.device_mesh.mesh_dim_names)
+                           for n, p in theirs.named_parameters() if n.startswith("blocks.0.")}}
+    tp_params = lambda m: [p for n, p in m.named_parameters() if n.startswith("blocks.")]  # noqa
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, theirs)]
+    g = torch.Generator().manual_seed(1)
+    out["norm"], out["params"] = [], []
+    for _ in range(2):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        sl = slice(4 * dp_rank, 4 * dp_rank + 4)
+        norms = []
+        for m, opt in zip((model, theirs), opts):
+            F.mse_loss(m(x[sl]), y[sl]).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(tp_params(m), 1e9).full_tensor())
+            opt.step()
+            opt.zero_grad()
+        out["norm"].append(abs(norms[0] - norms[1]).item())
+        out["params"].append(max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                                 for a, b in zip(model.parameters(), theirs.parameters())))
+    row_norms = [torch.linalg.vector_norm(m.blocks[0].w2.weight, dim=1).full_tensor()
+                 for m in (model, theirs)]
+    out["row_norm"] = (row_norms[0] - row_norms[1]).abs().max().item()
+    out["state_dict"] = sorted({type(v).__name__ for v in model.state_dict().values()})
+    full = [get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+            for m in (model, theirs)]
+    out["full_state_dict"] = sorted(full[0]) == sorted(full[1]) and all(
+        torch.equal(full[0][k], full[1][k]) for k in full[1])
+    out["dcp"] = {}
+    for writer, make_reader, name in ((model, torch_tp_mlp, "ours->fsdp2"),
+                                      (theirs, lambda: tp_mlp(granularity="element"),
+                                       "fsdp2->ours")):
+        path = f"{tmpdir}/{name}"
+        dcp.save(get_model_state_dict(writer), checkpoint_id=path)
+        reader = make_reader()[3]
+        sd = get_model_state_dict(reader)
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(reader, sd)
+        out["dcp"][name] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                               for a, b in zip(writer.parameters(), reader.parameters()))
+    ep_ref, ep_model = ep_moe(world, 4.0)
+    w1 = ep_model.experts.w1
+    out["ep_face"] = (type(w1).__name__, w1.device_mesh.mesh_dim_names,
+                      torch.equal(w1.full_tensor(), ep_ref.experts.w1))
+    return out
+
+
+def test_tp_parameters_between_steps_are_fsdp2s_dtensors_and_interchange_with_it(pool,
+                                                                                  tmp_path):
+    """A TP (and EP) parameter under our fully_shard is, between steps, a DTensor on the 2-D
+    mesh (dp, tp) as under FSDP2 (our RaggedPlacement where FSDP2 has Shard or _StridedShard on
+    dp, the TP placement on tp): AdamW, torch's clip_grad_norm_, a row norm and the full
+    state dict give FSDP2's values, and DCP checkpoints pass between the two either way.
+    (Before: plain 1-D pieces, whose state dicts DCP would save as whole tensors.)"""
+    for out in pool.run(tp_faces_against_fsdp2, str(tmp_path)):
+        for name, (kind, placements, dims) in out["faces"].items():
+            assert kind == "RaggedDTensor" and dims == ("dp", "tp"), (name, kind, dims)
+            assert placements[0] == "RaggedPlacement", (name, placements)
+            assert (placements[1:], dims) == out["torch_faces"][name], (name, out)
+        assert max(out["norm"]) < 1e-6 and max(out["params"]) < 1e-6, out
+        assert out["row_norm"] < 1e-6, out
+        assert out["state_dict"] == ["RaggedDTensor"], out["state_dict"]
+        assert out["full_state_dict"], out
+        assert out["dcp"] == {"ours->fsdp2": 0.0, "fsdp2->ours": 0.0}, out["dcp"]
+        assert out["ep_face"] == ("RaggedDTensor", ("efsdp", "ep"), True), out["ep_face"]
+
+
+def tp_meta_init(rank, world):
+    """torchtitan's order: TP and fully_shard on meta, to_empty, then each module's init on
+    the sharded faces; against one process's plain model from the same seed."""
+    dp, tp, _ = tp_meshes()
+    with torch.device("meta"):
+        model = Net()
+    for b in model.blocks:
+        parallelize_module(b, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(b, mesh=dp)
+    fully_shard(model, mesh=dp)
+    model.to_empty(device="cpu")
+    ref = Net()
+    for m in (ref, model):
+        torch.manual_seed(0)
+        for module in m.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()  # kaiming_uniform_ and uniform_ on the faces
+            elif isinstance(module, Scale):
+                nn.init.normal_(module.weight)
+    return {n: (type(p).__name__, (p.full_tensor() - r).abs().max().item())
+            for (n, p), r in zip(model.named_parameters(), ref.parameters())}
+
+
+def test_tp_model_initialized_on_meta_draws_one_process_values(pool):
+    for out in pool.run(tp_meta_init):
+        assert {kind for kind, _ in out.values()} == {"RaggedDTensor"}, out
+        assert max(diff for _, diff in out.values()) == 0.0, out
 
 
 def test_forward_parameter_is_dtensor_over_the_buffer(pool):
@@ -826,7 +944,7 @@ def _state_vs_checkpoint(engine, full):
     how many entries were compared: element-wise state (momentum, 8-bit codes) by its TP/EP
     piece of the global tensor, own-shape state (per-block scales) by its boxes, steps."""
     from test_engine_tp_ep import local_piece
-    from vescale_engine.checkpoint.piece import RaggedPiece
+    from vescale_engine.shard.ragged_piece import RaggedPiece
     from vescale_engine.checkpoint.entries import optimizer_state
     from vescale_engine.fsdp.lookup import sharded_parameters
     state = optimizer_state(engine.optimizer, create=False)

@@ -6,10 +6,10 @@ model, optimizer, step, plain values; the engine builds its own in engine/traini
 and optimizers plug in through `checkpoint_state` (sharded.py's docstring): this package must
 not know the engine, its counters or config, any optimizer class, or how models are built.
 """
+from ..shard.ragged_piece import RaggedPiece
 from .dcp import CheckpointError, CheckpointWriteError
 from .hf import load_hf_checkpoint, save_hf_checkpoint
 from .layout import LATEST_FILE, STATE_FILE
-from .piece import RaggedPiece
 from .sharded import consolidate, load_checkpoint, save_checkpoint
 from .state import Stateful, TrainingState
 from .zero import convert_zero

@@ -21,8 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..shard.ragged_piece import RaggedPiece
 from .dcp import CheckpointWriteError
-from .piece import RaggedPiece
 
 __all__ = ["BackgroundSaves"]
 

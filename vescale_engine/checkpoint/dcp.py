@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .piece import RaggedPiece
+from ..shard.ragged_piece import RaggedPiece
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "SavePlanner", "LoadPlanner", "SafeReader",
            "CrcWriter", "write_error"]

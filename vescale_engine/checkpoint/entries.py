@@ -14,8 +14,8 @@ import torch
 
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..shard.ragged_dtensor import local_of
+from ..shard.ragged_piece import RaggedPiece
 from .dcp import CheckpointError, write_error
-from .piece import RaggedPiece
 
 __all__ = ["sharded_params", "piece", "persistent_buffers", "optimizer_info", "optimizer_state",
            "optimizer_entries", "rng_entries", "restore_rng", "to_json", "from_json",
@@ -41,7 +41,7 @@ def _local_start(p) -> int:
     sp = getattr(p, "_vescale", None)
     if sp is None:
         return 0
-    start, end = sp.layout.local_range(sp.buffer.rank)
+    start, end = sp.local_range
     assert end - start == local_of(p).numel(), (sp.fqn, start, end, local_of(p).numel())
     return start
 

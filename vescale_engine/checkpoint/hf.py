@@ -40,10 +40,10 @@ from torch import nn
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from ..fsdp.state_dict import gather_to_rank0, named_entries
+from ..shard.ragged_piece import RaggedPiece
 from .background import BackgroundSaves
 from .dcp import CheckpointWriteError, write_error
 from .entries import fsync_dir, write_atomically
-from .piece import RaggedPiece
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "load_into", "LoadResult",

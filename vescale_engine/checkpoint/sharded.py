@@ -56,6 +56,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
+from ..shard.ragged_dtensor import RaggedDTensor, local_of
+from ..shard.ragged_piece import RaggedPiece
 from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, SafeReader,
                   SavePlanner, write_error)
 from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_info,
@@ -63,8 +65,6 @@ from .entries import (crc32, from_json, fsync_dir, optimizer_entries, optimizer_
                       rng_entries, sharded_params, to_json, write_checked_json)
 from .layout import (FORMAT, LATEST_FILE, STATE_FILE, bad_tag, partial_dir, publish, read_latest,
                      remove_partials, write_latest)
-from .piece import RaggedPiece
-from ..shard.ragged_dtensor import RaggedDTensor, local_of
 from .safetensors_format import save_file
 from .zero import DEFAULT_IMPORT_TIMEOUT_S, ensure_vescale_checkpoint, is_zero_checkpoint
 

@@ -32,11 +32,12 @@ __all__ = ["fully_shard", "no_sync", "reduce_kept_gradients", "release",
 
 
 def _resolve_mesh(mesh):
-    """(shard group, replicate group or None) from a DeviceMesh, a process group, or None."""
+    """(shard group, replicate group or None, the shard dim's DeviceMesh or None) from a
+    DeviceMesh, a process group, or None."""
     if mesh is None:
-        return dist.group.WORLD, None
+        return dist.group.WORLD, None, None
     if isinstance(mesh, dist.ProcessGroup):
-        return mesh, None
+        return mesh, None, None
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
@@ -46,11 +47,11 @@ def _resolve_mesh(mesh):
         raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} "
                          "passed to fully_shard")
     if mesh.ndim == 1:
-        return mesh.get_group(0), None
+        return mesh.get_group(0), None, mesh
     if mesh.ndim == 2:  # (replicate, shard): HSDP
         if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
             raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
-        return mesh.get_group(1), mesh.get_group(0)
+        return mesh.get_group(1), mesh.get_group(0), mesh[mesh.mesh_dim_names[1]]
     raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; "
                      "2-D: (replicate, shard), HSDP)")  # FSDP2's words
 
@@ -176,7 +177,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     mesh of experts. Parameters may be DTensors on a TP or EP mesh (TP/EP applied first, e.g.
     `parallelize_module` or `distribute_tensor(w, ep_mesh, [Shard(0)])`): their local tensor is
     what is sharded over `mesh`; in forward the module holds a DTensor with the original mesh
-    and placements over the gathered buffer (docs/architecture.md, "DTensor parameters").
+    and placements over the gathered buffer (docs/architecture.md, "DTensor parameters");
+    between steps one on the 2-D mesh of `mesh`'s shard dim and the TP/EP mesh, so `mesh`
+    must then be a DeviceMesh sliced from the same mesh as theirs (FSDP2's requirement).
     `flat_parameters`: between steps the module holds each parameter as FSDP2 does, a DTensor
     of its global shape (a RaggedDTensor, its local tensor this rank's range of the buffer), so
     torch's clip_grad_norm_, state-dict utilities, DCP and optimizers see whole tensors; True
@@ -211,7 +214,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     """
     modules = _modules_to_shard(module)
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
-    group, replicate_group = _resolve_mesh(mesh)
+    group, replicate_group, shard_mesh = _resolve_mesh(mesh)
     reshard_after_forward, post_forward = fsdp2_args.reshard_after_forward_of(
         reshard_after_forward, dist.get_world_size(group))
     offload = fsdp2_args.offload_of(offload_policy)
@@ -238,7 +241,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                     replicate_group, reshard_after_forward, mp_policy, sharding, memory, comm,
                     gradient_divide_factor=gradient_divide_factor,
                     ignored=fsdp2_args.ignored_ids(ignored_params),
-                    placement=fsdp2_args.placement_of(shard_placement_fn), hpz_group=hpz)
+                    placement=fsdp2_args.placement_of(shard_placement_fn), hpz_group=hpz,
+                    shard_mesh=shard_mesh)
     if comm.quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
         _warn_untiled(unit)
     _finish(unit, comm, offload)

@@ -4,33 +4,32 @@ RaggedShard shards such a parameter's *local* tensor over the data-parallel grou
 plain one; what this module adds is the bookkeeping around it: the DTensor spec each sharded
 parameter remembers (mesh, placements, global shape and stride), the block rule that keeps data-
 parallel cuts out of a TP-split dimension, the key that keeps different TP/EP layouts out of one
-buffer, and the full-shape DTensor face the module sees in forward, built over the buffer's view
-without a copy or an autograd edge (as FSDP2's `_from_local_no_grad`).
+buffer, the full-shape DTensor face the module sees in forward, built over the buffer's view
+without a copy or an autograd edge (as FSDP2's `_from_local_no_grad`), and the 2-D mesh its
+sharded face (a RaggedDTensor) lives on between steps. Where the local tensor lies in the
+global one: shard/tp_maps.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
-import weakref
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Replicate
+
+from ..shard.tp_maps import local_index_maps, local_of_global, shard_dim, sharded_mesh_dims
 
 __all__ = ["dtensor_spec_of", "local_tensor", "layout_key", "tp_block", "sharded_mesh_dims",
-           "guard_state_dict_of_pieces",
+           "face_mesh",
            "dtensor_face", "LocalLeafRoute", "grad_face", "grad_in_placements", "local_index_maps",
            "global_shape", "local_of_global", "refuse_tp_ep"]
 
 
-def _shard_dim(placement) -> int | None:
-    """The tensor dim a placement cuts (`Shard` or `_StridedShard`), None for `Replicate`."""
-    if isinstance(placement, (Shard, _StridedShard)):
-        return placement.dim
-    return None
 
 
 def dtensor_spec_of(fqn: str, param) -> DTensorSpec | None:
@@ -42,7 +41,7 @@ def dtensor_spec_of(fqn: str, param) -> DTensorSpec | None:
         return None
     spec = param._spec
     for placement in spec.placements:
-        if _shard_dim(placement) is None and not isinstance(placement, Replicate):
+        if shard_dim(placement) is None and not isinstance(placement, Replicate):
             raise ValueError(f"fully_shard: {fqn} is a DTensor with placement {placement}; "
                              "only Shard, _StridedShard and Replicate parameters can be sharded")
     empty = _rank_with_empty_piece(spec)
@@ -72,11 +71,6 @@ def local_tensor(param) -> torch.Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
-def sharded_mesh_dims(spec: DTensorSpec | None) -> tuple[int, ...]:
-    """The mesh dims over which the ranks hold different pieces (not replicas)."""
-    if spec is None:
-        return ()
-    return tuple(d for d, p in enumerate(spec.placements) if _shard_dim(p) is not None)
 
 
 def layout_key(spec: DTensorSpec | None):
@@ -101,7 +95,7 @@ def tp_block(policy_block: int, local_shape, spec: DTensorSpec | None) -> int:
     ndim = len(local_shape)
     block = policy_block
     for placement in spec.placements:
-        d = _shard_dim(placement)
+        d = shard_dim(placement)
         if d is not None and d % ndim > 0:
             block = math.lcm(block, math.prod(int(n) for n in local_shape[d % ndim:]))
     return min(block, numel)
@@ -164,28 +158,6 @@ def _with_dtype(spec: DTensorSpec, dtype) -> DTensorSpec:
     return dataclasses.replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
 
 
-def local_index_maps(spec: DTensorSpec, coordinate=None) -> list:
-    """Per tensor dim, the global index of each index of this rank's local tensor (None where
-    the dim is not split): the map that places the pieces of a TP/EP-local tensor on the
-    global one. Shard gives one run at the rank's offset; `_StridedShard` (transformers'
-    packed gate/up) one run per segment. torch's own offset helper, applied mesh dim by mesh
-    dim from the left as DTensor shards. `coordinate`: this rank's on spec.mesh by default."""
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-    shape = list(spec.shape)
-    if coordinate is None:
-        coordinate = spec.mesh.get_coordinate()
-    maps: dict[int, torch.Tensor] = {}
-    for mesh_dim, placement in enumerate(spec.placements):
-        d = _shard_dim(placement)
-        if d is None:
-            continue
-        d %= len(shape)
-        size, index = _get_shard_size_and_offsets(
-            shape[d], spec.mesh.size(mesh_dim), coordinate[mesh_dim], placement,
-            maps.get(d), spec.shape[d], False)
-        shape[d] = size
-        maps[d] = index[:size]  # an empty piece's index is a sentinel, not an index
-    return [maps[d].tolist() if d in maps else None for d in range(len(shape))]
 
 
 def global_shape(sp) -> tuple:
@@ -194,21 +166,6 @@ def global_shape(sp) -> tuple:
     return tuple(spec.shape) if spec is not None else tuple(sp.shape)
 
 
-def local_of_global(full: torch.Tensor, spec: DTensorSpec | None, coordinate=None):
-    """This rank's TP/EP-local tensor of the GLOBAL tensor `full` (`local_index_maps`): a view
-    where each split dim is one run (Shard), a copy where it is several (`_StridedShard`);
-    `full` itself for a plain or replicated parameter."""
-    if spec is None:
-        return full
-    out = full
-    for d, index in enumerate(local_index_maps(spec, coordinate)):
-        if index is None:
-            continue
-        if not index or index == list(range(index[0], index[0] + len(index))):
-            out = out.narrow(d, index[0] if index else 0, len(index))
-        else:
-            out = out.index_select(d, torch.tensor(index, dtype=torch.long, device=full.device))
-    return out
 
 
 def refuse_tp_ep(params, who: str, why: str) -> None:
@@ -223,32 +180,26 @@ def refuse_tp_ep(params, who: str, why: str) -> None:
                 f"parameter, which {who} does not support yet ({why})")
 
 
-_GUARDED = weakref.WeakSet()  # modules whose state_dict guard_state_dict_of_pieces hooked
+_FACE_MESHES: dict = {}
 
 
-def guard_state_dict_of_pieces(params) -> None:
-    """torch's `state_dict()` (and so DCP's `get_model_state_dict`) over a TP/EP parameter of a
-    fully_shard unit: between steps the module holds this rank's plain flat piece there, not
-    FSDP2's 2-D DTensor, and DCP would save each rank's piece under one key as if it were the
-    whole tensor (keeping one of them): refused in one line naming the parameter and what gives
-    its values. (`keep_vars=True`, what our own gathers call, is let through.)"""
-    for sp in params:
-        if not sharded_mesh_dims(sp.dtensor_spec):
-            continue
-        for module, _ in sp.registrations:
-            if module not in _GUARDED:
-                _GUARDED.add(module)
-                module.register_state_dict_pre_hook(_refuse_pieces)
-
-
-def _refuse_pieces(module, prefix, keep_vars) -> None:
-    if keep_vars:
-        return
-    for value in module._parameters.values():
-        sp = value.__dict__.get("_vescale") if isinstance(value, torch.Tensor) else None
-        if sp is not None and value is sp.sharded and sharded_mesh_dims(sp.dtensor_spec):
-            raise NotImplementedError(
-                f"state_dict: {sp.fqn} is a tensor/expert-parallel parameter, which between "
-                "steps is this rank's flat piece under fully_shard, not FSDP2's 2-D DTensor: "
-                "torch's state_dict and DCP would save the pieces as whole tensors; use "
-                "vescale_engine.full_state_dict(model) (the global tensors)")
+def face_mesh(shard_mesh, spec: DTensorSpec, fqn: str):
+    """The N-D mesh a TP/EP parameter's sharded face lives on: the shard group's mesh dim
+    followed by its TP/EP mesh's (FSDP2's `DeviceMesh._concatenate`, which wants both sliced
+    from one mesh), made once per pair. Refused in one line, before any collective, where
+    fully_shard got no DeviceMesh (a process group, or none) or one of another mesh."""
+    if shard_mesh is None:
+        raise ValueError(
+            f"fully_shard: {fqn} is a DTensor on the mesh {spec.mesh}; pass mesh= the "
+            "data-parallel DeviceMesh sliced from the same mesh (e.g. world_mesh['dp']), as "
+            "FSDP2 requires: its sharded parameter is a DTensor on both meshes")
+    key = (shard_mesh, spec.mesh)
+    if key not in _FACE_MESHES:
+        try:
+            _FACE_MESHES[key] = DeviceMesh._concatenate([shard_mesh, spec.mesh])
+        except (RuntimeError, TypeError, AttributeError) as err:  # (no dim names: TypeError)
+            raise RuntimeError(f"fully_shard: {fqn} is a DTensor on {spec.mesh}, which cannot "
+                               f"be joined to the data-parallel mesh {shard_mesh} ({err}); "
+                               "slice both from one DeviceMesh with named dims, as FSDP2 "
+                               "requires") from err
+    return _FACE_MESHES[key]

@@ -21,7 +21,7 @@ class ShardedParameter:
     swap (`register`) and every decision about gradients sees one flag."""
 
     def __init__(self, unit, fqn, registrations, buffer, index, requires_grad,
-                 dtensor_spec=None):
+                 dtensor_spec=None, face_mesh=None):
         self.unit = unit
         self.fqn = fqn
         self.registrations = registrations          # [(module, attribute name)], >1 when tied
@@ -35,7 +35,9 @@ class ShardedParameter:
         self.block = spec.block
         self._grad_face = None    # (gradient shard it views, its RaggedDTensor over it)
         self._layout = None       # its RaggedShard (layout), made at first use
-        self.sharded = nn.Parameter(self._face(buffer.master_view(index)),
+        # (a TP/EP parameter's face_mesh: its shard group's and TP/EP mesh's dims; read back
+        # from the face afterwards)
+        self.sharded = nn.Parameter(self._face(buffer.master_view(index), face_mesh),
                                     requires_grad=requires_grad)
         self.sharded._vescale = self  # how optimizers and clipping find the flat buffer
         self._unsharded = None
@@ -52,19 +54,20 @@ class ShardedParameter:
         self.unreduced = False    # its gradient sits in a no_sync full buffer, not yet reduced
         self.backward_flag = None  # requires_grad when its unit's backward began
 
-    def _face(self, piece: torch.Tensor) -> torch.Tensor:
+    def _face(self, piece: torch.Tensor, mesh=None) -> torch.Tensor:
         """What the module holds between steps, over `piece` (this rank's flat range of the
         master or gradient shard): a RaggedDTensor of the parameter's global shape, so torch's
         clip_grad_norm_, state_dict, DCP and optimizers see the whole tensor (FSDP2's
-        contract). A TP/EP parameter keeps the plain piece: its shard group and mesh make a
-        2-D mesh, which RaggedDTensor does not take yet. Gap: torch's clip_grad_norm_ over such
-        pieces returns this rank's norm; vescale_engine.optim.clip_grad_norm_ is right. With
-        fully_shard(flat_parameters=True) (the engine) every parameter keeps its plain piece,
-        as DeepSpeed ZeRO-3 does."""
-        if self.dtensor_spec is not None or self.unit.flat_parameters:
+        contract); a TP/EP parameter's on the N-D mesh of its shard group and its TP/EP mesh
+        (FSDP2's 2-D DTensor). With fully_shard(flat_parameters=True) (the engine) every
+        parameter keeps its plain piece, as DeepSpeed ZeRO-3 does."""
+        if self.unit.flat_parameters:
             return piece
         buf = self.buffer
         layout = self.layout
+        if self.dtensor_spec is not None:
+            return ragged_dtensor(piece, layout, mesh or self.sharded._spec.mesh,
+                                  tp=self.dtensor_spec)
         # The compute device's mesh (an offloaded master is on the host, its collectives are
         # not); on meta, a placeholder until bind_storage.
         device_type = "cpu" if buf.device.type == "meta" else buf.device.type
@@ -258,10 +261,17 @@ class ShardedParameter:
         return self._layout
 
     @property
+    def local_range(self) -> tuple[int, int]:
+        """[start, end) of this rank's piece in the (TP/EP-local) tensor flattened row-major,
+        as its layout places it (start == end where it holds nothing): what optimizers and
+        checkpoints index by."""
+        return self.layout.local_range(self.buffer.rank)
+
+    @property
     def flat_range(self) -> tuple[int, int]:
         """[begin, end) of this rank's piece in the full tensor flattened row-major: `sharded`
         holds exactly `full.reshape(-1)[begin:end]` ((0, 0) when it holds nothing)."""
-        begin, end = self.layout.local_range(self.buffer.rank)
+        begin, end = self.local_range
         return (begin, end) if end > begin else (0, 0)
 
     def drop_full_grads(self) -> None:

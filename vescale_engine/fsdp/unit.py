@@ -2,10 +2,10 @@
 
 Call it on the units (each decoder block, say), then on the root, as with PyTorch FSDP2. Between
 steps the module holds each parameter as FSDP2 does, a DTensor (our RaggedDTensor) over this
-rank's range of the fp32 master shard; the engine asks for plain 1-D flat pieces instead
-(`flat_parameters=True`, what DeepSpeed-style code expects), and TP/EP parameters are flat
-pieces either way. During forward and backward the module holds full-shape parameters that are
-views of the unit's all-gathered buffer.
+rank's range of the fp32 master shard (a TP/EP parameter's on the 2-D mesh of the shard group
+and its TP/EP mesh, as FSDP2's); the engine asks for plain 1-D flat pieces instead
+(`flat_parameters=True`, what DeepSpeed-style code expects). During forward and backward the
+module holds full-shape parameters that are views of the unit's all-gathered buffer.
 
 Hooks, per unit (the pre-forward hook registered first, as FSDP2's, so that a user's own
 pre-hooks see the full parameters; every hook and collective in a profiler range named
@@ -87,14 +87,15 @@ class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
                  sharding=ShardingPolicy(), memory=MemoryPolicy(),
                  communication=CommunicationPolicy(), *, gradient_divide_factor=None,
-                 ignored=(), placement=None, hpz_group=None):
+                 ignored=(), placement=None, hpz_group=None, shard_mesh=None):
         """`module`: one module, or several (FSDP2's `fully_shard([a, b])`: one unit, one
         all-gather, over all of them). `reshard_after_forward` None: True, but not for the
         root (FSDP2's default); an explicit True reshards the root too. `ignored`: ids of
         parameters left as they are (FSDP2's ignored_params). `placement(fqn, param, policy)`:
         the granularity a parameter gets instead of `policy` (FSDP2's shard_placement_fn).
         `sharding`, `memory`, `communication`: fsdp/policy.py's; `hpz_group`: the group hpZ's
-        backward gathers run in (made by fully_shard from communication.hpz_partition_size)."""
+        backward gathers run in (made by fully_shard from communication.hpz_partition_size);
+        `shard_mesh`: the DeviceMesh of the shard group (TP/EP parameters' faces join it)."""
         self.modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
         self.module = self.modules[0]
         self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
@@ -121,7 +122,7 @@ class FSDPUnit:
             native_collectives=communication.native_collectives,
             quantize_group=communication.quantize_group if quantized else None,
             quantized=quantized, quantize_format=communication.quantization_format,
-            hpz_group=hpz_group, divide_factor=gradient_divide_factor)
+            hpz_group=hpz_group, divide_factor=gradient_divide_factor, shard_mesh=shard_mesh)
         self.group.device, self.group.buffers, self.group.params = \
             build_unit(self, group, replicate_group, options)
 

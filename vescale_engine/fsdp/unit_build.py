@@ -14,7 +14,7 @@ from ..plan.planner import TensorSpec, plan_unit
 from ..plan.quantization import quantization_block
 from ..shard.collectives import default_device
 from ..shard.dbuffer import DBuffer
-from .dtensor_params import (dtensor_spec_of, guard_state_dict_of_pieces, layout_key,
+from .dtensor_params import (dtensor_spec_of, face_mesh, layout_key,
                              local_tensor, tp_block)
 from .guards import is_deferred
 from .param import ShardedParameter
@@ -39,6 +39,7 @@ class BuildOptions:
     quantize_format: str = "int8"
     hpz_group: object = None     # hpZ: backward re-gathers inside this group
     divide_factor: float | None = None
+    shard_mesh: object = None    # the shard group's DeviceMesh (faces of TP/EP parameters)
 
 
 @functools.lru_cache(maxsize=256)
@@ -61,6 +62,9 @@ def build_unit(unit, group, replicate_group, options: BuildOptions):
     device = _device(unit.name, found, order)
     world_size = dist.get_world_size(group)
     dtensor_specs = {i: dtensor_spec_of(found[i][0], found[i][1]) for i in order}
+    face_meshes = {} if options.flat_parameters else {
+        i: face_mesh(options.shard_mesh, dtensor_specs[i], found[i][0])
+        for i in order if dtensor_specs[i] is not None}
     local = {i: local_tensor(found[i][1]) for i in order}
     # One buffer never mixes tensors of different TP/EP layouts: the gradient norm and the
     # optimizers treat a buffer's gradient as a whole (what it is a piece of).
@@ -86,11 +90,9 @@ def build_unit(unit, group, replicate_group, options: BuildOptions):
             for k, placement in enumerate(layout.placements):
                 i = position[placement.name]
                 params.append(_sharded(unit, found[i], home[i][1], buf, k, local[i],
-                                       dtensor_specs[i]))
+                                       dtensor_specs[i], face_meshes.get(i)))
     for i in order:  # a module still holding one of them shares it with this unit
         found[i][1]._vescale_sharded_by = unit.name
-    if not options.flat_parameters:  # (the engine's plain pieces are DeepSpeed's view)
-        guard_state_dict_of_pieces(params)
     return device, buffers, params
 
 
@@ -143,9 +145,10 @@ def _buffer(layout, dtype, device, group, replicate_group, options, name):
                    hpz_group=options.hpz_group, quantize_format=options.quantize_format)
 
 
-def _sharded(unit, entry, home, buf, k, local, dtensor_spec):
+def _sharded(unit, entry, home, buf, k, local, dtensor_spec, mesh):
     fqn, param, registrations = entry
-    sp = ShardedParameter(unit, fqn, registrations, buf, k, param.requires_grad, dtensor_spec)
+    sp = ShardedParameter(unit, fqn, registrations, buf, k, param.requires_grad, dtensor_spec,
+                          mesh)
     sp.home = home
     if param.is_meta and dtensor_spec is None:
         sp.build_writes = param._version  # materialize compares (why: there)

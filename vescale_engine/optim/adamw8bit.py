@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from ..checkpoint.dcp import CheckpointError
-from ..checkpoint.piece import RaggedPiece
+from ..shard.ragged_piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.granularity import parse_granularity
 from ..plan.optim_spec import ADAMW8BIT_BLOCK

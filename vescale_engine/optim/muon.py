@@ -505,11 +505,6 @@ class Muon(torch.optim.Optimizer):
                      weight_decay=group["weight_decay"])
 
 
-def _local_range(sp) -> tuple[int, int]:
-    """This rank's flat [start, end) of the parameter's (TP/EP-local) tensor."""
-    return sp.layout.local_range(sp.buffer.rank)
-
-
 def _overlap(start, end, lo, hi) -> tuple[int, int]:
     """[a, b) = [start, end) & [lo, hi), empty as (lo, lo) clipped into [lo, hi]."""
     a = min(max(start, lo), hi)
@@ -520,10 +515,9 @@ def _flat_matrices(index, sp, group) -> list:
     """The matrices of a parameter whose matrices are whole in its local tensor (plain, TP-
     replicated, or experts EP split on a stacked dim): each matrix's pieces are its ranges on
     the shard group's ranks, in rank order."""
-    buf = sp.buffer
     spec = sp.layout
     rows, cols = sp.shape[-2], sp.shape[-1]
-    local_start, local_end = spec.local_range(buf.rank)
+    local_start, local_end = sp.local_range
     out = []
     for e in range(math.prod(sp.shape[:-2])):
         lo_e, hi_e = e * rows * cols, (e + 1) * rows * cols
@@ -549,7 +543,7 @@ def _tp_matrices(index, sp, group, layouts) -> list:
             maps = local_index_maps(spec, list(coordinate))
             coordinates.append((_selector(maps[-2], shape[-2]), _selector(maps[-1], shape[-1]),
                                 shape[-2], shape[-1]))
-    local_start, local_end = _local_range(sp)
+    local_start, local_end = sp.local_range
     local_numel = sp.shape[-2] * sp.shape[-1]
     out = []
     for e in range(math.prod(sp.shape[:-2])):
@@ -634,7 +628,7 @@ def _tp_exchanges(split) -> dict:
     out = {}
     for i, pg in enumerate(groups):
         params = [sp for sp, k in zip(split, pair_of) if k == i]
-        mine = [(tuple(sp.dtensor_spec.mesh.get_coordinate()), tuple(sp.shape), *_local_range(sp))
+        mine = [(tuple(sp.dtensor_spec.mesh.get_coordinate()), tuple(sp.shape), *sp.local_range)
                 for sp in params]
         every = [None] * dist.get_world_size(pg)
         dist.all_gather_object(every, mine, group=pg)

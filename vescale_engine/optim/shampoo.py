@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.piece import RaggedPiece
+from ..shard.ragged_piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.optim_spec import SHAMPOO_DEFAULTS, shampoo_granularity_for
 from ..shard.ragged_dtensor import local_of
@@ -116,10 +116,6 @@ class _Layout:
     matrix_map: list | None  # global matrix of each local one (TP/EP), None: the same
 
 
-def _local_range(sp) -> tuple[int, int]:
-    return sp.layout.local_range(sp.buffer.rank)
-
-
 def _matrix_map(sp):
     """For a TP/EP parameter of >= 3 dims split only on its leading dims: the global matrix
     index of each local matrix of its stack; None for a parameter that is not split. A split
@@ -151,7 +147,7 @@ def _layout(sp, block: int) -> _Layout:
     """This rank's blocks of `sp`; a shard boundary inside a block is an error naming it."""
     shape = tuple(sp.shape)
     matrix_map = _matrix_map(sp)
-    start, end = _local_range(sp)
+    start, end = sp.local_range
     for at in (start, end):
         if not _row_boundary(shape, block, at):
             raise ValueError(

@@ -27,11 +27,19 @@ unsharded tensor's. `distribute_ragged` and `fill_from_full` are what torch's
 `distribute_tensor` and full-state-dict loaders do for this placement (integrations/torch.py
 routes them here), so `set_model_state_dict(full_state_dict=True)` works too.
 
+A tensor/expert-parallel parameter (TP/EP ran first: a DTensor on a tp or ep mesh) is a
+RaggedDTensor of its global shape on the N-D mesh (shard group, *its TP/EP mesh dims) with the
+placements (RaggedPlacement of its TP/EP-local tensor, *its TP/EP placements), FSDP2's 2-D
+layout with a ragged first dim: the same operations work (reductions also over the mesh dims
+that split the tensor, the gather also over TP/EP, checkpoint boxes placed in the global
+tensor by tp_maps), except a view that changes the shape and redistribute to another
+RaggedPlacement.
+
 What raises (NotImplementedError naming the op and the placement), and why: shape-aware ops
 (matmul, t, indexing, cat) would compute on a flat piece as if it
 were the tensor; other random ops (dropout, randn_like) would not draw an unsharded
 tensor's values; `out=` variants, operands of another layout or non-0-d tensors of any other
-kind, redistribute to Shard or Partial, a mesh of more than one dimension.
+kind, redistribute to Shard or Partial.
 
 Why a subclass and not a Placement carried by plain DTensor (line numbers of torch 2.13; 2.11 to
 2.15 alike): plain DTensor's ops go through a C++ fast path and torch's sharding rules, which
@@ -58,22 +66,18 @@ all-reduce per reduction (a `_foreach_norm`: one for the whole list).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.optim.optimizer as _optimizer
 import torch.utils._foreach_utils as _foreach_utils
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import torch_compat
 from . import ragged_ops
-from .ragged import (RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate,
-                     root_to_ragged)
+from .ragged import RaggedShard, ragged_to_ragged, ragged_to_replicate, root_to_ragged
+from .ragged_piece import RaggedPiece
 from .ragged_placement import RaggedPlacement
+from .tp_maps import local_index_maps
 
 __all__ = ["RaggedDTensor", "RaggedPlacement", "ragged_dtensor", "mesh_of_group", "local_of",
            "is_ragged_placements", "distribute_ragged", "fill_from_full"]
@@ -88,13 +92,14 @@ class RaggedDTensor(DTensor):
 
     @property
     def ragged_shard(self) -> RaggedShard:
-        """Its RaggedShard (not `layout`: that is every tensor's torch.strided)."""
-        return self._spec.placements[0].layout(self.shape)
+        """Its RaggedShard (not `layout`: that is every tensor's torch.strided), of the
+        TP/EP-local tensor on an N-D mesh."""
+        return ragged_ops.local_layout(self)
 
     @property
     def flat_range(self) -> tuple[int, int]:
-        """[start, end) of this rank's piece in the tensor flattened row-major."""
-        return self.ragged_shard.local_range(self._spec.mesh.get_local_rank())
+        """[start, end) of this rank's piece in the (TP/EP-local) tensor flattened row-major."""
+        return ragged_ops.local_range(self)
 
     @property
     def data(self):
@@ -128,7 +133,9 @@ class RaggedDTensor(DTensor):
         return out
 
     def __repr__(self):
-        return (f"RaggedDTensor(shape={list(self.shape)}, {self._spec.placements[0]}, "
+        placements = self._spec.placements
+        return (f"RaggedDTensor(shape={list(self.shape)}, "
+                f"{placements[0] if len(placements) == 1 else list(placements)}, "
                 f"local_tensor={self._local_tensor}, device_mesh={self._spec.mesh})")
 
     # -- the whole tensor, another layout, the local piece ---------------------------------------
@@ -155,10 +162,10 @@ class RaggedDTensor(DTensor):
         source = self if forward_dtype in (None, self.dtype) else self.to(forward_dtype)
         if placements == tuple(self.placements):
             return source
-        if placements == (Replicate(),):
-            return DTensor.from_local(_Gather.apply(source), mesh, [Replicate()],
+        if placements == (Replicate(),) * mesh.ndim:
+            return DTensor.from_local(_Gather.apply(source), mesh, list(placements),
                                       run_check=False)
-        if len(placements) == 1 and isinstance(placements[0], RaggedPlacement):
+        if mesh.ndim == 1 and isinstance(placements[0], RaggedPlacement):
             if torch.is_grad_enabled() and source.requires_grad:
                 raise NotImplementedError("RaggedDTensor.redistribute to another "
                                           "RaggedPlacement is not differentiable")
@@ -166,9 +173,9 @@ class RaggedDTensor(DTensor):
             local = ragged_to_ragged(source._local_tensor, source.ragged_shard, target,
                                      group=mesh.get_group())
             return ragged_dtensor(local, target, mesh)
-        raise NotImplementedError(f"RaggedDTensor.redistribute from {self.placements[0]} to "
-                                  f"{list(placements)} is not supported; only [Replicate()] "
-                                  "and another RaggedPlacement")
+        raise NotImplementedError(f"RaggedDTensor.redistribute from {list(self.placements)} to "
+                                  f"{list(placements)} is not supported; only Replicate on "
+                                  "every mesh dim and (on a 1-D mesh) another RaggedPlacement")
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's flat piece: the local tensor itself (a differentiable view of it while
@@ -182,36 +189,27 @@ class RaggedDTensor(DTensor):
 
     # -- torch.distributed.checkpoint --------------------------------------------------------
 
-    def _boxes(self):
-        """{global offsets: (sizes, flat begin in the local tensor)} of this rank's range."""
-        start, end = self.flat_range
-        boxes, at = {}, 0
-        for offsets, sizes in box_decomposition(self.shape, start, end):
-            boxes[torch.Size(offsets)] = (torch.Size(sizes), at)
-            at += math.prod(sizes)
-        if self.numel() == 0 and self._spec.mesh.get_local_rank() == 0:
-            # An empty tensor still needs one chunk in the checkpoint: rank 0 writes it.
-            boxes[torch.Size([0] * self.dim())] = (self.shape, 0)
-        return boxes
+    def _piece(self) -> RaggedPiece:
+        """This rank's range as DCP boxes of the global shape (placed by the TP/EP index maps
+        on an N-D mesh); one rank of those holding an empty tensor writes its one chunk."""
+        mesh = self._spec.mesh
+        maps = local_index_maps(self._spec) if mesh.ndim > 1 else None
+        return RaggedPiece(self._local_tensor, self.shape, self.flat_range[0],
+                           local_shape=self.ragged_shard.shape, index_maps=maps,
+                           writes_empty=not any(mesh.get_coordinate()))
 
     def __create_write_items__(self, fqn: str, object):
-        properties = TensorProperties.create_from_tensor(self._local_tensor)
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets, sizes),
-                              properties=properties, size=self.shape))
-                for offsets, (sizes, _) in self._boxes().items()]
+        return self._piece().write_items(fqn)
 
     def __create_chunk_list__(self):
-        return [ChunkStorageMetadata(offsets, sizes)
-                for offsets, (sizes, _) in self._boxes().items()]
+        return self._piece().chunks()
 
     def __get_tensor_shard__(self, index):
-        box = self._boxes().get(torch.Size(index.offset or ()))
-        if box is None:
+        piece = self._piece()
+        offsets = torch.Size(index.offset or ())
+        if offsets not in piece.boxes:
             raise ValueError(f"{index.fqn}: this rank holds no box of it at {index.offset}")
-        sizes, at = box
-        return self._local_tensor[at:at + math.prod(sizes)].view(sizes)
+        return piece.box(offsets)
 
     # -- tracing (torch.compile rebuilds subclasses from these) ----------------------------
 
@@ -219,8 +217,8 @@ class RaggedDTensor(DTensor):
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
         local, mesh, placements, requires_grad = \
             torch_compat.unflatten_dtensor_parts(inner_tensors, flatten_spec)
-        return ragged_dtensor(local, placements[0].layout(outer_size), mesh,
-                              requires_grad=requires_grad)
+        spec = ragged_ops.layout_spec(mesh, placements, outer_size, local.dtype)
+        return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
 
 class _Gather(torch.autograd.Function):
@@ -230,14 +228,20 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: RaggedDTensor):
         ctx.like = x
-        group = x._spec.mesh.get_group()
-        return ragged_to_replicate(x._local_tensor, x.ragged_shard, group=group)
+        mesh = x._spec.mesh
+        local = ragged_to_replicate(x._local_tensor, x.ragged_shard, group=mesh.get_group(0))
+        if mesh.ndim == 1:
+            return local
+        # then over the TP/EP dims, by DTensor's own gather of the local tensors
+        tp_mesh = mesh[mesh.mesh_dim_names[1:]]
+        return DTensor.from_local(local, tp_mesh, x._spec.placements[1:], run_check=False,
+                                  shape=x.shape, stride=x.stride()).full_tensor()
 
     @staticmethod
     def backward(ctx, grad):
         x = ctx.like
-        start, end = x.flat_range
-        return ragged_dtensor(grad.reshape(-1)[start:end], x.ragged_shard, x._spec.mesh)
+        piece = ragged_ops.range_of_full(x, grad).contiguous()
+        return ragged_ops.wrap_like(RaggedDTensor, piece, x)
 
 
 class _ToLocal(torch.autograd.Function):
@@ -251,26 +255,32 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x = ctx.like
-        return ragged_dtensor(grad, x.ragged_shard, x._spec.mesh)
+        return ragged_ops.wrap_like(RaggedDTensor, grad, ctx.like)
 
 
 def ragged_dtensor(local: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh, *,
-                   requires_grad: bool = False) -> RaggedDTensor:
+                   requires_grad: bool = False, tp=None) -> RaggedDTensor:
     """`local` (this rank's piece of `layout`, 1-D) as a RaggedDTensor of the global shape,
-    without a copy: its `_local_tensor` is `local` itself."""
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"a RaggedDTensor lives on a 1-D mesh, got {mesh.ndim} dims "
-                                  "(tensor/expert-parallel meshes are not supported yet)")
-    if mesh.size() != layout.world_size:
+    without a copy: its `_local_tensor` is `local` itself. For a TP/EP parameter `tp` is its
+    DTensor spec: `layout` is then of its TP/EP-local tensor and `mesh` the N-D mesh (shard
+    group, *tp.mesh's dims)."""
+    tp_placements = () if tp is None else tuple(tp.placements)
+    if mesh.ndim != 1 + len(tp_placements):
+        raise ValueError(f"a RaggedDTensor with TP/EP placements {list(tp_placements)} lives "
+                         f"on a {1 + len(tp_placements)}-D mesh, got {mesh.ndim} dims")
+    if mesh.size(0) != layout.world_size:
         raise ValueError(f"the layout is for {layout.world_size} ranks, the mesh has "
-                         f"{mesh.size()}")
-    expected = layout.local_numel(mesh.get_local_rank())
+                         f"{mesh.size(0)}")
+    expected = layout.local_numel(mesh.get_local_rank(0))
     if local.dim() != 1 or local.numel() != expected:
         raise ValueError(f"the local piece has shape {list(local.shape)}, expected 1-D with "
                          f"{expected} elements")
     torch_compat.route_subclass_dispatch(RaggedDTensor, mesh)  # (torch 2.11 needs it)
-    spec = ragged_ops.layout_spec(mesh, RaggedPlacement.of(layout), layout.shape, local.dtype)
+    spec = ragged_ops.layout_spec(mesh, (RaggedPlacement.of(layout), *tp_placements),
+                                  layout.shape if tp is None else tp.shape, local.dtype)
+    if tp is not None and ragged_ops.inner_shape(spec) != tuple(layout.shape):
+        raise ValueError(f"the layout's shape {list(layout.shape)} is not this rank's TP/EP-local "
+                         f"shape of {list(tp.shape)} placed {list(tp_placements)}")
     return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
 
@@ -306,9 +316,9 @@ def fill_from_full(local_state: RaggedDTensor, full: torch.Tensor) -> RaggedDTen
         raise ValueError(f"a full tensor of shape {list(full.shape)} for a RaggedDTensor of "
                          f"shape {list(local_state.shape)}")
     if local_state.is_meta:
-        piece = full.detach().reshape(-1)[slice(*local_state.flat_range)]
-        return ragged_dtensor(piece.to(local_state.dtype).clone(), local_state.ragged_shard,
-                              local_state._spec.mesh)
+        piece = ragged_ops.range_of_full(local_state, full.detach())
+        return ragged_ops.wrap_like(RaggedDTensor, piece.to(local_state.dtype).clone(),
+                                    local_state)
     with torch.no_grad():
         local_state.copy_(full.detach())  # this rank's range (ragged_ops' copy_ rule)
     return local_state

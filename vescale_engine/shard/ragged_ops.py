@@ -23,6 +23,12 @@ right on local tensors only when it pairs elements by flat position or reduces a
   whole tensor is drawn on every rank and this rank's range kept, so `init_weights()` on a
   sharded model gives the values it gives an unsharded one from the same seed.
 
+A tensor/expert-parallel parameter's RaggedDTensor lives on an N-D mesh: the RaggedPlacement on
+mesh dim 0 (the data-parallel shard group) lays out the TP/EP-local tensor, the other dims keep
+the parameter's own TP/EP placements (tp_maps.py places the local tensor in the global one).
+Its reductions are all-reduced over the shard group and the mesh dims that split the tensor
+(never over replicas); a view must keep the global shape.
+
 Everything else raises NotImplementedError naming the operation: shape-aware ops (matmul, t,
 indexing, cat, max/min with indices), other random ops (dropout, randn_like: values
 drawn per piece would differ from an unsharded tensor's), `out=` variants, ragged operands of
@@ -39,9 +45,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate
 
+from .ragged import RaggedShard
 from .ragged_placement import RaggedPlacement
+from .tp_maps import local_index_maps, local_of_global, shard_dim
 
-__all__ = ["dispatch", "is_ragged", "layout_key", "layout_spec", "refuse"]
+__all__ = ["dispatch", "is_ragged", "layout_key", "layout_spec", "refuse", "local_layout",
+           "local_range", "range_of_full", "replicate_spec", "inner_shape", "wrap_like"]
 
 aten = torch.ops.aten
 
@@ -66,12 +75,65 @@ _RANDOM_FILLS = {aten.normal_.default, aten.uniform_.default, aten.bernoulli_.fl
 
 
 def is_ragged(t) -> bool:
-    return isinstance(t, DTensor) and len(t._spec.placements) == 1 and \
-        isinstance(t._spec.placements[0], RaggedPlacement)
+    return isinstance(t, DTensor) and isinstance(t._spec.placements[0], RaggedPlacement)
+
+
+_INNER_SHAPES: dict = {}
+
+
+def inner_shape(spec) -> tuple:
+    """The shape the RaggedPlacement lays out: the global shape on a 1-D mesh, this rank's
+    TP/EP-local shape on an N-D one (made once per shape, placements and mesh)."""
+    if len(spec.placements) == 1:
+        return tuple(spec.shape)
+    key = (tuple(spec.shape), spec.placements, spec.mesh)
+    if key not in _INNER_SHAPES:
+        _INNER_SHAPES[key] = tuple(
+            n if index is None else len(index)
+            for n, index in zip(spec.shape, local_index_maps(spec)))
+    return _INNER_SHAPES[key]
+
+
+def local_layout(t) -> RaggedShard:
+    """The RaggedShard of a ragged DTensor's (TP/EP-local, on an N-D mesh) tensor."""
+    return t._spec.placements[0].layout(inner_shape(t._spec))
+
+
+def local_range(t) -> tuple[int, int]:
+    """[start, end) of this rank's piece in the (TP/EP-local) tensor flattened row-major."""
+    return local_layout(t).local_range(t._spec.mesh.get_local_rank(0))
+
+
+def range_of_full(t, full: torch.Tensor) -> torch.Tensor:
+    """This rank's flat piece of `full`, a plain tensor of `t`'s global shape."""
+    start, end = local_range(t)
+    return local_of_global(full, t._spec if t._spec.mesh.ndim > 1 else None).reshape(-1)[
+        start:end]
+
+
+def _reduce_groups(t) -> list:
+    """The process groups a reduction over every element goes over: the shard group and each
+    mesh dim that splits the tensor (replicas hold the same elements and are not summed)."""
+    mesh = t._spec.mesh
+    if mesh.ndim == 1:
+        return [mesh.get_group()]
+    return [mesh.get_group(0)] + [mesh.get_group(d) for d, p in enumerate(t._spec.placements)
+                                  if d > 0 and shard_dim(p) is not None]
+
+
+def _all_reduce(tensor, t, op) -> None:
+    for group in _reduce_groups(t):
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def replicate_spec(t, shape, dtype) -> DTensorSpec:
+    """A Replicate spec on `t`'s mesh: what a reduction of `t` returns."""
+    return layout_spec(t._spec.mesh, (Replicate(),) * t._spec.mesh.ndim, shape, dtype)
 
 
 def refuse(func, t, why: str = "") -> NotImplementedError:
-    placement = t._spec.placements[0] if is_ragged(t) else "RaggedPlacement"
+    placement = (t._spec.placements[0] if len(t._spec.placements) == 1 else
+                 list(t._spec.placements)) if is_ragged(t) else "RaggedPlacement"
     shape = list(t.shape) if isinstance(t, torch.Tensor) else "?"
     why = why or ("its local tensor is a flat range of the row-major tensor, so the op would "
                   "compute on the wrong elements")
@@ -81,20 +143,21 @@ def refuse(func, t, why: str = "") -> NotImplementedError:
         "piece")
 
 
-def layout_spec(mesh, placement, shape, dtype) -> DTensorSpec:
-    """The spec of a tensor of `shape` on a 1-D `mesh` with one placement, row-major strides
-    (the order the layout is defined in)."""
+def layout_spec(mesh, placements, shape, dtype) -> DTensorSpec:
+    """The spec of a tensor of `shape` on `mesh` with `placements` (a tuple, or one placement
+    of a 1-D mesh), row-major strides (the order the layout is defined in)."""
+    placements = tuple(placements) if isinstance(placements, (tuple, list)) else (placements,)
     shape = torch.Size(shape)
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
-    return DTensorSpec(mesh, (placement,), TensorMeta(shape, tuple(reversed(strides)), dtype))
+    return DTensorSpec(mesh, placements, TensorMeta(shape, tuple(reversed(strides)), dtype))
 
 
-def _wrap(cls, local, like) -> DTensor:
+def wrap_like(cls, local, like) -> DTensor:
     """`local` as a ragged DTensor with the global shape, mesh and placement of `like`."""
-    spec = layout_spec(like._spec.mesh, like._spec.placements[0], like.shape, local.dtype)
+    spec = layout_spec(like._spec.mesh, like._spec.placements, like.shape, local.dtype)
     return cls(local, spec, requires_grad=False)
 
 
@@ -169,7 +232,7 @@ def _same_device(func, t, device):
 
 def layout_key(t):
     """What two ragged tensors share when their local pieces pair element by element."""
-    return (t._spec.placements[0], tuple(t.shape), t._spec.mesh)
+    return (t._spec.placements, tuple(t.shape), t._spec.mesh)
 
 
 def _run_elementwise(cls, func, args, kwargs):
@@ -267,7 +330,7 @@ def _wrap_results(cls, func, out, args, kwargs, single_like, listed):
         if o.shape != like._local_tensor.shape:  # not element-wise after all: never wrap it
             raise refuse(func, like, f"its local result has shape {list(o.shape)}, not the "
                          f"piece's {list(like._local_tensor.shape)}")
-        return _wrap(cls, o, like)
+        return wrap_like(cls, o, like)
     if listed and isinstance(out, (list, tuple)):
         return type(out)(wrap(o, i) for i, o in enumerate(out))
     if isinstance(out, tuple):
@@ -280,23 +343,26 @@ def _is_tensor_list(value) -> bool:
 
 
 def _describe(key) -> str:
-    placement, shape, _ = key
-    return f"{placement} of shape {list(shape)}"
+    placements, shape, _ = key
+    return f"{placements[0] if len(placements) == 1 else list(placements)} of shape {list(shape)}"
 
 
 def _view(cls, func, args, kwargs):
     """Views that keep the row-major order: the local piece is the same flat range."""
     t = args[0]
     if func in (aten.detach.default, aten.alias.default):
-        return _wrap(cls, t._local_tensor, t)
+        return wrap_like(cls, t._local_tensor, t)
     shape = list(args[1])
     if -1 in shape:
         known = math.prod(d for d in shape if d != -1)
         shape[shape.index(-1)] = t.numel() // known if known else 0
     if math.prod(shape) != t.numel():
         raise refuse(func, t, f"shape {list(args[1])} does not have {t.numel()} elements")
+    if t._spec.mesh.ndim > 1 and list(shape) != list(t.shape):
+        raise refuse(func, t, "a view of a tensor/expert-parallel RaggedShard DTensor must "
+                     "keep its shape (its TP/EP placements name dims of that shape)")
     local = t._local_tensor.view(-1)  # a view object of its own, as a view op returns
-    return cls(local, layout_spec(t._spec.mesh, t._spec.placements[0], shape, local.dtype),
+    return cls(local, layout_spec(t._spec.mesh, t._spec.placements, shape, local.dtype),
                requires_grad=False)
 
 
@@ -315,14 +381,16 @@ def _reduce_some_dims(func, args, kwargs, t, dims, values, how, finish=None):
     the mesh at once and `finish` (a p-norm's root, a mean's divide) applies. The result's
     dtype and shape are the op's own on meta."""
     shape = list(t.shape)
-    start, end = t._spec.placements[0].layout(t.shape).local_range(
-        t._spec.mesh.get_local_rank())
+    start, end = local_range(t)
     rest = torch.arange(start, end, device=values.device)
     coords = []
-    for size in reversed(shape):  # the row-major index of each element, back to coordinates
-        coords.append(rest % size)
+    for size in reversed(local_layout(t).shape):  # each element's row-major index, back to
+        coords.append(rest % size)                # coordinates in the (TP/EP-local) tensor
         rest = rest // size
     coords.reverse()
+    if t._spec.mesh.ndim > 1:  # and on to the global tensor's
+        coords = [c if index is None else torch.tensor(index, device=c.device)[c]
+                  for c, index in zip(coords, local_index_maps(t._spec))]
     kept = [d for d in range(len(shape)) if d not in dims]
     index = torch.zeros_like(coords[0]) if coords else rest
     for d in kept:
@@ -332,15 +400,13 @@ def _reduce_some_dims(func, args, kwargs, t, dims, values, how, finish=None):
                      dtype=values.dtype, device=values.device)
     out.scatter_reduce_(0, index, values.reshape(-1),
                         {"sum": "sum", "max": "amax", "min": "amin"}[how])
-    mesh = t._spec.mesh
-    out = out.to(mesh.device_type)  # (a piece in host memory on a device mesh: offload)
-    dist.all_reduce(out, op=_REDUCE_OPS[how], group=mesh.get_group())
+    out = out.to(t._spec.mesh.device_type)  # (a piece in host memory on a device mesh: offload)
+    _all_reduce(out, t, _REDUCE_OPS[how])
     if finish is not None:
         out = finish(out)
     meta = func(*[_on_meta(a) for a in args], **{k: _on_meta(v) for k, v in kwargs.items()})
     out = out.to(meta.dtype).reshape(meta.shape)
-    return DTensor(out, layout_spec(mesh, Replicate(), meta.shape, out.dtype),
-                   requires_grad=False)
+    return DTensor(out, replicate_spec(t, meta.shape, out.dtype), requires_grad=False)
 
 
 def _on_meta(value):
@@ -360,8 +426,9 @@ def _over_mesh(values, tensors, how: str, p: float | None = None, keepdim=False,
     out = list(values)
     groups: dict = {}
     for i, (value, t) in enumerate(zip(values, tensors)):
-        groups.setdefault((t._spec.mesh, value.dtype), []).append(i)
-    for (mesh, value_dtype), indices in groups.items():
+        reduced_dims = tuple(shard_dim(p) is not None for p in t._spec.placements[1:])
+        groups.setdefault((t._spec.mesh, reduced_dims, value.dtype), []).append(i)
+    for (mesh, _, value_dtype), indices in groups.items():
         flat = torch.stack([values[i] for i in indices])
         if p is not None:
             flat = flat.to(torch.float32 if value_dtype.itemsize < 4 else value_dtype).pow(p)
@@ -369,7 +436,7 @@ def _over_mesh(values, tensors, how: str, p: float | None = None, keepdim=False,
             # Pieces in host memory on a device mesh (an offloaded master): the all-reduce runs
             # where the group's backend does, and the result stays there, as a DTensor's would.
             flat = flat.to(mesh.device_type)
-        dist.all_reduce(flat, op=_REDUCE_OPS[how], group=mesh.get_group())
+        _all_reduce(flat, tensors[indices[0]], _REDUCE_OPS[how])
         if p is not None:
             flat = flat.pow(1.0 / p).to(value_dtype)
         for j, i in enumerate(indices):
@@ -378,7 +445,7 @@ def _over_mesh(values, tensors, how: str, p: float | None = None, keepdim=False,
     for value, t in zip(out, tensors):
         shape = (1,) * t.dim() if keepdim else ()
         value = value.reshape(shape) if dtype is None else value.reshape(shape).to(dtype)
-        results.append(DTensor(value, layout_spec(t._spec.mesh, Replicate(), shape, value.dtype),
+        results.append(DTensor(value, replicate_spec(t, shape, value.dtype),
                                requires_grad=False))
     return results
 
@@ -518,7 +585,5 @@ def _copy_from_full(func, dst, src):
         raise refuse(func, dst, f"the source is a {type(src).__name__} of shape "
                      f"{list(src.shape)}; copy_ takes a RaggedShard DTensor of the same layout, "
                      "a 0-d tensor or a plain tensor of the global shape")
-    start, end = dst._spec.placements[0].layout(dst.shape).local_range(
-        dst._spec.mesh.get_local_rank())
-    dst._local_tensor.copy_(src.reshape(-1)[start:end])
+    dst._local_tensor.copy_(range_of_full(dst, src))
     return dst

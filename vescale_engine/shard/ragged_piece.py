@@ -1,7 +1,8 @@
 """A rank's ragged flat piece of a tensor as the rectangular boxes of the tensor's true shape:
-what a parameter or an optimizer state entry with its own global shape hands a checkpoint
-(sharded.py's docstring, the optimizer state interface). dcp.py writes and reads each box as
-one DCP chunk.
+the one mapping from a RaggedShard range to DCP chunks, used by a RaggedDTensor's DCP methods
+(ragged_dtensor.py) and by what the engine's checkpoints write for a parameter or an optimizer
+state entry with its own global shape (checkpoint/sharded.py's docstring, the optimizer state
+interface); checkpoint/dcp.py writes and reads each box as one DCP chunk.
 
 A RaggedShard range is cut by `box_decomposition` into rectangular boxes (each a contiguous flat
 range, so each is a view of the local piece).
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..shard.ragged import box_decomposition, map_box
+from .ragged import box_decomposition, map_box
 
 __all__ = ["RaggedPiece"]
 
@@ -26,12 +27,15 @@ class RaggedPiece:
     box is a view of `local` and loading writes straight into it.
 
     Under tensor/expert parallelism the range is one of a TP/EP-local tensor of `local_shape`,
-    and `index_maps` (fsdp.dtensor_params.local_index_maps) place its boxes on the global
+    and `index_maps` (tp_maps.local_index_maps) place its boxes on the global
     `shape`: shifted by the rank's TP/EP offset, split where the local dim is not one run of
-    global indices (`_StridedShard`); such a box is a strided view of `local`."""
+    global indices (`_StridedShard`); such a box is a strided view of `local`.
+
+    A tensor without elements still needs one chunk in a checkpoint (else its key is missing
+    at load): the piece with `writes_empty` (one rank of those holding the tensor) writes it."""
 
     def __init__(self, local: torch.Tensor, shape, start: int, local_shape=None,
-                 index_maps=None):
+                 index_maps=None, writes_empty=False):
         self.local = local
         self.shape = torch.Size(shape)
         self.mapped = index_maps is not None  # placed through TP/EP index maps (or identity)
@@ -44,6 +48,9 @@ class RaggedPiece:
                 within = tuple(i - o for i, o in zip(inner, offsets))
                 self.boxes[torch.Size(global_offsets)] = (torch.Size(part), at, sizes, within)
             at += math.prod(sizes)
+        if writes_empty and self.shape.numel() == 0:
+            self.boxes[torch.Size([0] * len(self.shape))] = (self.shape, 0, self.shape,
+                                                             (0,) * len(self.shape))
 
     def chunks(self):
         return [ChunkStorageMetadata(offsets=o, sizes=s) for o, (s, *_) in self.boxes.items()]
