@@ -575,7 +575,7 @@ def refusals_rank(rank, world):
         "set_reduce_scatter_unused_params": lambda: model.set_reduce_scatter_unused_params(True),
         "dp_mesh_dims": lambda: fully_shard(build(), dp_mesh_dims=object()),
         "offload_policy": lambda: fully_shard(build(), offload_policy=object()),
-        "per-parameter mesh": lambda: fully_shard(build(), shard_placement_fn=lambda p: 0),
+        "not a placement": lambda: fully_shard(build(), shard_placement_fn=lambda p: 0),
         "reset_iter_state": lambda: model.blocks[0].reset_iter_state(),
     }
     train(model, rank, world, steps=1)  # (so that the blocks are known not to be the root)
@@ -607,9 +607,10 @@ def test_what_is_refused_names_itself(pool):
                                               "supported"), out["dp_mesh_dims"]
         assert out["offload_policy"].startswith("NotImplementedError: offload_policy=<object"), \
             out["offload_policy"]
-        assert out["per-parameter mesh"].startswith(
-            "NotImplementedError: shard_placement_fn returned int for embed.weight: a mesh "
-            "per parameter is not supported"), out["per-parameter mesh"]
+        assert out["not a placement"].startswith(
+            "NotImplementedError: shard_placement_fn returned int for embed.weight: "
+            "vescale_engine's fully_shard takes None, Shard(0) or a ShardPlacementResult"), \
+            out["not a placement"]
         assert out["reset_iter_state"] == "RuntimeError: reset_iter_state must be called on " \
                                           "the root FSDP module", out["reset_iter_state"]
 

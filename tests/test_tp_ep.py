@@ -701,6 +701,77 @@ def test_experts_over_efsdp_equal_one_process(pool):
                                                                        param_err, norm_err)
 
 
+def ep_one_unit(world, fully_shard_fn):
+    """MoEBlock with experts Shard(0) on ep 2, sharded by ONE fully_shard call: the dense
+    parameters over dp 4, the experts over efsdp 2 (their own mesh, FSDP2's
+    ShardPlacementResult), every gradient divided by the dense data-parallel size 4."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
+                                                                  ShardPlacementResult)
+    ep2d = mesh((2, 2), ("efsdp", "ep"))
+    torch.manual_seed(0)
+    ref = MoEBlock()
+    model = copy.deepcopy(ref)
+    ex = model.experts
+    for name in ("w1", "w2"):
+        ex.register_parameter(name, nn.Parameter(
+            distribute_tensor(getattr(ex, name).data, ep2d["ep"], [Shard(0)])))
+    ex.ep_group = ep2d["ep"].get_group()
+    experts = set(ex.parameters())
+    efsdp = FSDPMeshInfo(mesh=ep2d["efsdp"], shard_mesh_dim=0)
+
+    def placement(param):
+        return ShardPlacementResult(placement=Shard(0), mesh_info=efsdp) \
+            if param in experts else None
+    fully_shard_fn(model, mesh=mesh((world,), ("dp",)), shard_placement_fn=placement)
+    model.set_gradient_divide_factor(4.0)
+    model.set_force_sum_reduction_for_comms(True)  # (FSDP2's PREMUL_SUM is not on gloo)
+    return ref, model
+
+
+def ep_one_unit_against_fsdp2(rank, world):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    ref, model = ep_one_unit(world, fully_shard)
+    _, theirs = ep_one_unit(world, torch_fully_shard)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model, theirs)]
+    g = torch.Generator().manual_seed(2)
+    out = {"loss": 0.0, "fsdp2_loss": 0.0,
+           "groups": sorted(dist.get_world_size(b.shard_group)
+                            for b in unit_of(model).buffers),
+           "expert_face": (type(model.experts.w1).__name__,
+                           model.experts.w1.device_mesh.mesh_dim_names)}
+    for _ in range(STEPS):
+        x, y = torch.randn(4 * world, H, generator=g), torch.randn(4 * world, H, generator=g)
+        eid = torch.randint(0, E, (4 * world,), generator=g)
+        sl = slice(4 * rank, 4 * rank + 4)
+        losses = [F.mse_loss(ref(x, eid), y)] + [F.mse_loss(m(x[sl], eid[sl]), y[sl])
+                                                  for m in (model, theirs)]
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out["loss"] = max(out["loss"], abs(mean_over_ranks(losses[1]) - losses[0].item()))
+        out["fsdp2_loss"] = max(out["fsdp2_loss"], abs(losses[1] - losses[2]).item())
+    out["params"] = worst_relative(model, ref)[0]
+    out["fsdp2_params"] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                              for a, b in zip(model.parameters(), theirs.parameters()))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(__import__("torch.distributed.fsdp._fully_shard._fsdp_common",
+                                           fromlist=["_"]), "ShardPlacementResult"),
+                    reason="torch < 2.13 has no ShardPlacementResult (a mesh per parameter)")
+def test_experts_on_their_own_mesh_in_one_unit_equal_fsdp2_and_one_process(pool):
+    """shard_placement_fn giving the experts their own mesh (efsdp) inside the dense unit, as
+    FSDP2's ShardPlacementResult does: one unit, buffers over dp 4 and efsdp 2, the experts'
+    sharded face on (efsdp, ep); losses and parameters equal to FSDP2's doing the same and to
+    one process. Before: refused ('a mesh per parameter is not supported')."""
+    for out in pool.run(ep_one_unit_against_fsdp2):
+        assert out["groups"] == [2, 2, 4, 4] or set(out["groups"]) == {2, 4}, out
+        assert out["expert_face"] == ("RaggedDTensor", ("efsdp", "ep")), out
+        assert out["loss"] < TOL and out["params"] < TOL, out
+        assert out["fsdp2_loss"] < 1e-6 and out["fsdp2_params"] < 1e-6, out
+
+
 # ---------------------------------------------------------------------------- (dp 2, tp 2) Llama
 
 # transformers' own `apply_tensor_parallelism` shards onto meta (the values come from a

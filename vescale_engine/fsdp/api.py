@@ -31,31 +31,6 @@ __all__ = ["fully_shard", "no_sync", "reduce_kept_gradients", "release",
            "register_fsdp_forward_method"]
 
 
-def _resolve_mesh(mesh):
-    """(shard group, replicate group or None, the shard dim's DeviceMesh or None) from a
-    DeviceMesh, a process group, or None."""
-    if mesh is None:
-        return dist.group.WORLD, None, None
-    if isinstance(mesh, dist.ProcessGroup):
-        return mesh, None, None
-    from torch.distributed.device_mesh import DeviceMesh
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
-    # A sub-mesh (the dp mesh of a (dp, tp) mesh, the efsdp mesh of experts) may have fewer
-    # ranks than the world, but this rank must be one of them.
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} "
-                         "passed to fully_shard")
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None, mesh
-    if mesh.ndim == 2:  # (replicate, shard): HSDP
-        if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
-            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
-        return mesh.get_group(1), mesh.get_group(0), mesh[mesh.mesh_dim_names[1]]
-    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; "
-                     "2-D: (replicate, shard), HSDP)")  # FSDP2's words
-
-
 # the default process group -> {N: this rank's hpZ group of N consecutive ranks}
 _HPZ_GROUPS = weakref.WeakKeyDictionary()
 
@@ -214,7 +189,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     """
     modules = _modules_to_shard(module)
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
-    group, replicate_group, shard_mesh = _resolve_mesh(mesh)
+    group, replicate_group, shard_mesh = fsdp2_args.resolve_mesh(mesh)
     reshard_after_forward, post_forward = fsdp2_args.reshard_after_forward_of(
         reshard_after_forward, dist.get_world_size(group))
     offload = fsdp2_args.offload_of(offload_policy)
@@ -242,7 +217,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                     gradient_divide_factor=gradient_divide_factor,
                     ignored=fsdp2_args.ignored_ids(ignored_params),
                     placement=fsdp2_args.placement_of(shard_placement_fn), hpz_group=hpz,
-                    shard_mesh=shard_mesh)
+                    shard_mesh=shard_mesh, param_mesh=fsdp2_args.mesh_of(
+                        shard_placement_fn, (group, replicate_group, shard_mesh)))
     if comm.quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
         _warn_untiled(unit)
     _finish(unit, comm, offload)

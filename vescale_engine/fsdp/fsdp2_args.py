@@ -6,11 +6,15 @@ error before any collective where we cannot honour it.
   reshards after forward to groups of N consecutive ranks, from which backward all-gathers
   (FSDP2's post-forward mesh): that is ZeRO++'s hpZ, so it becomes `hpz_partition_size=N`
   (secondary copies of 1/N of the gathered parameters; api.py).
+- `mesh`: a DeviceMesh (1-D: shard; 2-D: (replicate, shard), HSDP), a process group, or None
+  (the world): the groups a unit's buffers shard and replicate over (`resolve_mesh`).
 - `shard_placement_fn(param)`: None or Shard(0) keeps each dim-0 slice whole on one rank,
   as FSDP2's Shard(0) does: the parameter's granularity becomes one whose blocks are whole
   dim-0 slices (rows:1 for a matrix or a vector, block:<slice> above); Shard(d) for d > 0
-  (columns on a rank: not one flat range) and per-parameter meshes are refused, naming the
-  parameter.
+  (columns on a rank: not one flat range) is refused, naming the parameter. FSDP2's
+  `ShardPlacementResult(placement, mesh_info)` (torch 2.13 and later) also gives the parameter
+  its own mesh (experts on the expert-data-parallel mesh, in the same unit as the dense
+  parameters): its parameters get buffers of their own over that mesh (`mesh_of`).
 - `offload_policy`: OffloadPolicy() (no offload) or CPUOffloadPolicy(pin_memory): the unit's
   master and gradient shards in host memory (FSDPUnit.offload_to_host).
 - `ignored_params`: ids of the parameters no unit manages.
@@ -20,11 +24,79 @@ from __future__ import annotations
 
 import math
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 from ..plan.granularity import Granularity, parse_granularity
 
 __all__ = ["reshard_after_forward_of", "placement_of", "check_placements", "offload_of",
-           "ignored_ids", "check_dp_mesh_dims", "root_modules"]
+           "ignored_ids", "check_dp_mesh_dims", "root_modules", "resolve_mesh", "mesh_of"]
 
+
+def resolve_mesh(mesh):
+    """(shard group, replicate group or None, the shard dim's DeviceMesh or None) from a
+    DeviceMesh, a process group, or None."""
+    if mesh is None:
+        return dist.group.WORLD, None, None
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, None, None
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
+    # A sub-mesh (the dp mesh of a (dp, tp) mesh, the efsdp mesh of experts) may have fewer
+    # ranks than the world, but this rank must be one of them.
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} "
+                         "passed to fully_shard")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None, mesh
+    if mesh.ndim == 2:  # (replicate, shard): HSDP
+        if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
+        return mesh.get_group(1), mesh.get_group(0), mesh[mesh.mesh_dim_names[1]]
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; "
+                     "2-D: (replicate, shard), HSDP)")  # FSDP2's words
+
+
+def _own_mesh(result):
+    """The FSDPMeshInfo of a ShardPlacementResult (None for None or a Shard): read by its
+    fields, so that torch releases without the class need nothing."""
+    return getattr(result, "mesh_info", None)
+
+
+def _placement(result):
+    """The Shard (or None) of a shard_placement_fn answer."""
+    return result.placement if _own_mesh(result) is not None else result
+
+
+def mesh_of(shard_placement_fn, default):
+    """param -> (shard group, replicate group, shard DeviceMesh) of a parameter that
+    shard_placement_fn gives a mesh of its own (FSDP2's ShardPlacementResult), `default` (what
+    fully_shard's `mesh` resolved to) for the others; None without a shard_placement_fn."""
+    if shard_placement_fn is None:
+        return None
+    resolved = {}
+
+    def of(param):
+        info = _own_mesh(shard_placement_fn(param))
+        if info is None:
+            return default
+        if id(info.mesh) not in resolved:
+            resolved[id(info.mesh)] = (info.mesh, _resolve_info(info))
+        return resolved[id(info.mesh)][1]
+    return of
+
+
+def _resolve_info(info):
+    """FSDP2's FSDPMeshInfo (a 1-D shard mesh) or HSDPMeshInfo (2-D, replicate dim 0, shard dim
+    1) as resolve_mesh's groups."""
+    mesh = info.mesh
+    replicate_dim = getattr(info, "replicate_mesh_dim", None)
+    if replicate_dim is None and mesh.ndim != 1 or replicate_dim is not None and (
+            mesh.ndim != 2 or replicate_dim != 0 or info.shard_mesh_dim != 1):
+        raise NotImplementedError(
+            f"shard_placement_fn returned a mesh_info over {mesh}: a parameter's own mesh must be "
+            "1-D (FSDPMeshInfo) or 2-D with replicate dim 0 and shard dim 1 (HSDPMeshInfo)")
+    return resolve_mesh(mesh)
 
 def reshard_after_forward_of(value, shard_size: int) -> tuple:
     """(None, True or False for a unit; the size of the groups to reshard to after forward,
@@ -50,12 +122,11 @@ def placement_of(shard_placement_fn):
     from torch.distributed.tensor import Shard
 
     def placement(fqn, param, policy, shape):
-        result = shard_placement_fn(param)
+        result = _placement(shard_placement_fn(param))
         if result is not None and not isinstance(result, Shard):
             raise NotImplementedError(
-                f"shard_placement_fn returned {type(result).__name__} for {fqn}: a mesh per "
-                "parameter is not supported by vescale_engine's fully_shard (shard experts "
-                "with their own fully_shard call and mesh); return None or Shard(0)")
+                f"shard_placement_fn returned {type(result).__name__} for {fqn}: vescale_engine's "
+                "fully_shard takes None, Shard(0) or a ShardPlacementResult of one of them")
         dim = 0 if result is None else result.dim
         if len(shape) and dim < 0:
             dim += len(shape)
@@ -81,17 +152,23 @@ def check_placements(shard_placement_fn, modules, ignored: set, shard_size: int)
               if id(p) not in ignored and getattr(p, "_vescale", None) is None]
     answers = []
     for param in dict.fromkeys(params):
-        result = shard_placement_fn(param)
+        answer = shard_placement_fn(param)
+        info = _own_mesh(answer)
+        if info is not None and info.mesh.get_coordinate() is None:
+            raise ValueError(f"shard_placement_fn: rank {dist.get_rank()} is not in the mesh "
+                             f"{info.mesh.mesh.tolist()} of a {tuple(param.shape)} parameter")
+        result = _placement(answer)
         if isinstance(result, Shard):
             dim = result.dim + param.ndim if result.dim < 0 else result.dim
             if not 0 <= dim < max(param.ndim, 1):
                 raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: "
                                      f"{tuple(param.shape)}")
-            answers.append((param, dim))
-    for param, dim in answers:
-        if dim > 0 and not isinstance(param, DTensor) and param.shape[dim] % shard_size:
+            answers.append((param, dim, shard_size if info is None else
+                            info.mesh.size(getattr(info, "shard_mesh_dim", 0))))
+    for param, dim, size in answers:
+        if dim > 0 and not isinstance(param, DTensor) and param.shape[dim] % size:
             raise NotImplementedError(f"FSDP does not support uneven sharding on dim {dim}: "
-                                      f"{param.size()} (world size: {shard_size})")
+                                      f"{param.size()} (world size: {size})")
 
 
 def dim0_granularity(policy, shape) -> Granularity:

@@ -87,7 +87,8 @@ class FSDPUnit:
     def __init__(self, module, group, replicate_group, reshard_after_forward, mp_policy,
                  sharding=ShardingPolicy(), memory=MemoryPolicy(),
                  communication=CommunicationPolicy(), *, gradient_divide_factor=None,
-                 ignored=(), placement=None, hpz_group=None, shard_mesh=None):
+                 ignored=(), placement=None, hpz_group=None, shard_mesh=None,
+                 param_mesh=None):
         """`module`: one module, or several (FSDP2's `fully_shard([a, b])`: one unit, one
         all-gather, over all of them). `reshard_after_forward` None: True, but not for the
         root (FSDP2's default); an explicit True reshards the root too. `ignored`: ids of
@@ -95,7 +96,9 @@ class FSDPUnit:
         the granularity a parameter gets instead of `policy` (FSDP2's shard_placement_fn).
         `sharding`, `memory`, `communication`: fsdp/policy.py's; `hpz_group`: the group hpZ's
         backward gathers run in (made by fully_shard from communication.hpz_partition_size);
-        `shard_mesh`: the DeviceMesh of the shard group (TP/EP parameters' faces join it)."""
+        `shard_mesh`: the DeviceMesh of the shard group (TP/EP parameters' faces join it);
+        `param_mesh(param)`: (shard group, replicate group, shard mesh) of each parameter,
+        where some have meshes of their own (FSDP2's ShardPlacementResult)."""
         self.modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
         self.module = self.modules[0]
         self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
@@ -122,7 +125,8 @@ class FSDPUnit:
             native_collectives=communication.native_collectives,
             quantize_group=communication.quantize_group if quantized else None,
             quantized=quantized, quantize_format=communication.quantization_format,
-            hpz_group=hpz_group, divide_factor=gradient_divide_factor, shard_mesh=shard_mesh)
+            hpz_group=hpz_group, divide_factor=gradient_divide_factor, shard_mesh=shard_mesh,
+            param_mesh=param_mesh)
         self.group.device, self.group.buffers, self.group.params = \
             build_unit(self, group, replicate_group, options)
 

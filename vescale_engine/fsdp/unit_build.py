@@ -40,6 +40,7 @@ class BuildOptions:
     hpz_group: object = None     # hpZ: backward re-gathers inside this group
     divide_factor: float | None = None
     shard_mesh: object = None    # the shard group's DeviceMesh (faces of TP/EP parameters)
+    param_mesh: object = None    # param -> (shard group, replicate group, shard mesh), or None
 
 
 @functools.lru_cache(maxsize=256)
@@ -60,20 +61,21 @@ def build_unit(unit, group, replicate_group, options: BuildOptions):
     if not order:  # (as FSDP2: a root whose parameters the inner units all manage)
         return default_device(group), [], []
     device = _device(unit.name, found, order)
-    world_size = dist.get_world_size(group)
+    meshes = _meshes(unit, found, order, group, replicate_group, options)
     dtensor_specs = {i: dtensor_spec_of(found[i][0], found[i][1]) for i in order}
     face_meshes = {} if options.flat_parameters else {
-        i: face_mesh(options.shard_mesh, dtensor_specs[i], found[i][0])
+        i: face_mesh(meshes[i][2], dtensor_specs[i], found[i][0])
         for i in order if dtensor_specs[i] is not None}
     local = {i: local_tensor(found[i][1]) for i in order}
-    # One buffer never mixes tensors of different TP/EP layouts: the gradient norm and the
-    # optimizers treat a buffer's gradient as a whole (what it is a piece of).
+    # One buffer never mixes tensors of different TP/EP layouts (the gradient norm and the
+    # optimizers treat a buffer's gradient as a whole: what it is a piece of) or groups.
     by_kind = {}
     for i in order:
-        key = (found[i][1].dtype, layout_key(dtensor_specs[i]))
+        key = (found[i][1].dtype, layout_key(dtensor_specs[i]), meshes[i][:2])
         by_kind.setdefault(key, []).append(i)
     buffers, params = [], []
-    for (dtype, _), ids in by_kind.items():
+    for (dtype, _, (group, replicate_group)), ids in by_kind.items():
+        world_size = dist.get_world_size(group)
         specs = tuple(TensorSpec(plan_name[i], tuple(local[i].shape),
                                  _block(options, found[i][0], found[i][1], local[i],
                                         dtensor_specs[i]))
@@ -143,6 +145,21 @@ def _buffer(layout, dtype, device, group, replicate_group, options, name):
                    divide_factor=options.divide_factor,
                    quantize_group=options.quantize_group, quantized=options.quantized,
                    hpz_group=options.hpz_group, quantize_format=options.quantize_format)
+
+
+def _meshes(unit, found, order, group, replicate_group, options) -> dict:
+    """{id: (shard group, replicate group, shard DeviceMesh)} of each parameter: fully_shard's
+    mesh, or the parameter's own (shard_placement_fn's ShardPlacementResult)."""
+    default = (group, replicate_group, options.shard_mesh)
+    if options.param_mesh is None:
+        return {i: default for i in order}
+    meshes = {i: options.param_mesh(found[i][1]) for i in order}
+    own = next((i for i in order if meshes[i][:2] != default[:2]), None)
+    if own is not None and options.hpz_group is not None:
+        raise NotImplementedError(
+            f"fully_shard: {found[own][0]} has a mesh of its own (shard_placement_fn), which "
+            f"hpZ / reshard_after_forward=N (groups of the world) cannot gather from ({unit.name})")
+    return meshes
 
 
 def _sharded(unit, entry, home, buf, k, local, dtensor_spec, mesh):
