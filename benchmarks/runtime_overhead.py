@@ -5,8 +5,13 @@ runtime_seams_ab.md).
 
     OMP_NUM_THREADS=1 PYTHONPATH=<tree> torchrun --nproc_per_node 2 benchmarks/runtime_overhead.py
     UNITS=8 DIM=1024 ... (a few wide units); STEPS=N (default 60, the first 10 not timed)
+    CALLS=1 ...: also the Python calls per step (cProfile over 5 steps after the timed ones),
+    in all and inside vescale_engine: a count, not a time, so two trees compare exactly where
+    wall-clock noise on a shared machine (10% here) hides a few percent
 """
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
@@ -36,6 +41,19 @@ def main():
     if dist.get_rank() == 0:
         print(f"median step {statistics.median(times[10:]) * 1e3:.2f} ms "
               f"({units} units of Linear({dim}, {dim}), {dist.get_world_size()} ranks)")
+    if os.environ.get("CALLS") == "1":
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(5):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        profile.disable()
+        stats = pstats.Stats(profile).stats
+        ours = sum(n for (f, _, _), (_, n, *_) in stats.items() if "vescale_engine" in f)
+        total = sum(n for _, n, *_ in stats.values())
+        if dist.get_rank() == 0:
+            print(f"Python calls per step: {total / 5:.0f} ({ours / 5:.0f} in vescale_engine)")
     dist.destroy_process_group()
 
 
