@@ -418,14 +418,14 @@ def test_refusals_and_block_rule(pool):
         out["full_shapes"]
 
 
-def torch_tp_mlp():
-    """tp_mlp() sharded by torch's own fully_shard (FSDP2) instead of ours."""
+def torch_tp_mlp(**kwargs):
+    """tp_mlp(**kwargs) sharded by torch's own fully_shard (FSDP2) instead of ours."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     global fully_shard
     ours = fully_shard
     fully_shard = lambda module, mesh, **_: torch_fully_shard(module, mesh=mesh)  # noqa: E731
     try:
-        return tp_mlp()
+        return tp_mlp(**kwargs)
     finally:
         fully_shard = ours
 
@@ -486,6 +486,12 @@ def tp_faces_against_fsdp2(rank, world, tmpdir):
     w1 = ep_model.experts.w1
     out["ep_face"] = (type(w1).__name__, w1.device_mesh.mesh_dim_names,
                       torch.equal(w1.full_tensor(), ep_ref.experts.w1))
+    # HSDP (replicate 2, shard 1) beside tp 2: FSDP2's 3-D mesh, Replicate first
+    hsdp = [m.blocks[0].w1.weight for m in (tp_mlp(hsdp=True)[3],
+                                            torch_tp_mlp(hsdp=True)[3])]
+    out["hsdp_faces"] = [([type(q).__name__ for q in p.placements], p.device_mesh.mesh_dim_names)
+                         for p in hsdp]
+    out["hsdp_values"] = torch.equal(hsdp[0].full_tensor(), hsdp[1].full_tensor())
     return out
 
 
@@ -494,7 +500,8 @@ def test_tp_parameters_between_steps_are_fsdp2s_dtensors_and_interchange_with_it
     """A TP (and EP) parameter under our fully_shard is, between steps, a DTensor on the 2-D
     mesh (dp, tp) as under FSDP2 (our RaggedPlacement where FSDP2 has Shard or _StridedShard on
     dp, the TP placement on tp): AdamW, torch's clip_grad_norm_, a row norm and the full
-    state dict give FSDP2's values, and DCP checkpoints pass between the two either way.
+    state dict give FSDP2's values, and DCP checkpoints pass between the two either way; under
+    HSDP + TP the face is on FSDP2's 3-D mesh (rep, shard, tp), Replicate first.
     (Before: plain 1-D pieces, whose state dicts DCP would save as whole tensors.)"""
     for out in pool.run(tp_faces_against_fsdp2, str(tmp_path)):
         for name, (kind, placements, dims) in out["faces"].items():
@@ -507,6 +514,10 @@ def test_tp_parameters_between_steps_are_fsdp2s_dtensors_and_interchange_with_it
         assert out["full_state_dict"], out
         assert out["dcp"] == {"ours->fsdp2": 0.0, "fsdp2->ours": 0.0}, out["dcp"]
         assert out["ep_face"] == ("RaggedDTensor", ("efsdp", "ep"), True), out["ep_face"]
+        ours, theirs = out["hsdp_faces"]
+        assert ours == (["Replicate", "RaggedPlacement", "Shard"], ("rep", "shard", "tp")), ours
+        assert theirs[1] == ours[1] and theirs[0][0] == "Replicate", theirs
+        assert out["hsdp_values"], out
 
 
 def tp_meta_init(rank, world):

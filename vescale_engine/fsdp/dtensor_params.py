@@ -184,10 +184,11 @@ _FACE_MESHES: dict = {}
 
 
 def face_mesh(shard_mesh, spec: DTensorSpec, fqn: str):
-    """The N-D mesh a TP/EP parameter's sharded face lives on: the shard group's mesh dim
-    followed by its TP/EP mesh's (FSDP2's `DeviceMesh._concatenate`, which wants both sliced
-    from one mesh), made once per pair. Refused in one line, before any collective, where
-    fully_shard got no DeviceMesh (a process group, or none) or one of another mesh."""
+    """The N-D mesh a TP/EP parameter's sharded face lives on: fully_shard's mesh (the shard
+    dim, or HSDP's replicate and shard dims) followed by its TP/EP mesh's, as FSDP2's
+    (`DeviceMesh._concatenate`, which wants both sliced from one mesh), made once per pair.
+    Refused in one line, before any collective, where fully_shard got no DeviceMesh (a process
+    group, or none) or one of another mesh."""
     if shard_mesh is None:
         raise ValueError(
             f"fully_shard: {fqn} is a DTensor on the mesh {spec.mesh}; pass mesh= the "

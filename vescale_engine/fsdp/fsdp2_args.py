@@ -34,8 +34,8 @@ __all__ = ["reshard_after_forward_of", "placement_of", "check_placements", "offl
 
 
 def resolve_mesh(mesh):
-    """(shard group, replicate group or None, the shard dim's DeviceMesh or None) from a
-    DeviceMesh, a process group, or None."""
+    """(shard group, replicate group or None, the DeviceMesh itself or None) from a DeviceMesh,
+    a process group, or None."""
     if mesh is None:
         return dist.group.WORLD, None, None
     if isinstance(mesh, dist.ProcessGroup):
@@ -52,7 +52,7 @@ def resolve_mesh(mesh):
     if mesh.ndim == 2:  # (replicate, shard): HSDP
         if mesh.mesh_dim_names is None:  # FSDP2's refusal, its type and words
             raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
-        return mesh.get_group(1), mesh.get_group(0), mesh[mesh.mesh_dim_names[1]]
+        return mesh.get_group(1), mesh.get_group(0), mesh
     raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; "
                      "2-D: (replicate, shard), HSDP)")  # FSDP2's words
 

@@ -96,7 +96,7 @@ class FSDPUnit:
         the granularity a parameter gets instead of `policy` (FSDP2's shard_placement_fn).
         `sharding`, `memory`, `communication`: fsdp/policy.py's; `hpz_group`: the group hpZ's
         backward gathers run in (made by fully_shard from communication.hpz_partition_size);
-        `shard_mesh`: the DeviceMesh of the shard group (TP/EP parameters' faces join it);
+        `shard_mesh`: fully_shard's DeviceMesh, if one (TP/EP parameters' faces join it);
         `param_mesh(param)`: (shard group, replicate group, shard mesh) of each parameter,
         where some have meshes of their own (FSDP2's ShardPlacementResult)."""
         self.modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)

@@ -39,7 +39,7 @@ class BuildOptions:
     quantize_format: str = "int8"
     hpz_group: object = None     # hpZ: backward re-gathers inside this group
     divide_factor: float | None = None
-    shard_mesh: object = None    # the shard group's DeviceMesh (faces of TP/EP parameters)
+    shard_mesh: object = None    # fully_shard's DeviceMesh (faces of TP/EP parameters)
     param_mesh: object = None    # param -> (shard group, replicate group, shard mesh), or None
 
 

@@ -133,9 +133,8 @@ class RaggedDTensor(DTensor):
         return out
 
     def __repr__(self):
-        placements = self._spec.placements
         return (f"RaggedDTensor(shape={list(self.shape)}, "
-                f"{placements[0] if len(placements) == 1 else list(placements)}, "
+                f"{ragged_ops._shown(self._spec.placements)}, "
                 f"local_tensor={self._local_tensor}, device_mesh={self._spec.mesh})")
 
     # -- the whole tensor, another layout, the local piece ---------------------------------------
@@ -228,14 +227,16 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: RaggedDTensor):
         ctx.like = x
-        mesh = x._spec.mesh
-        local = ragged_to_replicate(x._local_tensor, x.ragged_shard, group=mesh.get_group(0))
+        mesh, r = x._spec.mesh, ragged_ops.ragged_dim(x._spec)
+        local = ragged_to_replicate(x._local_tensor, x.ragged_shard, group=mesh.get_group(r))
         if mesh.ndim == 1:
             return local
-        # then over the TP/EP dims, by DTensor's own gather of the local tensors
-        tp_mesh = mesh[mesh.mesh_dim_names[1:]]
-        return DTensor.from_local(local, tp_mesh, x._spec.placements[1:], run_check=False,
-                                  shape=x.shape, stride=x.stride()).full_tensor()
+        # then over the other dims (TP/EP, HSDP's replicas), by DTensor's own gather
+        names = mesh.mesh_dim_names
+        others = [d for d in range(mesh.ndim) if d != r]
+        rest = mesh[tuple(names[d] for d in others)]
+        return DTensor.from_local(local, rest, [x._spec.placements[d] for d in others],
+                                  run_check=False, shape=x.shape, stride=x.stride()).full_tensor()
 
     @staticmethod
     def backward(ctx, grad):
@@ -262,21 +263,24 @@ def ragged_dtensor(local: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh, *
                    requires_grad: bool = False, tp=None) -> RaggedDTensor:
     """`local` (this rank's piece of `layout`, 1-D) as a RaggedDTensor of the global shape,
     without a copy: its `_local_tensor` is `local` itself. For a TP/EP parameter `tp` is its
-    DTensor spec: `layout` is then of its TP/EP-local tensor and `mesh` the N-D mesh (shard
-    group, *tp.mesh's dims)."""
+    DTensor spec: `layout` is then of its TP/EP-local tensor and `mesh` the N-D mesh ([HSDP's
+    replicate dim,] the shard group, *tp.mesh's dims)."""
     tp_placements = () if tp is None else tuple(tp.placements)
-    if mesh.ndim != 1 + len(tp_placements):
+    r = mesh.ndim - 1 - len(tp_placements)  # the shard group's dim
+    if r < 0 or tp is None and r != 0:
         raise ValueError(f"a RaggedDTensor with TP/EP placements {list(tp_placements)} lives "
-                         f"on a {1 + len(tp_placements)}-D mesh, got {mesh.ndim} dims")
-    if mesh.size(0) != layout.world_size:
+                         f"on a mesh of {1 + len(tp_placements)} or (HSDP) "
+                         f"{2 + len(tp_placements)} dims, got {mesh.ndim}")
+    if mesh.size(r) != layout.world_size:
         raise ValueError(f"the layout is for {layout.world_size} ranks, the mesh has "
-                         f"{mesh.size(0)}")
-    expected = layout.local_numel(mesh.get_local_rank(0))
+                         f"{mesh.size(r)}")
+    expected = layout.local_numel(mesh.get_local_rank(r))
     if local.dim() != 1 or local.numel() != expected:
         raise ValueError(f"the local piece has shape {list(local.shape)}, expected 1-D with "
                          f"{expected} elements")
     torch_compat.route_subclass_dispatch(RaggedDTensor, mesh)  # (torch 2.11 needs it)
-    spec = ragged_ops.layout_spec(mesh, (RaggedPlacement.of(layout), *tp_placements),
+    spec = ragged_ops.layout_spec(mesh, (Replicate(),) * r + (RaggedPlacement.of(layout),
+                                                              *tp_placements),
                                   layout.shape if tp is None else tp.shape, local.dtype)
     if tp is not None and ragged_ops.inner_shape(spec) != tuple(layout.shape):
         raise ValueError(f"the layout's shape {list(layout.shape)} is not this rank's TP/EP-local "

@@ -23,11 +23,12 @@ right on local tensors only when it pairs elements by flat position or reduces a
   whole tensor is drawn on every rank and this rank's range kept, so `init_weights()` on a
   sharded model gives the values it gives an unsharded one from the same seed.
 
-A tensor/expert-parallel parameter's RaggedDTensor lives on an N-D mesh: the RaggedPlacement on
-mesh dim 0 (the data-parallel shard group) lays out the TP/EP-local tensor, the other dims keep
-the parameter's own TP/EP placements (tp_maps.py places the local tensor in the global one).
-Its reductions are all-reduced over the shard group and the mesh dims that split the tensor
-(never over replicas); a view must keep the global shape.
+A tensor/expert-parallel parameter's RaggedDTensor lives on an N-D mesh, as under FSDP2: HSDP's
+replicate dim (Replicate) if any, then the data-parallel shard group, whose RaggedPlacement lays
+out the TP/EP-local tensor, then the parameter's own TP/EP mesh dims and placements (tp_maps.py
+places the local tensor in the global one). Its reductions are all-reduced over the shard
+group and the mesh dims that split the tensor (never over replicas); a view must keep the
+global shape.
 
 Everything else raises NotImplementedError naming the operation: shape-aware ops (matmul, t,
 indexing, cat, max/min with indices), other random ops (dropout, randn_like: values
@@ -75,7 +76,15 @@ _RANDOM_FILLS = {aten.normal_.default, aten.uniform_.default, aten.bernoulli_.fl
 
 
 def is_ragged(t) -> bool:
-    return isinstance(t, DTensor) and isinstance(t._spec.placements[0], RaggedPlacement)
+    return isinstance(t, DTensor) and ragged_dim(t._spec) is not None
+
+
+def ragged_dim(spec) -> int | None:
+    """The mesh dim of a spec's RaggedPlacement (None: a DTensor of another kind)."""
+    for d, placement in enumerate(spec.placements):
+        if isinstance(placement, RaggedPlacement):
+            return d
+    return None
 
 
 _INNER_SHAPES: dict = {}
@@ -96,12 +105,12 @@ def inner_shape(spec) -> tuple:
 
 def local_layout(t) -> RaggedShard:
     """The RaggedShard of a ragged DTensor's (TP/EP-local, on an N-D mesh) tensor."""
-    return t._spec.placements[0].layout(inner_shape(t._spec))
+    return t._spec.placements[ragged_dim(t._spec)].layout(inner_shape(t._spec))
 
 
 def local_range(t) -> tuple[int, int]:
     """[start, end) of this rank's piece in the (TP/EP-local) tensor flattened row-major."""
-    return local_layout(t).local_range(t._spec.mesh.get_local_rank(0))
+    return local_layout(t).local_range(t._spec.mesh.get_local_rank(ragged_dim(t._spec)))
 
 
 def range_of_full(t, full: torch.Tensor) -> torch.Tensor:
@@ -117,8 +126,8 @@ def _reduce_groups(t) -> list:
     mesh = t._spec.mesh
     if mesh.ndim == 1:
         return [mesh.get_group()]
-    return [mesh.get_group(0)] + [mesh.get_group(d) for d, p in enumerate(t._spec.placements)
-                                  if d > 0 and shard_dim(p) is not None]
+    return [mesh.get_group(ragged_dim(t._spec))] + [
+        mesh.get_group(d) for d, p in enumerate(t._spec.placements) if shard_dim(p) is not None]
 
 
 def _all_reduce(tensor, t, op) -> None:
@@ -132,8 +141,7 @@ def replicate_spec(t, shape, dtype) -> DTensorSpec:
 
 
 def refuse(func, t, why: str = "") -> NotImplementedError:
-    placement = (t._spec.placements[0] if len(t._spec.placements) == 1 else
-                 list(t._spec.placements)) if is_ragged(t) else "RaggedPlacement"
+    placement = _shown(t._spec.placements) if is_ragged(t) else "RaggedPlacement"
     shape = list(t.shape) if isinstance(t, torch.Tensor) else "?"
     why = why or ("its local tensor is a flat range of the row-major tensor, so the op would "
                   "compute on the wrong elements")
@@ -344,7 +352,12 @@ def _is_tensor_list(value) -> bool:
 
 def _describe(key) -> str:
     placements, shape, _ = key
-    return f"{placements[0] if len(placements) == 1 else list(placements)} of shape {list(shape)}"
+    return f"{_shown(placements)} of shape {list(shape)}"
+
+
+def _shown(placements) -> str:
+    """One placement as itself, several as a list."""
+    return str(placements[0]) if len(placements) == 1 else str(list(placements))
 
 
 def _view(cls, func, args, kwargs):
@@ -426,7 +439,7 @@ def _over_mesh(values, tensors, how: str, p: float | None = None, keepdim=False,
     out = list(values)
     groups: dict = {}
     for i, (value, t) in enumerate(zip(values, tensors)):
-        reduced_dims = tuple(shard_dim(p) is not None for p in t._spec.placements[1:])
+        reduced_dims = tuple(shard_dim(p) is not None for p in t._spec.placements)
         groups.setdefault((t._spec.mesh, reduced_dims, value.dtype), []).append(i)
     for (mesh, _, value_dtype), indices in groups.items():
         flat = torch.stack([values[i] for i in indices])
