@@ -648,8 +648,8 @@ class MoEBlock(nn.Module):
         return self.out(h + gate * self.experts(h, eid))
 
 
-def ep_moe(world, divide_factor, granularity=None):
-    """(one-process MoEBlock, its copy with experts Shard(0) on ep 2 over efsdp 2)."""
+def ep_split():
+    """(the (efsdp 2, ep 2) mesh, one-process MoEBlock, its copy with experts Shard(0) on ep)."""
     ep2d = mesh((2, 2), ("efsdp", "ep"))
     torch.manual_seed(0)
     ref = MoEBlock()
@@ -659,6 +659,13 @@ def ep_moe(world, divide_factor, granularity=None):
         ex.register_parameter(name, nn.Parameter(
             distribute_tensor(getattr(ex, name).data, ep2d["ep"], [Shard(0)])))
     ex.ep_group = ep2d["ep"].get_group()
+    return ep2d, ref, model
+
+
+def ep_moe(world, divide_factor, granularity=None):
+    """(one-process MoEBlock, its copy with experts Shard(0) on ep 2 over efsdp 2)."""
+    ep2d, ref, model = ep_split()
+    ex = model.experts
     kwargs = {} if granularity is None else dict(granularity=granularity)
     fully_shard(ex, mesh=ep2d["efsdp"], gradient_divide_factor=divide_factor, **kwargs)
     fully_shard(model, mesh=mesh((world,), ("dp",)), **kwargs)  # router, dense: every rank
@@ -718,16 +725,8 @@ def ep_one_unit(world, fully_shard_fn):
     ShardPlacementResult), every gradient divided by the dense data-parallel size 4."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
                                                                   ShardPlacementResult)
-    ep2d = mesh((2, 2), ("efsdp", "ep"))
-    torch.manual_seed(0)
-    ref = MoEBlock()
-    model = copy.deepcopy(ref)
-    ex = model.experts
-    for name in ("w1", "w2"):
-        ex.register_parameter(name, nn.Parameter(
-            distribute_tensor(getattr(ex, name).data, ep2d["ep"], [Shard(0)])))
-    ex.ep_group = ep2d["ep"].get_group()
-    experts = set(ex.parameters())
+    ep2d, ref, model = ep_split()
+    experts = set(model.experts.parameters())
     efsdp = FSDPMeshInfo(mesh=ep2d["efsdp"], shard_mesh_dim=0)
 
     def placement(param):
