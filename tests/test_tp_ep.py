@@ -433,7 +433,7 @@ def torch_tp_mlp(**kwargs):
 def tp_faces_against_fsdp2(rank, world, tmpdir):
     """The same TP model under our fully_shard and FSDP2's: the parameters between steps,
     two AdamW steps, torch's clip_grad_norm_ and a row norm over them, state dicts, DCP
-    checkpoints written by one and read by the other."""
+    checkpoints written by one and read by the other, full state dicts loaded."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                          get_model_state_dict,
@@ -482,6 +482,20 @@ def tp_faces_against_fsdp2(rank, world, tmpdir):
         set_model_state_dict(reader, sd)
         out["dcp"][name] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                                for a, b in zip(writer.parameters(), reader.parameters()))
+    # full state dicts into the 2-D faces, as every rank's or broadcast from rank 0 (torch's
+    # distribute_tensor / _distribute_tensors, taught our placement when vescale_engine's
+    # fully_shard is looked up at the package root, as a user's import does)
+    from vescale_engine import fully_shard as _  # noqa: F401
+    target = {k: v + 1.0 for k, v in full[1].items()}
+    out["full_load"] = {}
+    for broadcast in (False, True):
+        reader = tp_mlp()[3]
+        given = {k: v.clone() for k, v in target.items()} if not broadcast or rank == 0 else {}
+        set_model_state_dict(reader, given, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=broadcast))
+        back = get_model_state_dict(reader, options=StateDictOptions(full_state_dict=True))
+        out["full_load"][broadcast] = max((back[k] - target[k]).abs().max().item()
+                                          for k in target)
     ep_ref, ep_model = ep_moe(world, 4.0)
     w1 = ep_model.experts.w1
     out["ep_face"] = (type(w1).__name__, w1.device_mesh.mesh_dim_names,
@@ -513,6 +527,7 @@ def test_tp_parameters_between_steps_are_fsdp2s_dtensors_and_interchange_with_it
         assert out["state_dict"] == ["RaggedDTensor"], out["state_dict"]
         assert out["full_state_dict"], out
         assert out["dcp"] == {"ours->fsdp2": 0.0, "fsdp2->ours": 0.0}, out["dcp"]
+        assert out["full_load"] == {False: 0.0, True: 0.0}, out["full_load"]
         assert out["ep_face"] == ("RaggedDTensor", ("efsdp", "ep"), True), out["ep_face"]
         ours, theirs = out["hsdp_faces"]
         assert ours == (["Replicate", "RaggedPlacement", "Shard"], ("rep", "shard", "tp")), ours

@@ -67,6 +67,7 @@ all-reduce per reduction (a `_foreach_norm`: one for the whole list).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.optim.optimizer as _optimizer
 import torch.utils._foreach_utils as _foreach_utils
 from torch.distributed.device_mesh import DeviceMesh
@@ -297,11 +298,16 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements, *,
     """torch's `distribute_tensor` for a RaggedPlacement: this rank's range of `tensor` as a
     RaggedDTensor that owns its piece. As torch does, the values come from mesh rank
     `src_data_rank` (one scatter, root_to_ragged); with None each rank takes its range of its
-    own `tensor` and nothing moves. A meta tensor gives a meta piece."""
+    own `tensor` and nothing moves. A meta tensor gives a meta piece. On an N-D mesh (a TP/EP
+    parameter's: [Replicate,] RaggedPlacement, TP/EP placements) the whole tensor is broadcast
+    from mesh coordinate 0 along each mesh dim in turn, then each rank keeps its range."""
     placements = tuple(placements)
-    if len(placements) != 1 or mesh.ndim != 1:
+    if mesh.ndim != len(placements) or sum(isinstance(p, RaggedPlacement)
+                                           for p in placements) != 1:
         raise NotImplementedError(f"distribute_tensor with {list(placements)} on a {mesh.ndim}-D "
-                                  "mesh: a RaggedPlacement is supported alone on a 1-D mesh")
+                                  "mesh: one RaggedPlacement, one placement per mesh dim")
+    if mesh.ndim > 1:
+        return _distribute_nd(tensor, mesh, placements, src_data_rank)
     layout = placements[0].layout(tensor.shape)
     rank = mesh.get_local_rank()
     if tensor.is_meta or src_data_rank is None:
@@ -311,6 +317,21 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements, *,
                                src_data_rank, group=mesh.get_group(), dtype=tensor.dtype,
                                device=tensor.device).clone()  # its own storage, as torch's
     return ragged_dtensor(piece, layout, mesh, requires_grad=tensor.requires_grad)
+
+
+def _distribute_nd(tensor, mesh, placements, src_data_rank):
+    spec = ragged_ops.layout_spec(mesh, placements, tensor.shape, tensor.dtype)
+    full = tensor.detach()
+    if not (full.is_meta or src_data_rank is None):
+        if src_data_rank != 0:
+            raise NotImplementedError(f"distribute_tensor with {list(placements)}: "
+                                      f"src_data_rank={src_data_rank}; 0 or None")
+        full = full.contiguous().clone()
+        for d in range(mesh.ndim):  # after dim d, every rank holds coordinate (0, .., 0)'s
+            dist.broadcast(full, group=mesh.get_group(d), group_src=0)
+    piece = ragged_ops.range_of_full(spec, full).clone()  # its own storage, as torch's
+    torch_compat.route_subclass_dispatch(RaggedDTensor, mesh)  # (torch 2.11 needs it)
+    return RaggedDTensor(piece, spec, requires_grad=tensor.requires_grad)
 
 
 def fill_from_full(local_state: RaggedDTensor, full: torch.Tensor) -> RaggedDTensor:

@@ -104,20 +104,23 @@ def inner_shape(spec) -> tuple:
 
 
 def local_layout(t) -> RaggedShard:
-    """The RaggedShard of a ragged DTensor's (TP/EP-local, on an N-D mesh) tensor."""
-    return t._spec.placements[ragged_dim(t._spec)].layout(inner_shape(t._spec))
+    """The RaggedShard of a ragged DTensor's (TP/EP-local, on an N-D mesh) tensor; `t` may
+    also be its spec."""
+    spec = getattr(t, "_spec", t)
+    return spec.placements[ragged_dim(spec)].layout(inner_shape(spec))
 
 
 def local_range(t) -> tuple[int, int]:
     """[start, end) of this rank's piece in the (TP/EP-local) tensor flattened row-major."""
-    return local_layout(t).local_range(t._spec.mesh.get_local_rank(ragged_dim(t._spec)))
+    spec = getattr(t, "_spec", t)
+    return local_layout(spec).local_range(spec.mesh.get_local_rank(ragged_dim(spec)))
 
 
 def range_of_full(t, full: torch.Tensor) -> torch.Tensor:
-    """This rank's flat piece of `full`, a plain tensor of `t`'s global shape."""
-    start, end = local_range(t)
-    return local_of_global(full, t._spec if t._spec.mesh.ndim > 1 else None).reshape(-1)[
-        start:end]
+    """This rank's flat piece of `full`, a plain tensor of `t`'s (or the spec's) global shape."""
+    spec = getattr(t, "_spec", t)
+    start, end = local_range(spec)
+    return local_of_global(full, spec if spec.mesh.ndim > 1 else None).reshape(-1)[start:end]
 
 
 def _reduce_groups(t) -> list:
