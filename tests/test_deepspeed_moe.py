@@ -104,8 +104,8 @@ def _ours(rank, world, default_divisor=False):
     vescale_engine.patch_deepspeed()
     if default_divisor:
         deepspeed_moe.ExpertSharding.sharding = \
-            lambda self, m: {k: v for k, v in sharding(self, m).items()
-                             if k != "gradient_divide_factor"}
+            lambda self, m, policy: {k: v for k, v in sharding(self, m, policy).items()
+                                     if k != "gradient_divide_factor"}
     try:
         losses, norms, engine = _train(rank, world, VESCALE_CONFIG)
     finally:

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dist_harness import RankPool
 from vescale_engine.fsdp import fully_shard
+from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
+from vescale_engine.fsdp.policy import ShardingPolicy
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ class ConvScale(nn.Module):
 
 
 def engine_face_rank(rank, world):
-    """The engine's plain pieces (flat_parameters=True, DeepSpeed's view) take a scalar and a
+    """The engine's plain pieces (ZeRO3Pieces, DeepSpeed's view) take a scalar and a
     channels_last weight, as DeepSpeed does: one SGD step equals the unsharded model's."""
     def step(model):
         x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(1))
@@ -162,7 +164,7 @@ def engine_face_rank(rank, world):
     reference = step(ConvScale())
     torch.manual_seed(0)
     model = ConvScale()
-    fully_shard(model, flat_parameters=True)
+    fully_shard(model, sharding=ShardingPolicy(face=ZeRO3Pieces()))
     step(model)
     from vescale_engine.fsdp import gathered_parameters
     with gathered_parameters(model):

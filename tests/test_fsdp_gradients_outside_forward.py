@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from dist_harness import RankPool
 from vescale_engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard
+from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
+from vescale_engine.fsdp.policy import ShardingPolicy
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +169,10 @@ def test_chunked_loss_backwards_the_head_first(pool, bf16):
 
 
 def trained_values(rank, world, engine, pattern):
-    """Full parameters after 3 steps; ours with the engine's plain pieces (flat_parameters, as
+    """Full parameters after 3 steps; ours with the engine's plain pieces (ZeRO3Pieces, as
     DeepSpeed ZeRO-3 holds them), whose gradients the same code path takes."""
     model = _shard("torch", False) if engine == "torch" else \
-        _shard("ours", False, flat_parameters=True)
+        _shard("ours", False, sharding=ShardingPolicy(face=ZeRO3Pieces()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         PATTERNS[pattern](model, step, rank)

@@ -961,26 +961,34 @@ def test_torch_compile_of_blocks_before_or_after_fully_shard(pool, when):
 
 def policies_rank(rank, world):
     """fully_shard's policy objects train as the keywords they hold; a keyword beside its
-    policy, or a bad value in one, is one line before anything is sharded."""
+    policy, or a bad value in one, is one line before anything is sharded. A ShardingPolicy's
+    face decides what the module holds between steps: DeepSpeed's plain pieces (the engine's)
+    train to the same values as the default RaggedDTensors."""
+    from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
     from vescale_engine.fsdp.policy import MemoryPolicy, ShardingPolicy
     keywords = dict(granularity="rows:4", max_buffers=2, grads_in_place=False,
                     max_reuse_distance=10 ** 6)
-    policies = dict(sharding=ShardingPolicy(granularity="rows:4", max_buffers=2),
-                    memory=MemoryPolicy(grads_in_place=False, max_reuse_distance=10 ** 6))
+    memory = MemoryPolicy(grads_in_place=False, max_reuse_distance=10 ** 6)
+    policies = dict(sharding=ShardingPolicy(granularity="rows:4", max_buffers=2), memory=memory)
+    pieces = dict(sharding=ShardingPolicy(granularity="rows:4", max_buffers=2,
+                                          face=ZeRO3Pieces()), memory=memory)
     out = {}
-    for name, kwargs in (("keywords", keywords), ("policies", policies)):
+    for name, kwargs in (("keywords", keywords), ("policies", policies), ("pieces", pieces)):
         model = shard(build(), fully_shard, blocks=kwargs, root=kwargs)
+        out[name + " faces"] = sorted({type(p).__name__ for p in model.parameters()})
         out[name] = (train(model, rank, world), full_parameters(model),
                      [b.layout.shard_size for b in unit_of(model.blocks[0]).buffers])
     for name, call in (
             ("both", lambda: fully_shard(build(), max_buffers=3, sharding=ShardingPolicy())),
             ("bad", lambda: MemoryPolicy(max_reuse_distance=-1)),
-            ("granularity", lambda: ShardingPolicy(granularity="rows:x"))):
+            ("granularity", lambda: ShardingPolicy(granularity="rows:x")),
+            ("face", lambda: ShardingPolicy(face="flat")),
+            ("rank_local", lambda: ShardingPolicy(rank_local=1))):
         try:
             call()
             out[name] = "no error"
-        except ValueError as err:
-            out[name] = str(err)
+        except (ValueError, TypeError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
     return out
 
 
@@ -988,7 +996,13 @@ def test_policies_are_the_keywords_they_hold(pool):
     for out in pool.run(policies_rank):
         assert difference(out["keywords"][:2], out["policies"][:2]) == 0.0
         assert out["keywords"][2] == out["policies"][2]
-        assert out["both"] == "max_buffers=3 was passed beside a ShardingPolicy: set it in the " \
-                              "policy instead"
-        assert out["bad"] == "max_reuse_distance must be an int >= 0, got -1"
+        assert difference(out["pieces"][:2], out["policies"][:2]) == 0.0
+        assert out["policies faces"] == ["RaggedDTensor"], out["policies faces"]
+        assert out["pieces faces"] == ["Parameter"], out["pieces faces"]
+        assert out["both"] == "ValueError: max_buffers=3 was passed beside a ShardingPolicy: " \
+                              "set it in the policy instead"
+        assert out["bad"] == "ValueError: max_reuse_distance must be an int >= 0, got -1"
         assert "rows:x" in out["granularity"], out["granularity"]
+        assert out["face"] == "TypeError: face must be a ParameterFace (fsdp/faces.py), got " \
+                              "'flat'", out["face"]
+        assert out["rank_local"] == "ValueError: rank_local must be a bool, got 1"

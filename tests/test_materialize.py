@@ -19,6 +19,8 @@ from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_paramete
                                  sharded_parameters)
 from vescale_engine.fsdp.guards import meta_leftovers
 from vescale_engine.materialize import allocate_shards, init_unloaded, materialize
+from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
+from vescale_engine.fsdp.policy import ShardingPolicy
 
 WORLD = 3
 SEED = 1234
@@ -468,7 +470,7 @@ def constructor_init_rank(rank, world):
     """A meta build whose constructor wrote more than reset_parameters is refused (the example
     GPT, nanoGPT's pattern; also through initialize), `init_fn` gives it the init at every world
     size; torchtitan's `init_weights()` gives an unsharded model's values on RaggedDTensor
-    parameters and at full shape, and is refused on flat pieces (flat_parameters=True)."""
+    parameters and at full shape, and is refused on flat pieces (the DeepSpeed face)."""
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "examples"))
     from gpt_model import GPT, GPTConfig
@@ -538,7 +540,7 @@ def constructor_init_rank(rank, world):
         with torch.device("meta"):
             flat = TitanLike()
         for module in list(flat.layers) + [flat]:
-            fully_shard(module, mesh=group, flat_parameters=True)
+            fully_shard(module, mesh=group, sharding=ShardingPolicy(face=ZeRO3Pieces()))
         materialize(flat)
         out["titan flat"] = _message(flat.init_weights)
     return out

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
+from ..fsdp.lookup import rank_local_units
 from ..fsdp.materialize import allocate_shards, init_unloaded
 from ..fsdp.state_dict import gather_to_rank0, named_entries
 from ..shard.ragged_piece import RaggedPiece
@@ -579,11 +580,12 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     memory (the whole model in `dtype`); a thread writes the files, and a failure is raised on
     every rank where background saves raise theirs."""
     module = _module_of(module_or_engine)
-    if getattr(module, "_vescale_expert_units", ()):  # as engine/deepspeed_moe refuses them
+    if rank_local_units(module):  # as engine/deepspeed_moe refuses them
         raise NotImplementedError(
-            "save_hf_checkpoint: not supported yet for models with DeepSpeed MoE layers (each "
-            "expert-parallel rank holds different experts under the same names, and the file "
-            "would keep only one rank's)")
+            "save_hf_checkpoint: not supported yet for models with DeepSpeed MoE layers or "
+            "other rank-local units (ShardingPolicy.rank_local: each expert-parallel rank "
+            "holds different experts under the same names, and the file would keep only one "
+            "rank's)")
     out_dtype = _save_dtype(dtype)
     limit = parse_size(max_shard_size)
     path = os.fspath(path)

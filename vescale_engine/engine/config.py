@@ -17,6 +17,7 @@ from config_schemas.validate import (ConfigError, offload_param_alone,
                                      validate_config)
 
 from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
+from ..fsdp.deepspeed_params import ZeRO3Pieces
 from ..fsdp.policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy
 from ..plan.quantization import DEFAULT_GROUP
 
@@ -254,10 +255,10 @@ class EngineConfig:
     # vescale.native_collectives (fully_shard's CommunicationPolicy, checked there)
     communication: CommunicationPolicy = field(default_factory=CommunicationPolicy)
     # the planner's buffers and alignment (vescale.planner.max_buffers / align_bytes) and the
-    # engine's plain pieces (flat_parameters); the granularity is set at wrap time, where the
-    # optimizer's needs join the config's (engine/wrap.py)
+    # engine's plain pieces (DeepSpeed ZeRO-3's face); the granularity is set at wrap time,
+    # where the optimizer's needs join the config's (engine/wrap.py)
     sharding: ShardingPolicy = field(default_factory=lambda: ShardingPolicy(
-        flat_parameters=True))
+        face=ZeRO3Pieces()))
     # zero_optimization.stage3_max_reuse_distance, vescale.grads_in_place
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)
 
@@ -415,7 +416,7 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         communication=_communication(zero, ves, stage, sizes, offload, prefix),
         sharding=ShardingPolicy(max_buffers=ves.get("planner", {}).get("max_buffers", 4),
                                 align_bytes=ves.get("planner", {}).get("align_bytes", 16),
-                                flat_parameters=True),
+                                face=ZeRO3Pieces()),
         memory=MemoryPolicy(grads_in_place=ves.get("grads_in_place", True),
                             max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0))),
     )

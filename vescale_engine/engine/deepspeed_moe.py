@@ -10,22 +10,28 @@ consecutive ranks; the layer's all-to-all runs there) and the expert-data-parall
 reduce the experts over that group only, and divide their summed gradients by the whole
 data-parallel size, as the dense ones (stage_1_and_2.py `average_tensor`). Here: each module
 whose parameters are all experts of one group (DeepSpeed's `Experts`) becomes its own FSDP
-unit over that group with `gradient_divide_factor` = the world size; everything else stays on
-the world group.
+unit over that group with `gradient_divide_factor` = the world size and a rank-local
+ShardingPolicy (the gradient norm sums its shards over the world: every expert-parallel rank's
+experts once); everything else stays on the world group.
 
 Refused at initialize, with one line and before any collective of ours: expert tensor
 parallelism, an ep_size that does not divide the world, HSDP or ZeRO stage 0 (a replicated
-mesh), and expert parameters in a module that also holds dense ones (no unit could take them alone). Checkpoints and gathered state dicts are
-refused when they are asked for (`refuse_with_experts`): every expert-parallel rank's experts
-have the same names, so a file would keep one rank's and silently lose the others'.
+mesh), and expert parameters in a module that also holds dense ones (no unit could take them
+alone). Checkpoints and gathered state dicts are refused when they are asked for
+(`refuse_with_experts`, for any rank-local unit): every expert-parallel rank's experts have
+the same names, so a file would keep one rank's and silently lose the others'.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
+
+from ..fsdp.lookup import rank_local_units
+from ..fsdp.policy import ShardingPolicy
 
 __all__ = ["ExpertSharding", "expert_sharding", "is_expert_param", "refuse_with_experts"]
 
@@ -58,12 +64,14 @@ class ExpertSharding:
         wanted = {id(m) for m in (*chosen, *extra)}
         return tuple(m for m in _post_order(model) if id(m) in wanted)
 
-    def sharding(self, module) -> dict:
-        """fully_shard's mesh and divisor for `module` ({} for a dense unit)."""
+    def sharding(self, module, sharding: ShardingPolicy) -> dict:
+        """fully_shard's mesh, divisor and sharding policy for `module` ({} for a dense unit):
+        its parameters are rank-local (each expert-parallel rank's experts its own)."""
         group = self.groups.get(id(module))
         if group is None:
             return {}
-        return {"mesh": group, "gradient_divide_factor": self.divide_factor}
+        return {"mesh": group, "gradient_divide_factor": self.divide_factor,
+                "sharding": dataclasses.replace(sharding, rank_local=True)}
 
 
 def expert_sharding(model: nn.Module, cfg, mesh) -> ExpertSharding | None:
@@ -111,11 +119,11 @@ def expert_sharding(model: nn.Module, cfg, mesh) -> ExpertSharding | None:
 def refuse_with_experts(module: nn.Module, what: str) -> None:
     """One line instead of a checkpoint that would keep one expert-parallel rank's experts
     under names that every rank's experts share (the same on every rank: no collective)."""
-    if getattr(module, "_vescale_expert_units", ()):
+    if rank_local_units(module):
         raise NotImplementedError(
-            f"{what}: not supported yet for models with DeepSpeed MoE layers (each "
-            "expert-parallel rank holds different experts under the same names, and the file "
-            "would keep only one rank's)")
+            f"{what}: not supported yet for models with DeepSpeed MoE layers or other "
+            "rank-local units (ShardingPolicy.rank_local: each expert-parallel rank holds "
+            "different experts under the same names, and the file would keep only one rank's)")
 
 
 def _moe_layers(model):

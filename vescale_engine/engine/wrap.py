@@ -82,7 +82,7 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"overrides": cfg.granularity_overrides,
                         **({"default": cfg.granularity} if "default" in given else {})}, model)
-    # cfg.sharding.flat_parameters: DeepSpeed ZeRO-3's view of a sharded parameter (a plain
+    # cfg.sharding.face, ZeRO3Pieces: DeepSpeed ZeRO-3's view of a sharded parameter (a plain
     # tensor that deepspeed.zero.GatheredParameters fills in place), which the DeepSpeed-aware
     # libraries the engine serves (transformers, PEFT, TRL) rely on
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
@@ -109,16 +109,12 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     if ds_experts is not None:
         choice = WrapChoice(choice.rule, ds_experts.units(model, choice.modules), choice.detail)
     for module in choice.modules:
-        expert = ds_experts.sharding(module) if ds_experts else {}
+        expert = ds_experts.sharding(module, kwargs["sharding"]) if ds_experts else {}
         fully_shard(module, **{**kwargs, **expert})
-        for buf in unit_of(module).buffers if expert else ():
-            buf.comm.norm_group = None  # the norm counts every expert-parallel rank's experts once
     # the root stays unsharded from forward into backward, which starts with it (FSDP2's
     # default for the root: reshard_after_forward=None)
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})
     gather_on_read(units_under(model))  # a parameter read in forward, as DeepSpeed gathers it
-    if ds_experts is not None:  # what checkpoints refuse (deepspeed_moe.refuse_with_experts)
-        model._vescale_expert_units = tuple(m for m in choice.modules if ds_experts.sharding(m))
     if dist.get_rank() == 0:
         LOG.info(describe(choice, model))
         _warn_coarse_shampoo(cfg, model, choice)

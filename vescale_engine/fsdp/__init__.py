@@ -1,5 +1,7 @@
 """The FSDP runtime: fully_shard and what it makes, in the order its modules import each other:
-policy.py (MixedPrecisionPolicy, granularity per parameter) < param.py (ShardedParameter) <
+faces.py (what a module holds for a sharded parameter between steps) < policy.py
+(MixedPrecisionPolicy, granularity per parameter, the sharding, memory and communication
+policies) < param.py (ShardedParameter) <
 lookup.py (the units and parameters under a module) < guards.py (moves, casts, init_weights,
 meta leftovers) < unit_build.py (wrap time: find, check, plan) < param_group.py (ParamGroup:
 unshard, reshard, reduce) < context.py (what a root's units share; the end-of-backward

@@ -109,100 +109,41 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                 align_bytes: int = DEFAULT_ALIGN_BYTES, grads_in_place: bool = True,
                 max_reuse_distance: int = 0, native_collectives: bool = False,
                 gradient_divide_factor: float | None = None,
-                flat_parameters: bool = False, quantized_weights: int | None = None,
+                quantized_weights: int | None = None,
                 quantized_gradients: int | None = None, hpz_partition_size: int = 1,
                 quantization_format: str = "int8", fp8_matmul: bool = False,
                 sharding: ShardingPolicy | None = None, memory: MemoryPolicy | None = None,
                 communication: CommunicationPolicy | None = None):
     """Shard `module`'s parameters (those no inner unit manages) into planner-laid DBuffers.
 
-    FSDP2's signature, FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
-    refused): `module` one module or a list of them (one unit, one all-gather for all);
-    `reshard_after_forward` None (True, but the root stays unsharded into backward), a bool,
-    or an int (the shard group's size is True, 1 is False; another divisor N reshards to
-    groups of N consecutive ranks after forward: `hpz_partition_size=N`, below);
-    `shard_placement_fn` (None or Shard(0) per parameter; other dims refused); `mp_policy`
-    (ours or torch's MixedPrecisionPolicy, every field); `offload_policy` (OffloadPolicy() or
-    CPUOffloadPolicy(): shards in host memory); `ignored_params` (left as they are, not
-    sharded nor reduced); `dp_mesh_dims` (refused). The module becomes a
-    `torch.distributed.fsdp.FSDPModule` (fsdp/module_class.py) keeping its class name; it is
-    returned (the list, for a list).
+    FSDP2's arguments with FSDP2's meaning (fsdp/fsdp2_args.py says how each maps or why it is
+    refused; `reshard_after_forward=N`, a divisor of the shard group, is hpZ's secondary copy
+    in groups of N). `mesh`: the data-parallel ranks (a 1-D mesh or process group, a 2-D
+    (replicate, shard) mesh for HSDP), possibly a sub-mesh of the world; parameters that are
+    DTensors on a TP or EP mesh (TP/EP applied first) have their local tensors sharded over it,
+    and `mesh` must then be a DeviceMesh sliced from the same mesh as theirs, as FSDP2 requires
+    (docs/architecture.md, "DTensor parameters"). The module becomes a
+    `torch.distributed.fsdp.FSDPModule` keeping its class name; it is returned (the list, for
+    a list: one unit, one all-gather for all).
 
-    Ours besides:
-    `granularity` is one policy ("element", "rows:K", "tile:RxC", "tensor") or {"default":
-    policy, "overrides": {parameter-name glob: policy}}; names are relative to `module`.
-    `grads_in_place` lets backward write each gradient over its own full parameter once that
-    parameter's gradient is complete (one full-size buffer per unit in backward instead of
-    two); turn it off for a model whose backward still reads a parameter's value after the
-    parameter's gradient is done (a detached use, say: autograd then raises "modified by an
-    inplace operation" rather than computing with a wrong value).
-    `max_reuse_distance` (DeepSpeed's stage3_max_reuse_distance, in elements): a unit stays
-    gathered from its forward to its backward when fewer elements than this are gathered in
-    between (every later unit's parameters, in forward and again in backward); 0 keeps only
-    the last unit, which backward starts with. More speed (no re-gather), more memory.
-    `native_collectives`: use the backend's own all-gather and reduce-scatter on gloo too
-    (NCCL always gets them; on gloo the default is faster point-to-point exchanges), so that
-    the path GPUs take runs on CPU.
-    `gradient_divide_factor`: what the summed gradients are divided by (default: the number
-    of ranks of `mesh`, the average). Experts sharded over their expert-data-parallel group
-    (a part of the data-parallel world) set the whole data-parallel size, as torchtitan does:
-    every rank's loss is a mean over its own micro-batch.
-    `mesh`: the data-parallel ranks (a 1-D mesh or process group; a 2-D (replicate, shard)
-    mesh for HSDP), possibly a sub-mesh of the world: the dp mesh of a (dp, tp) mesh, the efsdp
-    mesh of experts. Parameters may be DTensors on a TP or EP mesh (TP/EP applied first, e.g.
-    `parallelize_module` or `distribute_tensor(w, ep_mesh, [Shard(0)])`): their local tensor is
-    what is sharded over `mesh`; in forward the module holds a DTensor with the original mesh
-    and placements over the gathered buffer (docs/architecture.md, "DTensor parameters");
-    between steps one on the 2-D mesh of `mesh`'s shard dim and the TP/EP mesh, so `mesh`
-    must then be a DeviceMesh sliced from the same mesh as theirs (FSDP2's requirement).
-    `flat_parameters`: between steps the module holds each parameter as FSDP2 does, a DTensor
-    of its global shape (a RaggedDTensor, its local tensor this rank's range of the buffer), so
-    torch's clip_grad_norm_, state-dict utilities, DCP and optimizers see whole tensors; True
-    keeps plain 1-D pieces instead (DeepSpeed ZeRO-3's view, which the engine uses so that
-    deepspeed.zero.GatheredParameters can fill a parameter in place).
-    `quantized_weights` (elements per group, e.g. 256): the forward and backward all-gathers
-    send block-wise int8 weights with one fp32 scale per group (DeepSpeed ZeRO++'s
-    `zero_quantized_weights`; shard/quantize.py); master weights, gradients and every gathered
-    or saved state stay exact. `quantized_gradients` (the same group size when both are set):
-    gradients cross the network as int8 groups (all-to-all), summed in fp32 by their owner
-    (ZeRO++'s `zero_quantized_gradients`). `quantization_format` "fp8_e4m3": the weights
-    travel as FP8, a tensor whose blocks are whole rows of a width that is a multiple of 128
-    with one scale per (block rows x 128) tile (`granularity="tile:128x128"` or "rows:128":
-    DeepSeek-V3's 128 x 128 weight tiles), the others by int8 groups; gradients stay int8.
-    `fp8_matmul` (with "fp8_e4m3"): each nn.Linear whose weight travels as tiles computes its
-    forward from the gathered FP8 values and tile scales (its input quantized by 1 x 128
-    tiles; fsdp/fp8_linear.py), the unit keeping them with its full parameters (1 byte per
-    element more while gathered); backward computes from the dequantized weight.
-    `hpz_partition_size` N > 1 (ZeRO++'s hpZ, over
-    the world only): each forward all-gather leaves every rank a secondary copy of 1/N of the
-    gathered parameters, so that backward re-gathers them inside its group of N consecutive
-    ranks (a node) instead of over every rank; it costs 1/N of the unit's full parameters in
-    the compute dtype per rank, for life.
-    `sharding`, `memory`, `communication`: the same choices as policy objects (fsdp/policy.py:
-    ShardingPolicy holds granularity, max_buffers, align_bytes and flat_parameters;
-    MemoryPolicy grads_in_place and max_reuse_distance; CommunicationPolicy the quantization,
-    format, fp8_matmul, hpZ and native-collective keywords), each checked once when made and
-    passed whole; a keyword set beside its policy is an error.
-    Errors (no parameters, mixed devices, a mesh this rank is not in, a DTensor that is not
-    Shard/Replicate or is on meta, a second call on the same module, an argument refused) are
-    raised here, before any collective.
-    """
+    Ours besides: `sharding`, `memory`, `communication`, policy objects (fsdp/policy.py
+    documents each field), or their fields as keywords (one set beside its policy is an error);
+    `gradient_divide_factor`: what summed gradients are divided by (default the number of
+    ranks of `mesh`; experts over a part of the data-parallel world set its whole size, as
+    torchtitan does). Every refusal is raised here, before any collective."""
     modules = _modules_to_shard(module)
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
     group, replicate_group, shard_mesh = fsdp2_args.resolve_mesh(mesh)
     reshard_after_forward, post_forward = fsdp2_args.reshard_after_forward_of(
         reshard_after_forward, dist.get_world_size(group))
     offload = fsdp2_args.offload_of(offload_policy)
-    mp_policy = as_policy(mp_policy)
-    if gradient_divide_factor is not None and not gradient_divide_factor > 0:
-        raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
-    sharding = policy_of(ShardingPolicy, sharding, dict(
-        granularity=granularity, max_buffers=max_buffers, align_bytes=align_bytes,
-        flat_parameters=flat_parameters))
-    memory = policy_of(MemoryPolicy, memory, dict(grads_in_place=grads_in_place,
-                                                  max_reuse_distance=max_reuse_distance))
     fsdp2_args.check_placements(shard_placement_fn, modules, fsdp2_args.ignored_ids(
         ignored_params), dist.get_world_size(group))
+    _check_divide_factor(gradient_divide_factor)
+    sharding = policy_of(ShardingPolicy, sharding, dict(
+        granularity=granularity, max_buffers=max_buffers, align_bytes=align_bytes))
+    memory = policy_of(MemoryPolicy, memory, dict(grads_in_place=grads_in_place,
+                                                  max_reuse_distance=max_reuse_distance))
     comm = _with_post_forward(policy_of(CommunicationPolicy, communication, dict(
         quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
         quantization_format=quantization_format, fp8_matmul=fp8_matmul,
@@ -213,15 +154,23 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     if comm.fp8_matmul:
         _require_rowwise_scaled_mm(modules, group)
     unit = FSDPUnit(modules if isinstance(module, (list, tuple)) else module, group,
-                    replicate_group, reshard_after_forward, mp_policy, sharding, memory, comm,
-                    gradient_divide_factor=gradient_divide_factor,
+                    replicate_group, reshard_after_forward, as_policy(mp_policy), sharding,
+                    memory, comm, gradient_divide_factor=gradient_divide_factor,
                     ignored=fsdp2_args.ignored_ids(ignored_params),
                     placement=fsdp2_args.placement_of(shard_placement_fn), hpz_group=hpz,
                     shard_mesh=shard_mesh, param_mesh=fsdp2_args.mesh_of(
                         shard_placement_fn, (group, replicate_group, shard_mesh)))
-    if comm.quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
-        _warn_untiled(unit)
-    _finish(unit, comm, offload)
+    _finish(unit, comm, offload, modules)
+    return module
+
+
+def _check_divide_factor(factor) -> None:
+    if factor is not None and not factor > 0:
+        raise ValueError(f"gradient_divide_factor must be > 0, got {factor}")
+
+
+def _install(unit, modules) -> None:
+    """The unit's hooks and guards on each of its modules, which become FSDPModules."""
     for m in modules:
         m._vescale_unit = unit
         to_fsdp_class(m)
@@ -230,7 +179,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         # first of the pre-hooks, as FSDP2's: a user's own see the full parameters
         m.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(unit.post_forward)
-    return module
 
 
 def _with_post_forward(comm: CommunicationPolicy, post_forward: int) -> CommunicationPolicy:
@@ -244,9 +192,11 @@ def _with_post_forward(comm: CommunicationPolicy, post_forward: int) -> Communic
     return dataclasses.replace(comm, hpz_partition_size=post_forward)
 
 
-def _finish(unit, comm: CommunicationPolicy, offload) -> None:
-    """What a built unit gets before its modules are hooked: FP8 matmuls, offload, the
-    full-shape resets and the assignment guards."""
+def _finish(unit, comm: CommunicationPolicy, offload, modules) -> None:
+    """What a built unit gets: FP8 matmuls, offload, the full-shape resets, the assignment
+    guards, then its modules' hooks."""
+    if comm.quantization_format == "fp8_e4m3" and dist.get_rank() == 0:
+        _warn_untiled(unit)
     if comm.fp8_matmul:
         for buf in unit.buffers:
             buf.gather_format.keep_fp8 = True
@@ -255,6 +205,7 @@ def _finish(unit, comm: CommunicationPolicy, offload) -> None:
         unit.group.offload_to_host(offload)
     install_full_shape_reset(unit)
     take_assignments()
+    _install(unit, modules)
 
 
 def _state(module):

@@ -35,6 +35,11 @@ purpose: `ds_numel`. PEFT reads it only where `p.numel() == 0` (ModulesToSaveWra
 then enters GatheredParameters); our shards are empty on some ranks only, so those ranks
 alone would enter a collective and hang.
 
+The parameters themselves are DeepSpeed's view between steps: `ZeRO3Pieces`, the face
+(fsdp/faces.py) the engine asks for in its ShardingPolicy, leaves each one this rank's plain 1-D
+piece of the master shard, which GatheredParameters fills in place and whose `ds_shape` is the
+full shape (FSDP2's RaggedDTensor of the global shape cannot be filled so).
+
 What gives the libraries these names (the ds_* descriptors on `torch.nn.Parameter`,
 `deepspeed.zero.GatheredParameters`, TRL's two functions) is in vescale_engine/integrations/
 (deepspeed.py, trl.py): this module only answers them.
@@ -43,22 +48,37 @@ from __future__ import annotations
 
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .faces import ParameterFace
 from .guards import require_materialized
 from .lookup import units_under
 from .state_dict import gather_selected
 from .unit import forward_in_progress, running_backward, serve_outside_read
 
-__all__ = ["sharded_of", "holds_full", "ReadGathers", "gather_on_read", "GatheredShards",
+__all__ = ["ZeRO3Pieces", "sharded_of", "holds_full", "ReadGathers", "gather_on_read",
+           "GatheredShards",
            "suspend_hooks", "resume_hooks", "serve_optimizer", "local_piece", "full_value",
            "set_full_value"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
+
+
+@dataclass(frozen=True)
+class ZeRO3Pieces(ParameterFace):
+    """DeepSpeed ZeRO-3's parameter between steps: this rank's plain 1-D piece of the master
+    shard. It takes what DeepSpeed takes (scalars, non-contiguous weights: a piece has no
+    layout to keep) and needs no mesh; ops that would read it as a whole tensor (dtype casts,
+    a model's init_weights) are refused or routed (fsdp/guards.py)."""
+    global_shape = False
+
+    def make(self, sp, piece, mesh=None):
+        return piece
 
 
 def sharded_of(p):
@@ -144,8 +164,10 @@ class GatheredShards:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters on {_name(sp)}: fully_shard made it a "
                     "DTensor of its global shape (FSDP2's view), which cannot be filled in "
-                    "place; shard with fully_shard(..., flat_parameters=True) (DeepSpeed "
-                    "ZeRO-3's view, what the engine uses) or read it with full_tensor()")
+                    "place; shard with fully_shard(..., sharding=ShardingPolicy("
+                    "face=ZeRO3Pieces())) "
+                    "(DeepSpeed ZeRO-3's view, what the engine uses) or read it with "
+                    "full_tensor()")
             if p is not sp.sharded:
                 raise RuntimeError(
                     f"deepspeed.zero.GatheredParameters on the full-shape parameter of "

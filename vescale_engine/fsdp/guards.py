@@ -14,7 +14,7 @@ from .lookup import sharded_parameters, units_under
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
            "require_materialized", "take_assignments", "guard_init_weights",
-           "flat_parameters"]
+           "held_as_pieces"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def _cast_of(module, fn):
     targets = set()
     for _, p in sharded_parameters(module):
         before = p.sharded
-        if before.is_meta or p.unit.flat_parameters:
+        if before.is_meta or not p.unit.sharding.face.global_shape:
             return None
         try:  # an empty tensor like it answers what fn does to a tensor of its dtype and device
             after = fn(torch.empty(0, dtype=before.dtype, device=before.device))
@@ -248,7 +248,7 @@ def _is_piece(param) -> bool:
         (isinstance(param, DTensor) or tuple(param.shape) != tuple(sp.shape))
 
 
-def flat_parameters(module: nn.Module) -> list:
+def held_as_pieces(module: nn.Module) -> list:
     """Names of `module`'s own managed parameters it holds as pieces of the shard (between
     steps), not at full shape."""
     return [name for name, param in module._parameters.items() if _is_piece(param)]
@@ -259,7 +259,7 @@ def guard_init_weights(module: nn.Module) -> None:
     RaggedDTensor parameters (fully_shard's default) it runs as written: nn.init's fills draw
     at full shape (shard/ragged_ops.py) and each module's `reset_parameters` runs at full
     shape (materialize.install_full_shape_reset), so the values are an unsharded model's from
-    the same seed. On plain flat pieces (`flat_parameters=True`, the engine's) the call would
+    the same seed. On plain flat pieces (the DeepSpeed face, the engine's) the call would
     draw each piece as if it were a whole tensor (wrong std from wrong fans, the same numbers
     on every rank), silently: routed through a check naming what to call instead; it runs as
     usual at full shape. Hugging Face models are left alone: their `init_weights` is part of

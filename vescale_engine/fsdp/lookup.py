@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["unit_of", "units_under", "sharded_parameters"]
+__all__ = ["unit_of", "units_under", "rank_local_units", "sharded_parameters"]
 
 
 def unit_of(module: nn.Module):
@@ -22,6 +22,12 @@ def units_under(module):
             seen.add(id(unit))
             units.append(unit)
     return units
+
+
+def rank_local_units(module) -> list:
+    """The units under `module` whose parameters differ per rank under the same names
+    (ShardingPolicy.rank_local): what files keeping one tensor per name must refuse."""
+    return [unit for unit in units_under(module) if unit.sharding.rank_local]
 
 
 def sharded_parameters(module: nn.Module):

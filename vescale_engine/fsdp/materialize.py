@@ -54,7 +54,7 @@ from torch import nn
 
 from ..shard.collectives import default_device
 from .dtensor_params import global_shape, local_of_global
-from .guards import flat_parameters, require_materialized
+from .guards import held_as_pieces, require_materialized
 from .lookup import sharded_parameters, units_under
 
 LOG = logging.getLogger("vescale_engine")
@@ -191,7 +191,7 @@ def install_full_shape_reset(unit) -> None:
 
 def _reset_at_full_shape(self, *args, **kwargs):
     reset = type(self).reset_parameters
-    if not flat_parameters(self):
+    if not held_as_pieces(self):
         return reset(self, *args, **kwargs)
     pending = {id(p._vescale): p._vescale for p in self.parameters()
                if getattr(p, "_vescale", None) is not None and p is p._vescale.sharded}

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from ..shard.ragged import RaggedShard
-from ..shard.ragged_dtensor import mesh_of_group, ragged_dtensor
 from .dtensor_params import LocalLeafRoute, dtensor_face, grad_face, grad_in_placements
 
 __all__ = ["ShardedParameter"]
@@ -55,23 +54,10 @@ class ShardedParameter:
         self.backward_flag = None  # requires_grad when its unit's backward began
 
     def _face(self, piece: torch.Tensor, mesh=None) -> torch.Tensor:
-        """What the module holds between steps, over `piece` (this rank's flat range of the
-        master or gradient shard): a RaggedDTensor of the parameter's global shape, so torch's
-        clip_grad_norm_, state_dict, DCP and optimizers see the whole tensor (FSDP2's
-        contract); a TP/EP parameter's on the N-D mesh of its shard group and its TP/EP mesh
-        (FSDP2's 2-D DTensor). With fully_shard(flat_parameters=True) (the engine) every
-        parameter keeps its plain piece, as DeepSpeed ZeRO-3 does."""
-        if self.unit.flat_parameters:
-            return piece
-        buf = self.buffer
-        layout = self.layout
-        if self.dtensor_spec is not None:
-            return ragged_dtensor(piece, layout, mesh or self.sharded._spec.mesh,
-                                  tp=self.dtensor_spec)
-        # The compute device's mesh (an offloaded master is on the host, its collectives are
-        # not); on meta, a placeholder until bind_storage.
-        device_type = "cpu" if buf.device.type == "meta" else buf.device.type
-        return ragged_dtensor(piece, layout, mesh_of_group(buf.shard_group, device_type))
+        """What the module holds between steps over `piece` (this rank's flat range of the
+        master or gradient shard): its unit's face (fsdp/faces.py; FSDP2's RaggedDTensor of
+        the global shape unless the sharding policy names another)."""
+        return self.unit.sharding.face.make(self, piece, mesh)
 
     def local(self) -> torch.Tensor:
         """This rank's flat piece of the master (the plain tensor the engine computes on)."""

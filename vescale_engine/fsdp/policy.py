@@ -14,6 +14,7 @@ import torch
 from .. import torch_compat
 from ..plan.granularity import parse_granularity
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
+from .faces import ParameterFace, RaggedFace
 
 __all__ = ["MixedPrecisionPolicy", "ShardingPolicy", "MemoryPolicy", "CommunicationPolicy",
            "as_policy", "granularity_of", "policy_of"]
@@ -110,19 +111,28 @@ class ShardingPolicy:
     """How a unit's parameters are laid out: fully_shard's keywords of the same names, checked
     when the policy is made. `granularity`: the planner's atomic block per parameter, one
     policy ("element", "rows:K", "tile:RxC", "tensor") or {"default": policy, "overrides":
-    {parameter-name glob: policy}}; `max_buffers`: how many DBuffers a unit may be split into
-    when its blocks' sizes couple (the lcm trap); `align_bytes`: each tensor's start in the
-    buffer; `flat_parameters`: the parameters between steps are plain 1-D pieces (DeepSpeed
-    ZeRO-3's view, the engine's) instead of RaggedDTensors of their global shape."""
+    {parameter-name glob: policy}}, names relative to the module fully_shard gets;
+    `max_buffers`: how many DBuffers a unit may be split into when its blocks' sizes couple
+    (the lcm trap); `align_bytes`: each tensor's start in the buffer; `face`: what the module
+    holds for a parameter between steps (fsdp/faces.py: a RaggedDTensor of its global shape,
+    FSDP2's; the DeepSpeed integration's plain pieces are another); `rank_local`: ranks
+    outside the shard group hold different tensors under the same names (DeepSpeed MoE's
+    experts, one set per expert-parallel rank), so the gradient norm sums the unit's shards
+    over the world, and files that keep one tensor per name refuse the module."""
     granularity: object = "rows:1"
     max_buffers: int = DEFAULT_MAX_BUFFERS
     align_bytes: int = DEFAULT_ALIGN_BYTES
-    flat_parameters: bool = False
+    face: ParameterFace = RaggedFace()
+    rank_local: bool = False
 
     def __post_init__(self):
         granularity_of(self.granularity)  # an unparsable policy: its ValueError now
         _count("max_buffers", self.max_buffers, 1)
         _count("align_bytes", self.align_bytes, 1)
+        if not isinstance(self.face, ParameterFace):
+            raise TypeError(f"face must be a ParameterFace (fsdp/faces.py), got {self.face!r}")
+        if not isinstance(self.rank_local, bool):
+            raise ValueError(f"rank_local must be a bool, got {self.rank_local!r}")
 
     @property
     def resolve(self):
@@ -133,11 +143,15 @@ class ShardingPolicy:
 @dataclass(frozen=True)
 class MemoryPolicy:
     """What a unit keeps in memory beyond FSDP2's own switches (reshard_after_forward,
-    offload_policy): `grads_in_place`, backward writes each gradient over its own full
+    offload_policy). `grads_in_place`: backward writes each gradient over its own full
     parameter once that parameter's gradient is complete (one full-size buffer in backward
-    instead of two); `max_reuse_distance` (DeepSpeed's stage3_max_reuse_distance, in
-    elements), a unit stays gathered from its forward to its backward when fewer elements than
-    this are gathered in between."""
+    instead of two); turn it off for a model whose backward still reads a parameter's value
+    after the parameter's gradient is done (a detached use, say: autograd then raises
+    "modified by an inplace operation" rather than computing with a wrong value).
+    `max_reuse_distance` (DeepSpeed's stage3_max_reuse_distance, in elements): a unit stays
+    gathered from its forward to its backward when fewer elements than this are gathered in
+    between (every later unit's parameters, in forward and again in backward); 0 keeps only the
+    last unit, which backward starts with. More speed (no re-gather), more memory."""
     grads_in_place: bool = True
     max_reuse_distance: int = 0
 
@@ -166,11 +180,25 @@ def policy_of(cls, given, keywords: dict):
 class CommunicationPolicy:
     """How a unit's weights and gradients travel: fully_shard's keywords of the same names,
     checked together when the policy is made (each problem one ValueError naming them).
-    `quantized_weights` / `quantized_gradients`: int8 groups of that many elements (ZeRO++'s
-    qwZ / qgZ; one group size for both); `quantization_format`: what the weights travel as
-    ("int8", or "fp8_e4m3" tiles); `fp8_matmul`: Linears compute from the FP8 tiles;
-    `hpz_partition_size`: hpZ's secondary copies (1: off); `native_collectives`: the backend's
-    collectives even on gloo."""
+    `quantized_weights` (elements per group, e.g. 256): the forward and backward all-gathers
+    send block-wise int8 weights with one fp32 scale per group (ZeRO++'s qwZ; shard/quantize.py);
+    master weights, gradients and every gathered or saved state stay exact.
+    `quantized_gradients` (the same group size when both are set): gradients cross the network
+    as int8 groups (all-to-all), summed in fp32 by their owner (ZeRO++'s qgZ).
+    `quantization_format` "fp8_e4m3": the weights travel as FP8, a tensor whose blocks are whole
+    rows of a width that is a multiple of 128 with one scale per (block rows x 128) tile
+    (granularity "tile:128x128" or "rows:128": DeepSeek-V3's weight tiles), the others by int8
+    groups; gradients stay int8. `fp8_matmul` (with "fp8_e4m3"): each nn.Linear whose weight
+    travels as tiles computes its forward from the gathered FP8 values and tile scales (its
+    input quantized by 1 x 128 tiles; fsdp/fp8_linear.py), keeping them beside its full
+    parameters (1 byte per element more while gathered); backward computes from the
+    dequantized weight. `hpz_partition_size` N > 1 (ZeRO++'s hpZ, over the world only): each
+    forward all-gather leaves every rank a secondary copy of 1/N of the gathered parameters,
+    so that backward re-gathers them inside its group of N consecutive ranks (a node) instead
+    of over every rank, for 1/N of the unit's full parameters per rank, for life.
+    `native_collectives`: the backend's own all-gather and reduce-scatter on gloo too (NCCL
+    always gets them; on gloo the default is faster point-to-point exchanges), so that the
+    path GPUs take runs on CPU."""
     quantized_weights: int | None = None
     quantized_gradients: int | None = None
     quantization_format: str = "int8"

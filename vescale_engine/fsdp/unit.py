@@ -3,9 +3,9 @@
 Call it on the units (each decoder block, say), then on the root, as with PyTorch FSDP2. Between
 steps the module holds each parameter as FSDP2 does, a DTensor (our RaggedDTensor) over this
 rank's range of the fp32 master shard (a TP/EP parameter's on the 2-D mesh of the shard group
-and its TP/EP mesh, as FSDP2's); the engine asks for plain 1-D flat pieces instead
-(`flat_parameters=True`, what DeepSpeed-style code expects). During forward and backward the
-module holds full-shape parameters that are views of the unit's all-gathered buffer.
+and its TP/EP mesh, as FSDP2's): the unit's face (fsdp/faces.py); the engine asks for
+DeepSpeed ZeRO-3's plain 1-D pieces instead (deepspeed_params.ZeRO3Pieces). During forward
+and backward the module holds full-shape parameters that are views of the unit's all-gathered buffer.
 
 Hooks, per unit (the pre-forward hook registered first, as FSDP2's, so that a user's own
 pre-hooks see the full parameters; every hook and collective in a profiler range named
@@ -103,7 +103,7 @@ class FSDPUnit:
         self.module = self.modules[0]
         self.name = f"{'+'.join(type(m).__name__ for m in self.modules)}#{next(_UNIT_IDS)}"
         self.mp_policy = as_policy(mp_policy)
-        self.flat_parameters = sharding.flat_parameters  # faces: plain pieces, not RaggedDTensors
+        self.sharding = sharding  # its layout and face (what the module holds between steps)
         self.fp8_linears = 0  # nn.Linears computing from FP8 tiles (fully_shard(fp8_matmul))
         self.switches = Switches(reshard_after_forward=reshard_after_forward in (None, True),
                                  auto_reshard_after_forward=reshard_after_forward is None,
@@ -121,7 +121,7 @@ class FSDPUnit:
             granularity=sharding.resolve, max_buffers=sharding.max_buffers,
             align_bytes=sharding.align_bytes, mp_policy=self.mp_policy,
             ignored=frozenset(ignored), placement=placement,
-            flat_parameters=sharding.flat_parameters,
+            face=sharding.face, rank_local=sharding.rank_local,
             native_collectives=communication.native_collectives,
             quantize_group=communication.quantize_group if quantized else None,
             quantized=quantized, quantize_format=communication.quantization_format,

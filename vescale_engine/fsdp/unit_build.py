@@ -14,8 +14,9 @@ from ..plan.planner import TensorSpec, plan_unit
 from ..plan.quantization import quantization_block
 from ..shard.collectives import default_device
 from ..shard.dbuffer import DBuffer
-from .dtensor_params import (dtensor_spec_of, face_mesh, layout_key,
+from .dtensor_params import (dtensor_spec_of, layout_key,
                              local_tensor, tp_block)
+from .faces import ParameterFace, RaggedFace
 from .guards import is_deferred
 from .param import ShardedParameter
 from .policy import MixedPrecisionPolicy
@@ -32,7 +33,8 @@ class BuildOptions:
     mp_policy: MixedPrecisionPolicy
     ignored: frozenset = frozenset()  # ids of parameters left as they are (ignored_params)
     placement: object = None     # (fqn, param, policy, shape) -> Granularity: shard_placement_fn
-    flat_parameters: bool = False
+    face: ParameterFace = RaggedFace()  # what the module holds between steps
+    rank_local: bool = False     # ShardingPolicy's: the norm sums over the world
     native_collectives: bool = False
     quantize_group: int | None = None  # elements per int8 group, when `quantized`
     quantized: tuple = ()        # "weights" and/or "gradients" (shard/quantize.py)
@@ -57,15 +59,14 @@ def build_unit(unit, group, replicate_group, options: BuildOptions):
     plan_name = {i: found[i][0] if len(unit.modules) == 1 else f"{home[i][0]}/{found[i][0]}"
                  for i in order}
     for i in order:
-        check_parameter(unit.name, *found[i][:2], options.flat_parameters)
+        check_parameter(*found[i][:2], options.face)
     if not order:  # (as FSDP2: a root whose parameters the inner units all manage)
         return default_device(group), [], []
     device = _device(unit.name, found, order)
     meshes = _meshes(unit, found, order, group, replicate_group, options)
     dtensor_specs = {i: dtensor_spec_of(found[i][0], found[i][1]) for i in order}
-    face_meshes = {} if options.flat_parameters else {
-        i: face_mesh(meshes[i][2], dtensor_specs[i], found[i][0])
-        for i in order if dtensor_specs[i] is not None}
+    face_meshes = {i: options.face.mesh(meshes[i][2], dtensor_specs[i], found[i][0])
+                   for i in order if dtensor_specs[i] is not None}
     local = {i: local_tensor(found[i][1]) for i in order}
     # One buffer never mixes tensors of different TP/EP layouts (the gradient norm and the
     # optimizers treat a buffer's gradient as a whole: what it is a piece of) or groups.
@@ -144,7 +145,8 @@ def _buffer(layout, dtype, device, group, replicate_group, options, name):
                    native_collectives=options.native_collectives,
                    divide_factor=options.divide_factor,
                    quantize_group=options.quantize_group, quantized=options.quantized,
-                   hpz_group=options.hpz_group, quantize_format=options.quantize_format)
+                   hpz_group=options.hpz_group, quantize_format=options.quantize_format,
+                   rank_local=options.rank_local)
 
 
 def _meshes(unit, found, order, group, replicate_group, options) -> dict:
@@ -190,13 +192,12 @@ def _block(options, fqn, param, local, dtensor_spec):
     return min(quantization_block(block, options.quantize_group), max(1, local.numel()))
 
 
-def check_parameter(name, fqn, param, flat_parameters):
+def check_parameter(fqn, param, face):
     """FSDP2's refusals of a parameter, with its error types, and tensor subclasses (FSDP2's
     all-gather extensions among them), which we do not shard. A tensor another unit shards
     already (a weight tied between separately wrapped modules; FSDP2 refuses it at the
-    first forward): two copies would train apart. A scalar or a non-contiguous tensor:
-    FSDP2 has no dim 0 to shard or no layout to keep; the engine's plain pieces (DeepSpeed's
-    view) take them, as DeepSpeed does."""
+    first forward): two copies would train apart. Then what the face refuses (FSDP2's: a
+    scalar, a non-contiguous tensor; DeepSpeed's plain pieces take them)."""
     if getattr(param, "_vescale_sharded_by", None) is not None:
         raise ValueError(f"Parameter '{fqn}' is shared with a parameter already managed by "
                          f"another FSDP group ({param._vescale_sharded_by}). For "
@@ -212,15 +213,7 @@ def check_parameter(name, fqn, param, flat_parameters):
         raise NotImplementedError(
             f"fully_shard: {fqn} is a tensor subclass ({type(local).__name__}), which "
             "vescale_engine's fully_shard does not shard (plain tensors and DTensors only)")
-    if flat_parameters:
-        return
-    if param.dim() == 0:
-        raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a "
-                         "1D tensor with numel equal to 1.")
-    if not param.is_contiguous():
-        raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: "
-                                  f"{fqn} shape={tuple(param.shape)} "
-                                  f"stride={param.stride()}")
+    face.check(fqn, param)
 
 
 def _managed_ids(module):

@@ -132,8 +132,8 @@ class CommSettings:
     replicate_group: object  # HSDP's replicas, all-reduced after the reduce-scatter; or None
     replicas: int            # its size (1 without one)
     # The group over which the gradient norm sums the buffer's shards: its shard group, unless
-    # other groups hold different tensors under the same layout (DeepSpeed MoE experts: set
-    # to None, the world, which spans every expert-parallel rank's experts)
+    # other groups hold different tensors under the same layout (DeepSpeed MoE experts,
+    # ShardingPolicy.rank_local: None, the world, which spans every expert-parallel rank's)
     norm_group: object
     reduce_dtype: torch.dtype
     native_requested: bool = False  # fully_shard's native_collectives

@@ -51,8 +51,8 @@ class DBuffer:
     `master` (S elements, the parameters' dtype) and `grad` (S elements) persist; `full`
     (world_size * S elements, the compute dtype) holds storage only while unsharded (None
     until first needed). Backward's gradients until reduced: `unreduced`; how collectives run
-    and average: `comm`; a master in host memory: `offloaded`.
-    """
+    and average: `comm`; a master in host memory: `offloaded`. `rank_local`: the gradient norm
+    sums the shards over the world (ShardingPolicy's)."""
 
     def __init__(self, layout: BufferLayout, *, dtype: torch.dtype, device: torch.device,
                  shard_group, replicate_group=None, param_dtype: torch.dtype | None = None,
@@ -60,7 +60,7 @@ class DBuffer:
                  grad_dtype: torch.dtype | None = None, name: str = "buffer",
                  native_collectives: bool = False, divide_factor: float | None = None,
                  quantize_group: int | None = None, quantized: tuple = (), hpz_group=None,
-                 quantize_format: str = "int8"):
+                 quantize_format: str = "int8", rank_local: bool = False):
         self.layout = layout
         # What crosses the network (wire/): one format for the weights' gathers, one for the
         # gradients' reductions
@@ -80,7 +80,7 @@ class DBuffer:
         self.shard_size = S
         self.param_dtype = param_dtype or dtype
         self.comm = collectives.CommSettings(
-            replicate_group, replicas, norm_group=shard_group,
+            replicate_group, replicas, norm_group=None if rank_local else shard_group,
             reduce_dtype=reduce_dtype or self.param_dtype,
             native_requested=native_collectives, divide_factor=divide_factor)
         self.offloaded = None  # an OffloadState once move_master_to_host
