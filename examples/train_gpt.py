@@ -6,8 +6,8 @@
     ... --steps 1000 --save-dir runs/gpt --save-every 200   (later: the same line with --resume)
 
 It trains on the first 90% of the text and evaluates on the last 10% (--eval-every), writes one
-CSV row per step (step,loss,eval_loss,lr,tokens_per_s; --log-csv) and, when matplotlib is
-installed, the loss curve next to it (--plot). The lr schedule spans --steps: the configs say
+CSV row per step (step,loss,eval_loss,lr,tokens_per_s; --log-csv) and the loss curve next to
+it (--plot; matplotlib, which .ci/setup-venv installs: without it one line says it skipped). The lr schedule spans --steps: the configs say
 "total_num_steps": "auto" and this script fills it in (a fixed number must equal --steps).
 
 The only veScale-specific line is the `initialize` import; the rest is a DeepSpeed script.

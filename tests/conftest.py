@@ -18,7 +18,7 @@ os.environ.setdefault("VESCALE_BACKEND", "gloo")
 # -- what the suite says while it runs ----------------------------------------------------------
 # pytest -q prints only dots: a line per test file (which, how far, how long so far), DeepSpeed's
 # CPU Adam built once up front with its own time budget, and each file's duration at the end
-# (also written as JSON to $VESCALE_TEST_DURATIONS when set).
+# (also written as JSON to $VESCALE_TEST_DURATIONS when set, and then every file's is printed).
 
 # DeepSpeed JIT-builds its CPU Adam (C++) the first time it runs an offloaded optimizer on a
 # machine: minutes, which would otherwise count against the first such test's own timeout.
@@ -151,13 +151,14 @@ def pytest_terminal_summary(terminalreporter):
     if not files:
         return
     slowest = sorted(files.items(), key=lambda kv: -kv[1])
+    out = os.environ.get("VESCALE_TEST_DURATIONS")  # (CI sets it: its log lists every file)
+    shown = len(slowest) if out else 15
     terminalreporter.write_sep("-", f"time per test file (setup + tests + teardown), "
                                     f"{sum(files.values()) / 60:.1f} min in all, slowest first")
-    for path, seconds in slowest[:15]:
+    for path, seconds in slowest[:shown]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
-    if len(slowest) > 15:
-        terminalreporter.write_line(f"  ... {len(slowest) - 15} more files")
-    out = os.environ.get("VESCALE_TEST_DURATIONS")
+    if len(slowest) > shown:
+        terminalreporter.write_line(f"  ... {len(slowest) - shown} more files")
     if out:
         with open(out, "w") as f:
             json.dump({path: round(seconds, 2) for path, seconds in slowest}, f, indent=1)

@@ -223,3 +223,113 @@ def test_migration_framework_scripts_run_under_a_main_guard():
         guarded = [ast.unparse(node.value) for node in guards[0].body
                    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
         assert guarded and guarded[-1] in ("run_exp()", "fire.Fire(do_cli)"), (guarded, script)
+
+
+# ---- the README and every page's links ---------------------------------------------------------
+
+README = ROOT / "README.md"
+PAGES = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "examples").glob("*.md"))]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces
+    to '-'."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # (no headings in code)
+    return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page):
+    """A page moved or a heading renamed leaves no link pointing nowhere."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, broken
+
+
+def test_readme_says_what_it_is_first_and_keeps_the_two_commands():
+    text = README.read_text()
+    assert "veScale Engine" in "\n".join(text.splitlines()[:10])
+    commands = [line for line in _blocks(text, "bash")[0].splitlines()
+                if line and not line.startswith("#")]
+    assert commands == [
+        "bash .ci/setup-venv .venv && .venv/bin/vescale run --nproc 2 examples/train_gpt.py "
+        "--config examples/configs/vescale_default.json",
+        "bash .ci/setup-venv .venv --test --torch newest && .venv/bin/python -m pytest -q tests"]
+    assert not re.search(r"(?<![-\w])\d[\d,]+ tests\b", text), "test counts belong to CI's log"
+
+
+README_RUN = '''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+torch.manual_seed(0)
+batch = torch.randn(8, 16)
+done = []
+model = Model()
+exec(BLOCKS[0])
+loss = model(batch); loss.backward(); optimizer.step()
+done.append(type(model.layers[0].weight).__name__)
+model = Model()
+exec(BLOCKS[1])
+done.append(f"{type(engine).__name__} {engine.global_steps}")
+import json
+with open("ds_config.json", "w") as f:
+    json.dump({"train_micro_batch_size_per_gpu": 8,
+               "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+               "zero_optimization": {"stage": 3}, "vescale": {}}, f)
+model = Model()
+exec(BLOCKS[2])
+loss = engine(batch); engine.backward(loss); engine.step()
+done.append(f"{type(engine).__name__} {engine.global_steps}")
+vescale_engine.unpatch()
+open(f"done{dist.get_rank()}", "w").write(" | ".join(done))
+'''
+
+
+def test_readme_code_runs_as_written(tmp_path):
+    """The README's three ways in, as written, on a small model over 2 gloo ranks: FSDP2's
+    fully_shard with a torch optimizer, initialize with the minimal config, and the DeepSpeed
+    line with a ZeRO-3 config file."""
+    import os
+    import sys
+    blocks = _blocks(README.read_text(), "python")
+    assert len(blocks) == 3, len(blocks)
+    script = tmp_path / "readme_code.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nBLOCKS = {blocks!r}\n"
+                      + README_RUN)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    out = run_job([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()), str(script)], cwd=tmp_path, env=env,
+                  timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank in range(2):
+        assert (tmp_path / f"done{rank}").read_text() == \
+            "RaggedDTensor | VeScaleEngine 1 | VeScaleEngine 1"
