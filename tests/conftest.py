@@ -71,6 +71,32 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{tier}: {what}")
 
 
+# -- the ranks multi-process tests run on ---------------------------------------------------------
+# One fixture, `pools(world, **env)`: a pool of gloo ranks (dist_harness.RankPool) per world
+# size and environment, started on first use and closed when the test module ends (its ranks
+# keep the module's imports and patches, so no two modules share one). `pool` is a module's
+# usual one: POOL_WORLD ranks (a module global; default 2) with POOL_ENV (default none), or
+# each size of POOL_WORLDS in turn where the module lists several.
+
+@pytest.fixture(scope="module")
+def pools():
+    from dist_harness import rank_pools
+    with rank_pools() as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def pool(pools, request):
+    world = getattr(request, "param", None) or getattr(request.module, "POOL_WORLD", 2)
+    return pools(world, **getattr(request.module, "POOL_ENV", {}))
+
+
+def pytest_generate_tests(metafunc):
+    worlds = getattr(metafunc.module, "POOL_WORLDS", None)
+    if worlds and "pool" in metafunc.fixturenames:
+        metafunc.parametrize("pool", worlds, indirect=True, scope="module")
+
+
 # -- test tiers ---------------------------------------------------------------------------------
 # `pytest -m core tests`: the sharding core (plan, shard, fsdp, optim, checkpoint) with no other
 # library than torch, a few minutes on 2 cores; `pytest -m integration tests`: the tests of other

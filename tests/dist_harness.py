@@ -220,13 +220,15 @@ def engine_log_messages():
 
 @contextlib.contextmanager
 def rank_pools():
-    """`get(world)`: one RankPool per world size, started on first use; all closed at exit."""
+    """`get(world, **env)`: one RankPool per world size and environment, started on first use;
+    all closed at exit."""
     pools = {}
 
-    def get(world):
-        if world not in pools:
-            pools[world] = RankPool(world)
-        return pools[world]
+    def get(world, **env):
+        key = (world, tuple(sorted(env.items())))
+        if key not in pools:
+            pools[key] = RankPool(world, env=env)
+        return pools[key]
     try:
         yield get
     finally:

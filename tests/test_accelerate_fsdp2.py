@@ -45,7 +45,6 @@ import os
 import pytest
 import torch
 
-from dist_harness import RankPool
 
 WORLD = 2
 SEQ = 16
@@ -305,11 +304,7 @@ def trainer_rank(rank, world, model_dir, out_dir, ours, options):
 
 # ----------------------------------------------------------------------------- the runs
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(WORLD)
-    yield pool
-    pool.close()
+POOL_WORLD = WORLD
 
 
 @pytest.fixture(scope="module")

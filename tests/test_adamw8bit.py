@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool, value_errors
+from dist_harness import value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.optim import AdamW8bit, sharding_granularity
@@ -22,11 +22,7 @@ STEPS = 3
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+POOL_WORLDS = [2, 4]  # (conftest.py's `pool`, once per size)
 
 
 def shard(model, granularity, group=None):

@@ -14,19 +14,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import fsdp_models as fm
-from dist_harness import RankPool
 from vescale_engine.fsdp import full_state_dict, fully_shard
 from vescale_engine.optim.clip import clip_grad_norm_
 
 GLOBAL_BATCH, STEPS = 8, 3
 LR = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fsdp_models as fm
-from dist_harness import free_port, rank_pools, scratch_dir
+from dist_harness import free_port, scratch_dir
 from vescale_engine.shard.ragged_dtensor import local_of
 
 GLOBAL, SAVE_AT, AFTER = 12, 2, 2
@@ -134,10 +134,6 @@ def test_resume_on_other_world_sizes_matches_uninterrupted(saved, root, pools, w
         assert torch.equal(results[r][4], saved[kind][r][4])
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 # -- other readers ---------------------------------------------------------------------------------

@@ -11,10 +11,9 @@ import subprocess
 import sys
 import threading
 
-import pytest
 import torch
 
-from dist_harness import free_port, rank_pools
+from dist_harness import free_port
 from test_checkpoint import config as base_config
 from test_checkpoint import full_weights, train
 
@@ -86,10 +85,6 @@ def load_and_continue(rank, world, root):
             "steps": engine.global_steps}
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 def test_background_save_equals_a_synchronous_one_and_training_runs_meanwhile(pools, tmp_path):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import rank_pools, scratch_dir
+from dist_harness import scratch_dir
 
 GLOBAL = 4
 FAIL_WITHIN_S = 15  # a failed save returns on every rank within this (the pool's timeout: 180 s)
@@ -62,10 +62,6 @@ def leftovers(root) -> list:
     return sorted(n for n in os.listdir(root) if n.endswith((".partial", ".tmp", ".old")))
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 # -- safetensors: the format's rules, as the `safetensors` package enforces them -------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import rank_pools, scratch_dir
+from dist_harness import scratch_dir
 
 GLOBAL, MICRO, ACCUM = 12, 3, 2
 
@@ -128,10 +128,6 @@ def run_round_trip(rank, world, optimizer, dtype, offload_optimizer):
     return info
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 @pytest.mark.parametrize("optimizer,dtype,offload_optimizer", [

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from dist_harness import RankPool
 
 MICRO, STEPS, HIDDEN = 4, 5, 16
 CLIP = 0.2  # below every step's norm here: clipping acts at each step
@@ -179,17 +178,13 @@ def _check_parity(results, world, edp):
 
 
 @pytest.fixture(scope="module")
-def pool2():
-    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+def pool2(pools):
+    return pools(2, DS_ACCELERATOR="cpu")
 
 
 @pytest.fixture(scope="module")
-def pool4():
-    pool = RankPool(4, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+def pool4(pools):
+    return pools(4, DS_ACCELERATOR="cpu")
 
 
 def test_ep2_on_2_ranks_trains_as_deepspeed_zero2(pool2, tmp_path):

@@ -14,7 +14,6 @@ import types
 import pytest
 import torch
 
-from dist_harness import RankPool
 
 SEQ, SEED = 10, 3
 TOLERANCE = 1e-5  # fp32 round-off of sharded vs one-process AdamW
@@ -24,11 +23,7 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "gradien
           "zero_optimization": {"stage": 3}, "vescale": {}}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def llama(tied=False):

@@ -14,11 +14,9 @@ far more than 1e-3. Measured here: losses within 2e-7, parameters within 1e-8 re
 """
 import os
 
-import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool
 
 MICRO, ACCUM, STEPS, CLIP = 3, 2, 4, 0.5
 TOLERANCE = 1e-5
@@ -43,13 +41,9 @@ VESCALE_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def pool():
-    # DeepSpeed picks its CPU accelerator from DS_ACCELERATOR (no CUDA here) and wants the
-    # LOCAL_RANK a launcher sets; the pool's ranks set it themselves (see _train).
-    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+# DeepSpeed picks its CPU accelerator from DS_ACCELERATOR (no CUDA here) and wants the
+# LOCAL_RANK a launcher sets; the pool's ranks set it themselves (see _train).
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def _my_micro_batches(step, rank, world):

@@ -7,12 +7,10 @@ route to different experts; a model whose ranks drew different initial values; D
 import contextlib
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_harness import RankPool
 
 DIM, EXPERTS, STEPS, TOKENS = 8, 4, 3, 3
 TOLERANCE = 1e-5  # fp32 round-off of different summation orders (test_deepspeed_parity.py)
@@ -23,11 +21,7 @@ CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool
 from launcher import gpu_binding
 from vescale_engine.launch import device as dev
 from vescale_engine.launch import env as launch_env
@@ -234,13 +233,6 @@ def test_model_placement_errors_and_the_move():
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2,
           "vescale": {"wrap_policy": {"module_classes": ["Block"]}}}
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(2)
-    yield p
-    p.close()
 
 
 def user_group_rank(rank, world, dist_init_required):

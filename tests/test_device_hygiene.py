@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fsdp_models as fm
-from dist_harness import RankPool, scratch_dir
+from dist_harness import scratch_dir
 from vescale_engine import initialize
 from vescale_engine.checkpoint.sharded import torch_state_target
 
@@ -30,13 +30,6 @@ BOTH_OFFLOADED = "AdamW offload_optimizer + offload_param"  # compute shards on 
 TORCH_FUSED = "torch.optim.AdamW(fused=True)"  # a client optimizer: its `step` state is torch's
 PRECISION = {"bf16": {"bf16": {"enabled": True}},  # bf16 parameters, fp32 master and reduction
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}  # + loss scaler
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 class NoMetaTensors(TorchDispatchMode):

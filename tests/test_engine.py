@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool, engine_log_messages, free_port, value_errors
+from dist_harness import engine_log_messages, free_port, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, unit_of
 
@@ -23,11 +23,7 @@ CONFIG = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+POOL_WORLDS = [2, 3]  # (conftest.py's `pool`, once per size)
 
 
 def engine_rank(rank, world, local_accumulation):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool
 
 WORLD, GLOBAL, STEPS = 2, 12, 5
 TOLERANCE = 1e-5
@@ -82,11 +81,8 @@ def gpt_rank(rank, world, compiled, cfg, kwargs=None, breaking=False):
         torch._dynamo.reset()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+POOL_WORLD = WORLD
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def _assert_close(got, want, what, tolerance=TOLERANCE):

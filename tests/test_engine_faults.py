@@ -99,12 +99,7 @@ def initialize_with_rank_config(rank, world, configs):
             setattr(owner, name, fn)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from dist_harness import RankPool
-    pool = RankPool(WORLD)
-    yield pool
-    pool.close()
+POOL_WORLD = WORLD
 
 
 FINGERPRINT = ("all_gather", ("torch.uint8", 33))  # status byte + sha256, the only collective

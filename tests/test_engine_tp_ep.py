@@ -186,12 +186,7 @@ def test_plan_checks_need_no_collective():
 
 # -- 4 gloo ranks ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pool():
-    from dist_harness import RankPool
-    pool = RankPool(WORLD)
-    yield pool
-    pool.close()
+POOL_WORLD = WORLD
 
 
 def meshes_and_plans(rank, world):

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_models as fm
-from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.optim import adamw as adamw_module
 from vescale_engine.optim.clip import clip_grad_norm_
@@ -30,11 +29,7 @@ LR = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
 PER_TENSOR = 5e-5
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+POOL_WORLDS = [2, 3, 4]  # (conftest.py's `pool`, once per size)
 
 
 def shard_model(model, **kwargs):

@@ -14,17 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from dist_harness import RankPool
 from vescale_engine.fsdp import fully_shard
 from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
 from vescale_engine.fsdp.policy import ShardingPolicy
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 def outcome(run):

@@ -15,17 +15,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from dist_harness import RankPool, scratch_dir
+from dist_harness import scratch_dir
 
 STEPS = 3
 TOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 class Tiny(nn.Module):

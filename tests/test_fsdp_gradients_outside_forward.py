@@ -11,17 +11,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from dist_harness import RankPool
 from vescale_engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard
 from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
 from vescale_engine.fsdp.policy import ShardingPolicy
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 class Block(nn.Module):

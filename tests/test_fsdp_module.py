@@ -19,7 +19,6 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
 from torch.distributed.tensor import DTensor, Shard
 
-from dist_harness import RankPool, rank_pools
 from vescale_engine.fsdp import (MixedPrecisionPolicy, fully_shard, gathered_parameters,
                                  register_fsdp_forward_method, unit_of)
 from vescale_engine.fsdp.api import release
@@ -31,13 +30,6 @@ from vescale_engine.shard.stats import STATS
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 32, 16, 8, 8
 TOL = 1e-6  # relative, losses and all parameters together (most cases are bitwise)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 class Block(nn.Module):
@@ -321,9 +313,8 @@ def reshard_to_pairs_rank(rank, world):
     return out
 
 
-def test_reshard_after_forward_to_a_smaller_group_trains_as_fsdp2_gathering_inside_it():
-    with rank_pools() as pools:
-        outs = pools(4).run(reshard_to_pairs_rank)
+def test_reshard_after_forward_to_a_smaller_group_trains_as_fsdp2_gathering_inside_it(pools):
+    outs = pools(4).run(reshard_to_pairs_rank)
     for rank, out in enumerate(outs):
         assert out["diff"] < TOL, out["diff"]
         assert out["sharded after forward"]  # a DTensor between forward and backward, as FSDP2's

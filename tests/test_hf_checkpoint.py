@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import rank_pools, scratch_dir
+from dist_harness import scratch_dir
 
 SEED = 0
 
@@ -241,10 +241,6 @@ def llama_names(rank, world, path):
 
 # -- the tests -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 @pytest.fixture(scope="module")

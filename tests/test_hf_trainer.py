@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import RankPool, build_cpu_adam
+from dist_harness import build_cpu_adam
 
 WORLD = 2
 SEQ = 16
@@ -398,11 +398,9 @@ def client_adamw_offload_rank(rank, world):
 # per machine). torch's build lock waits forever on a lock that a killed build left: one older
 # than any build is removed first.
 @pytest.fixture(scope="module")
-def pool():
+def pool(pools):
     build_cpu_adam()  # found built when the suite built it up front (conftest.py)
-    pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+    return pools(WORLD, DS_ACCELERATOR="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool, scratch_dir
+from dist_harness import scratch_dir
 
 MICRO, SEQ, STEPS, SEED = 2, 12, 3, 7
 TOLERANCE = 1e-5  # fp32 round-off of sharded vs one-process AdamW (see test_deepspeed_parity)
@@ -32,12 +32,8 @@ CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
 DEEPSPEED_ONLY = {key: value for key, value in CONFIG.items() if key != "vescale"}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    # DeepSpeed's own zero.Init runs too (the baseline): its CPU accelerator and LOCAL_RANK
-    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+# DeepSpeed's own zero.Init runs too (the baseline): its CPU accelerator and LOCAL_RANK
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,9 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import RankPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO, STEPS = 2, 2
@@ -27,11 +25,7 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_ste
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def _train_deepspeed(rank, world):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool, engine_log_messages
+from dist_harness import engine_log_messages
 import vescale_engine
 from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_parameters, no_sync,
                                  sharded_parameters)
@@ -26,11 +26,7 @@ WORLD = 3
 SEED = 1234
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(WORLD)
-    yield p
-    p.close()
+POOL_WORLD = WORLD
 
 
 _GROUPS = {}

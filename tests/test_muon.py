@@ -5,14 +5,13 @@ matrix, the "tensor" mode needs no communication, roots are balanced, gathers ru
 Newton-Schulz, the engine builds it from a config, and bad input fails clearly."""
 import itertools
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import fsdp_models as fm
-from dist_harness import RankPool, value_errors
+from dist_harness import value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.shard.ragged import RaggedShard, ragged_to_replicate
@@ -28,11 +27,7 @@ OURS_ADAMW = dict(adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_eps=AD
                   adamw_weight_decay=ADAMW["weight_decay"])
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+POOL_WORLDS = [1, 2, 3, 4]  # (conftest.py's `pool`, once per size)
 
 
 class Stacked(nn.Module):

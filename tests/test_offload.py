@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import rank_pools, scratch_dir, value_errors
+from dist_harness import scratch_dir, value_errors
 
 GLOBAL, MICRO, ACCUM, STEPS = 12, 3, 2, 3
 CLIP = 0.05  # below the norms of these steps: every step clips
@@ -184,10 +184,6 @@ def test_weight_decay_groups_and_frozen_tensors_match(pools):
         assert all(torch.equal(got_shards[n], v) for n, v in want_shards.items())
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 @pytest.mark.parametrize("dtype,optimizer,local", [

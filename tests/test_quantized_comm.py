@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import rank_pools
 
 GLOBAL = 8
 STEPS = 300
@@ -238,10 +237,6 @@ def train_run(rank, world, quantized, steps, lr=1e-3, bf16=True):
             "after": after}
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 @pytest.fixture(scope="module")

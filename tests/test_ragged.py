@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import RankPool
 from vescale_engine.shard.ragged import (
     RaggedShard, box_decomposition, ragged_to_ragged, ragged_to_replicate, ragged_to_root,
     ragged_to_roots, root_to_ragged, roots_to_ragged, shard_tensor,
@@ -391,11 +390,7 @@ def run_in_subgroup(rank, world_size):
     return checks
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
-def pool(request):
-    ranks = RankPool(request.param)
-    yield ranks
-    ranks.close()
+POOL_WORLDS = [2, 3, 4]  # (conftest.py's `pool`, once per size)
 
 
 def test_round_trips(pool):

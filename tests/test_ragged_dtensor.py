@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dist_harness import RankPool, scratch_dir
+from dist_harness import scratch_dir
 from vescale_engine.shard.ragged import RaggedShard
 from vescale_engine.shard.ragged_dtensor import (RaggedDTensor, RaggedPlacement,
                                                  distribute_ragged, fill_from_full,
@@ -482,10 +482,3 @@ def run_distribute(rank, world):
 def test_distribute_ragged_takes_the_source_ranks_values(pool):
     for out in pool.run(run_distribute):
         assert all(out.values()), out
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2)
-    yield ranks
-    ranks.close()

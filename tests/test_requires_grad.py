@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.optim.clip import global_grad_norm
 from vescale_engine.fsdp import (full_state_dict, fully_shard, no_sync, sharded_parameters,
@@ -22,13 +21,6 @@ SEQ = 12
 VOCAB = 96
 OPT = dict(lr=1e-2, eps=1e-6, weight_decay=0.05)
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(2)
-    yield pool
-    pool.close()
 
 
 def tiny_llama(layers=3):

@@ -28,7 +28,6 @@ import sys
 import pytest
 import torch
 
-from dist_harness import RankPool
 
 # the workarounds and the activation count the benchmark uses (module docstring)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -298,11 +297,8 @@ def reference(steps=STEPS, gas=1):
 
 # ------------------------------------------------------------------------------- the tests
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(WORLD, env={"DS_ACCELERATOR": "cpu"})
-    yield pool
-    pool.close()
+POOL_WORLD = WORLD
+POOL_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 _RUNS = {}

@@ -14,7 +14,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
-from dist_harness import engine_log_messages, rank_pools, scratch_dir, value_errors
+from dist_harness import engine_log_messages, scratch_dir, value_errors
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict, fully_shard, sharded_parameters
 from vescale_engine.optim import Shampoo, sharding_granularity
@@ -30,10 +30,6 @@ HYPER = dict(lr=0.02, betas=(0.9, 0.999), epsilon=1e-12, grafting_epsilon=1e-8,
 CLIP = 0.5
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 class Mix(nn.Module):

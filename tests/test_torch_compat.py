@@ -3,13 +3,11 @@ by its probe on the torch installed here, and the code that relies on it gets wh
 needs (CI runs this at torch 2.11 and 2.15)."""
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_map_only
 
-from dist_harness import RankPool
 from vescale_engine import torch_compat
 
 # The releases whose C++ DTensor dispatch ignores a subclass's __torch_dispatch__ (read from
@@ -19,11 +17,7 @@ IGNORES_SUBCLASS_DISPATCH = ("2.11",)
 ROWWISE_MISSING_ON_CPU = ("2.11",)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(1)
-    yield pool
-    pool.close()
+POOL_WORLD = 1
 
 
 def _subclass(seen):

@@ -22,7 +22,6 @@ from vescale_engine.shard.ragged_dtensor import local_of
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
-from dist_harness import RankPool
 from vescale_engine import optim as vopt
 from vescale_engine.fsdp import fully_shard, unit_of
 from vescale_engine.fsdp.lookup import units_under
@@ -38,11 +37,7 @@ TOL = 1e-6
 PER_TENSOR = 5e-5
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(WORLD)
-    yield pool
-    pool.close()
+POOL_WORLD = WORLD
 
 
 _MESHES = {}

@@ -4,11 +4,9 @@ and loads through the same protocol, into the same files. One gloo rank."""
 import json
 import os
 
-import pytest
 import torch
 
 import fsdp_models as fm
-from dist_harness import rank_pools
 from test_checkpoint import make_engine, train
 
 ENGINE_KEYS = {"format", "tag", "world_size", "global_steps", "global_samples", "micro_steps",
@@ -82,10 +80,6 @@ def engine_round_trip(rank, world, root):
             dict(engine.lr_scheduler.state_dict()))
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with rank_pools() as get:
-        yield get
 
 
 def test_a_training_state_that_is_no_engine(pools, tmp_path):
