@@ -464,6 +464,58 @@ def test_no_core_module_imports_integrations():
     assert not problems, "\n".join(problems)
 
 
+# The libraries whose emulation belongs to integrations/: no other module imports them, by an
+# import statement or by name (importlib.import_module, find_spec, sys.modules lookups).
+EMULATED = ("deepspeed", "transformers", "peft", "trl")
+# Core modules that still do, each to move its library's part into integrations/: the set
+# only shrinks (a module that stops importing them must leave it).
+STILL_IMPORTING = {
+    "vescale_engine.engine.config", "vescale_engine.engine.deepspeed_moe",
+    "vescale_engine.engine.from_config", "vescale_engine.engine.leaf_modules",
+    "vescale_engine.engine.parallel_plan", "vescale_engine.engine.sequence_parallel",
+    "vescale_engine.fsdp.materialize", "vescale_engine.init.hf_pretrained",
+    "vescale_engine.init.zero",
+}
+
+
+def _emulated(name) -> bool:
+    return isinstance(name, str) and name.split(".")[0] in EMULATED
+
+
+def emulated_library_importers(root: pathlib.Path = ROOT) -> dict:
+    """{module: ['line: what']} for every module outside integrations/ that imports or looks
+    up DeepSpeed, transformers, PEFT or TRL."""
+    out = {}
+    for name, path in package_modules(root).items():
+        if name == INTEGRATIONS or name.startswith(INTEGRATIONS + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            found = None
+            if isinstance(node, ast.Import):
+                found = next((a.name for a in node.names if _emulated(a.name)), None)
+            elif isinstance(node, ast.ImportFrom) and not node.level and _emulated(node.module):
+                found = node.module
+            elif isinstance(node, ast.Call) and node.args and \
+                    isinstance(node.args[0], ast.Constant) and _emulated(node.args[0].value) \
+                    and ast.unparse(node.func).split(".")[-1] in ("import_module", "find_spec",
+                                                                  "get"):
+                found = f"{ast.unparse(node.func)}({node.args[0].value!r})"
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules" \
+                    and isinstance(node.slice, ast.Constant) and _emulated(node.slice.value):
+                found = f"sys.modules[{node.slice.value!r}]"
+            if found:
+                out.setdefault(name, []).append(f"{node.lineno}: {found}")
+    return out
+
+
+def test_only_integrations_import_deepspeed_transformers_peft_and_trl():
+    found = emulated_library_importers()
+    new = {m: found[m] for m in sorted(set(found) - STILL_IMPORTING)}
+    assert not new, f"import DeepSpeed, transformers, PEFT or TRL in integrations/ only: {new}"
+    gone = sorted(STILL_IMPORTING - set(found))
+    assert not gone, f"no longer importing them: leave STILL_IMPORTING: {gone}"
+
+
 def test_only_integrations_patches_other_libraries():
     problems = patches_of_other_libraries()
     assert not problems, "only vescale_engine/integrations/ may patch another library:\n" + \
