@@ -13,6 +13,7 @@ import zlib
 import torch
 
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
+from ..fsdp.param import sharding_of
 from ..shard.ragged_dtensor import local_of
 from ..shard.ragged_piece import RaggedPiece
 from .dcp import CheckpointError, write_error
@@ -38,7 +39,7 @@ def sharded_params(module):
 
 
 def _local_start(p) -> int:
-    sp = getattr(p, "_vescale", None)
+    sp = sharding_of(p)
     if sp is None:
         return 0
     start, end = sp.local_range
@@ -49,7 +50,7 @@ def _local_start(p) -> int:
 def piece(p, local):
     """A parameter-shaped entry: RaggedPiece over the local range, or the plain tensor. A
     TP/EP parameter's range is one of its TP/EP-local tensor, placed on the global shape."""
-    sp = getattr(p, "_vescale", None)
+    sp = sharding_of(p)
     if sp is None:
         return local.view(p.shape) if local.dim() else local
     spec = sp.dtensor_spec
@@ -99,7 +100,7 @@ def optimizer_entries(optimizer, names_of, state):
             key = f"optim.state.{names_of[id(p)][0]}.{name}"
             if isinstance(t, RaggedPiece):  # the optimizer placed it in its own global shape
                 if not t.mapped and sharded_mesh_dims(
-                        getattr(getattr(p, "_vescale", None), "dtensor_spec", None)):
+                        getattr(sharding_of(p), "dtensor_spec", None)):
                     raise CheckpointError(f"optimizer state {key}: state in the optimizer's "
                                           "own shape is not mapped to TP/EP global shapes "
                                           "(give its RaggedPiece the pieces' index_maps)")

@@ -40,6 +40,7 @@ from torch import nn
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..fsdp.lookup import rank_local_units
 from ..fsdp.materialize import allocate_shards, init_unloaded
+from ..fsdp.param import sharding_of
 from ..fsdp.state_dict import gather_to_rank0, named_entries
 from ..shard.ragged_piece import RaggedPiece
 from .background import BackgroundSaves
@@ -167,7 +168,7 @@ def _module_of(module_or_engine) -> nn.Module:
 
 
 def _global_shape(tensor) -> tuple:
-    sp = getattr(tensor, "_vescale", None)
+    sp = sharding_of(tensor)
     if sp is not None and sp.dtensor_spec is not None:  # TP/EP: the DTensor's global shape
         return tuple(sp.dtensor_spec.shape)
     return tuple(sp.shape) if sp is not None else tuple(tensor.shape)
@@ -265,7 +266,7 @@ def _match(module, stored: dict, strict: bool, path) -> tuple[list, list, list]:
 def _target_dtype(tensor) -> torch.dtype:
     """The dtype a file's tensor is read into: a managed parameter's master shard, or the
     buffer or unmanaged parameter itself."""
-    sp = getattr(tensor, "_vescale", None)
+    sp = sharding_of(tensor)
     return sp.sharded.dtype if sp is not None else tensor.dtype
 
 
@@ -343,7 +344,7 @@ def _load(module, plan, result):
         with torch.no_grad():
             for name, entry in plan:
                 tensor = targets[name]
-                sp = getattr(tensor, "_vescale", None)
+                sp = sharding_of(tensor)
                 piece = _tp_ep_piece(sp) if sp is not None else None
                 if piece is not None:  # this rank's bytes only, from the global tensor
                     for offsets in piece.boxes:
@@ -387,7 +388,7 @@ def load_into(module: nn.Module, path, *, strict: bool = True, key_map=None,
         # strict=False, its missing keys are initialized by their modules after the load.
         loaded = {name for name, _ in plan}
         given = {name for names, t in named_entries(module) for name in names
-                 if getattr(getattr(t, "_vescale", None), "initial", None) is not None}
+                 if getattr(sharding_of(t), "initial", None) is not None}
         # (`given`: real at wrap time, in a unit planned on meta: allocate writes that value)
         unloaded = sorted(({name for name, b in module.named_buffers(remove_duplicate=False)
                             if b.is_meta and name not in loaded} | set(missing)) - given)

@@ -56,6 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
+from ..fsdp.param import sharding_of
 from ..shard.ragged_dtensor import RaggedDTensor, local_of
 from ..shard.ragged_piece import RaggedPiece
 from .dcp import (CheckpointError, CheckpointWriteError, CrcWriter, LoadPlanner, SafeReader,
@@ -90,7 +91,7 @@ def model_state_dict(module):
     names_of = {id(p): names for p, names in params}
     sd = {}
     for p, names in params:
-        entry = piece(p, p.detach().reshape(-1) if getattr(p, "_vescale", None) is None
+        entry = piece(p, p.detach().reshape(-1) if sharding_of(p) is None
                       else local_of(p).detach())
         for name in names:
             sd[f"model.{name}"] = entry

@@ -19,6 +19,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..fsdp.param import sharding_of
 from ..launch.collective_timeout import explain_timeout
 from ..optim.clip import clip_coefficient, global_grad_norm, scale_gradients_
 
@@ -134,7 +135,7 @@ def _norm_misses_ranks(parameters) -> bool:
         return False
     world = dist.get_world_size()
     for p in parameters:
-        sp = getattr(p, "_vescale", None)
+        sp = sharding_of(p)
         if sp is not None and (sp.dtensor_spec is not None or
                                dist.get_world_size(sp.buffer.comm.norm_group) != world):
             return True

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan.granularity import Granularity, parse_granularity
+from .param import sharding_of
 
 __all__ = ["reshard_after_forward_of", "placement_of", "check_placements", "offload_of",
            "ignored_ids", "check_dp_mesh_dims", "root_modules", "resolve_mesh", "mesh_of"]
@@ -149,7 +150,7 @@ def check_placements(shard_placement_fn, modules, ignored: set, shard_size: int)
         return
     from torch.distributed.tensor import DTensor, Shard
     params = [p for m in modules for p in m.parameters()
-              if id(p) not in ignored and getattr(p, "_vescale", None) is None]
+              if id(p) not in ignored and sharding_of(p) is None]
     answers = []
     for param in dict.fromkeys(params):
         answer = shard_placement_fn(param)

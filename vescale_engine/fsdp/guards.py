@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .lookup import sharded_parameters, units_under
+from .param import sharding_of
 
 __all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
            "require_materialized", "take_assignments", "guard_init_weights",
@@ -181,7 +182,7 @@ _TAKING = None
 
 def _take_assigned(module, name, param):
     current = module._parameters.get(name)
-    p = getattr(current, "_vescale", None) or getattr(current, "_vescale_full", None)
+    p = sharding_of(current) or getattr(current, "_vescale_full", None)
     if p is None or param is None or not _foreign(param, p):
         return None
     if current is p.full_face:
@@ -208,7 +209,7 @@ def _take_assigned(module, name, param):
 def _foreign(current, p) -> bool:
     """`current` is a tensor of the user's, not a face of `p` or of another managed parameter
     (a weight tied again after sharding stays as the unit's registrations say)."""
-    return current is not None and getattr(current, "_vescale", None) is None and \
+    return current is not None and sharding_of(current) is None and \
         getattr(current, "_vescale_full", None) is None
 
 
@@ -243,7 +244,7 @@ def assigned_piece(p, where: str, value, how: str) -> torch.Tensor:
 def _is_piece(param) -> bool:
     """A managed parameter as held between steps: a RaggedDTensor over this rank's piece (its
     shape is the global one, but its values are not all here), or a plain 1-D piece."""
-    sp = getattr(param, "_vescale", None)
+    sp = sharding_of(param)
     return sp is not None and param is sp.sharded and \
         (isinstance(param, DTensor) or tuple(param.shape) != tuple(sp.shape))
 

@@ -56,6 +56,7 @@ from ..shard.collectives import default_device
 from .dtensor_params import global_shape, local_of_global
 from .guards import held_as_pieces, require_materialized
 from .lookup import sharded_parameters, units_under
+from .param import sharding_of
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -157,7 +158,7 @@ def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> No
         if tensor.is_meta:
             raise ValueError(f"init_unloaded: {name} is still on the meta device; call "
                              "allocate_shards first")
-        sp = getattr(tensor, "_vescale", None)
+        sp = sharding_of(tensor)
         if name in params and sp is None:
             raise ValueError(f"init_unloaded: {name} is not managed by fully_shard")
         if sp is not None:
@@ -165,7 +166,7 @@ def init_unloaded(module: nn.Module, names, init_fn=None, ancestors=False) -> No
         else:
             pending_buffers.add(id(tensor))
     for sub in module.modules():  # asked for again: Hugging Face's "done" mark must not skip it
-        owns = any(id(getattr(p, "_vescale", None)) in pending for p in sub._parameters.values())
+        owns = any(id(sharding_of(p)) in pending for p in sub._parameters.values())
         if owns or any(id(b) in pending_buffers for b in sub._buffers.values()):
             sub.__dict__.pop("_is_hf_initialized", None)
     _Initializer(module, pending, pending_buffers, init_fn, ancestors).run()
@@ -194,7 +195,7 @@ def _reset_at_full_shape(self, *args, **kwargs):
     if not held_as_pieces(self):
         return reset(self, *args, **kwargs)
     pending = {id(p._vescale): p._vescale for p in self.parameters()
-               if getattr(p, "_vescale", None) is not None and p is p._vescale.sharded}
+               if sharding_of(p) is not None and p is p._vescale.sharded}
     if any(sp.buffer.is_meta for sp in pending.values()):
         raise RuntimeError(f"{type(self).__name__}.reset_parameters(): its shards are still on "
                            "the meta device; call model.to_empty(device=...) first (or "
@@ -216,7 +217,7 @@ def _refuse_unreplayed_writes(root: nn.Module, pending: dict) -> None:
     `__init__`, a scaled re-init, an in-place change) would silently get other values than a
     CPU build gives it: refuse, naming it."""
     replayed_by_hf = {id(p._vescale) for mod in root.modules() if _is_pretrained(mod)
-                      for p in mod.parameters() if getattr(p, "_vescale", None) is not None}
+                      for p in mod.parameters() if sharding_of(p) is not None}
     checked = {key: sp for key, sp in pending.items()
                if sp.build_writes and key not in replayed_by_hf}
     if not checked:
@@ -246,13 +247,13 @@ def _reset_writes(root: nn.Module, checked: dict) -> dict:
     counts = {}
     for _, mod in _post_order(root):
         reset = _reset_of(mod)
-        owns = any(id(getattr(p, "_vescale", None)) in checked for p in mod._parameters.values())
+        owns = any(id(sharding_of(p)) in checked for p in mod._parameters.values())
         if reset is None or not owns:
             continue
         fresh, saved = {}, []
         for sub in mod.modules():
             for name, param in list(sub._parameters.items()):
-                sp = getattr(param, "_vescale", None)
+                sp = sharding_of(param)
                 if sp is None or param is not sp.sharded:
                     continue
                 if id(sp) not in fresh:
@@ -335,7 +336,7 @@ class _Initializer:
         self.owner = {}                    # id(ShardedParameter) -> (module, name)
         for _, mod in self.order:
             for name, param in mod._parameters.items():
-                sp = getattr(param, "_vescale", None)
+                sp = sharding_of(param)
                 if sp is not None and id(sp) in self.pending:
                     self.owner.setdefault(id(sp), (mod, name))
         self.written = set()               # ids of the ShardedParameters written
@@ -356,7 +357,7 @@ class _Initializer:
         for _, mod in self.order:
             per = {}
             for param in mod._parameters.values():
-                sp = getattr(param, "_vescale", None)
+                sp = sharding_of(param)
                 if sp is not None and param is sp.sharded:
                     key = (sp.buffer.device, sp.buffer.master.dtype)
                     per[key] = per.get(key, 0) + math.prod(global_shape(sp))
@@ -408,11 +409,11 @@ class _Initializer:
         """A pending parameter `mod` owns (its first registration) is not written yet."""
         return any(id(p._vescale) in self.pending and id(p._vescale) not in self.written
                    and self.owner.get(id(p._vescale), (None,))[0] is mod
-                   for p in mod._parameters.values() if getattr(p, "_vescale", None) is not None)
+                   for p in mod._parameters.values() if sharding_of(p) is not None)
 
     def _owns_pending(self, mod) -> bool:
         for param in mod._parameters.values():
-            sp = getattr(param, "_vescale", None)
+            sp = sharding_of(param)
             if sp is not None and id(sp) in self.pending:
                 return True
         return any(b is not None and id(b) in self.pending_buffers
@@ -461,7 +462,7 @@ class _Initializer:
         name)} of the placeholders the init wrote (empty: done)."""
         full, used, saved = [], {}, []   # full: (module, name, ShardedParameter, value)
         for name, param in list(mod._parameters.items()):
-            sp = getattr(param, "_vescale", None)
+            sp = sharding_of(param)
             if sp is None or param is not sp.sharded:
                 continue
             key = (sp.buffer.device, sp.buffer.master.dtype)
@@ -478,7 +479,7 @@ class _Initializer:
             if sub is mod:
                 continue
             for name, param in list(sub._parameters.items()):
-                sp = getattr(param, "_vescale", None)
+                sp = sharding_of(param)
                 if sp is None or param is not sp.sharded or id(sp) in own:
                     continue
                 saved.append((sub, name, param))

@@ -8,7 +8,14 @@ from torch import nn
 from ..shard.ragged import RaggedShard
 from .dtensor_params import LocalLeafRoute, dtensor_face, grad_face, grad_in_placements
 
-__all__ = ["ShardedParameter"]
+__all__ = ["ShardedParameter", "sharding_of"]
+
+
+def sharding_of(t) -> "ShardedParameter | None":
+    """The one accessor for a tensor's sharding state: the ShardedParameter whose sharded face
+    `t` is (what the module holds between steps, and what optimizers, clipping and checkpoint
+    code are handed), else None (a plain tensor, or a full-shape parameter of forward)."""
+    return getattr(t, "_vescale", None)
 
 
 class ShardedParameter:

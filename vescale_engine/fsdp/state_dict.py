@@ -17,6 +17,7 @@ from ..shard.ragged import box_decomposition, map_box
 from .dtensor_params import local_index_maps, refuse_tp_ep, sharded_mesh_dims
 from .guards import require_materialized
 from .lookup import sharded_parameters, units_under
+from .param import sharding_of
 
 __all__ = ["gathered_parameters", "full_state_dict", "sharded_state_dict", "gather_full",
            "gather_selected", "GatheredBuffer", "gathered_buffers", "all_gather_master",
@@ -229,7 +230,7 @@ def gather_to_rank0(module, dtype=None):
                         yield names, p.sharded, copied(gathered.value(p))
     if rank0:
         for names, tensor in entries:
-            if getattr(tensor, "_vescale", None) is None:
+            if sharding_of(tensor) is None:
                 yield names, tensor, copied(tensor)
 
 

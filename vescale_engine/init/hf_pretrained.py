@@ -35,6 +35,7 @@ from torch import nn
 
 from ..checkpoint.hf import checkpoint_files, load_into, read_stored
 from ..fsdp.materialize import allocate_shards, init_unloaded
+from ..fsdp.param import sharding_of
 from ..versions import supported_range
 from .record import replayed_generator
 
@@ -219,7 +220,7 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
                                   init_missing=init_missing)
     else:  # from_config: everything, as DeepSpeed's initialize_weights_zero3 would
         names = [name for name, p in module.named_parameters(remove_duplicate=False)
-                 if getattr(p, "_vescale", None) is None or p._vescale.initial is None] + \
+                 if sharding_of(p) is None or p._vescale.initial is None] + \
             [name for name, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
         allocate_shards(module, device)
         init_missing(module, names)
@@ -232,7 +233,7 @@ def _pending_tensors(module) -> list:
     for prefix, mod in module.named_modules(remove_duplicate=False):
         for attr, t in (*mod._parameters.items(), *mod._buffers.items()):
             if t is None or not t.is_meta or \
-                    getattr(getattr(t, "_vescale", None), "initial", None) is not None:
+                    getattr(sharding_of(t), "initial", None) is not None:
                 continue
             names, where = groups.setdefault(id(t), ([], []))
             names.append(f"{prefix}.{attr}" if prefix else attr)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..fsdp.dtensor_params import sharded_mesh_dims
+from ..fsdp.param import sharding_of
 from ..launch.collective_timeout import explain_timeout
 
 __all__ = ["clip_grad_norm_", "global_grad_norm", "clip_coefficient", "scale_gradients_"]
@@ -18,7 +19,7 @@ __all__ = ["clip_grad_norm_", "global_grad_norm", "clip_coefficient", "scale_gra
 def _buffers_and_plain(parameters, with_specs=False):
     buffers, plain, specs, seen = [], [], [], set()
     for p in parameters:
-        sp = getattr(p, "_vescale", None)
+        sp = sharding_of(p)
         if sp is None:
             if p.grad is not None:
                 plain.append(p)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..fsdp.param import sharding_of
+
 __all__ = ["flat_buffers", "stepped_members", "evaluate_closure"]
 
 
@@ -17,7 +19,7 @@ def flat_buffers(param_groups, optimizer_name: str, check=None):
     owners = {}
     for group in param_groups:
         for p in group["params"]:
-            sp = getattr(p, "_vescale", None)
+            sp = sharding_of(p)
             if sp is None:
                 raise ValueError(f"{optimizer_name} needs parameters sharded by vescale_engine."
                                  f"fully_shard; got a plain parameter of shape {list(p.shape)}")

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
 from ..fsdp.dtensor_params import global_shape, local_index_maps, refuse_tp_ep, sharded_mesh_dims
+from ..fsdp.param import sharding_of
 from ..plan.optim_spec import MUON_ADAMW_PATTERNS, MUON_ROUNDS_IN_FLIGHT, is_muon_matrix
 from ..shard.ragged import RaggedShard, ragged_to_roots, roots_to_ragged
 from ..shard.ragged_dtensor import local_of
@@ -209,7 +210,7 @@ class Muon(torch.optim.Optimizer):
         if any(isinstance(p, dict) for p in params):
             raise ValueError("Muon builds its own parameter groups (Muon matrices, AdamW for the "
                              "rest): pass parameters, not groups")
-        shared = [p for p in params if getattr(p, "_vescale", None) is None]
+        shared = [p for p in params if sharding_of(p) is None]
         if shared:
             raise ValueError("vescale_engine.optim.Muon needs parameters sharded by "
                              "vescale_engine.fully_shard; use torch.optim.Muon for a plain "

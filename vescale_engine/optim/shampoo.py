@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fsdp.param import sharding_of
 from ..shard.ragged_piece import RaggedPiece
 from ..fsdp.dtensor_params import local_index_maps, sharded_mesh_dims
 from ..plan.optim_spec import SHAMPOO_DEFAULTS, shampoo_granularity_for
@@ -202,7 +203,7 @@ class Shampoo(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
-            if getattr(p, "_vescale", None) is None:
+            if sharding_of(p) is None:
                 raise ValueError("vescale_engine.optim.Shampoo needs parameters sharded by "
                                  "vescale_engine.fully_shard; got a plain parameter of shape "
                                  f"{list(p.shape)}")
