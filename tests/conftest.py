@@ -1,3 +1,4 @@
+import glob
 import importlib.util
 import json
 import os
@@ -6,8 +7,15 @@ import time
 
 import pytest
 
-# Make `dist_harness` importable by the test modules and by the spawned ranks.
-sys.path.insert(0, os.path.dirname(__file__))
+# The helpers (dist_harness, fsdp_models, fsdp2_idioms) live here, the test files in folders
+# below (docs/testing.md). This folder and every folder holding test files go on sys.path, so
+# that a test module imports the helpers and another test module by its name (basenames are
+# unique: tests/engine/test_tiers.py checks it), and so do the ranks of a pool, which get this
+# sys.path as PYTHONPATH and import a test's function by its module's name.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TEST_DIRS = sorted({os.path.dirname(path) for path in
+                    glob.glob(os.path.join(TESTS, "*", "**", "test_*.py"), recursive=True)})
+sys.path[:0] = [path for path in [TESTS, *TEST_DIRS] if path not in sys.path]
 
 # The suite trains CPU models on gloo, also on a GPU machine (where the engine would pick
 # NCCL): the engine, `vescale run` and every rank or script started from a test (they inherit

@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository: tests/core/<package>/ is three folders down
+ROOT = str(Path(__file__).resolve().parents[3])
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp

@@ -20,6 +20,8 @@ from dist_harness import free_port, scratch_dir
 from vescale_engine.shard.ragged_dtensor import local_of
 
 GLOBAL, SAVE_AT, AFTER = 12, 2, 2
+# the repository: tests/<tier>/ is two folders down
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPT = {"lr": 3e-3, "eps": 1e-6, "weight_decay": 0.01}
 KINDS = ("ours", "torch", "sgd", "adamw8bit", "muon")  # every optimizer we ship, and torch's
 
@@ -162,8 +164,7 @@ def test_consolidate_python_and_cli(saved, root, tmp_path):
     out = tmp_path / "model.pt"
     cli = subprocess.run([sys.executable, "-m", "launcher.cli", "consolidate",
                           os.path.join(root, "torch"), str(out), "--dtype", "bf16"],
-                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__))))
+                         capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr
     model = fm.make("gpt", seed=5)
     model.load_state_dict(torch.load(out, weights_only=True))  # plain, strict
@@ -338,7 +339,6 @@ def test_bad_input_is_one_clear_line(saved, root, pools):
 
 KILL_SCRIPT = r"""
 import os, sys, time
-sys.path.insert(0, "tests")
 import torch, fsdp_models as fm
 import torch.distributed.checkpoint.filesystem as fs
 from test_checkpoint import make_engine, train
@@ -363,7 +363,8 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, pools):
     root = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(root), str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=ROOT,  # the test folders on the path, as the ranks have them
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     seen = []
     for line in proc.stdout:  # until the second save stalls inside its write
         seen.append(line)
@@ -510,8 +511,7 @@ def test_deepspeed_zero3_checkpoint_converts_and_resumes(pools, tmp_path):
     # the command line makes the same checkpoint, loadable anywhere
     out = tmp_path / "converted"
     cli = subprocess.run([sys.executable, "-m", "launcher.cli", "convert-zero", ds_dir, str(out)],
-                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__))))
+                         capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr
     from vescale_engine.checkpoint.sharded import consolidate
     full = consolidate(str(out))

@@ -17,7 +17,7 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tests/core/<package>/ is three folders down
 PACKAGE = "vescale_engine"
 
 

@@ -22,8 +22,9 @@ import fsdp_models as fm
 GLOBAL = 8
 STEPS = 300
 SEQ = 16  # the example GPT's positions
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                    "data", "tinyshakespeare.txt")
+# the repository: tests/<tier>/ is two folders down
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TEXT = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 
 
 def shakespeare():
@@ -276,7 +277,7 @@ def test_the_benchmark_runs_and_reports_bytes_and_losses(tmp_path):
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     out = tmp_path / "quantized_comm.md"
     subprocess.run([sys.executable, os.path.join(root, "benchmarks", "quantized_comm.py"),
                     "--layers", "1", "--dim", "128", "--seq", "16", "--rounds", "1", "--steps",

@@ -9,6 +9,9 @@ import textwrap
 
 import pytest
 
+# the repository: tests/<tier>/ is two folders down
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SCRIPT = textwrap.dedent("""
     import sys, torch
     from torch import nn
@@ -44,7 +47,7 @@ def job(tmp_path):
         done = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "--nproc", "2",
                                str(script), str(ckpt)], capture_output=True, text=True,
                               timeout=300, env=env,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              cwd=ROOT)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done.stdout + done.stderr
     return _job

@@ -4,7 +4,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<tier>/ is two folders down
 _spec = importlib.util.spec_from_file_location("ranks", ROOT / "benchmarks" / "ranks.py")
 ranks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ranks)

@@ -21,7 +21,8 @@ import torch
 import fsdp_models as fm
 from dist_harness import free_port
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the helpers' folder
+ROOT = os.path.dirname(TESTS)
 WORLD = 2
 MICRO, ACCUM, STEPS = 2, 2, 6
 SLOW_S = 0.15  # per micro-step in the interrupted runs: signals land mid-step
@@ -347,16 +348,16 @@ class Job:
         self.procs = []
         if launcher:
             env = dict(os.environ, OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+                       PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "launcher.cli", "run", "--nproc", str(WORLD),
                  os.path.abspath(__file__), *map(str, args)], env=env,
-                cwd=os.path.dirname(HERE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True, start_new_session=True))
         for rank in range(0 if launcher else WORLD):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+                       PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
             self.procs.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), *map(str, args)], env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -15,7 +15,7 @@ import pytest
 from vescale_engine.plan import capacity, model_plan
 from vescale_engine.torch_compat import fsdp2_grads_in_reduce_dtype
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<tier>/ is two folders down
 _spec = importlib.util.spec_from_file_location("capacity_check",
                                                ROOT / "benchmarks" / "capacity_check.py")
 bench = importlib.util.module_from_spec(_spec)

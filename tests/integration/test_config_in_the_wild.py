@@ -23,7 +23,7 @@ from config_schemas.validate import ConfigError, aliases, hf_auto, load_schema
 from launcher import cli
 from vescale_engine.engine.config import build_config
 
-WILD = Path(__file__).resolve().parent / "configs_in_the_wild"
+WILD = Path(__file__).resolve().parents[1] / "configs_in_the_wild"
 
 # (fixture, exit status of `vescale validate`, text its output must contain)
 FIXTURES = [

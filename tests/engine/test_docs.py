@@ -14,7 +14,7 @@ from config_schemas import make_reference
 from config_schemas.validate import load_schema, validate_config
 from dist_harness import free_port, run_job
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<tier>/ is two folders down
 MIGRATION = ROOT / "examples" / "migrate_from_deepspeed.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 

@@ -23,7 +23,7 @@ from dist_harness import free_port
 from vescale_engine.launch import collective_timeout, rendezvous
 from vescale_engine.launch.env import LaunchError, Placement
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fsdp_models' folder
 BIN = os.path.dirname(sys.executable)
 GONE_WITHIN_S = 15.0  # the issue's bound: every process of the job gone after the failure
 
@@ -128,7 +128,7 @@ def run_job(cmd, tmp_path, env=None, timeout=240):
     tag = uuid.uuid4().hex
     log = tmp_path / f"{tag}.log"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "FAILFAST_TAG": tag, "FAILFAST_TESTS": HERE, "SAVE_DIR": str(tmp_path / "ck"),
+                "FAILFAST_TAG": tag, "FAILFAST_TESTS": TESTS, "SAVE_DIR": str(tmp_path / "ck"),
                 **(env or {})}
     try:
         with open(log, "w") as out:
@@ -305,7 +305,7 @@ def test_a_port_that_accepts_and_never_answers_is_one_line_within_the_timeout(tm
 
 def start_rank(tmp_path, rank, world, port, meet_s, extra=None):
     tag = uuid.uuid4().hex
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag, "FAILFAST_TESTS": HERE,
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag, "FAILFAST_TESTS": TESTS,
            "SAVE_DIR": str(tmp_path / "ck"), **rank_env(rank, world, port, meet_s),
            **(extra or {})}
     proc = subprocess.Popen([sys.executable, script(tmp_path)], env=env, text=True,
@@ -432,7 +432,7 @@ def _timeout_job(tmp_path, extra_env):
         for r in (0, 1):
             tag = uuid.uuid4().hex
             env = {**os.environ, "OMP_NUM_THREADS": "1", "FAILFAST_TAG": tag,
-                   "FAILFAST_TESTS": HERE, "GO": str(go), **rank_env(r, 2, port, 60),
+                   "FAILFAST_TESTS": TESTS, "GO": str(go), **rank_env(r, 2, port, 60),
                    **extra_env}
             tags.append(tag)
             procs.append(subprocess.Popen([sys.executable, str(job)], env=env, text=True,

@@ -17,6 +17,8 @@ from dist_harness import free_port
 from test_checkpoint import config as base_config
 from test_checkpoint import full_weights, train
 
+# the repository: tests/<tier>/ is two folders down
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORLD = 2
 DECOUPLED = {"writer": {"decoupled": True}}
 
@@ -167,7 +169,6 @@ def test_a_second_save_and_destroy_wait_for_the_one_in_flight(pools, tmp_path):
 
 KILL_SCRIPT = r"""
 import os, sys, threading, time
-sys.path.insert(0, "tests")
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[2])
 from test_checkpoint import train
@@ -195,7 +196,8 @@ def test_kill_during_the_background_write_leaves_the_previous_latest(tmp_path, p
     root = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(root), str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=ROOT,  # the test folders on the path, as the ranks have them
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     seen = set()
     lines = []
     for line in proc.stdout:  # the save returned and the writer is inside its write

@@ -16,7 +16,7 @@ from launcher import cli
 from vescale_engine.plan import capacity, model_plan, parallel
 from vescale_engine.plan.capacity import units
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # tests/core/<package>/ is three folders down
 _spec = importlib.util.spec_from_file_location("plan_ep", ROOT / "benchmarks" / "plan_ep.py")
 plan_ep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_ep)

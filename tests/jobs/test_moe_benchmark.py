@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dist_harness import run_job
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<tier>/ is two folders down
 
 
 def test_moe_ep_benchmark_smoke_run(tmp_path):

@@ -30,8 +30,9 @@ import torch
 
 
 # the workarounds and the activation count the benchmark uses (module docstring)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+# the repository: tests/<tier>/ is two folders down
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from sequence_parallel import (gather_for_loss, gloo_safe_adapter,  # noqa: E402
                                saved_activation_bytes)
 
@@ -461,7 +462,7 @@ def test_the_benchmark_runs_both_systems(tmp_path):
     """benchmarks/sequence_parallel.py's smoke run: both systems, sp 1 and 2, a report whose
     measured activations equal the planner's estimate (each row's last two columns)."""
     import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     out = tmp_path / "sp.md"
     done = subprocess.run([sys.executable, "benchmarks/sequence_parallel.py", "--seqs", "128",
                            "--rounds", "1", "--steps", "1", "--out", str(out)], cwd=root,

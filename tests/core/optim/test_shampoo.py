@@ -444,7 +444,7 @@ def test_root_work_balance_on_example_models():
     29M elements is over two shards, and every layer repeats the same layout)."""
     from vescale_engine.plan import capacity
     from vescale_engine.plan.model_plan import load_shapes
-    root = pathlib.Path(__file__).resolve().parents[1] / "examples" / "models"
+    root = pathlib.Path(__file__).resolve().parents[3] / "examples" / "models"
     balance = {}
     for name, world in (("deepseek-v3", 64), ("kimi-k2", 256), ("llama3-70b", 64)):
         model = load_shapes(str(root / f"{name}.json"))

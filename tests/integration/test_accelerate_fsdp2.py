@@ -436,7 +436,8 @@ def test_the_line_patches_accelerates_call_only_and_unpatch_restores_it():
     import sys
 
     from vescale_engine.versions import supported_range
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the repository: tests/<tier>/ is two folders down
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _LINE], capture_output=True, text=True,
                          env=env, timeout=300, cwd=root)

@@ -56,7 +56,7 @@ def test_example_trains_with_the_bf16_config(tmp_path):
 
 # --- the example as a template: schedule length, evaluation, CSV, checkpoints ----------------
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/<tier>/ is two folders down
 SMALL = ["--layers", "1", "--dim", "32", "--seq", "32"]
 
 

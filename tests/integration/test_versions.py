@@ -20,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 import vescale_engine
 from vescale_engine import versions
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _setup_arguments(monkeypatch) -> dict:

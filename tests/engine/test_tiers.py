@@ -10,13 +10,14 @@ import pathlib
 
 import conftest
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
+PATHS = {path.name: path for path in TESTS.rglob("test_*.py")}
 ROOT = TESTS.parent
 OTHER_LIBRARIES = {"deepspeed", "transformers", "peft", "trl", "accelerate", "datasets"}
 
 
 def test_every_test_file_is_in_exactly_one_tier():
-    files = {path.name for path in TESTS.glob("test_*.py")}
+    files = set(PATHS)
     problems = []
     for name in sorted(files):
         tiers = [tier for tier, members in conftest.TIERS.items() if name in members]
@@ -34,8 +35,8 @@ def test_the_integration_tests_named_in_other_files_exist():
     problems = []
     for key in sorted(conftest.INTEGRATION_TESTS):
         name, _, function = key.partition("::")
-        path = TESTS / name
-        defined = path.exists() and any(
+        path = PATHS.get(name)
+        defined = path is not None and any(
             isinstance(node, ast.FunctionDef) and node.name == function
             for node in ast.parse(path.read_text()).body)
         if not defined:
@@ -58,7 +59,7 @@ def test_the_integration_tier_holds_ci_s_integration_tests():
 def test_the_core_tier_imports_no_other_library():
     problems = []
     for name in sorted(conftest.TIERS["core"]):
-        path = TESTS / name
+        path = PATHS[name]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]

@@ -43,7 +43,7 @@ TOLERANCE = 1e-6
 # bf16 compute, rounded differently by DeepSpeed and ours: (loss, grad norm, lr) relative;
 # measured 1.9e-4 and 1.6e-3 (lr equal); a missed step moves the loss by ~2e-3
 BF16_TOLERANCE = (1e-3, 1e-2, TOLERANCE)
-PUBLIC = Path(__file__).resolve().parent / "configs_in_the_wild" / "public"
+PUBLIC = Path(__file__).resolve().parents[1] / "configs_in_the_wild" / "public"
 
 # A Trainer config as Hugging Face's DeepSpeed docs write it (their ds_config_zero3.json):
 # "auto" wherever Trainer fills the value in from TrainingArguments. "torch_adam": DeepSpeed on

@@ -18,7 +18,8 @@ import torch
 
 import fsdp_models as fm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository: tests/<tier>/ is two folders down
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO, STEPS = 2, 2
 DS_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
              "steps_per_print": 1000, "zero_optimization": {"stage": 3},

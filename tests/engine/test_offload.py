@@ -562,7 +562,7 @@ def _capacity_bench():
     """benchmarks/capacity_check.py: the model a shapes file describes (as test_capacity uses)."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "capacity_check.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "capacity_check.py"
     spec = importlib.util.spec_from_file_location("capacity_check", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

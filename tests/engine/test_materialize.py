@@ -468,7 +468,7 @@ def constructor_init_rank(rank, world):
     size; torchtitan's `init_weights()` gives an unsharded model's values on RaggedDTensor
     parameters and at full shape, and is refused on flat pieces (the DeepSpeed face)."""
     import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "examples"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))
     from gpt_model import GPT, GPTConfig
     out = {}
     group = subgroup(2)
