@@ -205,7 +205,8 @@ def test_bad_uses_in_a_shapes_file(tmp_path):
 
 def test_shampoo_root_work_printed_and_in_json():
     """`--optimizer Shampoo` says how evenly the root work spreads, in text and in --json
-    (shampoo_work.py; each rank's number is Shampoo.root_work(), tests/test_shampoo.py)."""
+    (shampoo_work.py; each rank's number is Shampoo.root_work(),
+    tests/core/optim/test_shampoo.py)."""
     args = ("plan", "--shapes", "examples/models/deepseek-v3.json", "--world-size", "64",
             "--memory", "--optimizer", "Shampoo")
     text = vescale(*args)

@@ -32,7 +32,7 @@ WORLD = 4
 STEPS = 5
 TOL = 1e-6
 # AdamW on the Llama: all parameters together to 1e-6 relative (TOL); a single element may sit
-# higher, as in tests/test_fsdp.py: Adam divides round-off-sized gradient differences by
+# higher, as in tests/core/fsdp/test_fsdp.py: Adam divides round-off-sized gradient differences by
 # their own tiny magnitude whatever the summation order (SGD there: 2e-7).
 PER_TENSOR = 5e-5
 
@@ -228,7 +228,7 @@ def tp_mlp(grads_in_place=True, granularity="rows:1", hsdp=False, hidden=16, mp_
 
 
 class MuonReference:
-    """tests/test_muon.py's one-process Muon (torch.optim.Muon, stacked experts matrix by
+    """tests/engine/test_muon.py's one-process Muon (torch.optim.Muon, stacked experts matrix by
     matrix, fp32 Newton-Schulz) as an optimizer."""
 
     def __init__(self, ref):
@@ -407,7 +407,7 @@ def test_refusals_and_block_rule(pool):
     # [8, 8] of [8, 16], Shard(1)) only between whole local rows; the Replicate bias anywhere
     assert out["blocks"] == {"w1.weight": (1, (8, 8)), "w1.bias": (1, (8,)),
                              "w2.weight": (8, (8, 8)), "w2.bias": (1, (8,))}, out["blocks"]
-    # full_state_dict gives the global tensors (values: tests/test_engine_tp_ep.py)
+    # full_state_dict gives the global tensors (values: tests/engine/test_engine_tp_ep.py)
     assert out["full_shapes"] == {"blocks.0.w1.weight": (16, 8), "blocks.0.w1.bias": (16,),
                                   "blocks.0.w2.weight": (8, 16), "blocks.0.w2.bias": (8,)}, \
         out["full_shapes"]
@@ -978,7 +978,7 @@ def test_adamw8bit_on_tp_and_ep_pieces_equals_one_process(pool):
 # ---------------------------------------------------------------------------- through initialize
 
 def engine_muon_cases(rank, world):
-    """Muon through `initialize` on the (dp 2, tp 2) tiny Llama of tests/test_engine_tp_ep.py
+    """Muon through `initialize` on the (dp 2, tp 2) tiny Llama of tests/engine/test_engine_tp_ep.py
     (the model's TP plan: attention and MLP colwise/rowwise), plain and HSDP (replicate 2 x
     shard 1 x tp 2), against our Muon on one process over the same global batch (unclipped:
     that reference does not clip)."""

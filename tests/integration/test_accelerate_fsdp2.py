@@ -26,17 +26,17 @@ that does nothing) the "ours" run fails here, however equal its numbers.
 assign=True)`s) is a scenario: the line also teaches torch's `distribute_tensor` our placement
 (integrations/torch.py). Not compared here, for want of a reference: `CPUOffloadPolicy`
 (torch's FSDP2 pins host memory, which needs an accelerator: _fsdp_param.py `pin_memory()`;
-ours runs, tests/test_fsdp_module.py).
+ours runs, tests/core/fsdp/test_fsdp_module.py).
 
 TEST SHIM, not product code (`_accelerate_fsdp_on_cpu_shim`): Accelerate takes its FSDP path
 only on an accelerator. Without one, `PartialState` picks no backend for a launched rank (so no
 distributed run at all without `cpu=True`), and with `cpu=True` it is MULTI_CPU, and
 `AcceleratorState` sets `DistributedType.FSDP` (and keeps the plugin) only for the MULTI_GPU-like
 types (accelerate/state.py, 1.16.0: 947-977; 1.11.0: 981-1007), so the plugin is dropped and the
-model gets DDP. The shim makes a launched rank gloo/MULTI_CPU (as tests/test_hf_trainer.py does
-for DeepSpeed) and then does what AcceleratorState does on a GPU: FSDP, the plugin kept, its
-mixed precision set. Both runs of a comparison go through the same shim; torch's FSDP2 itself
-runs on gloo/CPU (tests/test_fsdp2_idioms.py).
+model gets DDP. The shim makes a launched rank gloo/MULTI_CPU (as
+tests/integration/test_hf_trainer.py does for DeepSpeed) and then does what AcceleratorState does on
+a GPU: FSDP, the plugin kept, its mixed precision set. Both runs of a comparison go through the same
+shim; torch's FSDP2 itself runs on gloo/CPU (tests/core/fsdp/test_fsdp2_idioms.py).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ ranks; reference: the same global batch trained in one process without sharding)
   time, save_16bit_model, attribute forwarding and accelerate's unwrap_model;
 - resuming a real DeepSpeed ZeRO-3 checkpoint continues its WarmupLR warmup and counters.
 
-Tolerances: as tests/test_engine.py (fp32 round-off of sharded vs one-process sums, 1e-6).
+Tolerances: as tests/engine/test_engine.py (fp32 round-off of sharded vs one-process sums, 1e-6).
 """
 import json
 import os

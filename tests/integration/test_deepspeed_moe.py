@@ -13,7 +13,7 @@ from torch import nn
 
 MICRO, STEPS, HIDDEN = 4, 5, 16
 CLIP = 0.2  # below every step's norm here: clipping acts at each step
-TOLERANCE = 1e-5  # as tests/test_deepspeed_parity.py (fp32, different summation orders)
+TOLERANCE = 1e-5  # as tests/integration/test_deepspeed_parity.py (fp32, different summation orders)
 OPT = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.0}
 DEEPSPEED_CONFIG = {
     "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,

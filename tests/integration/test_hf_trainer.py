@@ -432,10 +432,10 @@ SCENARIOS = {
 }
 # LLaMA-Factory's and axolotl's default: each decoder layer under a reentrant checkpoint (its
 # whole call, hooks inside, before transformers 5.x; its forward after), and the embeddings'
-# output made to require grad. Run in a module of its own, tests/test_hf_trainer_reentrant.py:
-# at the lowest versions (transformers 5.6, accelerate 1.11, deepspeed 0.19.3) DeepSpeed's own
-# Accelerate run below saved empty tensors when it ran after this scenario in the same module
-# (cause not found).
+# output made to require grad. Run in a module of its own,
+# tests/integration/test_hf_trainer_reentrant.py: at the lowest versions (transformers 5.6,
+# accelerate 1.11, deepspeed 0.19.3) DeepSpeed's own Accelerate run below saved empty tensors when
+# it ran after this scenario in the same module (cause not found).
 LAST_SCENARIOS = {
     "reentrant_checkpointing": (dict(optimizer=True, scheduler=False),
                                 dict(gradient_checkpointing=True,

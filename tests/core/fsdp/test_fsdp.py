@@ -687,7 +687,8 @@ def _mixed_devices():
 
 
 def _small_mesh(world):
-    """A mesh without rank 0 (a sub-mesh is fine for the ranks in it: tests/test_tp_ep.py)."""
+    """A mesh without rank 0 (a sub-mesh is fine for the ranks in it:
+    tests/engine/test_tp_ep.py)."""
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh("cpu", list(range(1, world)))
 

@@ -17,7 +17,8 @@ REFUSED = {
     "shard_placement_fn_shard1": r"shard_placement_fn returned Shard\(1\)",
 }
 # FSDP2 itself cannot run these on CPU (no other FSDP2 failure is skipped: a harness error
-# would otherwise hide as a missing reference). Ours is tested in tests/test_fsdp_module.py.
+# would otherwise hide as a missing reference). Ours is tested in
+# tests/core/fsdp/test_fsdp_module.py.
 NO_REFERENCE_ON_CPU = {"cpu_offload_policy"}  # FSDP2 asks for an accelerator
 # Not supported yet, and loud about it: none left (kept for the next gap).
 NOT_YET = {}
