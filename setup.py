@@ -3,8 +3,8 @@
 The version ranges are the ones CI tests at both ends: the lowest versions
 (.ci/lowest-constraints.txt, CI's second pass) and the newest releases below each cap (its first
 pass); vescale_engine/versions.py lists the same ranges and refuses a version below them at
-`patch_deepspeed()` / `initialize`; tests/test_versions.py keeps the three equal. The [hf]
-floors admit the versions LLaMA-Factory 0.9.5 and axolotl 0.19.0 pin.
+`patch_deepspeed()` / `initialize`; tests/integration/test_versions.py keeps the three equal. The
+[hf] floors admit the versions LLaMA-Factory 0.9.5 and axolotl 0.19.0 pin.
 
 On a machine without a GPU, install torch's CPU build first (`bash .ci/setup-venv` does), so
 that pip does not pull a multi-GB CUDA build.

@@ -32,7 +32,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if HERE not in sys.path:  # imported by path (tests/test_capacity.py): ranks.py beside it
+if HERE not in sys.path:  # imported by path (tests/engine/test_capacity.py): ranks.py beside it
     sys.path.append(HERE)
 from ranks import command_line, cpu_model, run_one, write_report  # noqa: E402
 MODELS = {name: os.path.join(HERE, "capacity_models", f"{name}.json")

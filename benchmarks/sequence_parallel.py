@@ -65,7 +65,7 @@ def _parser():
 
 # ----------------------------------------------------------------------------- in a rank
 
-# What the ranks of this benchmark and of tests/test_sequence_parallel.py share.
+# What the ranks of this benchmark and of tests/integration/test_sequence_parallel.py share.
 
 def gather_for_loss(group, value):
     """torch.distributed.nn.functional.all_gather with a gloo-safe backward (an all-reduce,

@@ -130,7 +130,7 @@ def main():
     lines += ["", "- Bytes per step: each all-gather and reduce-scatter moves (W - 1) x the shard "
               "elements x the dtype size per rank, so equal collective counts and shard "
               "elements mean equal bytes; Shampoo's optimizer step itself sends nothing "
-              "(tests/test_shampoo.py counts it).",
+              "(tests/core/optim/test_shampoo.py counts it).",
               f"- Loss curves: `{os.path.relpath(png, ROOT)}`."]
     write_report(report, lines)
 

@@ -4,7 +4,7 @@ blocks each rank holds), at the default max_preconditioner_dim 1024 (rows:1024 s
 `vescale_engine.plan.capacity` (what `vescale plan --memory --optimizer Shampoo` prints), and
 the same at B = 256 (`--max-preconditioner-dim 256`): smaller row runs, more of them per rank. Pure
 Python, no torch: computed from the plans, the same numbers each rank's Shampoo.root_work()
-gives (tests/test_shampoo.py checks them rank by rank).
+gives (tests/core/optim/test_shampoo.py checks them rank by rank).
 
     python benchmarks/shampoo_balance.py    # writes benchmarks/results/shampoo_balance.md
 """

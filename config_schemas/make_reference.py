@@ -140,7 +140,7 @@ def render() -> str:
         "# Configuration reference",
         "",
         f"Generated from `config_schemas/{SCHEMA_PATH.name}` by `{COMMAND}`; do not edit by "
-        "hand (tests/test_docs.py fails when this file and the schema disagree).",
+        "hand (tests/engine/test_docs.py fails when this file and the schema disagree).",
         "",
         schema.get("description", ""),
         "",

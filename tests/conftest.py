@@ -1,3 +1,4 @@
+import glob
 import importlib.util
 import json
 import os
@@ -6,8 +7,15 @@ import time
 
 import pytest
 
-# Make `dist_harness` importable by the test modules and by the spawned ranks.
-sys.path.insert(0, os.path.dirname(__file__))
+# The helpers (dist_harness, fsdp_models, fsdp2_idioms) live here, the test files in folders
+# below (docs/testing.md). This folder and every folder holding test files go on sys.path, so
+# that a test module imports the helpers and another test module by its name (basenames are
+# unique: tests/engine/test_tiers.py checks it), and so do the ranks of a pool, which get this
+# sys.path as PYTHONPATH and import a test's function by its module's name.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TEST_DIRS = sorted({os.path.dirname(path) for path in
+                    glob.glob(os.path.join(TESTS, "*", "**", "test_*.py"), recursive=True)})
+sys.path[:0] = [path for path in [TESTS, *TEST_DIRS] if path not in sys.path]
 
 # The suite trains CPU models on gloo, also on a GPU machine (where the engine would pick
 # NCCL): the engine, `vescale run` and every rank or script started from a test (they inherit
@@ -98,54 +106,34 @@ def pytest_generate_tests(metafunc):
 
 
 # -- test tiers ---------------------------------------------------------------------------------
-# `pytest -m core tests`: the sharding core (plan, shard, fsdp, optim, checkpoint) with no other
-# library than torch, a few minutes on 2 cores; `pytest -m integration tests`: the tests of other
-# libraries (DeepSpeed's engine and launcher, transformers, PEFT, TRL, Accelerate, mpirun).
-# Every other test file is in the "engine" tier (the engine, launch, config, docs, examples,
-# benchmarks), but for the few tests of other launchers named in INTEGRATION_TESTS, which are
-# integration. Each test gets its file's marker (or that one); tests/test_tiers.py checks that
-# every test file is in exactly one tier and that the integration tier holds
+# A test's folder gives its markers (docs/testing.md). Every test has exactly one tier, core,
+# engine or integration, and the tests of tests/jobs/ have the marker `jobs` as well:
+# - tests/core/<package>/: `core`, the sharding core (plan, shard, fsdp, optim, checkpoint) with
+#   no other library than torch (`pytest -m core tests`);
+# - tests/engine/: `engine`, the engine, launch, config, docs, examples, benchmarks;
+# - tests/integration/: `integration`, the tests of other libraries (DeepSpeed's engine,
+#   transformers, PEFT, TRL, Accelerate; `pytest -m integration tests`);
+# - tests/jobs/: `jobs`, the files whose tests start whole jobs or launchers as processes
+#   (`pytest -m "not jobs" tests` leaves them out), each in the integration tier where it runs
+#   another library's launcher or DeepSpeed (JOBS_INTEGRATION), else in the engine tier.
+# The few tests of another launcher (mpirun, DeepSpeed's) in files of the engine tier are
+# integration (INTEGRATION_TESTS). tests/engine/test_tiers.py checks that every test file is in
+# one of these folders, that these names exist and that the integration tier holds
 # .ci/integration-tests.txt.
 TIER_HELP = {
-    "core": "plan, shard, fsdp, optim and checkpoint tests, torch only (pytest -m core)",
+    "core": "plan, shard, fsdp, optim and checkpoint tests, torch only (tests/core/; "
+            "pytest -m core)",
     "integration": "tests of other libraries: DeepSpeed, transformers, PEFT, TRL, Accelerate, "
-                   "mpirun (pytest -m integration)",
+                   "mpirun (tests/integration/ and some of tests/jobs/; pytest -m integration)",
     "engine": "every other test: the engine, launch, config, docs, examples, benchmarks",
+    "jobs": "tests that start whole jobs or launchers as processes (tests/jobs/; the everyday "
+            "run leaves them out: pytest -m 'not jobs')",
 }
-TIERS = {
-    "core": {
-        "test_planner.py", "test_plan_ep.py", "test_ragged.py", "test_ragged_dtensor.py",
-        "test_fsdp.py", "test_fsdp2_torch_utils.py", "test_fsdp_module.py", "test_fsdp2_idioms.py",
-        "test_shampoo.py", "test_checkpoint_faults.py", "test_wrap_policy.py", "test_layering.py",
-        "test_parallel_layout.py", "test_fsdp2_checkpoint_interchange.py", "test_torch_compat.py",
-        "test_fsdp2_peer_behaviours.py", "test_fsdp_gradients_outside_forward.py",
-    },
-    "integration": {
-        # .ci/integration-tests.txt (CI runs them again at the lowest supported versions; the
-        # GPU check's CPU dry run too, which runs DeepSpeed beside ours)
-        "test_hf_trainer.py", "test_hf_trainer_reentrant.py", "test_hf_lora.py", "test_trl.py",
-        "test_deepspeed_parity.py", "test_deepspeed_api.py", "test_deepspeed_params.py",
-        "test_hf_checkpoint.py", "test_hf_zero_init.py", "test_versions.py",
-        "test_autograd_features.py", "test_accelerate_fsdp2.py", "test_sequence_parallel.py",
-        "test_engine_compile.py", "test_gpu_check.py",
-        # and the other tests of other libraries
-        "test_config_in_the_wild.py", "test_deepspeed_moe.py", "test_launchers.py",
-        "test_integrations.py", "test_deepspeed_zero3_behaviours.py",
-    },
-    "engine": {
-        "test_adamw8bit.py", "test_benchmark_ranks.py", "test_capacity.py", "test_checkpoint.py",
-        "test_checkpoint_async.py",
-        "test_colocation.py", "test_config_schema.py", "test_device.py",
-        "test_device_hygiene.py", "test_docs.py", "test_engine.py", "test_engine_config.py",
-        "test_engine_faults.py", "test_engine_tp_ep.py", "test_example.py", "test_fail_fast.py",
-        "test_launch_env.py", "test_launcher_faults.py", "test_logging.py",
-        "test_materialize.py", "test_moe_benchmark.py", "test_muon.py", "test_offload.py",
-        "test_offload_benchmark.py", "test_package.py", "test_plan_cli.py",
-        "test_quantized_comm.py", "test_requires_grad.py", "test_tiers.py", "test_tp_ep.py", "test_vescale_run.py",
-        "test_training_state.py",
-    },
-}
+TIERS = ("core", "engine", "integration")  # each a folder of tests/ too
 
+# The files of tests/jobs/ in the integration tier: they run another library's launcher
+# (deepspeed, mpirun) or DeepSpeed itself (beside ours, in a benchmark).
+JOBS_INTEGRATION = {"test_launchers.py", "test_gpu_check.py", "test_offload_benchmark.py"}
 
 # Tests of another launcher (mpirun, DeepSpeed's) in files of the engine tier: integration.
 INTEGRATION_TESTS = {
@@ -156,20 +144,34 @@ INTEGRATION_TESTS = {
 }
 
 
-def tier_of(filename: str):
-    """The tier a test file is in (None: in none, which tests/test_tiers.py reports)."""
-    found = [tier for tier, files in TIERS.items() if filename in files]
-    return found[0] if len(found) == 1 else None
+def markers_of(path) -> list:
+    """The markers of a test file's tests, from its folder under tests/: [tier], or [tier, "jobs"]
+    in tests/jobs/ ([]: outside these folders, which tests/engine/test_tiers.py reports)."""
+    parts = os.path.relpath(os.path.abspath(path), TESTS).split(os.sep)
+    if len(parts) < 2:
+        return []
+    if parts[0] in TIERS:
+        return [parts[0]]
+    if parts[0] == "jobs":
+        return ["integration" if parts[-1] in JOBS_INTEGRATION else "engine", "jobs"]
+    return []
+
+
+def tier_of(path):
+    """The tier of a test file (None: in no tier folder)."""
+    markers = markers_of(path)
+    return markers[0] if markers else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = tier_of(item.path.name)
-        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in INTEGRATION_TESTS:
-            tier = "integration"
-        if tier is not None:
-            item.add_marker(getattr(pytest.mark, tier))
+        markers = markers_of(item.path)
+        key = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        if markers and key in INTEGRATION_TESTS:
+            markers[0] = "integration"
+        for marker in markers:
+            item.add_marker(getattr(pytest.mark, marker))
 
 
 def pytest_terminal_summary(terminalreporter):

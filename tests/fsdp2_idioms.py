@@ -25,7 +25,7 @@ Run all idioms and print the table (2 to 4 minutes on 2 cores):
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python tests/fsdp2_idioms.py [IDIOM ...]
 
-tests/test_fsdp2_idioms.py turns each idiom into a test. An idiom is independent of the others: the ranks that ran it are
+tests/core/fsdp/test_fsdp2_idioms.py turns each idiom into a test. An idiom is independent of the others: the ranks that ran it are
 replaced whenever either engine raised, crashed or hung, so no half-finished collective or
 module state leaks into the next idiom.
 """

@@ -1,6 +1,7 @@
 """The library versions veScale Engine supports: for each, the lowest version CI tests (its
 second pass, .ci/lowest-constraints.txt) and the release line above the newest it tests (its
-first pass). setup.py declares the same ranges; tests/test_versions.py keeps the three equal.
+first pass). setup.py declares the same ranges; tests/integration/test_versions.py keeps the three
+equal.
 
 `check_versions()` runs at `patch_deepspeed()` and at `initialize`: each library that is
 imported by then is checked once, and one below its range is a one-line ImportError naming the

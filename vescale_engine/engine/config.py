@@ -300,8 +300,9 @@ def _offload_param(zero: dict) -> bool:
 
 
 # DeepSpeed's GRADIENT_CLIPPING_DEFAULT (deepspeed/runtime/constants.py): 1.0 from the lowest
-# supported DeepSpeed to 0.19.8. Ours, not read from their source: tests/test_engine_config.py
-# compares it with the installed DeepSpeed's and fails naming both if they part.
+# supported DeepSpeed to 0.19.8. Ours, not read from their source:
+# tests/engine/test_engine_config.py compares it with the installed DeepSpeed's and fails naming
+# both if they part.
 DEEPSPEED_GRADIENT_CLIPPING_DEFAULT = 1.0
 
 

@@ -12,8 +12,8 @@ architectures `save_pretrained` writes) see the model they built. `release` (fsd
 gives the module its original class back.
 
 Every public method of torch's FSDPModule is defined here: what FSDP2 does with it, done on
-the unit, or NotImplementedError naming the method and why (tests/test_fsdp_module.py checks
-that none is left to torch's, which would look for FSDP2's state).
+the unit, or NotImplementedError naming the method and why (tests/core/fsdp/test_fsdp_module.py
+checks that none is left to torch's, which would look for FSDP2's state).
 """
 from __future__ import annotations
 

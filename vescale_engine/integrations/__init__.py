@@ -4,9 +4,9 @@ remove it: `patch_deepspeed()`, `patch_fsdp2()` and `unpatch()` (`vescale_engine
 patch_deepspeed`, `vescale_engine.patch_fsdp2` and `vescale_engine.unpatch` are these).
 
 The core (plan, shard, fsdp, checkpoint, optim, init, engine, ...) never imports this package
-and never assigns another library's attributes (tests/test_layering.py checks both). The one
-way in is the package root's lazy names `vescale_engine.patch_deepspeed` / `unpatch` (by name,
-not an import statement); `vescale_engine.initialize` installs nothing (it checks versions
+and never assigns another library's attributes (tests/core/package/test_layering.py checks both).
+The one way in is the package root's lazy names `vescale_engine.patch_deepspeed` / `unpatch` (by
+name, not an import statement); `vescale_engine.initialize` installs nothing (it checks versions
 only, versions.py), so a script that never calls patch_deepspeed() runs unpatched. The
 replacement functions here decide when our engine is concerned and call into the core (our
 engine, init/zero.py's MetaInit, fsdp/deepspeed_params.py's GatheredShards, ...).

@@ -53,7 +53,8 @@ def shampoo_block_cut(shape, granularity_block: int, block: int):
     """The first flat element at which sharding a tensor of `shape` in atomic blocks of
     `granularity_block` elements may cut a Shampoo block of B = `block` rows (None when it never
     does: tensors of fewer than 2 dims, rows:B or a multiple of B, whole matrices). The same
-    rule as optim/shampoo.py's block_cut, without torch (tests/test_capacity.py compares them)."""
+    rule as optim/shampoo.py's block_cut, without torch (tests/engine/test_capacity.py compares
+    them)."""
     shape = tuple(shape)
     numel = math.prod(shape)
     if len(shape) < 2 or numel == 0:

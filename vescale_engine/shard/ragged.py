@@ -12,8 +12,8 @@ async work handles. gloo rejects all_gather with unequal sizes, so it is never u
 The redistributions (ragged_to_replicate, ragged_to_ragged, ragged_to_root, root_to_ragged,
 and their batched forms ragged_to_roots / roots_to_ragged that move many tensors, each to or
 from its own root, in one all-to-all; also exported by `vescale_engine.shard`) are public API
-for code holding sharded tensors and their RaggedShards (tests/test_ragged.py). Muon gathers
-each matrix onto the rank that orthogonalizes it and scatters the result back through the
+for code holding sharded tensors and their RaggedShards (tests/core/shard/test_ragged.py). Muon
+gathers each matrix onto the rank that orthogonalizes it and scatters the result back through the
 batched forms; DBuffers gather and reduce whole buffers (collectives.py).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ micro_batch_per_gpu * gradient_acc_step * world_size 4 != 2 * 2 * 2"). And `cpu=
 skip its DeepSpeed path altogether. Here a launched rank (LOCAL_RANK set, cpu not asked) that
 got no backend gets gloo, as Accelerate 1.11 (LLaMA-Factory's pin) already chooses on its own,
 so that Trainer takes its DeepSpeed path as it does on GPUs. The same as the test suite's
-`_accelerate_on_cpu_shim` (tests/test_hf_trainer.py). Accelerate is patched when it is
+`_accelerate_on_cpu_shim` (tests/integration/test_hf_trainer.py). Accelerate is patched when it is
 imported; nothing else is touched."""
 import importlib.abc
 import importlib.util
