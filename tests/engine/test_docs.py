@@ -118,7 +118,9 @@ def test_migration_engine_calls_exist():
     assert {"backward", "step", "no_sync", "train", "eval", "destroy"} <= called
     missing = sorted(n for n in called if not callable(getattr(VeScaleEngine, n, None)))
     assert not missing, missing
-    init = inspect.getsource(VeScaleEngine.__init__)
+    init = inspect.getsource(VeScaleEngine.__init__)  # and the _init_* helpers it calls
+    init += "".join(inspect.getsource(getattr(VeScaleEngine, name))
+                    for name in re.findall(r"self\.(_init_\w+)\(", init))
     missing = sorted(n for n in attributes
                      if f"self.{n} =" not in init and not callable(getattr(VeScaleEngine, n, None)))
     assert not missing, missing

@@ -3,6 +3,7 @@ the scheduler, with DeepSpeed's signature and step semantics."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -78,12 +79,32 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._init_ranks(config.parallel, meshes, mpu)
+        self.local_rank = discover().local_rank
+        self.loss_scaler = scaling.from_config(config.fp16)  # None unless fp16
+        self.timers = WallClockBreakdown(config.wall_clock_breakdown)
+        self.monitor = Monitors(config.raw, self.global_rank)
+        self._monitor_events = PendingScalars(self.monitor)  # written once on the host
+        self.progress = Progress(config.steps_per_print, self.global_rank, device)
+        self._init_step_state()
+        self.checkpoint_stall_s = None  # the last save_checkpoint's time in the caller
+        self._compile_report = None  # set by compile()
+        self._colocation = Colocation(module, optimizer, device)  # offload_states' record
+        self._colocation.expose_on(optimizer, self.offload_states, self.reload_states)
+        # checkpoint.writer.decoupled: saves written by a thread (a collective: its group)
+        self._saves = BackgroundSaves() if config.background_saves else None
+        # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
+        self._signal_save = SignalSave(config.save_on_signal, device) \
+            if config.save_on_signal is not None else None
+
+    def _init_ranks(self, sizes, meshes, mpu) -> None:
+        """DeepSpeed's rank and group attributes, from the parallel sizes (None without TP,
+        EP or SP), the TP/EP meshes and DeepSpeed's Ulysses mpu."""
         self.process_group = dist.group.WORLD
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
         # DeepSpeed's names: the data-parallel ranks (world / (autotp_size x sequence-parallel
         # size)) and this one's place; the ranks the parameters are sharded over (every rank)
-        sizes = config.parallel
         self.dp_world_size = sizes.dp if sizes is not None else self.world_size
         self.dp_rank = sizes.dp_rank(self.global_rank) if sizes is not None else self.global_rank
         self.seq_dp_world_size = self.world_size // (sizes.tp if sizes is not None else 1)
@@ -98,12 +119,9 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         # the ranks of a TP group must get the same batch: checked on the first forward
         self._tp_batch_group = meshes.tp.get_group() \
             if meshes is not None and sizes.tp > 1 else None
-        self.local_rank = discover().local_rank
-        self.loss_scaler = scaling.from_config(config.fp16)  # None unless fp16
-        self.timers = WallClockBreakdown(config.wall_clock_breakdown)
-        self.monitor = Monitors(config.raw, self.global_rank)
-        self._monitor_events = PendingScalars(self.monitor)  # written once on the host
-        self.progress = Progress(config.steps_per_print, self.global_rank, device)
+
+    def _init_step_state(self) -> None:
+        """Where the engine is between forward, backward and step (none of it yet)."""
         self._grad_norm = None
         self._tokens = None
         self._output_loss = None     # the last forward's output, when it is a scalar loss
@@ -119,15 +137,6 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self._boundary = None  # set_gradient_accumulation_boundary's value, once called
         self._in_step = False  # inside step() (managed_gradient_accumulation false: a boundary)
         self._unmanaged_backwards = 0  # backward passes since the last step(), when unmanaged
-        self.checkpoint_stall_s = None  # the last save_checkpoint's time in the caller
-        self._compile_report = None  # set by compile()
-        self._colocation = Colocation(module, optimizer, device)  # offload_states' record
-        self._colocation.expose_on(optimizer, self.offload_states, self.reload_states)
-        # checkpoint.writer.decoupled: saves written by a thread (a collective: its group)
-        self._saves = BackgroundSaves() if config.background_saves else None
-        # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
-        self._signal_save = SignalSave(config.save_on_signal, device) \
-            if config.save_on_signal is not None else None
 
     # -- forward and backward ------------------------------------------------------------------
 
@@ -599,14 +608,47 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def _initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
                 dist_init_required, collate_fn, config, config_params):
+    """The pipeline: join -> config -> agree -> meshes -> parallelize -> shard -> weights ->
+    optimizer -> loader, each stage a function below with what it returns."""
     check_versions()  # the libraries imported by now, each once (versions.py)
     if model is None:
         raise ValueError("initialize needs a model")
+    raw, device = _join(_config_source(args, config, config_params), dist_init_required)
+    cfg, plan = _agreed_config(raw, model, optimizer, mpu, device)
+    _check_inputs(model, optimizer, lr_scheduler, cfg)
+    # Parameters by name, before wrapping replaces them: the client optimizer's groups (as
+    # DeepSpeed, model_parameters is then unused), else model_parameters (only these are
+    # optimized), else every trainable parameter.
+    instance = isinstance(optimizer, torch.optim.Optimizer)
+    chosen = client_optimizer_groups(optimizer, model) if instance else \
+        None if model_parameters is None else named_model_parameters(model_parameters, model)
+    model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
+    on_meta = any(p.is_meta for p in model.parameters())
+    take_rank0_values(model)  # before any sharding or tensor-parallel split
+    placed = _parallelize(model, cfg, plan, device)
+    module = wrap_model(model, cfg, placed.mesh, placed.experts)
+    guard_save_pretrained(module)  # its own state_dict() now holds flat pieces
+    _weights(module, cfg, device, on_meta)
+    params = [p for p in module.parameters() if p.requires_grad] if chosen is None else \
+        resolve_named_parameters(chosen, module)
+    opt, sched = _optimizer(cfg, optimizer, lr_scheduler, params)
+    engine = VeScaleEngine(module, cfg, opt, sched, device, placed.meshes, mpu)
+    return engine, opt, _loader(engine, training_data, mpu, collate_fn), sched
+
+
+def _config_source(args, config, config_params):
+    """Where the config comes from: config=, config_params=, else args.deepspeed_config."""
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
     if source is None:
         raise ValueError("no config: pass config=, config_params= or args.deepspeed_config")
+    return source
+
+
+def _join(source, dist_init_required) -> tuple:
+    """(the raw config, this rank's device): the process group joined with the timeouts the
+    config's vescale section asks for (checked with the rest once every rank is in)."""
     from config_schemas.validate import read_config
     raw = read_config(source)
     section = raw.get("vescale", {}) if isinstance(raw, dict) else {}
@@ -617,8 +659,14 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S,
         create=dist_init_required is not False,
         rendezvous_timeout_s=float(meet) if isinstance(meet, (int, float)) and meet > 0 else None)
-    error = plan = None
-    try:  # every config error before wrapping
+    return raw, device
+
+
+def _agreed_config(raw, model, optimizer, mpu, device) -> tuple:
+    """(EngineConfig, the TP/EP plan or None), the same on every rank: every config error is
+    found before wrapping, and the first collective makes every rank stop on any rank's."""
+    error = plan = cfg = None
+    try:
         sp = sequence_parallel_size(mpu)  # DeepSpeed's Ulysses groups, or 1
         cfg = build_config(raw, dist.get_world_size(), sp)
         if cfg.parallel.enabled:  # the model's side of it, still before any collective
@@ -626,12 +674,16 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
             plan = check_plan(model, cfg.parallel, cfg.tensor_parallel_plan)
     except Exception as err:  # the other ranks must hear of it, not wait in a collective
         error = err
-    # The first collective: every rank's config the same (or every rank stops).
     require_same_config(None if error else config_facts(cfg.canonical),
                         None if error is None else
                         (str(error).splitlines() or [type(error).__name__])[0], device)
     if error is not None:
         raise error
+    return cfg, plan
+
+
+def _check_inputs(model, optimizer, lr_scheduler, cfg) -> None:
+    """The model, optimizer and scheduler the caller passed, refused before anything changes."""
     require_not_partitioned(model)
     if units_under(model):  # DeepSpeed builds a second engine over its partitioned model
         raise ValueError(
@@ -641,42 +693,49 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
     if optimizer is None:
         optimizer_spec(cfg.optimizer)
     check_client_scheduler(lr_scheduler, optimizer)
-    instance = isinstance(optimizer, torch.optim.Optimizer)
-    # Parameters by name, before wrapping replaces them: the client optimizer's groups (as
-    # DeepSpeed, model_parameters is then unused), else model_parameters (only these are
-    # optimized), else every trainable parameter.
-    chosen = client_optimizer_groups(optimizer, model) if instance else \
-        None if model_parameters is None else named_model_parameters(model_parameters, model)
-    model = place_model(model, device)  # before wrapping: the DBuffers are made where it is
-    on_meta = any(p.is_meta for p in model.parameters())
-    take_rank0_values(model)  # before any sharding or tensor-parallel split
-    meshes = experts = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the model's parameters go: the data-parallel mesh its units shard over, the
+    TP/EP meshes (None without TP/EP) and the expert units."""
+    mesh: object
+    meshes: object = None
+    experts: ExpertUnits | None = None
+
+
+def _parallelize(model, cfg, plan, device) -> Placement:
+    """TP/EP first (DTensors on their meshes), then the mesh the units shard the pieces over."""
     if plan is None:
-        mesh = device_mesh(cfg, device)
-    else:  # TP/EP first (DTensors on their meshes), then data-parallel sharding of the pieces
-        meshes = build_meshes(cfg.parallel, device.type)
-        apply_parallel_plan(model, plan, meshes)
-        mesh = meshes.dense_dp()
-        if plan.expert_modules:
-            experts = ExpertUnits(tuple(model.get_submodule(n) for n in plan.expert_modules),
-                                  meshes.expert_dp(), float(cfg.parallel.dp))
-    module = wrap_model(model, cfg, mesh, experts)
-    guard_save_pretrained(module)  # its own state_dict() now holds flat pieces
-    if on_meta or cfg.hf_checkpoint:  # the weights the optimizer will hold; for random init
-        # random init draws from the generator as the caller left it (or, for a model built
-        # inside a vescale zero.Init, as it was at the build: init/zero.py)
+        return Placement(device_mesh(cfg, device))
+    meshes = build_meshes(cfg.parallel, device.type)
+    apply_parallel_plan(model, plan, meshes)
+    experts = None
+    if plan.expert_modules:
+        experts = ExpertUnits(tuple(model.get_submodule(n) for n in plan.expert_modules),
+                              meshes.expert_dp(), float(cfg.parallel.dp))
+    return Placement(meshes.dense_dp(), meshes, experts)
+
+
+def _weights(module, cfg, device, on_meta) -> None:
+    """The weights the optimizer will hold, then the config's seed."""
+    if on_meta or cfg.hf_checkpoint:  # for random init, init draws from the generator as the
+        # caller left it (or, for a model built inside a vescale zero.Init, as it was at the
+        # build: init/zero.py)
         prepare_weights(module, cfg, device)
     require_materialized(module, "initialize")
     if cfg.seed is not None:  # after init (wrapping draws nothing): same stream either way
         _seed_everything(cfg.seed)
-    if chosen is None:
-        params = [p for p in module.parameters() if p.requires_grad]
-    else:
-        params = resolve_named_parameters(chosen, module)
+
+
+def _optimizer(cfg, optimizer, lr_scheduler, params) -> tuple:
+    """(optimizer, scheduler) over the sharded parameters: the client's instance rebuilt over
+    them, or one the config or a class names; offloaded before any state exists."""
     offload = cfg.offload_optimizer
     if offload is None and optimizer is None and cfg.optimizer is None:
         offload = cfg.offload_param_alone  # no optimizer: DeepSpeed's shards are on the host
-    if instance:  # with offload, Trainer's torch AdamW becomes ours (steps on the host)
+    if isinstance(optimizer, torch.optim.Optimizer):  # with offload, Trainer's torch AdamW
+        # becomes ours (steps on the host)
         opt = rebuild_for_offload(optimizer, params) if offload else \
             rebuild_optimizer(optimizer, params)
     else:
@@ -686,19 +745,22 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         opt.offload_to_host(**offload)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
     serve_optimizer(opt)  # its state for DeepSpeed's safe_get_full_optimizer_state and kin
-    engine = VeScaleEngine(module, cfg, opt, sched, device, meshes, mpu)
-    loader = None
-    if training_data is not None and engine.sequence_parallel_size > 1:
-        loader = sequence_parallel_loader(training_data, mpu, cfg.batch.micro_batch_per_gpu,
-                                          collate_fn, device)
-    elif training_data is not None:  # one shard of the data per data-parallel rank: the ranks
-        # of a TP group get the same batches
-        sampler = torch.utils.data.distributed.DistributedSampler(
-            training_data, num_replicas=engine.dp_world_size, rank=engine.dp_rank)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.batch.micro_batch_per_gpu,
-                                             sampler=sampler, collate_fn=collate_fn,
-                                             pin_memory=device.type == "cuda")
-    return engine, opt, loader, sched
+    return opt, sched
+
+
+def _loader(engine, training_data, mpu, collate_fn):
+    """The training loader: one shard of the data per data-parallel rank (the ranks of a TP
+    group get the same batches), or DeepSpeed's Ulysses loader; None without data."""
+    if training_data is None:
+        return None
+    micro = engine.engine_config.batch.micro_batch_per_gpu
+    if engine.sequence_parallel_size > 1:
+        return sequence_parallel_loader(training_data, mpu, micro, collate_fn, engine.device)
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        training_data, num_replicas=engine.dp_world_size, rank=engine.dp_rank)
+    return torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
+                                       collate_fn=collate_fn,
+                                       pin_memory=engine.device.type == "cuda")
 
 
 def _require_parallel_optimizer(optimizer) -> None:
