@@ -599,6 +599,22 @@ def test_no_class_or_function_of_the_runtime_core_outgrows_the_limits():
     assert not oversized(), oversized()
 
 
+MAX_ENGINE_FUNCTION_LINES = 40  # initialize's stages and VeScaleEngine's methods: glue
+
+
+def test_initialize_and_the_engine_methods_stay_short():
+    engine = ROOT / PACKAGE / "engine" / "engine.py"
+    long = []
+    for node in ast.walk(ast.parse(engine.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = node.body[0]
+            start = doc.end_lineno + 1 if isinstance(doc, ast.Expr) and \
+                isinstance(doc.value, ast.Constant) else doc.lineno
+            if node.end_lineno - start + 1 > MAX_ENGINE_FUNCTION_LINES:
+                long.append(f"{node.name}: {node.end_lineno - start + 1} lines of code")
+    assert not long, long
+
+
 def test_the_size_checker_counts_lines_attributes_and_code(tmp_path):
     pkg = tmp_path / PACKAGE / "fsdp"
     pkg.mkdir(parents=True)
