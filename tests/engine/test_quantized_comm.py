@@ -479,8 +479,14 @@ def fp8_run(rank, world, fmt, steps, matmul=False):
             "fc_gap": None if out is None else ((out - plain).norm() / plain.norm()).item()}
 
 
-def test_fp8_weight_gathers_with_tile_scales_train_within_one_percent(pools):
-    plain = pools(2).run(fp8_run, "bf16", STEPS)[0]
+@pytest.fixture(scope="module")
+def fp8_plain(pools):
+    """The bf16 run both FP8 tests compare with (the same GPT, tiles and steps): run once."""
+    return pools(2).run(fp8_run, "bf16", STEPS)[0]
+
+
+def test_fp8_weight_gathers_with_tile_scales_train_within_one_percent(pools, fp8_plain):
+    plain = fp8_plain
     fp8 = pools(2).run(fp8_run, "fp8_e4m3", STEPS)[0]
     final = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731
     assert final(plain) < 0.75 * plain["losses"][0]
@@ -491,13 +497,13 @@ def test_fp8_weight_gathers_with_tile_scales_train_within_one_percent(pools):
     assert fp8["per_step"] == 0 and fp8["fc_gap"] == 0  # nn.Linear on the dequantized weight
 
 
-def test_fp8_matmul_computes_linears_from_the_gathered_tiles(pools):
+def test_fp8_matmul_computes_linears_from_the_gathered_tiles(pools, fp8_plain):
     """vescale.fp8_matmul: every Linear of the GPT (4 per block, the tied head) computes its
     forward from the gathered FP8 tiles, not from the dequantized weight, and training ends
     within 2% of the bf16 run's loss (the input is FP8 too: each product carries both
     operands' e4m3 rounding, ~2.7% each; measured 1.01% here); a weight written after its
     gather is used as written."""
-    plain = pools(2).run(fp8_run, "bf16", STEPS)[0]
+    plain = fp8_plain
     fp8 = pools(2).run(fp8_run, "fp8_e4m3", STEPS, True)[0]
     final = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731
     assert fp8["per_step"] == 4 * 4 + 1
