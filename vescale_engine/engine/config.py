@@ -366,14 +366,7 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
     steps_per_print = config.get("steps_per_print", 10)
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
-    offload = _offload_optimizer(zero.get("offload_optimizer"))
-    alone = None
-    if _offload_param(zero):
-        pin = bool((zero.get("offload_param") or {}).get("pin_memory", False))
-        if offload is not None:
-            offload = {**offload, "offload_param": True, "pin_memory": offload["pin_memory"] or pin}
-        else:
-            alone = {"ratio": 1.0, "pin_memory": pin, "offload_param": True}
+    offload, alone = _offload_settings(zero)
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
         else default_gradient_clipping()
     return EngineConfig(
@@ -414,13 +407,33 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         canonical=config,
         background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
                               .get("decoupled", False)),
-        communication=_communication(zero, ves, stage, sizes, offload, prefix),
-        sharding=ShardingPolicy(max_buffers=ves.get("planner", {}).get("max_buffers", 4),
-                                align_bytes=ves.get("planner", {}).get("align_bytes", 16),
-                                face=ZeRO3Pieces()),
-        memory=MemoryPolicy(grads_in_place=ves.get("grads_in_place", True),
-                            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0))),
+        **_policies(zero, ves, stage, sizes, offload, prefix),
     )
+
+
+def _offload_settings(zero: dict) -> tuple:
+    """(offload_optimizer settings or None, offload_param alone or None): offload_param joins
+    offload_optimizer's host copy where both are set (either one pins), else stands alone."""
+    offload = _offload_optimizer(zero.get("offload_optimizer"))
+    if not _offload_param(zero):
+        return offload, None
+    pin = bool((zero.get("offload_param") or {}).get("pin_memory", False))
+    if offload is not None:
+        return {**offload, "offload_param": True,
+                "pin_memory": offload["pin_memory"] or pin}, None
+    return None, {"ratio": 1.0, "pin_memory": pin, "offload_param": True}
+
+
+def _policies(zero: dict, ves: dict, stage: int, sizes, offload, prefix: str) -> dict:
+    """fully_shard's policies from the config: how weights and gradients travel, the planner's
+    buffers and the engine's plain pieces (DeepSpeed ZeRO-3's face), what stays in memory."""
+    planner = ves.get("planner", {})
+    return dict(
+        communication=_communication(zero, ves, stage, sizes, offload, prefix),
+        sharding=ShardingPolicy(max_buffers=planner.get("max_buffers", 4),
+                                align_bytes=planner.get("align_bytes", 16), face=ZeRO3Pieces()),
+        memory=MemoryPolicy(grads_in_place=ves.get("grads_in_place", True),
+                            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 0))))
 
 
 # fully_shard's names in CommunicationPolicy's messages -> the config keys that set them
