@@ -136,7 +136,7 @@ def state(module) -> dict:
 
 
 def record_of(model):
-    from vescale_engine.init.record import MARK
+    from vescale_engine.fsdp.deferred import MARK
     return next(m.__dict__[MARK] for m in model.modules() if MARK in m.__dict__)
 
 
@@ -211,7 +211,7 @@ def pretrained_rank(rank, world, path, dtype_name):
     import deepspeed
     from transformers import LlamaForCausalLM
     from vescale_engine.fsdp import sharded_parameters
-    from vescale_engine.init.record import deferred_record
+    from vescale_engine.fsdp.deferred import deferred_record
     patched()
     dtype = getattr(torch, dtype_name)
     reference = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
@@ -447,7 +447,7 @@ def errors_rank(rank, world, directory):
     import deepspeed
     import vescale_engine
     from transformers import LlamaForCausalLM
-    from vescale_engine.init.record import deferred_record
+    from vescale_engine.fsdp.deferred import deferred_record
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     patched()

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint.hf import load_into
 from ..fsdp.materialize import init_fn_of, materialize
 from ..fsdp.deepspeed_params import sharded_of
+from ..fsdp.deferred import deferred_record, replayed_generator
 from ..fsdp.guards import meta_leftovers
 from ..init.hf_pretrained import prepare_transformers_weights
-from ..init.record import deferred_record, replayed_generator
 from ..launch.device import DeviceError
 
 __all__ = ["place_model", "take_rank0_values", "prepare_weights", "guard_save_pretrained"]

@@ -9,7 +9,7 @@ callback) < backward.py (a unit's backward: its state, hooks, reduction) < unit.
 (FSDPUnit: forward hooks, root, prefetch, when to unshard) < module_class.py (the FSDPModule class a wrapped module gets, its
 methods on the unit) < fsdp2_args.py (FSDP2's fully_shard arguments in our terms) <
 materialize.py (meta-device materialization, users call `vescale_engine.materialize`;
-reset_parameters at full shape) < api.py (fully_shard, no_sync, release) < state_dict.py
+reset_parameters at full shape) < deferred.py (the record a deferred build leaves) < api.py (fully_shard, no_sync, release) < state_dict.py
 (gathered_parameters, full/sharded state dicts, the one per-DBuffer gather) <
 deepspeed_params.py (what DeepSpeed-aware libraries read on our parameters). Must not know about checkpoint files,
 optimizer classes, the config or the engine.

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from .lookup import sharded_parameters, units_under
 from .param import sharding_of
 
-__all__ = ["guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
+__all__ = ["DEFERRED_MARK", "guard_apply", "apply_caller", "is_deferred", "meta_leftovers",
            "require_materialized", "take_assignments", "guard_init_weights",
            "held_as_pieces"]
 
@@ -132,14 +132,14 @@ def _apply_error(module, call, kind) -> str:
 # ---------------------------------------------------------------------------------------------
 # Deferred (meta-device) initialization: what must hold before values are used.
 
-_DEFERRED_MARK = "_vescale_deferred"  # init/record.py's MARK: set on what a deferred build made
+DEFERRED_MARK = "_vescale_deferred"  # deferred.py's record: set on what a deferred build made
 
 
 def is_deferred(param, registrations) -> bool:
     """A meta parameter that a vescale `deepspeed.zero.Init` build made (or a copy of one of
     its modules made, as PEFT's modules_to_save): its values come at initialize."""
-    return getattr(param, _DEFERRED_MARK, None) is not None or \
-        any(module.__dict__.get(_DEFERRED_MARK) is not None for module, _ in registrations)
+    return getattr(param, DEFERRED_MARK, None) is not None or \
+        any(module.__dict__.get(DEFERRED_MARK) is not None for module, _ in registrations)
 
 
 def meta_leftovers(module: nn.Module) -> list:

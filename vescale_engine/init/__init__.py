@@ -1,8 +1,8 @@
 """Building a model for sharding: `deepspeed.zero.Init` on the meta device under a vescale
-config (zero.py), the record it leaves on what it built (record.py), transformers'
+config (zero.py), which leaves fsdp/deferred.py's record on what it built, transformers'
 from_pretrained/from_config under it (hf_pretrained.py) and PEFT adapters added to such a model
 (peft_adapters.py). Must not know about the engine or its config: initialize reads the record.
 """
-from .record import MARK, DeferredInit, deferred_record, replayed_generator
+from ..fsdp.deferred import MARK, DeferredInit, deferred_record, replayed_generator
 
 __all__ = ["MARK", "DeferredInit", "deferred_record", "replayed_generator"]

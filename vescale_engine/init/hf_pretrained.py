@@ -35,9 +35,9 @@ from torch import nn
 
 from ..checkpoint.hf import checkpoint_files, load_into, read_stored
 from ..fsdp.materialize import allocate_shards, init_unloaded
+from ..fsdp.deferred import replayed_generator
 from ..fsdp.param import sharding_of
 from ..versions import supported_range
-from .record import replayed_generator
 
 __all__ = ["SOURCE", "CheckpointRecord", "PretrainedWeights", "record_checkpoint",
            "prepare_transformers_weights", "init_like_transformers"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .record import MARK
+from ..fsdp.deferred import deferred_of
 
 __all__ = ["deferred_weight", "cast_adapter", "apply_keeping_values"]
 
@@ -32,8 +32,8 @@ def deferred_weight(layer):
     for name in ("weight", "qweight"):
         weight = getattr(layer, name, None)
         if isinstance(weight, torch.Tensor):
-            deferred = weight.is_meta and (getattr(weight, MARK, None) is not None or
-                                           layer.__dict__.get(MARK) is not None)
+            deferred = weight.is_meta and (deferred_of(weight) is not None or
+                                           deferred_of(layer) is not None)
             return weight if deferred else None
     return None
 

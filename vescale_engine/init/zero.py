@@ -36,7 +36,7 @@ from torch import nn
 
 from ..fsdp.guards import apply_caller
 from ..fsdp.materialize import rng_state
-from .record import MARK, DeferredInit
+from ..fsdp.deferred import DeferredInit, deferred_of, mark_deferred
 
 __all__ = ["MetaInit", "config_dtype", "refuse_changed_meaning", "require_not_partitioned",
            "zero_init_config", "refuse_gathering"]
@@ -87,9 +87,9 @@ class MetaInit:
 
 def _mark(module: nn.Module, tensor, record: DeferredInit) -> None:
     if isinstance(tensor, nn.Parameter):
-        setattr(tensor, MARK, record)
-    if module.__dict__.get(MARK) is None:
-        module.__dict__[MARK] = record
+        mark_deferred(tensor, record)
+    if deferred_of(module) is None:
+        mark_deferred(module, record)
         module._apply = types.MethodType(_deferred_apply, module)  # parents' recursion too
 
 
@@ -233,7 +233,7 @@ def refuse_gathering(params) -> None:
             continue
         # During the build (models that gather in __init__, as wav2vec2's weight norm does)
         # there is nothing to gather and nothing written on meta is kept: DeepSpeed's no-op.
-        if p.is_meta and getattr(p, MARK, None) is not None and not MetaInit.active:
+        if p.is_meta and deferred_of(p) is not None and not MetaInit.active:
             raise RuntimeError(
                 f"deepspeed.zero.GatheredParameters (called from {_callers()}) on a parameter "
                 f"of shape {list(p.shape)} built under deepspeed.zero.Init with a vescale "

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..fsdp.deepspeed_params import (GatheredShards, full_value, holds_full, local_piece,
                                      set_full_value, sharded_of)
-from ..init.record import MARK as DEFERRED_MARK
+from ..fsdp.deferred import deferred_of
 from ..init.zero import MetaInit, refuse_gathering, zero_init_config
 from .registry import missing_name, replace
 
@@ -226,7 +226,7 @@ class _Attribute:
         if stored is not _Attribute:
             return stored
         sp = sharded_of(obj)
-        if sp is None and DEFERRED_MARK in obj.__dict__:  # built in a vescale zero.Init
+        if sp is None and deferred_of(obj) is not None:  # built in a vescale zero.Init
             return self.compute(obj, None)
         if sp is None:
             raise AttributeError(f"'{type(obj).__name__}' object has no attribute '{self.name}'")

@@ -27,7 +27,7 @@ import importlib
 import inspect
 
 from ..init.hf_pretrained import record_checkpoint
-from ..init.record import deferred_record
+from ..fsdp.deferred import deferred_record
 from ..versions import supported_range
 from .registry import replace
 

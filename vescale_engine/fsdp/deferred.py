@@ -1,10 +1,11 @@
-"""The record a vescale `deepspeed.zero.Init` leaves on what it built (init/zero.py makes it;
-init/hf_pretrained.py, init/peft_adapters.py, the engine's weights and placement read it).
+"""The deferred-init record: what a deferred build (a vescale `deepspeed.zero.Init`, whose
+emulation makes it) leaves on the modules and parameters it built, for the engine's weights and
+placement and the integrations to read.
 
-A module built inside the context carries its `DeferredInit` under `MARK` (parameters too):
-the generator state at the build's start and what transformers recorded about the build.
-Plain state shared by zero.Init and the transformers hooks, so neither imports the other for
-it. Must not know how the context is entered or how the weights are loaded.
+A module or parameter built inside carries its `DeferredInit` (`mark_deferred`, read back with
+`deferred_of`): the generator state at the build's start and what the builder recorded about
+it. The core owns the record; it must not know how the build was entered or how the weights
+are loaded.
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..fsdp.materialize import rng_state, set_rng_state
-from ..fsdp.guards import meta_leftovers
+from .guards import DEFERRED_MARK as MARK, meta_leftovers
+from .materialize import rng_state, set_rng_state
 
-__all__ = ["MARK", "DeferredInit", "deferred_record", "replayed_generator"]
-
-MARK = "_vescale_deferred"  # attribute of the modules and parameters built inside: the record
+__all__ = ["MARK", "DeferredInit", "mark_deferred", "deferred_of", "deferred_record",
+           "replayed_generator"]
 
 
 @dataclass(eq=False)
@@ -37,10 +37,20 @@ class DeferredInit:
         return self  # a copy of a deferred module (PEFT's modules_to_save) is of this build
 
 
+def mark_deferred(obj, record: DeferredInit) -> None:
+    """Record that `obj` (a module or a tensor) was built by `record`'s deferred build."""
+    obj.__dict__[MARK] = record
+
+
+def deferred_of(obj) -> DeferredInit | None:
+    """The record `obj` itself carries (not its children's), or None."""
+    return obj.__dict__.get(MARK)
+
+
 def deferred_record(module: nn.Module) -> DeferredInit | None:
     """The record of the vescale zero.Init that built `module` (or a part of it) while some of
     it is still on meta; None otherwise. Parts built by separate contexts are an error."""
-    records = {id(r): r for m in module.modules() if (r := m.__dict__.get(MARK)) is not None}
+    records = {id(r): r for m in module.modules() if (r := deferred_of(m)) is not None}
     if not records or not meta_leftovers(module):
         return None
     if len(records) > 1:
