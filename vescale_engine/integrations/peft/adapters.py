@@ -7,7 +7,7 @@ them. Here, when the base layer is a deferred meta tensor, the adapter stays whe
 only takes the base layer's dtype; `fully_shard` plans such a unit on meta and writes the
 adapter's values into the shards at allocation (fsdp.ShardedParameter.initial).
 
-Two PEFT functions move adapters; vescale_engine/integrations/peft.py wraps both (checked
+Two PEFT functions move adapters; vescale_engine/integrations/peft/__init__.py wraps both (checked
 against the installed PEFT), calling the functions here:
 - `BaseTunerLayer._move_adapter_to_device_of_base_layer` (every tuner's `update_layer`);
 - `BaseTuner._replace_module` and LoRA's override (`module.to(weight.device)` on the new
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fsdp.deferred import deferred_of
+from ...fsdp.deferred import deferred_of
 
 __all__ = ["deferred_weight", "cast_adapter", "apply_keeping_values"]
 

@@ -1,5 +1,5 @@
 """PEFT's private methods that move adapters, wrapped so that adapters added to a model a vescale
-`deepspeed.zero.Init` built on meta keep their values (init/peft_adapters.py says why and does
+`deepspeed.zero.Init` built on meta keep their values (integrations/peft/adapters.py says why and does
 the work; every other model goes through PEFT's own). Supported: peft versions.SUPPORTED["peft"];
 `install` checks every name below (and its leading parameters) and names the version if one
 moved.
@@ -17,9 +17,9 @@ import importlib
 import inspect
 import types
 
-from ..init.peft_adapters import apply_keeping_values, cast_adapter, deferred_weight
-from ..versions import supported_range
-from .registry import replace
+from ...versions import supported_range
+from ..registry import replace
+from .adapters import apply_keeping_values, cast_adapter, deferred_weight
 
 __all__ = ["check_peft", "install"]
 
