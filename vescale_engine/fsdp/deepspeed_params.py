@@ -26,7 +26,8 @@ accelerate 1.11 and 1.16, transformers 5.6 and 5.24), and what we give them:
   as DeepSpeed hands out its partition.
 - TRL's `remove_hooks` / `add_hooks` (trl.models.utils, around generation inside
   GatheredParameters(model.parameters())): for our engine they suspend and restore the units'
-  forward hooks, so generation computes with the gathered parameters and re-gathers nothing.
+  forward hooks (integrations/trl/hooks.py), so generation computes with the gathered
+  parameters and re-gathers nothing.
 
 Left out, because no library reads them on parameters: `ds_id` (DeepSpeed's own test for "a
 ZeRO-3 parameter": giving it to ours would hand them to DeepSpeed's internals), `ds_tensor`,
@@ -42,7 +43,7 @@ full shape (FSDP2's RaggedDTensor of the global shape cannot be filled so).
 
 What gives the libraries these names (the ds_* descriptors on `torch.nn.Parameter`,
 `deepspeed.zero.GatheredParameters`, TRL's two functions) is in vescale_engine/integrations/
-(deepspeed.py, trl.py): this module only answers them.
+(deepspeed.py, trl/): this module answers DeepSpeed's.
 """
 from __future__ import annotations
 
@@ -52,18 +53,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .faces import ParameterFace
 from .guards import require_materialized
-from .lookup import units_under
 from .state_dict import gather_selected
 from .unit import forward_in_progress, running_backward, serve_outside_read
 
 __all__ = ["ZeRO3Pieces", "sharded_of", "holds_full", "ReadGathers", "gather_on_read",
            "GatheredShards",
-           "suspend_hooks", "resume_hooks", "serve_optimizer", "local_piece", "full_value",
+           "serve_optimizer", "local_piece", "full_value",
            "set_full_value"]
 
 _GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
@@ -337,35 +336,3 @@ def set_full_value(sp, what: str, value: torch.Tensor) -> None:
         target.copy_(value.detach().reshape(-1)[begin:end])
     if what == "param":
         sp.unit.reshard()  # a gather made already (a prefetch) holds the old values
-
-
-# -- TRL's generation ---------------------------------------------------------------------------
-
-def suspend_hooks(module: nn.Module) -> None:
-    """The units' forward hooks under `module` do nothing until `resume_hooks` (their places
-    among other hooks kept): forwards compute with what the modules hold."""
-    for unit in units_under(module):
-        if unit in _SUSPENDED:
-            continue
-        saved = []
-        for hooks, fn in [pair for mod in unit.modules  # (a unit may span several modules)
-                          for pair in ((mod._forward_pre_hooks, unit.pre_forward),
-                                       (mod._forward_hooks, unit.post_forward))]:
-            for key, hook in list(hooks.items()):
-                if hook == fn:
-                    hooks[key] = _inert
-                    saved.append((hooks, key, hook))
-        _SUSPENDED[unit] = saved
-
-
-def resume_hooks(module: nn.Module) -> None:
-    for unit in units_under(module):
-        for hooks, key, hook in _SUSPENDED.pop(unit, ()):
-            hooks[key] = hook
-
-
-_SUSPENDED = weakref.WeakKeyDictionary()  # unit -> the hooks suspend_hooks replaced
-
-
-def _inert(*args):
-    return None

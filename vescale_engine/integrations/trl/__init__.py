@@ -1,6 +1,6 @@
 """TRL's `trl.models.utils.remove_hooks` / `add_hooks` (around generation inside
 `GatheredParameters(model.parameters())`, unwrap_model_for_generation): for our engine they
-suspend and restore the units' forward hooks (fsdp/deepspeed_params.py's suspend_hooks /
+suspend and restore the units' forward hooks (hooks.py's suspend_hooks /
 resume_hooks), so generation computes with the gathered parameters and re-gathers nothing;
 TRL's own run for anything else. Supported: trl versions.SUPPORTED["trl"]; `install` checks both
 names.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..fsdp.deepspeed_params import resume_hooks, suspend_hooks
-from ..versions import supported_range
-from .registry import replace
+from ...versions import supported_range
+from ..registry import replace
+from .hooks import resume_hooks, suspend_hooks
 
 __all__ = ["install"]
 
