@@ -257,8 +257,11 @@ def test_capacity_guide_shows_the_commands_real_output():
     import re
     import shlex
     text = (ROOT / "docs" / "capacity_planning.md").read_text()
-    blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
-    commands = [i for i, b in enumerate(blocks) if b.startswith("vescale plan")]
+    fenced = re.findall(r"```([a-z]*)\n(.*?)```", text, flags=re.S)
+    blocks = [body for _, body in fenced]
+    # (the synopsis of the command's flags is a `text` block, not a command run)
+    commands = [i for i, (lang, b) in enumerate(fenced)
+                if not lang and b.startswith("vescale plan")]
     # the AdamW8bit question, the offload one, the long sequence one, Kimi K2 with EP
     assert len(commands) == 4
     for i in commands:
