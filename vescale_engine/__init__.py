@@ -41,6 +41,14 @@ _SUBMODULES = ("optim", "materialize")
 _TEACH_TORCH = ("fully_shard",)
 
 
+def _connect() -> None:
+    """Register what the integrations of other libraries add to the engine's extension points
+    (integrations.connect(); idempotent, patches nothing). The engine reaches integrations/
+    only through this call, made by initialize, build_config, apply_parallel_plan and
+    `vescale_engine.materialize`."""
+    importlib.import_module(".integrations", __name__).connect()
+
+
 def __getattr__(name):
     if name in _TEACH_TORCH:
         importlib.import_module(".integrations.torch", __name__).install()

@@ -161,10 +161,10 @@ def test_our_gradient_clipping_default_is_the_installed_deepspeeds():
     import deepspeed
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
-    from vescale_engine.engine.config import DEEPSPEED_GRADIENT_CLIPPING_DEFAULT
-    assert DEEPSPEED_GRADIENT_CLIPPING_DEFAULT == GRADIENT_CLIPPING_DEFAULT, (
-        f"vescale_engine.engine.config.DEEPSPEED_GRADIENT_CLIPPING_DEFAULT is "
-        f"{DEEPSPEED_GRADIENT_CLIPPING_DEFAULT!r} but the installed DeepSpeed "
+    from vescale_engine.integrations.deepspeed.extension import GRADIENT_CLIPPING_DEFAULT as ours
+    assert ours == GRADIENT_CLIPPING_DEFAULT, (
+        f"vescale_engine.integrations.deepspeed.extension.GRADIENT_CLIPPING_DEFAULT is "
+        f"{ours!r} but the installed DeepSpeed "
         f"{deepspeed.__version__}'s deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT is "
         f"{GRADIENT_CLIPPING_DEFAULT!r}: update ours (and docs/config_reference.md)")
 

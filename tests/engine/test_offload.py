@@ -622,7 +622,7 @@ def test_pcie_bytes_per_step_are_the_capacity_estimate(pools, ratio, param, accu
 def test_zero_init_accepts_offload_param_cpu_and_still_refuses_nvme():
     """deepspeed.zero.Init under a config with offload_param device "cpu" builds on meta as
     usual (initialize offloads the shards); "nvme" stays refused."""
-    from vescale_engine.init.zero import refuse_changed_meaning
+    from vescale_engine.integrations.deepspeed.zero_init import refuse_changed_meaning
     cpu = {"zero_optimization": {"offload_param": {"device": "cpu"},
                                  "offload_optimizer": {"device": "cpu"}}}
     refuse_changed_meaning(cpu, {})

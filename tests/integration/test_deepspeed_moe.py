@@ -97,7 +97,7 @@ def _ours(rank, world, default_divisor=False):
     default_divisor: the negative control, fully_shard's default divisor (the group's size)."""
     import deepspeed
     import vescale_engine
-    from vescale_engine.engine import deepspeed_moe
+    from vescale_engine.integrations.deepspeed import moe as deepspeed_moe
     from vescale_engine.engine.engine import VeScaleEngine
     original, sharding = deepspeed.initialize, deepspeed_moe.ExpertSharding.sharding
     vescale_engine.patch_deepspeed()

@@ -573,7 +573,7 @@ def test_misuse_is_an_error_that_names_it(pool, checkpoints):
 # -- without ranks ---------------------------------------------------------------------------
 
 def test_the_build_records_the_cuda_generator_only_when_cuda_is_in_use(monkeypatch):
-    from vescale_engine.init import zero as zero_init
+    from vescale_engine.integrations.deepspeed import zero_init
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert zero_init._generator_devices() == {torch.device("cpu")}
@@ -583,7 +583,8 @@ def test_the_build_records_the_cuda_generator_only_when_cuda_is_in_use(monkeypat
 
 
 def test_the_config_precision_decides_which_dtype_zero_init_accepts():
-    from vescale_engine.init.zero import config_dtype, refuse_changed_meaning
+    from vescale_engine.integrations.deepspeed.zero_init import (config_dtype,
+                                                                 refuse_changed_meaning)
     assert config_dtype({}) == torch.float32
     assert config_dtype({"bf16": {"enabled": True}}) == torch.bfloat16
     assert config_dtype({"fp16": {"enabled": True}}) == torch.float16

@@ -581,7 +581,7 @@ def save_hf_checkpoint(module_or_engine, path, dtype="bf16", max_shard_size="5GB
     memory (the whole model in `dtype`); a thread writes the files, and a failure is raised on
     every rank where background saves raise theirs."""
     module = _module_of(module_or_engine)
-    if rank_local_units(module):  # as engine/deepspeed_moe refuses them
+    if rank_local_units(module):  # as engine/wrap.py's refuse_with_experts refuses them
         raise NotImplementedError(
             "save_hf_checkpoint: not supported yet for models with DeepSpeed MoE layers or "
             "other rank-local units (ShardingPolicy.rank_local: each expert-parallel rank "

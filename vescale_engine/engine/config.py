@@ -20,11 +20,12 @@ from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free typ
 from ..fsdp.deepspeed_params import ZeRO3Pieces
 from ..fsdp.policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy
 from ..plan.quantization import DEFAULT_GROUP
+from .. import _connect
+from . import extensions
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
            "parallel_sizes", "SaveOnSignal",
-           "EngineConfig", "build_config", "DEEPSPEED_GRADIENT_CLIPPING_DEFAULT",
-           "default_gradient_clipping"]
+           "EngineConfig", "build_config"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -299,22 +300,6 @@ def _offload_param(zero: dict) -> bool:
     return _offloads("zero_optimization.offload_param", zero.get("offload_param"))
 
 
-# DeepSpeed's GRADIENT_CLIPPING_DEFAULT (deepspeed/runtime/constants.py): 1.0 from the lowest
-# supported DeepSpeed to 0.19.8. Ours, not read from their source:
-# tests/engine/test_engine_config.py compares it with the installed DeepSpeed's and fails naming
-# both if they part.
-DEEPSPEED_GRADIENT_CLIPPING_DEFAULT = 1.0
-
-
-def default_gradient_clipping() -> float:
-    """What an unset gradient_clipping means: DeepSpeed's default (1.0) when DeepSpeed is
-    installed, so that a config trains as it does under DeepSpeed; 0 (off) without DeepSpeed."""
-    import importlib.util
-    if importlib.util.find_spec("deepspeed") is None:
-        return 0.0
-    return DEEPSPEED_GRADIENT_CLIPPING_DEFAULT
-
-
 def _rank() -> int:
     """This process's rank without importing torch: the process group's if torch.distributed
     is already imported and initialized, else the launcher's RANK, else 0."""
@@ -346,6 +331,7 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
     """Validate `source` (path or dict) and resolve it for `world_size` ranks in sequence-parallel
     groups of `sequence_parallel` (the mpu's); every problem is a ConfigError raised before any
     collective starts, an "auto" that Hugging Face did not fill in included."""
+    _connect()  # an unset key's meaning may be an integration's (gradient_clipping's)
     raw = read_config(source)
     prefix = f"{source}: " if not isinstance(source, dict) else ""
     try:
@@ -367,8 +353,9 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
     granularity = ves.get("granularity", {})
     wrap = ves.get("wrap_policy", {})
     offload, alone = _offload_settings(zero)
+    # unset: DeepSpeed's default where DeepSpeed is installed (its integration's, extensions.py)
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
-        else default_gradient_clipping()
+        else float(extensions.config_default("gradient_clipping", 0.0))
     return EngineConfig(
         raw=raw,
         # tensor-parallel peers share a batch (the totals may count them, as AutoTP's do);

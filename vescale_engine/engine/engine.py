@@ -21,12 +21,13 @@ from ..fsdp.api import no_sync, reduce_kept_gradients, release
 from ..fsdp.deepspeed_params import serve_optimizer
 from ..fsdp.guards import require_materialized
 from ..fsdp.lookup import units_under
-from ..init.zero import require_not_partitioned
 from ..launch.env import discover
 from ..launch.process_group import join_process_group
 from ..optim.clip import clip_grad_norm_, global_grad_norm
 from ..optim.offload import check_offloadable
 from . import loss_scaler as scaling
+from .. import _connect
+from . import extensions
 from .colocation import Colocation
 from .compile import CompileReport, compile_units, refused_compile_keys
 from .config import EngineConfig, build_config
@@ -39,13 +40,12 @@ from .parallel_plan import apply_parallel_plan, build_meshes, check_plan, requir
 from .preemption import SignalSave
 from .progress import Progress
 from .rank_agreement import config_facts, require_same_config
-from .sequence_parallel import sequence_parallel_loader, sequence_parallel_size
+from .sequence_parallel import sequence_parallel_size
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .training_state import EngineTrainingState
 from .weights import guard_save_pretrained, place_model, prepare_weights, take_rank0_values
-from .deepspeed_moe import refuse_with_experts
-from .wrap import ExpertUnits, device_mesh, wrap_model
+from .wrap import ExpertUnits, device_mesh, refuse_with_experts, wrap_model
 from ..logs import quiet_deepspeed_start
 from ..versions import check_versions
 
@@ -610,6 +610,7 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
                 dist_init_required, collate_fn, config, config_params):
     """The pipeline: join -> config -> agree -> meshes -> parallelize -> shard -> weights ->
     optimizer -> loader, each stage a function below with what it returns."""
+    _connect()  # what other libraries add to the engine (integrations/, extensions.py)
     check_versions()  # the libraries imported by now, each once (versions.py)
     if model is None:
         raise ValueError("initialize needs a model")
@@ -684,7 +685,8 @@ def _agreed_config(raw, model, optimizer, mpu, device) -> tuple:
 
 def _check_inputs(model, optimizer, lr_scheduler, cfg) -> None:
     """The model, optimizer and scheduler the caller passed, refused before anything changes."""
-    require_not_partitioned(model)
+    for extension in extensions.registered("check_model"):  # DeepSpeed's partitioned models
+        extension.check_model(model)
     if units_under(model):  # DeepSpeed builds a second engine over its partitioned model
         raise ValueError(
             "initialize: the model is sharded already (by an earlier initialize or fully_shard): "
@@ -721,7 +723,7 @@ def _weights(module, cfg, device, on_meta) -> None:
     """The weights the optimizer will hold, then the config's seed."""
     if on_meta or cfg.hf_checkpoint:  # for random init, init draws from the generator as the
         # caller left it (or, for a model built inside a vescale zero.Init, as it was at the
-        # build: init/zero.py)
+        # build: integrations/deepspeed/zero_init.py)
         prepare_weights(module, cfg, device)
     require_materialized(module, "initialize")
     if cfg.seed is not None:  # after init (wrapping draws nothing): same stream either way
@@ -755,7 +757,8 @@ def _loader(engine, training_data, mpu, collate_fn):
         return None
     micro = engine.engine_config.batch.micro_batch_per_gpu
     if engine.sequence_parallel_size > 1:
-        return sequence_parallel_loader(training_data, mpu, micro, collate_fn, engine.device)
+        return extensions.the_one("sequence_parallel_loader", "sequence parallelism (an mpu)")(
+            training_data, mpu, micro, collate_fn, engine.device)
     sampler = torch.utils.data.distributed.DistributedSampler(
         training_data, num_replicas=engine.dp_world_size, rank=engine.dp_rank)
     return torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import optim
+from . import extensions
 
 __all__ = ["optimizer_spec", "build_optimizer", "client_optimizer_groups", "rebuild_optimizer",
            "rebuild_for_offload", "check_client_scheduler", "build_scheduler", "named_model_parameters",
@@ -180,19 +181,15 @@ def check_client_scheduler(scheduler, optimizer):
 
 
 def build_scheduler(spec, client, optimizer):
-    """The client's scheduler (object or callable(optimizer)), else DeepSpeed's scheduler of
-    that name (deepspeed.runtime.lr_schedules), else torch's."""
+    """The client's scheduler (object or callable(optimizer)), else an integration's scheduler
+    of that name (DeepSpeed's lr_schedules: extensions.py), else torch's."""
     if client is not None:
         return client(optimizer) if callable(client) and not hasattr(client, "step") else client
     if spec is None:
         return None
     name, kwargs = spec["type"], dict(spec.get("params", {}))
-    try:
-        from deepspeed.runtime import lr_schedules
-        cls = getattr(lr_schedules, name, None)
-    except ImportError:
-        cls = None
-    cls = cls or getattr(torch.optim.lr_scheduler, name, None)
+    cls = extensions.first_answer("scheduler_class", name) or \
+        getattr(torch.optim.lr_scheduler, name, None)
     if cls is None:
         raise ValueError(f"scheduler.type {name!r} is neither a DeepSpeed nor a torch scheduler")
     return cls(optimizer, **kwargs)

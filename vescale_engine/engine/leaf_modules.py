@@ -3,20 +3,14 @@
 names transformers' Mixtral and Qwen MoE blocks) is fetched whole when it is entered, so that a
 forward whose path through the module differs by step or by rank (which experts a token routes
 to) issues the same collectives on every rank. Here: no FSDP unit lies strictly inside a leaf;
-a leaf that would have held units becomes one unit itself, gathered whole on entry."""
+a leaf that would have held units becomes one unit itself, gathered whole on entry. (The
+config's leaf modules are flagged by the DeepSpeed integration's `before_wrap`, with
+DeepSpeed's own parser and matcher.)"""
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["flag_leaf_modules", "leaf_modules", "units_with_whole_leaves"]
-
-
-def flag_leaf_modules(model: nn.Module, leaf_module: dict | None) -> None:
-    """Flag the config's leaf modules as DeepSpeed's engine does, with DeepSpeed's own parser
-    and matcher (its defaults when the config has no `leaf_module`)."""
-    from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
-    from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
-    apply_zero_leaf_module_config(model, DeepSpeedZeroLeafModuleConfig(**(leaf_module or {})))
+__all__ = ["leaf_modules", "units_with_whole_leaves"]
 
 
 def leaf_modules(model: nn.Module) -> list:

@@ -6,9 +6,11 @@
   innermost, borrowed from the data-parallel shard dim.
 - The tensor-parallel plan: vescale.tensor_parallel (module patterns -> colwise / rowwise,
   applied with torch's parallelize_module), else the model's own (transformers'
-  base_model_tp_plan, applied with transformers' apply_tensor_parallelism).
-- The experts split on their expert dim over the EP group by transformers' expert plan
-  (base_model_ep_plan: `grouped_gemm` shards, `ep_dispatch_experts` all-to-all token dispatch).
+  base_model_tp_plan, applied by the transformers integration's `tensor_parallel`:
+  extensions.py).
+- The experts split on their expert dim over the EP group by the model's expert plan
+  (transformers' base_model_ep_plan: `grouped_gemm` shards, `ep_dispatch_experts` all-to-all
+  token dispatch; the integration's `expert_parallel`).
 - `check_plan`: what must fail before any collective (no plan, patterns that match nothing,
   heads or experts the group size does not divide), without touching the model.
 - `require_same_batch`: the ranks of a TP group compute one batch together, so they must be
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .. import _connect
+from . import extensions
 from .config import ParallelSizes
 
 __all__ = ["Meshes", "ParallelPlan", "build_meshes", "check_plan", "apply_parallel_plan",
@@ -117,7 +121,8 @@ def _tensor_parallel_plan(model, tp: int, config_plan: dict) -> ParallelPlan:
         return ParallelPlan("vescale.tensor_parallel", dict(config_plan))
     rules = getattr(model, "tp_plan", None)
     expand = getattr(model, "_expand_parallel_plan", None)
-    _require_plan_support(key, "base_model_tp_plan", rules, expand, "vescale.tensor_parallel")
+    _require_plan_support(model, key, "base_model_tp_plan", rules, expand,
+                          "vescale.tensor_parallel")
     if not rules:
         raise ValueError(f"{key}: {type(model).__name__} has no tensor-parallel plan; give one "
                          "in vescale.tensor_parallel (module pattern -> colwise or rowwise) or "
@@ -136,7 +141,7 @@ def _expert_parallel_plan(model, ep: int):
     key = f"expert_parallel.autoep_size {ep}"
     rules = getattr(model, "ep_plan", None)
     expand = getattr(model, "_expand_parallel_plan", None)
-    _require_plan_support(key, "base_model_ep_plan", rules, expand, None)
+    _require_plan_support(model, key, "base_model_ep_plan", rules, expand, None)
     if not rules:
         raise ValueError(f"{key}: {type(model).__name__} has no expert-parallel plan (transformers "
                          "MoE models with fused experts have base_model_ep_plan: Mixtral, "
@@ -157,14 +162,16 @@ def _expert_parallel_plan(model, ep: int):
     return plan, experts
 
 
-def _require_plan_support(key, plan_name, rules, expand, alternative) -> None:
+def _require_plan_support(model, key, plan_name, rules, expand, alternative) -> None:
     """A model whose config has a TP/EP plan, with a transformers that cannot apply it: the
     plans are expanded and applied with `PreTrainedModel._expand_parallel_plan` and
     `transformers.distributed` (transformers 5.23 and later; the releases before have the
     plans but another, incompatible TP API)."""
     if not rules or expand is not None:
         return
-    version = getattr(sys.modules.get("transformers"), "__version__", "?")
+    # the version of the library the model comes from (transformers, for a plan of its own)
+    library = sys.modules.get(type(model).__module__.split(".")[0])
+    version = getattr(library, "__version__", "?")
     instead = f"give the plan in {alternative} or " if alternative else ""
     raise ValueError(f"{key}: the model's {plan_name} is applied with transformers' "
                      "PreTrainedModel._expand_parallel_plan (transformers 5.23 and later), which "
@@ -184,6 +191,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, meshes: Meshes) ->
     piece of the weights it was built with: every rank must build the same model; a model on
     meta gets DTensors on meta, their values come after wrapping) and hook the forwards that
     move activations between the ranks."""
+    _connect()  # a model's own plans are applied by an integration (transformers')
     if plan.tp_source == "vescale.tensor_parallel":
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
@@ -191,14 +199,10 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, meshes: Meshes) ->
         parallelize_module(model, meshes.tp,
                            {pattern: styles[style]() for pattern, style in plan.tp_plan.items()})
     elif plan.tp_source is not None:
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-        apply_tensor_parallelism(model, meshes.tp, plan.tp_plan)
+        extensions.the_one("tensor_parallel", plan.tp_source)(model, meshes.tp, plan.tp_plan)
     if plan.ep_plan:
-        from transformers.distributed.expert_parallel import apply_expert_parallelism
-        # all_to_all: every rank of the EP group holds its own micro-batch (its tp group is
-        # itself), so tokens travel to their expert's rank and back
-        apply_expert_parallelism(model, meshes.ep, meshes.tp, plan.ep_plan,
-                                 ep_implementation="all_to_all")
+        extensions.the_one("expert_parallel", "the model's expert plan")(
+            model, meshes.ep, meshes.tp, plan.ep_plan)
 
 
 def batch_fingerprint(args, kwargs, device) -> torch.Tensor:

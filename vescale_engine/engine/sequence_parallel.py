@@ -10,15 +10,15 @@ over every rank and divided by the world size. Each SP rank back-propagates the 
 loss, so the sum over an SP group is sp times that sequence's gradient; over the world it is
 sp x dp times the one-process gradient of the global batch: dividing by the world size (what
 sharding over every rank does anyway) gives the one-process gradient, as DeepSpeed's does.
-deepspeed.initialize (integrations/deepspeed.py) then gives DeepSpeed's groups the mpu, as
-DeepSpeed's engine does.
+deepspeed.initialize (integrations/deepspeed/) then gives DeepSpeed's groups the mpu, as
+DeepSpeed's engine does, and the DeepSpeed integration's `sequence_parallel_loader` the data
+loader (engine/extensions.py).
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["sequence_parallel_size", "sequence_parallel_loader"]
+__all__ = ["sequence_parallel_size"]
 
 
 def sequence_parallel_size(mpu) -> int:
@@ -47,20 +47,3 @@ def sequence_parallel_size(mpu) -> int:
                              f"ranks {ranks}: the engine needs groups of consecutive ranks, as "
                              "DeepSpeed's initialize_sequence_parallel makes them")
     return size
-
-
-def sequence_parallel_loader(dataset, mpu, micro_batch: int, collate_fn, device):
-    """initialize's training loader under sequence parallelism: every rank draws its own
-    samples (a sampler over all ranks), and DeepSpeed's UlyssesSPDataLoaderAdapter hands each
-    SP rank its chunk of one sample at a time, as DeepSpeed's tutorial builds it. Its batches
-    have `shift_labels` instead of `labels` and need `position_ids` (the adapter says so)."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    sampler = torch.utils.data.distributed.DistributedSampler(
-        dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
-    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
-                                         collate_fn=collate_fn,
-                                         pin_memory=device.type == "cuda")
-    return UlyssesSPDataLoaderAdapter(loader, sp_rank=mpu.get_sequence_parallel_rank(),
-                                      sp_group=mpu.get_sequence_parallel_group(),
-                                      sp_world_size=mpu.get_sequence_parallel_world_size(),
-                                      device=device)

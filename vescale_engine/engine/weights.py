@@ -23,7 +23,6 @@ from ..fsdp.materialize import init_fn_of, materialize
 from ..fsdp.deepspeed_params import sharded_of
 from ..fsdp.deferred import deferred_record, replayed_generator
 from ..fsdp.guards import meta_leftovers
-from ..init.hf_pretrained import prepare_transformers_weights
 from ..launch.device import DeviceError
 
 __all__ = ["place_model", "take_rank0_values", "prepare_weights", "guard_save_pretrained"]
@@ -41,7 +40,8 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     meta = [name for name, tensor in named if tensor.device.type == "meta"]
     if meta and len(meta) < len(named) and deferred_record(model) is not None:
         # built under a vescale zero.Init, then given real tensors (PEFT adapters, a new head):
-        # those move (the deferred modules' own wait for initialize: init/zero.py)
+        # those move (the deferred modules' own wait for initialize: fsdp/deferred.py's
+        # record; the DeepSpeed integration's zero.Init keeps them there)
         return model.to(device) if device.type == "cuda" else model
     if meta and len(meta) < len(named):
         real = next((name, t.device) for name, t in named if t.device.type != "meta")
@@ -93,16 +93,18 @@ def _fingerprint(param: torch.Tensor) -> torch.Tensor:
 
 def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
     """`initialize`'s one place for the weights, before the optimizer is built, first match:
-    a model transformers built under a vescale ZeRO-3 config (init/hf_pretrained.py: the checkpoint
-    `from_pretrained` recorded, or `from_config`'s init); the checkpoint `vescale.hf_checkpoint`
+    the deferred build's own way (a model transformers built under a vescale ZeRO-3 config:
+    the checkpoint `from_pretrained` recorded, or `from_config`'s init; integrations/
+    transformers/pretrained.py); the checkpoint `vescale.hf_checkpoint`
     names (a meta model gets its shards allocated and filled; what the file lacks is
     initialized by its modules); else, for a model wrapped on meta, random init by
     `materialize`, drawing from the generator as the caller left it, or, for a model built
-    inside `deepspeed.zero.Init` (init/zero.py), as it was when the build started."""
+    inside `deepspeed.zero.Init` (fsdp/deferred.py's record), as it was when the build
+    started."""
     record = deferred_record(module)
-    if record is not None and record.builder is not None:
-        prepare_transformers_weights(module, record, cfg, device)
-    elif cfg.hf_checkpoint:
+    if record is not None and record.prepare_weights(module, cfg, device):
+        return
+    if cfg.hf_checkpoint:
         load_into(module, cfg.hf_checkpoint, device=device)
     elif meta_leftovers(module):
         with replayed_generator(record, device):

@@ -14,13 +14,14 @@ from torch import nn
 from .. import optim
 from ..fsdp.api import fully_shard
 from ..fsdp.deepspeed_params import gather_on_read
-from ..fsdp.lookup import unit_of, units_under
+from ..fsdp.lookup import rank_local_units, unit_of, units_under
 from ..fsdp.policy import MixedPrecisionPolicy
-from .deepspeed_moe import expert_sharding
-from .leaf_modules import flag_leaf_modules, units_with_whole_leaves
+from . import extensions
+from .leaf_modules import units_with_whole_leaves
 
 __all__ = ["WrapChoice", "ExpertUnits", "device_mesh", "wrap_model", "describe", "choose_units",
-           "default_units", "declared_unsplittable", "size_threshold", "DEFAULT_UNITS"]
+           "default_units", "declared_unsplittable", "size_threshold", "refuse_with_experts",
+           "DEFAULT_UNITS"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -72,12 +73,12 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     """Shard the units `choose_units` picks, innermost first, then the root; rank 0 logs the
     choice in one line. With `experts` (expert parallelism) each experts module is a unit of
     its own on the experts' mesh first; the router and shared experts stay in the enclosing
-    dense unit. DeepSpeed MoE experts get units of their own over their expert-data-parallel
-    group (deepspeed_moe.py)."""
-    ds_experts = expert_sharding(model, cfg, mesh)  # its errors before any of our collectives
-    if ds_experts is not None and experts is not None:
-        raise ValueError("a model with deepspeed.moe.layer.MoE layers cannot also use "
-                         "expert_parallel.autoep_size (the layer splits its experts itself)")
+    dense unit. An integration's `extra_units` gives other layers units of their own
+    (DeepSpeed MoE experts, over their expert-data-parallel group: extensions.py)."""
+    extra = extensions.first_answer("extra_units", model, cfg, mesh)  # errors before our
+    if extra is not None and experts is not None:                      # collectives
+        raise ValueError("a model whose layers split their experts themselves (DeepSpeed's "
+                         "deepspeed.moe.layer.MoE) cannot also use expert_parallel.autoep_size")
     given = ((cfg.raw.get("vescale") or {}).get("granularity") or {})  # a default set or not
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
         cfg.optimizer, {"overrides": cfg.granularity_overrides,
@@ -95,7 +96,8 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                       reduce_dtype=getattr(torch, cfg.reduce_dtype or cfg.param_dtype)
                       if cfg.reduce_dtype or cfg.param_dtype else None, keep_wide_grads=False,
                       cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
-    flag_leaf_modules(model, cfg.leaf_module)
+    for extension in extensions.registered("before_wrap"):  # DeepSpeed's leaf modules
+        extension.before_wrap(model, cfg)
     choice = choose_units(model, cfg.module_classes, cfg.min_params)
     choice = WrapChoice(choice.rule, units_with_whole_leaves(model, choice.modules),
                         choice.detail)
@@ -106,11 +108,11 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
         split = {id(m) for m in experts.modules}
         choice = WrapChoice(choice.rule, tuple(m for m in choice.modules if id(m) not in split),
                             choice.detail)
-    if ds_experts is not None:
-        choice = WrapChoice(choice.rule, ds_experts.units(model, choice.modules), choice.detail)
+    if extra is not None:
+        choice = WrapChoice(choice.rule, extra.units(model, choice.modules), choice.detail)
     for module in choice.modules:
-        expert = ds_experts.sharding(module, kwargs["sharding"]) if ds_experts else {}
-        fully_shard(module, **{**kwargs, **expert})
+        own = extra.sharding(module, kwargs["sharding"]) if extra is not None else {}
+        fully_shard(module, **{**kwargs, **own})
     # the root stays unsharded from forward into backward, which starts with it (FSDP2's
     # default for the root: reshard_after_forward=None)
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})
@@ -125,6 +127,16 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
                 "FP8 weight tiles" + ("" if routed else " (none has a weight gathered as "
                                       "tiles: see the warning above)"))
     return model
+
+
+def refuse_with_experts(module: nn.Module, what: str) -> None:
+    """One line instead of a checkpoint that would keep one expert-parallel rank's experts
+    under names that every rank's experts share (the same on every rank: no collective)."""
+    if rank_local_units(module):
+        raise NotImplementedError(
+            f"{what}: not supported yet for models with DeepSpeed MoE layers or other "
+            "rank-local units (ShardingPolicy.rank_local: each expert-parallel rank holds "
+            "different experts under the same names, and the file would keep only one rank's)")
 
 
 def _padding(units) -> tuple:

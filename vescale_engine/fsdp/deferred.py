@@ -24,17 +24,20 @@ __all__ = ["MARK", "DeferredInit", "mark_deferred", "deferred_of", "deferred_rec
 
 @dataclass(eq=False)
 class DeferredInit:
-    """One `with deepspeed.zero.Init(...)` under a vescale config, and what it built."""
+    """One deferred build (a `with deepspeed.zero.Init(...)` under a vescale config), and what
+    it built. A builder that knows where the values come from subclasses it (the DeepSpeed
+    integration's record of a transformers build loads its checkpoint)."""
     config: dict
     rng: tuple                       # materialize.rng_state(...) when the build started
-    builder: str | None = None       # "from_pretrained" / "from_config": transformers built it
-    root: nn.Module | None = None    # the model transformers built (set by init/hf_pretrained.py)
-    pretrained: object = None        # init/hf_pretrained.py.PretrainedWeights, from from_pretrained
-    init_like_transformers: bool = False  # from_config: initialize_weights' walk, deferred
     loaded: object = None            # checkpoint.hf.LoadResult of initialize's load (this rank)
 
     def __deepcopy__(self, memo):
         return self  # a copy of a deferred module (PEFT's modules_to_save) is of this build
+
+    def prepare_weights(self, module: nn.Module, cfg, device) -> bool:
+        """Give the wrapped `module` its values the builder's way (initialize calls it first);
+        False: the builder has no way of its own, and the engine's sources apply."""
+        return False
 
 
 def mark_deferred(obj, record: DeferredInit) -> None:

@@ -61,9 +61,19 @@ from .param import sharding_of
 LOG = logging.getLogger("vescale_engine")
 
 __all__ = ["materialize", "allocate_shards", "init_unloaded", "rng_state", "set_rng_state",
-           "use_init_fn", "init_fn_of", "install_full_shape_reset"]
+           "use_init_fn", "init_fn_of", "install_full_shape_reset", "register_init_guard"]
 
 _INIT_FN = "_vescale_init_fn"  # on a model's __dict__: the init_fn initialize materializes with
+# Contexts a pretrained model's own init runs in (`register_init_guard`): transformers' guard
+# of torch's init functions, which its `_init_weights` expects around it.
+_INIT_GUARDS = []
+
+
+def register_init_guard(factory) -> None:
+    """`factory()` gives a context manager that a pretrained model's init (`post_init`'s walk)
+    runs inside; registered once by an integration (transformers')."""
+    if factory not in _INIT_GUARDS:
+        _INIT_GUARDS.append(factory)
 
 
 def _target_device(module: nn.Module, device) -> torch.device:
@@ -423,18 +433,15 @@ class _Initializer:
         """What `PreTrainedModel.post_init` does at the end of `model.__init__`: its
         `_initialize_weights` over its subtree, children first (an inner pretrained model with
         its own), skipping modules already initialized (`_is_hf_initialized`)."""
-        try:
-            from transformers.initialization import guard_torch_init_functions
-        except ImportError:  # an older transformers: its init functions are torch's own
-            guard_torch_init_functions = contextlib.nullcontext
-
         def visit(mod, fn):
             for child in mod.children():
                 visit(child, child._initialize_weights if _is_pretrained(child) else fn)
             if not getattr(mod, "_is_hf_initialized", False):
                 self._init_module(mod, fn)  # also with nothing of its own: it may write a child's
 
-        with torch.no_grad(), guard_torch_init_functions():
+        with torch.no_grad(), contextlib.ExitStack() as guards:
+            for factory in _INIT_GUARDS:
+                guards.enter_context(factory())
             visit(model, model._initialize_weights)
 
     # -- one module ----------------------------------------------------------------------------

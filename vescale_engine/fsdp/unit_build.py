@@ -128,7 +128,7 @@ def _device(name, found, order):
                              f"meta device but {real[0]} is on {real[1].device}; build the "
                              "whole unit on meta (then vescale_engine.materialize) or on a "
                              "real device")
-        # A deferred build (init/zero.py) plus tensors added after it with their values (PEFT
+        # A deferred build (integrations/deepspeed/zero_init.py) plus tensors added after it with their values (PEFT
         # adapters, new heads): planned on meta, the real values kept for allocate.
         devices = {torch.device("meta")}
     if len(devices) > 1:

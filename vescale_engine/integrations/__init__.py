@@ -1,15 +1,18 @@
-"""Everything that patches another library, one module per library (deepspeed.py,
-accelerate.py, transformers.py, peft.py, trl.py), and the entry points that install and
-remove it: `patch_deepspeed()`, `patch_fsdp2()` and `unpatch()` (`vescale_engine.
-patch_deepspeed`, `vescale_engine.patch_fsdp2` and `vescale_engine.unpatch` are these).
+"""Everything that patches another library or emulates it for our engine, one package (or
+module) per library (deepspeed/, transformers/, peft/, trl/, accelerate.py, torch.py), and the
+entry points: `patch_deepspeed()`, `patch_fsdp2()` and `unpatch()` (`vescale_engine.
+patch_deepspeed`, `vescale_engine.patch_fsdp2` and `vescale_engine.unpatch` are these), and
+`connect()`.
 
-The core (plan, shard, fsdp, checkpoint, optim, init, engine, ...) never imports this package
-and never assigns another library's attributes (tests/core/package/test_layering.py checks both).
-The one way in is the package root's lazy names `vescale_engine.patch_deepspeed` / `unpatch` (by
-name, not an import statement); `vescale_engine.initialize` installs nothing (it checks versions
-only, versions.py), so a script that never calls patch_deepspeed() runs unpatched. The
-replacement functions here decide when our engine is concerned and call into the core (our
-engine, init/zero.py's MetaInit, fsdp/deepspeed_params.py's GatheredShards, ...).
+The core (plan, shard, fsdp, checkpoint, optim, engine, ...) never imports this package, never
+imports DeepSpeed, transformers, PEFT or TRL, and never assigns another library's attributes
+(tests/core/package/test_layering.py checks all three). The ways in are the package root's
+lazy names `vescale_engine.patch_deepspeed` / `unpatch` and its `_connect()` (by name, not an
+import statement). `connect()` registers what DeepSpeed and transformers add to every
+`initialize` and `materialize` through the core's extension points (engine/extensions.py,
+fsdp/materialize.py's init guards): it patches nothing, so a script that never calls
+patch_deepspeed() runs unpatched. The replacement functions here decide when our engine is
+concerned and call into the core (our engine, fsdp/deepspeed_params.py's GatheredShards, ...).
 
 Every patch goes through `replace` (registry.py), which first checks that the library still
 has the name it replaces (an ImportError of one line naming the library, its version, the name
@@ -30,11 +33,30 @@ import sys
 from ..versions import check_versions
 from .registry import count, installed, missing_name, replace, restore_all
 
-__all__ = ["patch_deepspeed", "patch_fsdp2", "unpatch", "installed", "replace", "missing_name"]
+__all__ = ["connect", "patch_deepspeed", "patch_fsdp2", "unpatch", "installed", "replace",
+           "missing_name"]
 
 # module whose import triggers an install -> the integration module that installs
 _WATCHED = {"transformers.modeling_utils": "transformers", "peft": "peft",
             "trl.models.utils": "trl"}
+
+
+_CONNECTED = []
+
+
+def connect() -> None:
+    """Register the engine's extension points each integration fills (engine/extensions.py,
+    fsdp/materialize.py's init guards): what DeepSpeed and transformers add to every
+    `initialize`, patched or not. Idempotent; patches nothing (`installed()` stays as it is)
+    and imports none of those libraries (their code is imported when a role is called)."""
+    if _CONNECTED:
+        return
+    from ..engine.extensions import register
+    from .deepspeed.extension import extension as deepspeed_extension
+    from .transformers.extension import connect as connect_transformers
+    register(deepspeed_extension())
+    connect_transformers()
+    _CONNECTED.append(True)
 
 
 def unpatch() -> None:

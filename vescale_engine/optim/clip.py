@@ -33,7 +33,7 @@ def _buffers_and_plain(parameters, with_specs=False):
 def _piece_groups(buf, spec) -> tuple:
     """The groups whose ranks hold different pieces of this buffer's tensors: its norm group
     (its shard group, or the world for DeepSpeed MoE experts, whose EP ranks hold different
-    experts: engine/deepspeed_moe.py), then the TP/EP mesh dims that split them. Replicas
+    experts: integrations/deepspeed/moe.py), then the TP/EP mesh dims that split them. Replicas
     (HSDP's replicate group, TP peers of a replicated tensor) hold copies and are left out, so
     every element counts once."""
     if spec is None:

@@ -1,4 +1,4 @@
-"""PEFT adapters added to a model that a vescale ZeRO-3 config built on meta (init/zero.py).
+"""PEFT adapters added to a model that a vescale ZeRO-3 config built on meta (integrations/deepspeed/zero_init.py).
 
 `get_peft_model` (and `add_adapter`) create each adapter on a real device with PEFT's own init
 (LoRA: kaiming A, zero B), then move it to the device of the layer it adapts. For a deferred

@@ -1,8 +1,8 @@
 """transformers' private steps of `from_pretrained` / `from_config`, taken over for a model a
-vescale `deepspeed.zero.Init` built on meta (init/hf_pretrained.py does the work; every other
+vescale `deepspeed.zero.Init` built on meta (pretrained.py does the work; every other
 model goes through transformers' own). Supported: transformers versions.SUPPORTED
 ["transformers"]; `install` checks every name below, and the loading helpers
-init/hf_pretrained.py uses, and names the installed version if one is missing.
+pretrained.py uses, and names the installed version if one is missing.
 
 - `PreTrainedModel._load_pretrained_model`: records the checkpoint (hf_pretrained's
   record_checkpoint) instead of loading it.
@@ -26,10 +26,10 @@ import functools
 import importlib
 import inspect
 
-from ..init.hf_pretrained import record_checkpoint
-from ..fsdp.deferred import deferred_record
-from ..versions import supported_range
-from .registry import replace
+from ...fsdp.deferred import deferred_record
+from ...versions import supported_range
+from ..registry import replace
+from .pretrained import record_checkpoint
 
 __all__ = ["check_transformers", "install"]
 
@@ -76,7 +76,7 @@ def _compute_device():
     (shard.collectives.default_device), the current accelerator's before one exists."""
     import torch
     import torch.distributed as dist
-    from ..shard.collectives import default_device
+    from ...shard.collectives import default_device
     if dist.is_available() and dist.is_initialized():
         return default_device()
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

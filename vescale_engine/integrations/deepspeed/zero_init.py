@@ -3,18 +3,18 @@
 DeepSpeed's `zero.Init` partitions each parameter as its module is constructed. Transformers
 enters it for every model it builds under a ZeRO-3 config (`from_pretrained`, `from_config`),
 and plain scripts write `with deepspeed.zero.Init(config_dict_or_path=cfg): model = Net()`.
-After `patch_deepspeed()` (vescale_engine/integrations/deepspeed.py replaces `zero.Init` and
+After `patch_deepspeed()` (integrations/deepspeed/__init__.py replaces `zero.Init` and
 `GatheredParameters`, calling `zero_init_config`, `MetaInit` and `refuse_gathering` here), a
 config with a "vescale" section makes it a context that builds on `meta` instead: shapes only,
 no storage, no random numbers drawn. `initialize` wraps the model, then gives it values shard
-by shard (engine/weights.py's prepare_weights), so no rank ever holds the whole model. Without
+by shard (engine/weights.py's prepare_weights, calling the record's own), so no rank ever holds the whole model. Without
 a vescale section DeepSpeed's own Init runs, unchanged.
 
 Every module that registers a tensor inside the context carries its `DeferredInit` record:
 - the generator state at entry: `initialize` draws the init from it (and gives the caller's
   state back), so the values are those of a build at that point, as with DeepSpeed, which
   initializes inside the context, whatever the script drew in between;
-- what transformers recorded about the build (init/hf_pretrained.py: the checkpoint
+- what transformers recorded about the build (integrations/transformers/pretrained.py: the checkpoint
   `from_pretrained` resolved, or that `from_config` wants its own init).
 On those modules `.to(device)` / `.cuda()` wait for `initialize` (which places the model),
 dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.GatheredParameters`
@@ -30,19 +30,37 @@ import contextlib
 import os
 import sys
 import types
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..fsdp.guards import apply_caller
-from ..fsdp.materialize import rng_state
-from ..fsdp.deferred import DeferredInit, deferred_of, mark_deferred
+from ...fsdp.deferred import DeferredInit, deferred_of, mark_deferred
+from ...fsdp.guards import apply_caller
+from ...fsdp.materialize import rng_state
 
-__all__ = ["MetaInit", "config_dtype", "refuse_changed_meaning", "require_not_partitioned",
+__all__ = ["MetaInit", "ZeroInitRecord", "config_dtype", "refuse_changed_meaning", "require_not_partitioned",
            "zero_init_config", "refuse_gathering"]
 
 
 # -- the context --------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class ZeroInitRecord(DeferredInit):
+    """The core's deferred-init record, plus what transformers recorded about the build
+    (transformers/pretrained.py fills it; its prepare_weights loads or initializes)."""
+    builder: str | None = None       # "from_pretrained" / "from_config": transformers built it
+    root: nn.Module | None = None    # the model transformers built
+    pretrained: object = None        # transformers/pretrained.py's PretrainedWeights
+    init_like_transformers: bool = False  # from_config: initialize_weights' walk, deferred
+
+    def prepare_weights(self, module: nn.Module, cfg, device) -> bool:
+        if self.builder is None:
+            return False
+        from ..transformers.pretrained import prepare_transformers_weights
+        prepare_transformers_weights(module, self, cfg, device)
+        return True
+
 
 class MetaInit:
     """What `deepspeed.zero.Init(...)` returns for a vescale config: a context that builds on
@@ -61,8 +79,8 @@ class MetaInit:
     def __enter__(self):
         if not self.enabled:  # DeepSpeed's enabled=False: an ordinary build
             return self
-        self.record = DeferredInit(self.config, rng_state(_generator_devices()),
-                                   builder=self._builder)
+        self.record = ZeroInitRecord(self.config, rng_state(_generator_devices()),
+                                     builder=self._builder)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.device("meta"))
         module = nn.modules.module

@@ -18,8 +18,10 @@ Refused at initialize, with one line and before any collective of ours: expert t
 parallelism, an ep_size that does not divide the world, HSDP or ZeRO stage 0 (a replicated
 mesh), and expert parameters in a module that also holds dense ones (no unit could take them
 alone). Checkpoints and gathered state dicts are refused when they are asked for
-(`refuse_with_experts`, for any rank-local unit): every expert-parallel rank's experts have
-the same names, so a file would keep one rank's and silently lose the others'.
+(engine/wrap.py's `refuse_with_experts`, for any rank-local unit): every expert-parallel
+rank's experts have the same names, so a file would keep one rank's and silently lose the
+others'. The engine reaches this module through its `extra_units` extension point
+(engine/extensions.py; registered by extension.py).
 """
 from __future__ import annotations
 
@@ -30,10 +32,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from ..fsdp.lookup import rank_local_units
-from ..fsdp.policy import ShardingPolicy
+from ...fsdp.policy import ShardingPolicy
 
-__all__ = ["ExpertSharding", "expert_sharding", "is_expert_param", "refuse_with_experts"]
+__all__ = ["ExpertSharding", "expert_sharding", "is_expert_param"]
 
 
 def is_expert_param(p) -> bool:
@@ -114,16 +115,6 @@ def expert_sharding(model: nn.Module, cfg, mesh) -> ExpertSharding | None:
                          "deepspeed.moe.layer.MoE, or the group be created before initialize")
     return ExpertSharding({id(m): edp[g] for m, g in modules}, tuple(m for m, _ in modules),
                           world)
-
-
-def refuse_with_experts(module: nn.Module, what: str) -> None:
-    """One line instead of a checkpoint that would keep one expert-parallel rank's experts
-    under names that every rank's experts share (the same on every rank: no collective)."""
-    if rank_local_units(module):
-        raise NotImplementedError(
-            f"{what}: not supported yet for models with DeepSpeed MoE layers or other "
-            "rank-local units (ShardingPolicy.rank_local: each expert-parallel rank holds "
-            "different experts under the same names, and the file would keep only one rank's)")
 
 
 def _moe_layers(model):

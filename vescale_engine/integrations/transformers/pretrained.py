@@ -2,7 +2,7 @@
 
 With a stage-3 config in play (TrainingArguments(deepspeed=...), HfDeepSpeedConfig,
 Accelerate's DeepSpeed plugin) transformers builds every model inside `deepspeed.zero.Init`,
-which a vescale section turns into a build on the meta device (init/zero.py). Where DeepSpeed
+which a vescale section turns into a build on the meta device (../deepspeed/zero_init.py). Where DeepSpeed
 would then gather each partition to write rank 0's values into it, these steps only record,
 and `initialize` does the work after wrapping, each rank holding its shard plus one module:
 
@@ -19,7 +19,7 @@ and `initialize` does the work after wrapping, each rank holding its shard plus 
   and DeepSpeed's `from_config` (no `reset_parameters` draws: transformers builds under
   `no_init_weights`).
 
-Those three are transformers' private names: vescale_engine/integrations/transformers.py
+Those three are transformers' private names: this package's __init__.py
 replaces them (checking them, and the loading helpers used here, against the installed
 version) and calls the functions here; nothing here imports transformers first.
 """
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpoint.hf import checkpoint_files, load_into, read_stored
-from ..fsdp.materialize import allocate_shards, init_unloaded
-from ..fsdp.deferred import replayed_generator
-from ..fsdp.param import sharding_of
-from ..versions import supported_range
+from ...checkpoint.hf import checkpoint_files, load_into, read_stored
+from ...fsdp.deferred import replayed_generator
+from ...fsdp.materialize import allocate_shards, init_unloaded
+from ...fsdp.param import sharding_of
+from ...versions import supported_range
 
 __all__ = ["SOURCE", "CheckpointRecord", "PretrainedWeights", "record_checkpoint",
            "prepare_transformers_weights", "init_like_transformers"]
@@ -278,7 +278,7 @@ def init_like_transformers(module: nn.Module, names, *, record, device) -> None:
     (dispatched as its `smart_apply` does: the nearest PreTrainedModel's), children first,
     on the modules owning those tensors and their ancestors, with the loaded tensors marked
     `_is_hf_initialized` so that transformers' guarded init functions skip them (drawing
-    nothing), from the generator state the build started from (init/zero.py)."""
+    nothing), from the generator state the build started from (../deepspeed/zero_init.py)."""
     from transformers.initialization import guard_torch_init_functions
     from transformers.modeling_utils import PreTrainedModel
 

@@ -11,7 +11,7 @@ every other config). Supported: deepspeed versions.SUPPORTED["deepspeed"] (0.19.
 - `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)` starts `deepspeed.comm` over
   the existing process group and refuses cpu_checkpointing without partition_activations
   (DeepSpeed accepts it and then fails in backward: it offloads only partitioned activations).
-- `deepspeed.zero.Init` builds on the meta device (init/zero.py's MetaInit), and
+- `deepspeed.zero.Init` builds on the meta device (zero_init.py's MetaInit), and
   `deepspeed.zero.GatheredParameters` gathers our sharded parameters
   (fsdp/deepspeed_params.py's GatheredShards), refusing parameters a vescale Init left on meta;
   any others in the same call go to DeepSpeed's own.
@@ -36,11 +36,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..fsdp.deepspeed_params import (GatheredShards, full_value, holds_full, local_piece,
-                                     set_full_value, sharded_of)
-from ..fsdp.deferred import deferred_of
-from ..init.zero import MetaInit, refuse_gathering, zero_init_config
-from .registry import missing_name, replace
+from ...fsdp.deepspeed_params import (GatheredShards, full_value, holds_full, local_piece,
+                                      set_full_value, sharded_of)
+from ...fsdp.deferred import deferred_of
+from ..registry import missing_name, replace
+from .zero_init import MetaInit, refuse_gathering, zero_init_config
 
 __all__ = ["install"]
 
@@ -62,7 +62,7 @@ def _is_ours(value) -> bool:
 
 
 # DeepSpeed's private names the core reads (not patched), checked here with the patched ones:
-# the expert-data-parallel groups of its MoE layers (engine/deepspeed_moe.py) and the status
+# the expert-data-parallel groups of its MoE layers (moe.py) and the status
 # ds_status answers with.
 _READ = (("deepspeed.utils.groups", "_get_expert_data_parallel_group_dict"),
          ("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"))
@@ -98,7 +98,7 @@ def _initialize(original):
             kwargs.update(zip(positional, args))
         config = _config_of(kwargs)
         if isinstance(config, dict) and "vescale" in config:
-            from ..engine.engine import initialize as ours
+            from ...engine.engine import initialize as ours
             unknown = sorted(set(kwargs) - set(_OUR_ARGUMENTS) - {"distributed_port",
                                                                   "mesh_param"})
             if unknown:
