@@ -322,7 +322,7 @@ def _message(fn):
 
 def run_refusals(rank, world, root):
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-    from vescale_engine.fsdp.deepspeed_params import GatheredShards
+    from vescale_engine.integrations.deepspeed.params import GatheredShards
     engine = make_engine(config())
     micro_step(engine, rank, world, 0)
     micro_step(engine, rank, world, 1)

@@ -17,10 +17,11 @@ def test_connect_registers_each_integrations_roles_and_patches_nothing():
     assert set(by_library) == {"deepspeed", "transformers"}
     filled = {role: [e.library for e in extensions.registered(role)]
               for role in ("check_model", "before_wrap", "extra_units", "scheduler_class",
-                           "sequence_parallel_loader", "tensor_parallel", "expert_parallel")}
+                           "sequence_parallel_loader", "engine_built", "tensor_parallel",
+                           "expert_parallel")}
     assert filled == {"check_model": ["deepspeed"], "before_wrap": ["deepspeed"],
                       "extra_units": ["deepspeed"], "scheduler_class": ["deepspeed"],
-                      "sequence_parallel_loader": ["deepspeed"],
+                      "sequence_parallel_loader": ["deepspeed"], "engine_built": ["deepspeed"],
                       "tensor_parallel": ["transformers"], "expert_parallel": ["transformers"]}
     assert installed() == before  # registering is not patching
     assert extensions.first_answer("scheduler_class", "WarmupDecayLR").__module__ == \

@@ -19,7 +19,7 @@ from vescale_engine.fsdp import (full_state_dict, fully_shard, gathered_paramete
                                  sharded_parameters)
 from vescale_engine.fsdp.guards import meta_leftovers
 from vescale_engine.materialize import allocate_shards, init_unloaded, materialize
-from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
+from vescale_engine.fsdp.faces import ZeRO3Pieces
 from vescale_engine.fsdp.policy import ShardingPolicy
 
 WORLD = 3

@@ -1,5 +1,5 @@
 """DeepSpeed's per-parameter ZeRO-3 surface on vescale-sharded parameters, on 2 gloo ranks, as
-TRL 1.16, PEFT 0.21 and transformers 5.24 read it (vescale_engine/fsdp/deepspeed_params.py):
+TRL 1.16, PEFT 0.21 and transformers 5.24 read it (vescale_engine/integrations/deepspeed/params.py):
 `ds_status` / `ds_shape`, `deepspeed.zero.GatheredParameters` (read, `modifier_rank` write,
 mixed lists, nesting, inside forward), TRL's fused LM head and TRL's own
 `_unwrap_model_for_generation` (greedy ids, then training still equal to one process).

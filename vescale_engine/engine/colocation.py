@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fsdp.deepspeed_params import holds_full
+from ..fsdp.lending import holds_full
 from ..fsdp.lookup import units_under
 
 __all__ = ["STATE_TYPES", "Colocation", "state_type_names"]

@@ -17,7 +17,7 @@ from config_schemas.validate import (ConfigError, offload_param_alone,
                                      validate_config)
 
 from ..plan.parallel import ParallelSizes  # the rank layout, one torch-free type with the planner
-from ..fsdp.deepspeed_params import ZeRO3Pieces
+from ..fsdp.faces import ZeRO3Pieces
 from ..fsdp.policy import CommunicationPolicy, MemoryPolicy, ShardingPolicy
 from ..plan.quantization import DEFAULT_GROUP
 from .. import _connect

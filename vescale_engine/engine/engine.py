@@ -18,7 +18,6 @@ from ..checkpoint.background import BackgroundSaves
 from ..checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from ..checkpoint.sharded import load_checkpoint, save_checkpoint
 from ..fsdp.api import no_sync, reduce_kept_gradients, release
-from ..fsdp.deepspeed_params import serve_optimizer
 from ..fsdp.guards import require_materialized
 from ..fsdp.lookup import units_under
 from ..launch.env import discover
@@ -634,6 +633,8 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
         resolve_named_parameters(chosen, module)
     opt, sched = _optimizer(cfg, optimizer, lr_scheduler, params)
     engine = VeScaleEngine(module, cfg, opt, sched, device, placed.meshes, mpu)
+    for extension in extensions.registered("engine_built"):  # DeepSpeed's safe_* accessors
+        extension.engine_built(engine)
     return engine, opt, _loader(engine, training_data, mpu, collate_fn), sched
 
 
@@ -746,7 +747,6 @@ def _optimizer(cfg, optimizer, lr_scheduler, params) -> tuple:
         check_offloadable(opt)
         opt.offload_to_host(**offload)
     sched = build_scheduler(cfg.scheduler, lr_scheduler, opt)
-    serve_optimizer(opt)  # its state for DeepSpeed's safe_get_full_optimizer_state and kin
     return opt, sched
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint.hf import load_into
 from ..fsdp.materialize import init_fn_of, materialize
-from ..fsdp.deepspeed_params import sharded_of
+from ..fsdp.param import sharding_of
 from ..fsdp.deferred import deferred_record, replayed_generator
 from ..fsdp.guards import meta_leftovers
 from ..launch.device import DeviceError
@@ -66,7 +66,7 @@ def take_rank0_values(model: nn.Module) -> int:
     differ by design and are left alone. Returns how many were taken from rank 0."""
     named = [(n, p) for n, p in model.named_parameters()
              if not p.is_meta and not isinstance(p, DTensor)  # placed by the caller
-             and sharded_of(p) is None  # a shard differs by rank by design
+             and sharding_of(p, full=True) is None  # a shard differs by rank by design
              and getattr(p, "allreduce", True) is not False]
     if not named or dist.get_world_size() == 1:
         return 0

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import optim
 from ..fsdp.api import fully_shard
-from ..fsdp.deepspeed_params import gather_on_read
+from ..fsdp.lending import gather_on_read
 from ..fsdp.lookup import rank_local_units, unit_of, units_under
 from ..fsdp.policy import MixedPrecisionPolicy
 from . import extensions

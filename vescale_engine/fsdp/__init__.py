@@ -10,8 +10,9 @@ callback) < backward.py (a unit's backward: its state, hooks, reduction) < unit.
 methods on the unit) < fsdp2_args.py (FSDP2's fully_shard arguments in our terms) <
 materialize.py (meta-device materialization, users call `vescale_engine.materialize`;
 reset_parameters at full shape) < deferred.py (the record a deferred build leaves) < api.py (fully_shard, no_sync, release) < state_dict.py
-(gathered_parameters, full/sharded state dicts, the one per-DBuffer gather) <
-deepspeed_params.py (what DeepSpeed-aware libraries read on our parameters). Must not know about checkpoint files,
+(gathered_parameters, full/sharded state dicts, the one per-DBuffer gather); lending.py
+(which object holds a parameter's full tensor now; a parameter read in forward). Must not know
+about checkpoint files,
 optimizer classes, the config or the engine.
 """
 from .api import fully_shard, no_sync, register_fsdp_forward_method

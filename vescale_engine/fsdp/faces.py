@@ -4,7 +4,8 @@ A face is made over this rank's flat range of the master (or gradient) shard, wi
 The core's face is FSDP2's: a RaggedDTensor of the parameter's global shape (`RaggedFace`), so
 torch's clip_grad_norm_, state-dict utilities, DCP, nn.init and optimizers see whole tensors.
 Another view is a `ParameterFace` given in `ShardingPolicy(face=...)`: DeepSpeed ZeRO-3's plain
-1-D piece, which the DeepSpeed integration supplies (fsdp/deepspeed_params.ZeRO3Pieces), is one.
+1-D piece (`ZeRO3Pieces`, what the engine asks for: the libraries it serves read parameters
+as DeepSpeed's) is one.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from ..shard.ragged_dtensor import mesh_of_group, ragged_dtensor
 from .dtensor_params import face_mesh
 
-__all__ = ["ParameterFace", "RaggedFace"]
+__all__ = ["ParameterFace", "RaggedFace", "ZeRO3Pieces"]
 
 
 class ParameterFace:
@@ -66,3 +67,15 @@ class RaggedFace(ParameterFace):
         buf = sp.buffer
         device_type = "cpu" if buf.device.type == "meta" else buf.device.type
         return ragged_dtensor(piece, sp.layout, mesh_of_group(buf.shard_group, device_type))
+
+
+@dataclass(frozen=True)
+class ZeRO3Pieces(ParameterFace):
+    """DeepSpeed ZeRO-3's parameter between steps: this rank's plain 1-D piece of the master
+    shard. It takes what DeepSpeed takes (scalars, non-contiguous weights: a piece has no
+    layout to keep) and needs no mesh; ops that would read it as a whole tensor (dtype casts,
+    a model's init_weights) are refused or routed (fsdp/guards.py)."""
+    global_shape = False
+
+    def make(self, sp, piece, mesh=None):
+        return piece

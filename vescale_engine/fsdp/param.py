@@ -11,11 +11,15 @@ from .dtensor_params import LocalLeafRoute, dtensor_face, grad_face, grad_in_pla
 __all__ = ["ShardedParameter", "sharding_of"]
 
 
-def sharding_of(t) -> "ShardedParameter | None":
+def sharding_of(t, *, full: bool = False) -> "ShardedParameter | None":
     """The one accessor for a tensor's sharding state: the ShardedParameter whose sharded face
     `t` is (what the module holds between steps, and what optimizers, clipping and checkpoint
-    code are handed), else None (a plain tensor, or a full-shape parameter of forward)."""
-    return getattr(t, "_vescale", None)
+    code are handed), else None (a plain tensor, or a full-shape parameter of forward); with
+    `full`, also the one whose full-shape parameter `t` is."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    found = t.__dict__.get("_vescale")
+    return t.__dict__.get("_vescale_full") if found is None and full else found
 
 
 class ShardedParameter:
@@ -108,7 +112,7 @@ class ShardedParameter:
                     self._unsharded = dtensor_face(view, self.dtensor_spec, self.requires_grad)
                     # to_local() with gradients: a leaf over the view (dtensor_params says why)
                     self._unsharded.to_local = LocalLeafRoute(self._unsharded, self._local_leaf_of)
-            self._unsharded._vescale_full = self  # what it is a face of (deepspeed_params)
+            self._unsharded._vescale_full = self  # what it is a face of (sharding_of)
             self._accept_wide_grads(self._unsharded)
             self._hook_when_trainable()
         return self._unsharded

@@ -4,7 +4,7 @@ Call it on the units (each decoder block, say), then on the root, as with PyTorc
 steps the module holds each parameter as FSDP2 does, a DTensor (our RaggedDTensor) over this
 rank's range of the fp32 master shard (a TP/EP parameter's on the 2-D mesh of the shard group
 and its TP/EP mesh, as FSDP2's): the unit's face (fsdp/faces.py); the engine asks for
-DeepSpeed ZeRO-3's plain 1-D pieces instead (deepspeed_params.ZeRO3Pieces). During forward
+DeepSpeed ZeRO-3's plain 1-D pieces instead (faces.ZeRO3Pieces). During forward
 and backward the module holds full-shape parameters that are views of the unit's all-gathered buffer.
 
 Hooks, per unit (the pre-forward hook registered first, as FSDP2's, so that a user's own
@@ -448,7 +448,7 @@ def cast_output(policy, output):
 
 def serve_outside_read(unit, param) -> None:
     """Code outside the unit computes with its full parameter `param` (None: one the unit
-    returned) in a root's forward, DeepSpeed's "external parameters" (deepspeed_params'
+    returned) in a root's forward, DeepSpeed's "external parameters" (lending.py's
     ReadGathers). Gathered until the backward ends (the reader's backward may run before
     or after the unit's own), which reduces its gradients (UnitBackward.grad_arrives)."""
     ctx = ACTIVE.ctx

@@ -12,7 +12,7 @@ import statement). `connect()` registers what DeepSpeed and transformers add to 
 `initialize` and `materialize` through the core's extension points (engine/extensions.py,
 fsdp/materialize.py's init guards): it patches nothing, so a script that never calls
 patch_deepspeed() runs unpatched. The replacement functions here decide when our engine is
-concerned and call into the core (our engine, fsdp/deepspeed_params.py's GatheredShards, ...).
+concerned and call into the core (our engine, deepspeed/params.py's GatheredShards, ...).
 
 Every patch goes through `replace` (registry.py), which first checks that the library still
 has the name it replaces (an ImportError of one line naming the library, its version, the name

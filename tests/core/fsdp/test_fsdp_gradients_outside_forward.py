@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from vescale_engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard
-from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
+from vescale_engine.fsdp.faces import ZeRO3Pieces
 from vescale_engine.fsdp.policy import ShardingPolicy
 
 

@@ -955,7 +955,7 @@ def policies_rank(rank, world):
     policy, or a bad value in one, is one line before anything is sharded. A ShardingPolicy's
     face decides what the module holds between steps: DeepSpeed's plain pieces (the engine's)
     train to the same values as the default RaggedDTensors."""
-    from vescale_engine.fsdp.deepspeed_params import ZeRO3Pieces
+    from vescale_engine.fsdp.faces import ZeRO3Pieces
     from vescale_engine.fsdp.policy import MemoryPolicy, ShardingPolicy
     keywords = dict(granularity="rows:4", max_buffers=2, grads_in_place=False,
                     max_reuse_distance=10 ** 6)

@@ -13,17 +13,17 @@ every other config). Supported: deepspeed versions.SUPPORTED["deepspeed"] (0.19.
   (DeepSpeed accepts it and then fails in backward: it offloads only partitioned activations).
 - `deepspeed.zero.Init` builds on the meta device (zero_init.py's MetaInit), and
   `deepspeed.zero.GatheredParameters` gathers our sharded parameters
-  (fsdp/deepspeed_params.py's GatheredShards), refusing parameters a vescale Init left on meta;
+  (params.py's GatheredShards), refusing parameters a vescale Init left on meta;
   any others in the same call go to DeepSpeed's own.
 - `torch.nn.Parameter.ds_status` / `ds_shape` (torch's class, patched for DeepSpeed's
   surface): descriptors that answer for our parameters, keep the values DeepSpeed stores on its
   own, and raise AttributeError (hasattr is False) for every other parameter, as without them
-  (fsdp/deepspeed_params.py says who reads them). A parameter a vescale zero.Init left on
+  (params.py says who reads them). A parameter a vescale zero.Init left on
   meta is NOT_AVAILABLE, as DeepSpeed's partitioned ones.
 - `deepspeed.utils.safe_get_full_fp32_param` and the other `safe_*` accessors of the fp32
   parameter, gradient and optimizer state (in `deepspeed.utils` and `deepspeed.utils.
   tensor_fragment`): for our parameters they read and write our shards
-  (fsdp/deepspeed_params.py's local_piece, full_value, set_full_value); DeepSpeed's own for
+  (params.py's local_piece, full_value, set_full_value); DeepSpeed's own for
   every other parameter.
 """
 from __future__ import annotations
@@ -36,10 +36,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ...fsdp.deepspeed_params import (GatheredShards, full_value, holds_full, local_piece,
-                                      set_full_value, sharded_of)
 from ...fsdp.deferred import deferred_of
+from ...fsdp.lending import holds_full
+from ...fsdp.param import sharding_of
 from ..registry import missing_name, replace
+from .params import GatheredShards, full_value, local_piece, set_full_value
 from .zero_init import MetaInit, refuse_gathering, zero_init_config
 
 __all__ = ["install"]
@@ -199,10 +200,10 @@ def _gathered_parameters(original):
                             enabled=enabled)
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         refuse_gathering(params)
-        ours = [p for p in params if sharded_of(p) is not None]
+        ours = [p for p in params if sharding_of(p, full=True) is not None]
         if not ours:
             return original(params, modifier_rank=modifier_rank, fwd_module=fwd_module)
-        rest = [p for p in params if sharded_of(p) is None]  # DeepSpeed's, or plain ones
+        rest = [p for p in params if sharding_of(p, full=True) is None]  # DeepSpeed's, or plain ones
         return GatheredShards(ours, modifier_rank, fwd_module,
                               others=original(rest, modifier_rank=modifier_rank,
                                               fwd_module=fwd_module) if rest else None)
@@ -225,7 +226,7 @@ class _Attribute:
         stored = obj.__dict__.get(self.name, _Attribute)
         if stored is not _Attribute:
             return stored
-        sp = sharded_of(obj)
+        sp = sharding_of(obj, full=True)
         if sp is None and deferred_of(obj) is not None:  # built in a vescale zero.Init
             return self.compute(obj, None)
         if sp is None:
@@ -300,7 +301,7 @@ def _update_full_grads(original):
     def update(param_list, update_func):
         rest = []
         for p in param_list:
-            sp = sharded_of(p)
+            sp = sharding_of(p, full=True)
             if sp is None:
                 rest.append(p)
             elif p.requires_grad:
@@ -316,7 +317,7 @@ def _accessor(original, scope, verb, what):
     """DeepSpeed's signatures: get(param[, key]) and set(param, value[, key])."""
     @functools.wraps(original)
     def accessor(param, *args):
-        sp = sharded_of(param)
+        sp = sharding_of(param, full=True)
         if sp is None:
             return original(param, *args)
         key = what or args[-1]

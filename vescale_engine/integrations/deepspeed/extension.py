@@ -2,13 +2,15 @@
 (engine/extensions.py), for every config and whether or not `patch_deepspeed()` ran: the meaning
 of an unset gradient_clipping, the refusal of a model DeepSpeed's own zero.Init partitioned, its
 ZeRO-3 leaf modules, its MoE layers' experts (moe.py), its learning-rate schedulers by name and
-its Ulysses data loader."""
+its Ulysses data loader; and the engine's optimizer, whose state its safe_* accessors read
+(params.py)."""
 from __future__ import annotations
 
 import importlib.util
 
 from ...engine.extensions import EngineExtension
 from .moe import expert_sharding
+from .params import serve_optimizer
 from .zero_init import require_not_partitioned
 
 __all__ = ["GRADIENT_CLIPPING_DEFAULT", "extension"]
@@ -65,4 +67,5 @@ def extension() -> EngineExtension:
         config_defaults={"gradient_clipping": GRADIENT_CLIPPING_DEFAULT} if installed else {},
         check_model=require_not_partitioned, before_wrap=flag_leaf_modules,
         extra_units=expert_sharding, scheduler_class=scheduler_class,
-        sequence_parallel_loader=sequence_parallel_loader)
+        sequence_parallel_loader=sequence_parallel_loader,
+        engine_built=lambda engine: serve_optimizer(engine.optimizer))

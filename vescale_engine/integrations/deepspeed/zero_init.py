@@ -21,7 +21,7 @@ dtype casts apply (on meta), and `to_empty` is an error. `deepspeed.zero.Gathere
 on their parameters once the build is over is an error naming the caller: there is nothing to
 gather, and DeepSpeed's own would silently do nothing. (During the build it passes: a model
 that gathers in `__init__` writes nothing that is kept.) On parameters vescale has sharded
-(after initialize) it gathers them: fsdp/deepspeed_params.py's GatheredShards; any others in
+(after initialize) it gathers them: params.py's GatheredShards; any others in
 the same call go to DeepSpeed's own.
 """
 from __future__ import annotations

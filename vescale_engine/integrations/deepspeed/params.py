@@ -22,7 +22,7 @@ accelerate 1.11 and 1.16, transformers 5.6 and 5.24), and what we give them:
 - A parameter read inside a forward while its unit is sharded (a parent computing with a
   child's weight after the child ran: `F.linear(x, self.child.weight)`): gathered and handed
   out full, as DeepSpeed's ZeROOrderedDict gathers its "external parameters"
-  (`ReadGathers`, the engine's modules' `_parameters`); outside a forward the sharded piece,
+  (fsdp/lending.py's `ReadGathers`, the engine's modules' `_parameters`); outside a forward the sharded piece,
   as DeepSpeed hands out its partition.
 - TRL's `remove_hooks` / `add_hooks` (trl.models.utils, around generation inside
   GatheredParameters(model.parameters())): for our engine they suspend and restore the units'
@@ -39,94 +39,30 @@ alone would enter a collective and hang.
 The parameters themselves are DeepSpeed's view between steps: `ZeRO3Pieces`, the face
 (fsdp/faces.py) the engine asks for in its ShardingPolicy, leaves each one this rank's plain 1-D
 piece of the master shard, which GatheredParameters fills in place and whose `ds_shape` is the
-full shape (FSDP2's RaggedDTensor of the global shape cannot be filled so).
+full shape (FSDP2's RaggedDTensor of the global shape cannot be filled so). Which object holds
+the full tensor now (a gathered unit's, or one lent here) is fsdp/lending.py's.
 
 What gives the libraries these names (the ds_* descriptors on `torch.nn.Parameter`,
-`deepspeed.zero.GatheredParameters`, TRL's two functions) is in vescale_engine/integrations/
-(deepspeed.py, trl/): this module answers DeepSpeed's.
+`deepspeed.zero.GatheredParameters`) is this package's __init__.py, TRL's two functions
+integrations/trl/: this module answers DeepSpeed's.
 """
 from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .faces import ParameterFace
-from .guards import require_materialized
-from .state_dict import gather_selected
-from .unit import forward_in_progress, running_backward, serve_outside_read
+from ...fsdp.guards import require_materialized
+from ...fsdp.lending import holds_full, lend_full, return_full
+from ...fsdp.param import sharding_of
+from ...fsdp.state_dict import gather_selected
+from ...fsdp.unit import forward_in_progress, running_backward
 
-__all__ = ["ZeRO3Pieces", "sharded_of", "holds_full", "ReadGathers", "gather_on_read",
-           "GatheredShards",
-           "serve_optimizer", "local_piece", "full_value",
-           "set_full_value"]
-
-_GATHERED = set()  # ids of the parameter objects a GatheredShards context holds full now
-
-
-@dataclass(frozen=True)
-class ZeRO3Pieces(ParameterFace):
-    """DeepSpeed ZeRO-3's parameter between steps: this rank's plain 1-D piece of the master
-    shard. It takes what DeepSpeed takes (scalars, non-contiguous weights: a piece has no
-    layout to keep) and needs no mesh; ops that would read it as a whole tensor (dtype casts,
-    a model's init_weights) are refused or routed (fsdp/guards.py)."""
-    global_shape = False
-
-    def make(self, sp, piece, mesh=None):
-        return piece
-
-
-def sharded_of(p):
-    """The ShardedParameter `p` is a face of (its 1-D shard or its full-shape parameter)."""
-    if not isinstance(p, torch.Tensor):
-        return None
-    d = p.__dict__
-    return d.get("_vescale") or d.get("_vescale_full")
-
-
-def holds_full(p, sp) -> bool:
-    """Does the object hold the full tensor now? (rank-consistent: it decides collectives)"""
-    if id(p) in _GATHERED:
-        return True
-    if p is sp.full_face:
-        module, name = sp.registrations[0]
-        return module._parameters.get(name) is p
-    return False
-
-
-# -- a parameter read in forward -----------------------------------------------------------------
-
-class ReadGathers(dict):
-    """`module._parameters` of a module whose parameters the engine shards: a sharded
-    parameter read (`module.weight`) inside a root's forward, but not in backward, is gathered
-    by its unit (unit.serve_outside_read) and the full one returned. Iterating
-    (`named_parameters()`) reads nothing through here."""
-    __slots__ = ()
-
-    def __getitem__(self, key):
-        p = dict.__getitem__(self, key)
-        # (first: a compiled forward must not trace, nor guard on, the runtime's state)
-        if torch.compiler.is_compiling() or not forward_in_progress() or \
-                not isinstance(p, torch.Tensor):
-            return p
-        sp = p.__dict__.get("_vescale")  # a sharded face (a full one has _vescale_full)
-        if sp is None or id(p) in _GATHERED or running_backward():
-            return p
-        serve_outside_read(sp.unit, sp)
-        return dict.__getitem__(self, key)
-
-
-def gather_on_read(units) -> None:
-    """Give the modules holding `units`' parameters ReadGathers (once; idempotent)."""
-    for unit in units:
-        for sp in unit.params:
-            for module, _ in sp.registrations:
-                if type(module._parameters) is not ReadGathers:
-                    module._parameters = ReadGathers(module._parameters)
+__all__ = ["GatheredShards", "serve_optimizer", "local_piece", "full_value", "set_full_value"]
 
 
 # -- GatheredParameters ------------------------------------------------------------------------
@@ -139,7 +75,8 @@ class GatheredShards:
     def __init__(self, params, modifier_rank=None, fwd_module=None, others=None):
         self.modifier_rank = modifier_rank
         self.others = others  # DeepSpeed's context over the rest of a mixed list, or None
-        self.requested = list({id(p): (p, sharded_of(p)) for p in params}.values())
+        self.requested = list({id(p): (p, sharding_of(p, full=True))
+                               for p in params}.values())
         self.held = []  # (object, its own data, ShardedParameter), in gathering order
         if fwd_module is not None:
             raise NotImplementedError(
@@ -198,7 +135,7 @@ class GatheredShards:
             own = p.data
             p.data = full[sp]
             self.held.append((p, own, sp))
-            _GATHERED.add(id(p))
+            lend_full(p)
             if p.requires_grad and torch.is_grad_enabled():
                 _guard_gradient(p, sp)
 
@@ -209,7 +146,7 @@ class GatheredShards:
         finally:
             for p, own, _ in self.held:
                 p.data = own
-                _GATHERED.discard(id(p))
+                return_full(p)
             self.held = []
             if self.others is not None:
                 self.others.__exit__(*exc)
@@ -240,10 +177,13 @@ def _name(sp) -> str:
     return f"{sp.fqn} of {sp.unit.name.split('#')[0]}"
 
 
+_GUARDED = WeakIdKeyDictionary()  # parameters whose hook `_guard_gradient` registered
+
+
 def _guard_gradient(p, sp) -> None:
     """A gradient computed through the full tensor a context lent the shard object would be
     accumulated as if it were this rank's piece: stop it instead (registered once)."""
-    if p.__dict__.get("_vescale_gradient_guard"):
+    if p in _GUARDED:
         return
     local = (sp.flat_range[1] - sp.flat_range[0],)
 
@@ -255,7 +195,7 @@ def _guard_gradient(p, sp) -> None:
                 "unit's forward; compute with the module inside its unit's forward instead")
         return grad
     p.register_hook(check)
-    p._vescale_gradient_guard = True
+    _GUARDED[p] = True
 
 
 def _callers(limit: int = 3) -> str:
