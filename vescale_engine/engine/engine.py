@@ -44,7 +44,7 @@ from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .training_state import EngineTrainingState
 from .weights import guard_save_pretrained, place_model, prepare_weights, take_rank0_values
-from .wrap import ExpertUnits, device_mesh, refuse_with_experts, wrap_model
+from .wrap import ExpertUnits, refuse_with_experts, wrap_model
 from ..logs import quiet_deepspeed_start
 from ..versions import check_versions
 
@@ -708,10 +708,11 @@ class Placement:
 
 
 def _parallelize(model, cfg, plan, device) -> Placement:
-    """TP/EP first (DTensors on their meshes), then the mesh the units shard the pieces over."""
-    if plan is None:
-        return Placement(device_mesh(cfg, device))
+    """The meshes of cfg.parallel; TP/EP (DTensors on their meshes); the mesh the units shard
+    the pieces over."""
     meshes = build_meshes(cfg.parallel, device.type)
+    if plan is None:
+        return Placement(meshes.dense_dp())
     apply_parallel_plan(model, plan, meshes)
     experts = None
     if plan.expert_modules:

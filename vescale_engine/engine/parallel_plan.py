@@ -40,14 +40,18 @@ EP_DISPATCH = "ep_dispatch_experts"  # transformers' style for a fused experts m
 
 @dataclass(frozen=True)
 class Meshes:
-    """The dense mesh and, with EP, the experts' mesh over the same ranks."""
+    """The dense mesh and, with EP, the experts' mesh over the same ranks; no dense mesh when
+    the units shard over the whole world (no TP, EP or replicas: the default group)."""
     sizes: ParallelSizes
-    dense: object  # DeviceMesh ("dp_replicate", "dp_shard", "tp")
+    dense: object  # DeviceMesh ("dp_replicate", "dp_shard", "tp"), or None
     experts: object = None  # DeviceMesh ("dp_replicate", "efsdp", "ep"), with EP
 
     def dense_dp(self):
-        """The mesh the dense units shard over: (dp_replicate, dp_shard) with HSDP, else
-        dp_shard; its ranks hold the same TP coordinate."""
+        """The mesh the dense units shard over: (dp_replicate, dp_shard) with HSDP (and at
+        ZeRO stage 0, every rank a replica), else dp_shard (its ranks hold the same TP
+        coordinate), or None: the whole world."""
+        if self.dense is None:
+            return None
         return self.dense["dp_replicate", "dp_shard"] if self.sizes.replicate > 1 \
             else self.dense["dp_shard"]
 
@@ -66,8 +70,11 @@ class Meshes:
 
 
 def build_meshes(sizes: ParallelSizes, device_type: str) -> Meshes:
-    """The meshes of `sizes` (collective: every rank makes the same groups in the same order)."""
+    """The meshes of `sizes`, every mesh the engine uses (collective: every rank makes the same
+    groups in the same order); none for plain sharding over the world."""
     from torch.distributed.device_mesh import DeviceMesh
+    if not sizes.enabled and sizes.replicate == 1:
+        return Meshes(sizes, None)
     ranks = torch.arange(sizes.world)
     dense = DeviceMesh(device_type, ranks.reshape(sizes.replicate, sizes.shard, sizes.tp),
                        mesh_dim_names=("dp_replicate", "dp_shard", "tp"))

@@ -1,5 +1,5 @@
 """The wrap policy: which submodules become FSDP units (the config's `wrap_policy`, or a default
-read from the model), and the device mesh they shard over."""
+read from the model), sharded over the mesh initialize gives (parallel_plan.build_meshes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +19,7 @@ from ..fsdp.policy import MixedPrecisionPolicy
 from . import extensions
 from .leaf_modules import units_with_whole_leaves
 
-__all__ = ["WrapChoice", "ExpertUnits", "device_mesh", "wrap_model", "describe", "choose_units",
+__all__ = ["WrapChoice", "ExpertUnits", "wrap_model", "describe", "choose_units",
            "default_units", "declared_unsplittable", "size_threshold", "refuse_with_experts",
            "DEFAULT_UNITS"]
 
@@ -55,18 +55,6 @@ class ExpertUnits:
     modules: tuple
     mesh: object
     divide_factor: float
-
-
-def device_mesh(cfg, device: torch.device):
-    """A (replicate, shard) mesh on this rank's device type for HSDP and for stage 0
-    (replicate only); None: shard over the whole world."""
-    if cfg.hsdp_replicate_size <= 1 and cfg.zero_stage != 0:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-    world = dist.get_world_size()
-    replicas = world if cfg.zero_stage == 0 else cfg.hsdp_replicate_size
-    return init_device_mesh(device.type, (replicas, world // replicas),
-                            mesh_dim_names=("replicate", "shard"))
 
 
 def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) -> nn.Module:
