@@ -6,6 +6,7 @@ import sys
 
 from launcher.arg_types import positive_int, seconds
 from vescale_engine import __version__
+from vescale_engine.logs import install as install_logging
 
 
 def _add_validate_parser(sub):
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    install_logging()  # the library's lines print without logging setup (logs.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

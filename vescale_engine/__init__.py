@@ -2,18 +2,13 @@
 distributed buffers behind a DeepSpeed-style API.
 
 Names are imported lazily so that light tools (`vescale plan`) start without importing torch.
+Importing defines names only; what the library sets up in the process (its log handler,
+logs.py; the exit step that lets gloo's threads finish, launch/settle.py) is done by the calls
+that need it: initialize, fully_shard, materialize and the launcher.
 """
-import atexit
 import importlib
 
-from .launch.settle import let_native_threads_settle as _settle
-from .logs import install as _install_logging
-
 __version__ = "0.1.0"
-_install_logging()  # progress and checkpoint lines print without any logging setup (logs.py)
-# The process's last exit step: gloo's worker threads finish before the interpreter finalizes,
-# or torch 2.13 can abort the process at exit (launch/settle.py).
-atexit.register(_settle)
 
 _LAZY = {
     "Granularity": "plan.granularity", "parse_granularity": "plan.granularity",

@@ -6,7 +6,8 @@ same: INFO lines go to stdout and warnings to stderr as `[vescale] message` unti
 logging itself (a handler on the root logger), from then on its handlers take the records (they
 propagate) and ours stays quiet, so nothing prints twice. Silence it the usual ways:
 `logging.getLogger("vescale_engine").setLevel(logging.WARNING)`, or `VESCALE_LOG_LEVEL=warning`
-in the environment (read at import).
+in the environment. `install` sets this up; importing the package does not: initialize,
+fully_shard, materialize and the launcher call it first.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class _UntilConfigured(logging.StreamHandler):
 
 def install() -> logging.Logger:
     """Give the library's logger its default handler and level (idempotent). A level set in
-    the environment wins; one the application set before import is kept."""
+    the environment wins; one the application set before is kept."""
     logger = logging.getLogger(LOGGER_NAME)
     if not any(isinstance(h, _UntilConfigured) for h in logger.handlers):
         logger.addHandler(_UntilConfigured())

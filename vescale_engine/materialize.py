@@ -7,6 +7,7 @@ import sys
 import types
 
 from . import _connect
+from .logs import install as install_logging
 from .fsdp import materialize as _core
 from .fsdp.materialize import allocate_shards, rng_state, set_rng_state, use_init_fn
 
@@ -18,6 +19,7 @@ def materialize(module, device=None, init_fn=None):
     """fsdp/materialize.py's `materialize`, with the integrations connected (a pretrained
     model's init runs inside transformers' guard of torch's init functions)."""
     _connect()
+    install_logging()  # its progress lines print without logging setup (logs.py)
     return _core.materialize(module, device, init_fn)
 
 

@@ -17,6 +17,26 @@ def test_import_is_light_and_names_resolve():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def test_importing_defines_names_only():
+    """No log handler, no exit hook, no patch of torch: importing the package (and a lazy
+    name of it) sets nothing up in the process; initialize, fully_shard, materialize and the
+    launcher do (logs.install, launch/settle.py's settle_at_exit)."""
+    code = ("import atexit, logging, sys\n"
+            "hooks = atexit._ncallbacks()\n"
+            "import vescale_engine as v\n"
+            "assert atexit._ncallbacks() == hooks, 'an exit hook'\n"
+            "v.initialize, v.materialize, v.optim  # (torch's own imports register hooks)\n"
+            "from vescale_engine.launch import settle\n"
+            "assert settle._REGISTERED == [], 'the settle at exit'\n"
+            "assert logging.getLogger('vescale_engine').handlers == [], 'a log handler'\n"
+            "from vescale_engine.logs import install\n"
+            "install()\n"
+            "assert len(logging.getLogger('vescale_engine').handlers) == 1\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_console_script_version():
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "--version"],
                          capture_output=True, text=True)

@@ -513,13 +513,17 @@ def test_explain_timeout_passes_other_errors_and_rewords_timeouts(monkeypatch):
         "between collectives (last: all-gather of unit 'blocks.0' (forward) (#")
 
 
-def test_importing_vescale_engine_makes_the_exit_wait_for_native_threads(tmp_path):
-    """The package root registers the settle at exit: a process that imported vescale_engine
-    and leaves a thread running in torch (as a gloo worker would be) lets it finish before
-    the interpreter finalizes; without the registration the daemon thread dies unfinished."""
+def test_fully_shard_makes_the_exit_wait_for_native_threads(tmp_path):
+    """fully_shard (as join_process_group) registers the settle at exit: a process that sharded
+    a module and leaves a thread running in torch (as a gloo worker would be) lets it finish
+    before the interpreter finalizes; without the registration the daemon thread dies
+    unfinished."""
     done = tmp_path / "done"
     script = (
-        "import threading, time, torch, vescale_engine\n"
+        "import threading, time, torch, torch.distributed as dist, vescale_engine\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, "
+        "world_size=1)\n" % free_port() +
+        "vescale_engine.fully_shard(torch.nn.Linear(4, 4))\n"
         "torch.set_num_threads(1)\n"
         "def busy():\n"
         "    x = torch.randn(700, 700)\n"

@@ -45,7 +45,7 @@ from .timers import WallClockBreakdown
 from .training_state import EngineTrainingState
 from .weights import guard_save_pretrained, place_model, prepare_weights, take_rank0_values
 from .wrap import ExpertUnits, refuse_with_experts, wrap_model
-from ..logs import quiet_deepspeed_start
+from ..logs import install as install_logging, quiet_deepspeed_start
 from ..versions import check_versions
 
 __all__ = ["VeScaleEngine", "initialize"]
@@ -609,6 +609,7 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
                 dist_init_required, collate_fn, config, config_params):
     """The pipeline: join -> config -> agree -> meshes -> parallelize -> shard -> weights ->
     optimizer -> loader, each stage a function below with what it returns."""
+    install_logging()  # progress and checkpoint lines print without logging setup (logs.py)
     _connect()  # what other libraries add to the engine (integrations/, extensions.py)
     check_versions()  # the libraries imported by now, each once (versions.py)
     if model is None:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import torch_compat
+from ..launch.settle import settle_at_exit
+from ..logs import install as install_logging
 from ..plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS
 from ..plan.quantization import TILE_COLS, tile_rows
 from ..shard.collectives import default_device
@@ -131,6 +133,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     `gradient_divide_factor`: what summed gradients are divided by (default the number of
     ranks of `mesh`; experts over a part of the data-parallel world set its whole size, as
     torchtitan does). Every refusal is raised here, before any collective."""
+    install_logging()  # the library's lines print without logging setup (logs.py)
+    settle_at_exit()  # gloo's threads finish before the interpreter does (launch/settle.py)
     modules = _modules_to_shard(module)
     fsdp2_args.check_dp_mesh_dims(dp_mesh_dims)
     group, replicate_group, shard_mesh = fsdp2_args.resolve_mesh(mesh)

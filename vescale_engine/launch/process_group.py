@@ -17,6 +17,7 @@ from . import collective_timeout, rendezvous
 from .device import NCCL_WITH_CPU, adopt_group_device, device_of_rank
 from .env import LaunchError, discover
 from .failfast import FailFast
+from .settle import settle_at_exit
 
 __all__ = ["join_process_group", "meet_the_others", "leave_process_group"]
 
@@ -68,6 +69,7 @@ def join_process_group(timeout_s: float, create: bool = True,
         fail_fast.install()
     _fail_fast[0] = fail_fast
     collective_timeout.record_group(timeout_s, fail_fast)
+    settle_at_exit()  # registered first, so it runs after the exit barrier below
     atexit.register(leave_process_group, device)
     return device
 

@@ -1,6 +1,7 @@
-"""The last thing a process that imported vescale_engine does before the interpreter finalizes
-(registered at exit by the package root, so it runs after every handler registered later: our
-process group's exit barrier and teardown, the user's own): wait, the GIL released, until no
+"""The last thing a process that used vescale_engine does before the interpreter finalizes
+(`settle_at_exit`, registered by the first fully_shard or join_process_group, before our
+process group's exit barrier and teardown, so it runs after them and after every handler
+registered later, the user's own): wait, the GIL released, until no
 other thread of the process is runnable, at most a second; a few milliseconds when none is.
 
 Why. A gloo worker thread drops a finished collective's work after the caller's wait returned,
@@ -10,15 +11,25 @@ Python 3.11 ends the thread by unwinding it through noexcept C++ frames and the 
 ~AsyncAllgatherWork in ProcessGroupGloo::runLoop; about 1 exit in 50 on a loaded 2-core machine
 after an all_gather_object). torch 2.13's destroy_process_group does not join gloo's workers,
 so the only guard is to let them run first. It covers any process group, ours or the script's
-own. Torch-free: the package root imports it.
+own. Torch-free.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
 
-__all__ = ["let_native_threads_settle"]
+__all__ = ["let_native_threads_settle", "settle_at_exit"]
+
+_REGISTERED = []
+
+
+def settle_at_exit() -> None:
+    """Make `let_native_threads_settle` the process's last exit step (idempotent)."""
+    if not _REGISTERED:
+        atexit.register(let_native_threads_settle)
+        _REGISTERED.append(True)
 
 
 def let_native_threads_settle(limit_s: float = 1.0) -> None:
