@@ -439,13 +439,14 @@ def _communication(zero: dict, ves: dict, stage: int, sizes: ParallelSizes, offl
     group = int(ves.get("quantization_group_size", DEFAULT_GROUP))
     weights = _quantized(zero, "zero_quantized_weights", stage, sizes, prefix)
     gradients = _quantized(zero, "zero_quantized_gradients", stage, sizes, prefix)
+    hpz = _hpz_partition_size(zero, stage, sizes, offload, prefix)  # its own messages
     try:
         return CommunicationPolicy(
             quantized_weights=group if weights else None,
             quantized_gradients=group if gradients else None,
             quantization_format=ves.get("quantization_format", "int8"),
             fp8_matmul=bool(ves.get("fp8_matmul", False)),
-            hpz_partition_size=_hpz_partition_size(zero, stage, sizes, offload, prefix),
+            hpz_partition_size=hpz,
             native_collectives=bool(ves.get("native_collectives", False)))
     except ValueError as err:
         message = re.sub(r"\b(" + "|".join(_CONFIG_NAMES) + r")\b",
