@@ -2,7 +2,7 @@
 import pytest
 
 from config_schemas.validate import ConfigError
-from vescale_engine.engine.config import BatchSizes, build_config, resolve_batch_sizes
+from vescale_engine.engine.config import BatchSizes, Precision, build_config, resolve_batch_sizes
 
 
 @pytest.mark.parametrize("keys,world,want", [
@@ -40,12 +40,13 @@ def test_build_config_maps_deepspeed_and_vescale_keys():
                     "wrap_policy": {"module_classes": ["Block"]}, "grads_in_place": False},
     }, world_size=4)
     assert cfg.batch == BatchSizes(8, 2, 1)
-    assert cfg.param_dtype == "bfloat16" and cfg.reduce_dtype is None
-    assert cfg.zero_stage == 2 and cfg.reshard_after_forward is False
-    assert cfg.granularity == "rows:16" and cfg.granularity_overrides == {"*.experts.*": "tensor"}
+    assert cfg.precision.param_dtype == "bfloat16" and cfg.precision.reduce_dtype is None
+    assert cfg.zero_stage == 2 and cfg.wrap.reshard_after_forward is False
+    assert cfg.wrap.granularity == "rows:16"
+    assert cfg.wrap.granularity_overrides == {"*.experts.*": "tensor"}
     assert cfg.sharding.max_buffers == 2 and cfg.hsdp_replicate_size == 2 and \
         cfg.memory.grads_in_place is False
-    assert cfg.module_classes == ("Block",) and cfg.gradient_clipping == 1.0
+    assert cfg.wrap.module_classes == ("Block",) and cfg.gradient_clipping == 1.0
     assert [n.split(" (")[0] for n in cfg.not_acted_on] == ["zero_optimization.overlap_comm"]
     assert cfg.memory.max_reuse_distance == 0  # absent: only the last unit stays gathered
     # absent: reduce-scatter every micro-step, gloo's exchanges
@@ -84,16 +85,16 @@ def test_build_config_errors(config, world, message):
 def test_fp16_section_sets_float16_compute_and_keeps_the_scaling_keys():
     fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 1}
     cfg = build_config({"train_batch_size": 4, "fp16": fp16}, world_size=2)
-    assert cfg.param_dtype == "float16" and cfg.fp16 == fp16 and not cfg.bf16
+    assert cfg.precision == Precision(bf16=False, param_dtype="float16", fp16=fp16)
     off = build_config({"train_batch_size": 4, "fp16": {"enabled": False}}, world_size=2)
-    assert off.param_dtype is None and off.fp16 == {}
+    assert off.precision.param_dtype is None and off.precision.fp16 == {}
 
 
 def test_monitor_and_breakdown_keys_are_acted_on():
     cfg = build_config({"train_batch_size": 4, "wall_clock_breakdown": True,
                         "csv_monitor": {"enabled": True, "output_path": "o", "job_name": "j"},
                         "tensorboard": {"enabled": False}}, world_size=1)
-    assert cfg.wall_clock_breakdown and cfg.not_acted_on == ()
+    assert cfg.reporting.wall_clock_breakdown and cfg.not_acted_on == ()
 
 
 def test_add_config_arguments_accepts_deepspeed_launcher_flags():
@@ -137,11 +138,11 @@ def test_steps_per_print_infinity_never_prints():
     import math
     from vescale_engine.engine.progress import Progress
     cfg = build_config({"train_batch_size": 2, "steps_per_print": math.inf}, world_size=2)
-    assert cfg.steps_per_print == math.inf
-    progress = Progress(cfg.steps_per_print, rank=0)
+    assert cfg.reporting.steps_per_print == math.inf
+    progress = Progress(cfg.reporting.steps_per_print, rank=0)
     assert not any(progress.due(step) for step in range(1, 10 ** 4))
     assert build_config({"train_batch_size": 2, "steps_per_print": 1e5},
-                        world_size=2).steps_per_print == 100000
+                        world_size=2).reporting.steps_per_print == 100000
 
 
 def test_checks_that_need_no_world_size_run_in_the_validator_too():

@@ -967,7 +967,7 @@ def accumulation_and_bf16(rank, world, build, keys, dp):
                          rel_loss=max(abs(a - b) / b for a, b in zip(losses, want)),
                          norm=max(abs(a - b) / b for a, b in zip(norms, want_norms)),
                          params=params, gas=engine.gradient_accumulation_steps(), micro=micro,
-                         compute=engine.engine_config.param_dtype)
+                         compute=engine.engine_config.precision.param_dtype)
         engine.destroy()
     return out
 

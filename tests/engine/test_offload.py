@@ -452,8 +452,8 @@ def test_nvme_and_offload_param_are_one_line_naming_what_works():
         "'cpu'); NVMe offload is not supported: device \"cpu\" keeps the sharded parameters "
         "(and, with offload_optimizer, the master and optimizer state) in host memory")
     cfg = build_config(config({"ratio": 0.25}), 2)
-    assert cfg.offload_optimizer == {"ratio": 0.25, "pin_memory": True}
-    assert build_config(config(), 2).offload_optimizer is None
+    assert cfg.offload.optimizer == {"ratio": 0.25, "pin_memory": True}
+    assert build_config(config(), 2).offload.optimizer is None
     with pytest.raises(ConfigError, match="ratio: 1.5 is out of range"):
         build_config(config({"ratio": 1.5}), 2)
 
@@ -462,14 +462,14 @@ def test_offload_param_acts_with_offload_optimizer_at_stage_3_only(caplog):
     from vescale_engine.engine.config import build_config
     both = config({"ratio": 1.0}, param=True)
     both["zero_optimization"]["offload_optimizer"]["pin_memory"] = False  # either one pins
-    assert build_config(both, 2).offload_optimizer == {"ratio": 1.0, "pin_memory": True,
+    assert build_config(both, 2).offload.optimizer == {"ratio": 1.0, "pin_memory": True,
                                                        "offload_param": True}
     alone = config()
     alone["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
     with caplog.at_level("WARNING", logger="vescale_engine"):
         built = build_config(alone, 2)
-    assert built.offload_optimizer is None  # nothing moves where there is an optimizer
-    assert built.offload_param_alone == {"ratio": 1.0, "pin_memory": False, "offload_param": True}
+    assert built.offload.optimizer is None  # nothing moves where there is an optimizer
+    assert built.offload.param_alone == {"ratio": 1.0, "pin_memory": False, "offload_param": True}
     assert ["accepted but not acted on: zero_optimization.offload_param without "
             "offload_optimizer (DeepSpeed then moves only its 16-bit copy" in r.getMessage()
             for r in caplog.records] == [True], caplog.records
@@ -479,7 +479,7 @@ def test_offload_param_acts_with_offload_optimizer_at_stage_3_only(caplog):
     stage2["zero_optimization"]["stage"] = 2
     with caplog.at_level("WARNING", logger="vescale_engine"):
         built = build_config(stage2, 2)
-    assert built.offload_optimizer == {"ratio": 1.0, "pin_memory": True}
+    assert built.offload.optimizer == {"ratio": 1.0, "pin_memory": True}
     assert ("accepted but not acted on: zero_optimization.offload_param (read at ZeRO stage 3 "
             "only, as DeepSpeed does; zero_optimization.stage is 2: parameters are not "
             "sharded)") in [r.getMessage() for r in caplog.records]
@@ -541,7 +541,7 @@ def test_device_none_with_other_keys_is_a_warning_naming_them(caplog):
                                 "offload_param": {"device": "none", "pin_memory": True}}
     with caplog.at_level("WARNING", logger="vescale_engine"):
         built = build_config(cfg, 2)
-    assert built.offload_optimizer is None
+    assert built.offload.optimizer is None
     warnings = [r.getMessage() for r in caplog.records]
     assert ('zero_optimization.offload_optimizer: device is "none", so pin_memory, ratio do '
             'nothing (set device "cpu" to offload)') in warnings, warnings

@@ -335,24 +335,26 @@ def test_a_config_hugging_face_filled_in_builds():
         "lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-7, "weight_decay": 0.1}}
     assert cfg.scheduler["params"]["total_num_steps"] == 100
     assert cfg.scheduler["params"]["warmup_num_steps"] == 10
-    assert cfg.bf16 and cfg.param_dtype == "bfloat16" and cfg.fp16 == {}
-    assert cfg.gradient_clipping == 0.5 and cfg.gather_16bit_weights_on_model_save is True
+    assert cfg.precision.bf16 and cfg.precision.param_dtype == "bfloat16"
+    assert cfg.precision.fp16 == {} and cfg.gradient_clipping == 0.5
+    assert cfg.checkpointing.gather_16bit_weights_on_model_save is True
     assert cfg.raw is hf.config  # engine.config: the dict as given, DeepSpeed's meaning
 
 
 def test_direct_initialize_configs_build_with_deepspeeds_meaning():
     rlhf = build_config(_load("openrlhf_style_zero3.json"), world_size=4)
     assert rlhf.memory.max_reuse_distance == 10 ** 9  # "auto": DeepSpeed's default
-    assert rlhf.batch.gradient_accumulation_steps == 4 and rlhf.bf16
+    assert rlhf.batch.gradient_accumulation_steps == 4 and rlhf.precision.bf16
     not_acted = [entry.split(" (")[0] for entry in rlhf.not_acted_on]
     assert "zero_optimization.sub_group_size" in not_acted and "data_types" in not_acted
     chat = build_config(_load("deepspeed_chat_style_zero3.json"), world_size=2)
-    assert chat.batch.gradient_accumulation_steps == 4 and chat.param_dtype == "float16"
-    assert chat.fp16 == {"enabled": True, "loss_scale_window": 100}
+    assert chat.batch.gradient_accumulation_steps == 4 and chat.precision.param_dtype == "float16"
+    assert chat.precision.fp16 == {"enabled": True, "loss_scale_window": 100}
     accel = _load("accelerate_generated_zero3.json")
     accel.update(train_batch_size=4, train_micro_batch_size_per_gpu=2)  # what prepare() writes
     cfg = build_config(accel, world_size=2)
-    assert cfg.steps_per_print == math.inf and cfg.gather_16bit_weights_on_model_save is False
+    assert cfg.reporting.steps_per_print == math.inf
+    assert cfg.checkpointing.gather_16bit_weights_on_model_save is False
 
 
 def test_aliases_are_read_as_the_canonical_key():
@@ -361,14 +363,14 @@ def test_aliases_are_read_as_the_canonical_key():
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
         "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "train_micro_batch_size_per_gpu": 2}, world_size=2)
-    assert cfg.bf16 and cfg.param_dtype == "bfloat16"  # bfloat16 = bf16
+    assert cfg.precision.bf16 and cfg.precision.param_dtype == "bfloat16"  # bfloat16 = bf16
     assert cfg.memory.max_reuse_distance == 10 ** 9  # max_reuse_distance = stage3_max_reuse_distance
-    assert cfg.gather_16bit_weights_on_model_save is True  # the deprecated fp16 name
+    assert cfg.checkpointing.gather_16bit_weights_on_model_save is True  # the deprecated fp16 name
     assert cfg.optimizer["type"] == "AdamW"
     assert "bfloat16" in cfg.raw and "bf16" not in cfg.raw  # raw stays as given
     short = build_config({"train_batch_size": 2, "zero_optimization": {
         "gather_16bit_weights_on_model_save": True}}, world_size=2)
-    assert short.gather_16bit_weights_on_model_save is True
+    assert short.checkpointing.gather_16bit_weights_on_model_save is True
 
 
 # ---- the configs public projects ship (tests/configs_in_the_wild/public/, sources in README) --
@@ -494,14 +496,15 @@ def test_public_config_builds_as_trainer_hands_it_over(name, caplog):
                                          GRADIENT_CLIPPING_DEFAULT)
     if name in ("transformers_tests_ds_config_zero2.json", "transformers_tests_ds_config_zero3"
                 ".json", "transformers_docs_zero3.json"):  # fp16 "auto" only: Trainer's fp16
-        assert not cfg.bf16 and cfg.param_dtype is None and cfg.fp16 == {}  # False: fp32
+        assert not cfg.precision.bf16 and cfg.precision.param_dtype is None  # False: fp32
+        assert cfg.precision.fp16 == {}
     else:
-        assert cfg.bf16 and cfg.param_dtype == "bfloat16"
+        assert cfg.precision.bf16 and cfg.precision.param_dtype == "bfloat16"
     pin, param = OPTIMIZER_OFFLOADING.get(name, (None, False))
-    assert cfg.offload_optimizer == (
+    assert cfg.offload.optimizer == (
         None if pin is None else
         {"ratio": 1.0, "pin_memory": pin, **({"offload_param": True} if param else {})})
-    assert (cfg.offload_param_alone is not None) == (name in PARAM_ALONE_CONFIGS)
+    assert (cfg.offload.param_alone is not None) == (name in PARAM_ALONE_CONFIGS)
     alone = [r.getMessage() for r in caplog.records if PARAM_ALONE in r.getMessage()]
     assert len(alone) == (name in PARAM_ALONE_CONFIGS), alone
     stage_2 = [r.getMessage() for r in caplog.records if "offload_param (read at" in

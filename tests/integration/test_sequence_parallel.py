@@ -513,12 +513,12 @@ def test_gradients_reduce_in_deepspeeds_sequence_parallel_dtype():
     """DeepSpeed's engine reduces gradients in seq_parallel_communication_data_type (default
     fp32) whenever sequence parallelism is on; vescale.mixed_precision.reduce_dtype wins."""
     bf16 = {"bf16": {"enabled": True}}
-    assert _build(**bf16).reduce_dtype == "float32"
-    assert _build(**bf16, seq_parallel_communication_data_type="bf16").reduce_dtype == \
+    assert _build(**bf16).precision.reduce_dtype == "float32"
+    assert _build(**bf16, seq_parallel_communication_data_type="bf16").precision.reduce_dtype == \
         "bfloat16"
-    assert _build(**bf16, vescale={"mixed_precision": {"reduce_dtype": "bf16"}}).reduce_dtype \
+    assert _build(**bf16, vescale={"mixed_precision": {"reduce_dtype": "bf16"}}).precision.reduce_dtype \
         == "bfloat16"
-    assert _build(sp=1, sequence_parallel_size=None, **bf16).reduce_dtype is None
+    assert _build(sp=1, sequence_parallel_size=None, **bf16).precision.reduce_dtype is None
 
 
 def test_an_mpu_that_is_not_deepspeeds_sequence_parallel_one_is_refused():

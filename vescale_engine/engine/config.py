@@ -24,8 +24,8 @@ from .. import _connect
 from . import extensions
 
 __all__ = ["add_config_arguments", "BatchSizes", "resolve_batch_sizes", "ParallelSizes",
-           "parallel_sizes", "SaveOnSignal",
-           "EngineConfig", "build_config"]
+           "parallel_sizes", "SaveOnSignal", "WrapSettings", "Precision", "Offload",
+           "Checkpointing", "Reporting", "EngineConfig", "build_config"]
 
 LOG = logging.getLogger("vescale_engine")
 
@@ -205,51 +205,83 @@ def _save_on_signal(spec: dict | None) -> SaveOnSignal | None:
 
 
 @dataclass(frozen=True)
+class WrapSettings:
+    """Which modules become units and how they shard: vescale.wrap_policy, vescale.granularity,
+    zero_optimization.leaf_module, vescale.reshard_after_forward."""
+    module_classes: tuple = ()
+    min_params: int | None = None
+    granularity: str = "rows:1"
+    granularity_overrides: dict = field(default_factory=dict)
+    # zero_optimization.leaf_module (None: DeepSpeed's default classes), engine/leaf_modules.py
+    leaf_module: dict | None = None
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The bf16 and fp16 sections and vescale.mixed_precision: compute and reduce dtypes
+    (torch's names; None: fp32 / the compute dtype) and fp16's loss-scaling keys."""
+    bf16: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    fp16: dict = field(default_factory=dict)  # DeepSpeed's fp16 section when enabled, else {}
+
+
+@dataclass(frozen=True)
+class Offload:
+    """zero_optimization.offload_optimizer / offload_param with device "cpu"."""
+    # {"ratio", "pin_memory", "offload_param"} (offload_param: device "cpu" there too), or None
+    optimizer: dict | None = None
+    # offload_param (stage 3) without offload_optimizer: the offload initialize applies when
+    # there is no optimizer at all (else nothing moves: validate.offload_param_alone)
+    param_alone: dict | None = None
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """What the engine's checkpoints read from the config."""
+    import_timeout_s: float = 3 * 3600  # vescale.checkpoint_import_timeout_s (ZeRO imports)
+    hf_checkpoint: str | None = None  # vescale.hf_checkpoint: weights initialize loads
+    # zero_optimization.stage3_gather_16bit_weights_on_model_save (aliases included): what
+    # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
+    gather_16bit_weights_on_model_save: bool = False
+    save_on_signal: SaveOnSignal | None = None  # the preemption save, when configured
+    # checkpoint.writer.decoupled: save_checkpoint returns once the state is staged in host
+    # memory; a thread writes it (checkpoint/background.py)
+    background_saves: bool = False
+
+
+@dataclass(frozen=True)
+class Reporting:
+    steps_per_print: int | float = 10  # math.inf: never (Accelerate writes Infinity)
+    wall_clock_breakdown: bool = False
+
+
+@dataclass(frozen=True)
 class EngineConfig:
+    """The config as the engine acts on it: DeepSpeed's step semantics as fields, the rest as
+    one settings object per concern (fully_shard's policies among them)."""
     raw: dict  # the config as given (DeepSpeed's engine.config); the fields below are canonical
     batch: BatchSizes
     optimizer: dict | None
     scheduler: dict | None
     gradient_clipping: float
-    steps_per_print: int | float  # math.inf: never (Accelerate writes Infinity)
-    wall_clock_breakdown: bool
     zero_stage: int
-    bf16: bool
     seed: int | None
-    module_classes: tuple
-    min_params: int | None
-    granularity: str
-    granularity_overrides: dict = field(default_factory=dict)
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    reshard_after_forward: bool = True
     local_grad_accumulation: bool = False
     # DeepSpeed's managed_gradient_accumulation: False, every step() call is a boundary
     managed_gradient_accumulation: bool = True
     hsdp_replicate_size: int = 1
     parallel: ParallelSizes | None = None  # the rank layout (None: built without one)
     tensor_parallel_plan: dict = field(default_factory=dict)  # vescale.tensor_parallel
-    # zero_optimization.leaf_module (None: DeepSpeed's default classes), engine/leaf_modules.py
-    leaf_module: dict | None = None
     not_acted_on: tuple = ()
     ignored: tuple = ()  # "key (why)": top-level keys ignored as DeepSpeed ignores them
-    fp16: dict = field(default_factory=dict)   # DeepSpeed's fp16 section (loss scaling keys)
-    checkpoint_import_timeout_s: float = 3 * 3600  # ranks waiting for rank 0's ZeRO import
-    hf_checkpoint: str | None = None  # Hugging Face weights initialize loads into the shards
-    # zero_optimization.stage3_gather_16bit_weights_on_model_save (aliases included): what
-    # engine.zero_gather_16bit_weights_on_model_save() answers Trainer and Accelerate
-    gather_16bit_weights_on_model_save: bool = False
-    save_on_signal: SaveOnSignal | None = None  # the preemption save, when configured
-    # zero_optimization.offload_optimizer with device "cpu": {"ratio", "pin_memory",
-    # "offload_param"} (offload_param: device "cpu" there too), else None
-    offload_optimizer: dict | None = None
-    # offload_param (device "cpu", stage 3) without offload_optimizer: the offload initialize
-    # applies when there is no optimizer at all (else nothing moves: validate.offload_param_alone)
-    offload_param_alone: dict | None = None
     canonical: dict = field(default_factory=dict)  # the validated config, canonical names
-    # checkpoint.writer.decoupled: save_checkpoint returns once the state is staged in host
-    # memory; a thread writes it (checkpoint/background.py)
-    background_saves: bool = False
+    wrap: WrapSettings = field(default_factory=WrapSettings)
+    precision: Precision = field(default_factory=Precision)
+    offload: Offload = field(default_factory=Offload)
+    checkpointing: Checkpointing = field(default_factory=Checkpointing)
+    reporting: Reporting = field(default_factory=Reporting)
     # how weights and gradients travel: zero_optimization.zero_quantized_weights /
     # zero_quantized_gradients (int8 groups of vescale.quantization_group_size elements),
     # vescale.quantization_format, vescale.fp8_matmul, zero_optimization.zero_hpz_partition_size,
@@ -343,15 +375,8 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
                     "; ".join(report.ignored))
     ves = config.get("vescale", {})
     sizes = parallel_sizes(config, world_size, sequence_parallel)
-    bf16 = config.get("bf16", {}).get("enabled", False)  # both true: the validator's error
-    fp16 = config.get("fp16", {}).get("enabled", False)
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage", 3)
-    mp = ves.get("mixed_precision", {})
-    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else "fp16" if fp16 else None)
-    steps_per_print = config.get("steps_per_print", 10)
-    granularity = ves.get("granularity", {})
-    wrap = ves.get("wrap_policy", {})
     offload, alone = _offload_settings(zero)
     # unset: DeepSpeed's default where DeepSpeed is installed (its integration's, extensions.py)
     clipping = float(config["gradient_clipping"]) if "gradient_clipping" in config \
@@ -361,41 +386,55 @@ def build_config(source, world_size: int, sequence_parallel: int = 1) -> EngineC
         # tensor-parallel peers share a batch (the totals may count them, as AutoTP's do);
         # sequence-parallel peers compute one: DeepSpeed counts world / sp, strictly
         batch=resolve_batch_sizes(config, sizes.dp, world_size // sizes.sp),
-        optimizer=config.get("optimizer"),
-        scheduler=config.get("scheduler"),
-        gradient_clipping=clipping,
-        steps_per_print=steps_per_print if steps_per_print == math.inf else int(steps_per_print),
-        wall_clock_breakdown=config.get("wall_clock_breakdown", False),
-        zero_stage=stage,
-        bf16=bf16,
-        seed=config.get("seed"),
-        module_classes=tuple(wrap.get("module_classes", ())),
-        min_params=wrap.get("min_params"),
-        granularity=granularity.get("default", "rows:1"),
-        granularity_overrides=dict(granularity.get("overrides", {})),
-        param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
-        reduce_dtype=_reduce_dtype(config, mp, sizes.sp),
-        reshard_after_forward=ves.get("reshard_after_forward", stage >= 3),
+        optimizer=config.get("optimizer"), scheduler=config.get("scheduler"),
+        gradient_clipping=clipping, zero_stage=stage, seed=config.get("seed"),
         local_grad_accumulation=ves.get("local_grad_accumulation", False),
         managed_gradient_accumulation=config.get("managed_gradient_accumulation", True),
-        hsdp_replicate_size=ves.get("hsdp_replicate_size", 1),
-        parallel=sizes,
+        hsdp_replicate_size=ves.get("hsdp_replicate_size", 1), parallel=sizes,
         tensor_parallel_plan=dict(ves.get("tensor_parallel", {})),
-        leaf_module=zero.get("leaf_module"),
-        not_acted_on=tuple(report.not_acted_on),
-        ignored=tuple(report.ignored),
-        fp16=dict(config.get("fp16", {})) if fp16 else {},
-        checkpoint_import_timeout_s=float(ves.get("checkpoint_import_timeout_s", 3 * 3600)),
+        not_acted_on=tuple(report.not_acted_on), ignored=tuple(report.ignored),
+        canonical=config, wrap=_wrap_settings(ves, zero, stage),
+        precision=_precision(config, ves, sizes.sp), offload=Offload(offload, alone),
+        checkpointing=_checkpointing(config, ves, zero), reporting=_reporting(config),
+        **_policies(zero, ves, stage, sizes, offload, prefix),
+    )
+
+
+def _wrap_settings(ves: dict, zero: dict, stage: int) -> WrapSettings:
+    wrap, granularity = ves.get("wrap_policy", {}), ves.get("granularity", {})
+    return WrapSettings(module_classes=tuple(wrap.get("module_classes", ())),
+                        min_params=wrap.get("min_params"),
+                        granularity=granularity.get("default", "rows:1"),
+                        granularity_overrides=dict(granularity.get("overrides", {})),
+                        leaf_module=zero.get("leaf_module"),
+                        reshard_after_forward=ves.get("reshard_after_forward", stage >= 3))
+
+
+def _precision(config: dict, ves: dict, sp: int) -> Precision:
+    bf16 = config.get("bf16", {}).get("enabled", False)  # both true: the validator's error
+    fp16 = config.get("fp16", {}).get("enabled", False)
+    mp = ves.get("mixed_precision", {})
+    param_dtype = mp.get("param_dtype") or ("bf16" if bf16 else "fp16" if fp16 else None)
+    return Precision(bf16=bf16, param_dtype=DTYPES.get(param_dtype) if param_dtype else None,
+                     reduce_dtype=_reduce_dtype(config, mp, sp),
+                     fp16=dict(config.get("fp16", {})) if fp16 else {})
+
+
+def _checkpointing(config: dict, ves: dict, zero: dict) -> Checkpointing:
+    writer = (config.get("checkpoint") or {}).get("writer") or {}
+    return Checkpointing(
+        import_timeout_s=float(ves.get("checkpoint_import_timeout_s", 3 * 3600)),
         hf_checkpoint=ves.get("hf_checkpoint"),
         gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save",
                                                     False),
         save_on_signal=_save_on_signal(ves.get("save_on_signal")),
-        offload_optimizer=offload, offload_param_alone=alone,
-        canonical=config,
-        background_saves=bool(((config.get("checkpoint") or {}).get("writer") or {})
-                              .get("decoupled", False)),
-        **_policies(zero, ves, stage, sizes, offload, prefix),
-    )
+        background_saves=bool(writer.get("decoupled", False)))
+
+
+def _reporting(config: dict) -> Reporting:
+    steps = config.get("steps_per_print", 10)
+    return Reporting(steps_per_print=steps if steps == math.inf else int(steps),
+                     wall_clock_breakdown=config.get("wall_clock_breakdown", False))
 
 
 def _offload_settings(zero: dict) -> tuple:

@@ -80,21 +80,21 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.skipped_steps = 0
         self._init_ranks(config.parallel, meshes, mpu)
         self.local_rank = discover().local_rank
-        self.loss_scaler = scaling.from_config(config.fp16)  # None unless fp16
-        self.timers = WallClockBreakdown(config.wall_clock_breakdown)
+        self.loss_scaler = scaling.from_config(config.precision.fp16)  # None unless fp16
+        self.timers = WallClockBreakdown(config.reporting.wall_clock_breakdown)
         self.monitor = Monitors(config.raw, self.global_rank)
         self._monitor_events = PendingScalars(self.monitor)  # written once on the host
-        self.progress = Progress(config.steps_per_print, self.global_rank, device)
+        self.progress = Progress(config.reporting.steps_per_print, self.global_rank, device)
         self._init_step_state()
         self.checkpoint_stall_s = None  # the last save_checkpoint's time in the caller
         self._compile_report = None  # set by compile()
         self._colocation = Colocation(module, optimizer, device)  # offload_states' record
         self._colocation.expose_on(optimizer, self.offload_states, self.reload_states)
         # checkpoint.writer.decoupled: saves written by a thread (a collective: its group)
-        self._saves = BackgroundSaves() if config.background_saves else None
+        self._saves = BackgroundSaves() if config.checkpointing.background_saves else None
         # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
-        self._signal_save = SignalSave(config.save_on_signal, device) \
-            if config.save_on_signal is not None else None
+        self._signal_save = SignalSave(config.checkpointing.save_on_signal, device) \
+            if config.checkpointing.save_on_signal is not None else None
 
     def _init_ranks(self, sizes, meshes, mpu) -> None:
         """DeepSpeed's rank and group attributes, from the parallel sizes (None without TP,
@@ -459,7 +459,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         self.wait_for_checkpoint()  # the save in flight may be the one asked for
         return load_checkpoint(EngineTrainingState(self, load_lr_scheduler_states), load_dir, tag,
                                load_module_strict, load_optimizer_states, load_module_only,
-                               self.engine_config.checkpoint_import_timeout_s)
+                               self.engine_config.checkpointing.import_timeout_s)
 
     def load_hf_checkpoint(self, path, *, strict=True, key_map=None):
         """Hugging Face safetensors weights into the shards (checkpoint.hf.load_hf_checkpoint)."""
@@ -549,7 +549,7 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         return self.loss_scaler is not None
 
     def bfloat16_enabled(self) -> bool:
-        return self.engine_config.bf16
+        return self.engine_config.precision.bf16
 
     def train(self, mode: bool = True):
         self._check_alive()
@@ -724,7 +724,8 @@ def _parallelize(model, cfg, plan, device) -> Placement:
 
 def _weights(module, cfg, device, on_meta) -> None:
     """The weights the optimizer will hold, then the config's seed."""
-    if on_meta or cfg.hf_checkpoint:  # for random init, init draws from the generator as the
+    if on_meta or cfg.checkpointing.hf_checkpoint:  # for random init, init draws from the
+        # generator as the
         # caller left it (or, for a model built inside a vescale zero.Init, as it was at the
         # build: integrations/deepspeed/zero_init.py)
         prepare_weights(module, cfg, device)
@@ -736,9 +737,9 @@ def _weights(module, cfg, device, on_meta) -> None:
 def _optimizer(cfg, optimizer, lr_scheduler, params) -> tuple:
     """(optimizer, scheduler) over the sharded parameters: the client's instance rebuilt over
     them, or one the config or a class names; offloaded before any state exists."""
-    offload = cfg.offload_optimizer
+    offload = cfg.offload.optimizer
     if offload is None and optimizer is None and cfg.optimizer is None:
-        offload = cfg.offload_param_alone  # no optimizer: DeepSpeed's shards are on the host
+        offload = cfg.offload.param_alone  # no optimizer: DeepSpeed's shards are on the host
     if isinstance(optimizer, torch.optim.Optimizer):  # with offload, Trainer's torch AdamW
         # becomes ours (steps on the host)
         opt = rebuild_for_offload(optimizer, params) if offload else \

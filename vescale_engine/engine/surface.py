@@ -40,7 +40,7 @@ class DeepSpeedSurface:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save (or a name DeepSpeed
         accepts for it); false when absent, as in DeepSpeed."""
-        return self.engine_config.gather_16bit_weights_on_model_save
+        return self.engine_config.checkpointing.gather_16bit_weights_on_model_save
 
     # -- the full model in 16 bits --------------------------------------------------------------
 
@@ -89,7 +89,7 @@ class DeepSpeedSurface:
         return self.save_16bit_model(save_dir, save_filename)
 
     def _compute_dtype(self):
-        name = self.engine_config.param_dtype
+        name = self.engine_config.precision.param_dtype
         return getattr(torch, name) if name else None
 
     # -- attribute forwarding -------------------------------------------------------------------

@@ -104,8 +104,8 @@ def prepare_weights(module: nn.Module, cfg, device: torch.device) -> None:
     record = deferred_record(module)
     if record is not None and record.prepare_weights(module, cfg, device):
         return
-    if cfg.hf_checkpoint:
-        load_into(module, cfg.hf_checkpoint, device=device)
+    if cfg.checkpointing.hf_checkpoint:
+        load_into(module, cfg.checkpointing.hf_checkpoint, device=device)
     elif meta_leftovers(module):
         with replayed_generator(record, device):
             _require_one_generator_state(cfg, device)

@@ -68,25 +68,27 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
         raise ValueError("a model whose layers split their experts themselves (DeepSpeed's "
                          "deepspeed.moe.layer.MoE) cannot also use expert_parallel.autoep_size")
     given = ((cfg.raw.get("vescale") or {}).get("granularity") or {})  # a default set or not
+    wrap, precision = cfg.wrap, cfg.precision
     granularity = optim.sharding_granularity(  # the granularity the optimizer needs
-        cfg.optimizer, {"overrides": cfg.granularity_overrides,
-                        **({"default": cfg.granularity} if "default" in given else {})}, model)
+        cfg.optimizer, {"overrides": wrap.granularity_overrides,
+                        **({"default": wrap.granularity} if "default" in given else {})}, model)
+    compute, reduce = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
     # cfg.sharding.face, ZeRO3Pieces: DeepSpeed ZeRO-3's view of a sharded parameter (a plain
     # tensor that deepspeed.zero.GatheredParameters fills in place), which the DeepSpeed-aware
     # libraries the engine serves (transformers, PEFT, TRL) rely on
-    kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
+    kwargs = dict(mesh=mesh, reshard_after_forward=wrap.reshard_after_forward,
                   sharding=dataclasses.replace(cfg.sharding, granularity=granularity),
                   memory=cfg.memory, communication=cfg.communication,
                   mp_policy=MixedPrecisionPolicy(
-                      param_dtype=getattr(torch, cfg.param_dtype) if cfg.param_dtype else None,
+                      param_dtype=getattr(torch, compute) if compute else None,
                       # DeepSpeed's: gradients reduced in the compute dtype unless told, each
                       # rounded to it (bf16 weights' gradients are bf16 there)
-                      reduce_dtype=getattr(torch, cfg.reduce_dtype or cfg.param_dtype)
-                      if cfg.reduce_dtype or cfg.param_dtype else None, keep_wide_grads=False,
+                      reduce_dtype=getattr(torch, reduce) if reduce else None,
+                      keep_wide_grads=False,
                       cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
     for extension in extensions.registered("before_wrap"):  # DeepSpeed's leaf modules
         extension.before_wrap(model, cfg)
-    choice = choose_units(model, cfg.module_classes, cfg.min_params)
+    choice = choose_units(model, wrap.module_classes, wrap.min_params)
     choice = WrapChoice(choice.rule, units_with_whole_leaves(model, choice.modules),
                         choice.detail)
     if experts is not None:

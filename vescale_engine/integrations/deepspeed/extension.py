@@ -29,7 +29,8 @@ def flag_leaf_modules(model, cfg) -> None:
     engine/leaf_modules.py makes each flagged module one unit."""
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
-    apply_zero_leaf_module_config(model, DeepSpeedZeroLeafModuleConfig(**(cfg.leaf_module or {})))
+    leaves = DeepSpeedZeroLeafModuleConfig(**(cfg.wrap.leaf_module or {}))
+    apply_zero_leaf_module_config(model, leaves)
 
 
 def scheduler_class(name: str):

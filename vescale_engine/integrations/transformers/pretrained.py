@@ -2,8 +2,8 @@
 
 With a stage-3 config in play (TrainingArguments(deepspeed=...), HfDeepSpeedConfig,
 Accelerate's DeepSpeed plugin) transformers builds every model inside `deepspeed.zero.Init`,
-which a vescale section turns into a build on the meta device (../deepspeed/zero_init.py). Where DeepSpeed
-would then gather each partition to write rank 0's values into it, these steps only record,
+which a vescale section turns into a build on the meta device (../deepspeed/zero_init.py).
+Where DeepSpeed would then gather each partition to write rank 0's values into it, these steps only record,
 and `initialize` does the work after wrapping, each rank holding its shard plus one module:
 
 - `from_pretrained` (PreTrainedModel._load_pretrained_model) reads no weights. It matches the
@@ -201,10 +201,10 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
                            "initialize stops rather than train random ones")
     _prefix_of(root, module)  # the whole model, not a part of it
     init_missing = functools.partial(init_like_transformers, record=record, device=device)
-    pretrained = record.pretrained
+    pretrained, given = record.pretrained, cfg.checkpointing.hf_checkpoint
     if pretrained is not None:
-        if cfg.hf_checkpoint and not _same_checkpoint(cfg.hf_checkpoint, pretrained.files):
-            raise ValueError(f"vescale.hf_checkpoint {cfg.hf_checkpoint!r} and from_pretrained("
+        if given and not _same_checkpoint(given, pretrained.files):
+            raise ValueError(f"vescale.hf_checkpoint {given!r} and from_pretrained("
                              f"{pretrained.source!r}) name different weights for the model: "
                              "keep one")
         names, to_init = _sources(module)
@@ -215,8 +215,8 @@ def prepare_transformers_weights(module: nn.Module, record, cfg, device) -> None
         record.loaded = load_into(module, list(pretrained.files), strict=False,
                                   key_map=lambda key: names.get(key, f"{key} (not loaded)"),
                                   device=device, init_missing=init_recorded)
-    elif cfg.hf_checkpoint:
-        record.loaded = load_into(module, cfg.hf_checkpoint, device=device,
+    elif given:
+        record.loaded = load_into(module, given, device=device,
                                   init_missing=init_missing)
     else:  # from_config: everything, as DeepSpeed's initialize_weights_zero3 would
         names = [name for name, p in module.named_parameters(remove_duplicate=False)
