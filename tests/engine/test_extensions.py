@@ -21,7 +21,8 @@ def test_connect_registers_each_integrations_roles_and_patches_nothing():
                            "expert_parallel")}
     assert filled == {"check_model": ["deepspeed"], "before_wrap": ["deepspeed"],
                       "extra_units": ["deepspeed"], "scheduler_class": ["deepspeed"],
-                      "sequence_parallel_loader": ["deepspeed"], "engine_built": ["deepspeed"],
+                      "sequence_parallel_loader": ["deepspeed"],
+                      "engine_built": ["deepspeed", "transformers"],
                       "tensor_parallel": ["transformers"], "expert_parallel": ["transformers"]}
     assert installed() == before  # registering is not patching
     assert extensions.first_answer("scheduler_class", "WarmupDecayLR").__module__ == \

@@ -44,6 +44,7 @@ from ..fsdp.param import sharding_of
 from ..fsdp.state_dict import gather_to_rank0, named_entries
 from ..shard.ragged_piece import RaggedPiece
 from .background import BackgroundSaves
+from .state import model_of
 from .dcp import CheckpointWriteError, write_error
 from .entries import fsync_dir, write_atomically
 from .safetensors_format import DTYPES, dtype_of, memory_of, read_exactly, read_header, save_file
@@ -162,9 +163,8 @@ def read_stored(path) -> tuple[dict, int, int]:
 # Matching the file's keys to the module's.
 
 def _module_of(module_or_engine) -> nn.Module:
-    """The model: an engine's `.module`, or the module itself."""
-    engine = getattr(type(module_or_engine), "is_vescale_engine", False)
-    return module_or_engine.module if engine else module_or_engine
+    """The model: an engine's (state.HoldsModel), or the module itself."""
+    return model_of(module_or_engine)
 
 
 def _global_shape(tensor) -> tuple:

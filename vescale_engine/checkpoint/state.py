@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Stateful", "TrainingState"]
+__all__ = ["Stateful", "TrainingState", "HoldsModel", "model_of"]
 
 
 @runtime_checkable
@@ -33,6 +33,20 @@ class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+@runtime_checkable
+class HoldsModel(Protocol):
+    """An object a model is reached through (the engine): checkpoint functions given one
+    read its model."""
+
+    def sharded_model(self): ...
+
+
+def model_of(obj):
+    """`obj`'s model when it holds one (HoldsModel, asked of its class: an engine forwards
+    unknown attributes to its model), else `obj` itself."""
+    return obj.sharded_model() if callable(getattr(type(obj), "sharded_model", None)) else obj
 
 
 @runtime_checkable

@@ -43,7 +43,7 @@ from .sequence_parallel import sequence_parallel_size
 from .surface import DeepSpeedSurface
 from .timers import WallClockBreakdown
 from .training_state import EngineTrainingState
-from .weights import guard_save_pretrained, place_model, prepare_weights, take_rank0_values
+from .weights import place_model, prepare_weights, take_rank0_values
 from .wrap import ExpertUnits, refuse_with_experts, wrap_model
 from ..logs import install as install_logging, quiet_deepspeed_start
 from ..versions import check_versions
@@ -60,9 +60,6 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
     no_sync, train/eval, destroy, counters. What Hugging Face Trainer and Accelerate call
     besides (the accumulation boundary they set, 16-bit state dicts, attribute forwarding to
     the model) comes from DeepSpeedSurface (surface.py)."""
-
-    # What lower modules test to unwrap an engine (`.module`) without importing this one.
-    is_vescale_engine = True
 
     def __init__(self, module, config: EngineConfig, optimizer, lr_scheduler,
                  device: torch.device, meshes=None, mpu=None):
@@ -95,6 +92,11 @@ class VeScaleEngine(DeepSpeedSurface, nn.Module):
         # vescale.save_on_signal: the signal handlers, last (destroy() restores the old ones)
         self._signal_save = SignalSave(config.checkpointing.save_on_signal, device) \
             if config.checkpointing.save_on_signal is not None else None
+
+    def sharded_model(self) -> nn.Module:
+        """The model (checkpoint/state.py's HoldsModel: checkpoint functions given the engine
+        read it)."""
+        return self.module
 
     def _init_ranks(self, sizes, meshes, mpu) -> None:
         """DeepSpeed's rank and group attributes, from the parallel sizes (None without TP,
@@ -628,7 +630,6 @@ def _initialize(args, model, optimizer, model_parameters, training_data, lr_sche
     take_rank0_values(model)  # before any sharding or tensor-parallel split
     placed = _parallelize(model, cfg, plan, device)
     module = wrap_model(model, cfg, placed.mesh, placed.experts)
-    guard_save_pretrained(module)  # its own state_dict() now holds flat pieces
     _weights(module, cfg, device, on_meta)
     params = [p for p in module.parameters() if p.requires_grad] if chosen is None else \
         resolve_named_parameters(chosen, module)

@@ -16,8 +16,8 @@ build_config, apply_parallel_plan and `vescale_engine.materialize` call it first
   (DeepSpeed's lr_schedules; torch's are the engine's own fallback);
 - `sequence_parallel_loader(dataset, mpu, micro_batch, collate_fn, device)`: the training
   loader under sequence parallelism (DeepSpeed's Ulysses adapter);
-- `engine_built(engine)`: what an integration keeps of a new engine (DeepSpeed's safe_*
-  accessors read its optimizer's state);
+- `engine_built(engine)`: what an integration does with a new engine (DeepSpeed's safe_*
+  accessors read its optimizer's state; transformers' save_pretrained is guarded on its model);
 - `tensor_parallel(model, mesh, plan)` and `expert_parallel(model, ep_mesh, tp_mesh, plan)`:
   how a model's own TP / EP plan is applied (transformers' plans).
 """

@@ -1,5 +1,5 @@
-"""The model's weights in `initialize`: where the model goes before wrapping, where its values
-come from after, and the guard on a Hugging Face model's own `save_pretrained`.
+"""The model's weights in `initialize`: where the model goes before wrapping and where its values
+come from after.
 
 `place_model` moves a CPU model to the rank's device (a meta model stays on meta);
 `prepare_weights` is initialize's one choice of weight source (a transformers build under a
@@ -9,7 +9,6 @@ about it.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import zlib
 
@@ -25,7 +24,7 @@ from ..fsdp.deferred import deferred_record, replayed_generator
 from ..fsdp.guards import meta_leftovers
 from ..launch.device import DeviceError
 
-__all__ = ["place_model", "take_rank0_values", "prepare_weights", "guard_save_pretrained"]
+__all__ = ["place_model", "take_rank0_values", "prepare_weights"]
 
 LOG = logging.getLogger("vescale_engine")
 _NAMED = 3  # parameter names in the log line
@@ -133,28 +132,3 @@ def _require_one_generator_state(cfg, device: torch.device) -> None:
             f"{cfg.zero_stage}) needs the same random state on every rank, and rank(s) "
             f"{differ[:8]} differ from rank 0: seed every rank alike (torch.manual_seed(seed), "
             "not seed + rank) before building the model")
-
-
-
-
-def guard_save_pretrained(model) -> None:
-    """A Hugging Face model's own `save_pretrained(dir)` reads `state_dict()`, which for a
-    sharded model holds each rank's flat pieces: the file would not load. Without a state_dict
-    it is therefore an error saying what to pass; with one (Trainer's save_model, Accelerate's
-    get_state_dict pattern) it runs as written."""
-    save = getattr(model, "save_pretrained", None)
-    if save is None or getattr(save, "__vescale_guarded__", False):
-        return
-
-    @functools.wraps(save)
-    def save_pretrained(*args, state_dict=None, **kwargs):
-        if state_dict is None:
-            raise ValueError(
-                f"{type(model).__name__}.save_pretrained without state_dict= would write each "
-                "rank's flat shard pieces: pass state_dict=accelerator.get_state_dict(engine) "
-                "(or engine._zero3_consolidated_16bit_state_dict(), on every rank; rank 0 "
-                "saves), or call vescale_engine.save_hf_checkpoint(engine, dir) on every rank")
-        return save(*args, state_dict=state_dict, **kwargs)
-
-    save_pretrained.__vescale_guarded__ = True
-    model.save_pretrained = save_pretrained

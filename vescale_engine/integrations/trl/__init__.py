@@ -39,7 +39,8 @@ def install() -> None:
 def _for_our_engine(original, ours):
     @functools.wraps(original)
     def patched(model, *args, **kwargs):
-        if getattr(type(model), "is_vescale_engine", False):  # our engine: hooks of its units
+        from ...engine.engine import VeScaleEngine
+        if isinstance(model, VeScaleEngine):  # our engine: hooks of its units
             return ours(model.module)
         return original(model, *args, **kwargs)
     patched.__vescale_original__ = original
