@@ -5,12 +5,15 @@ once (`RankPool`) and sends each check to all of them, and the ranks of every po
 server process that imported torch once per test session (multiprocessing's forkserver). A check is a module-level function
 `fn(rank, world_size, *args)`; its return values come back as a list indexed by rank. A check
 that fails or hangs on any rank fails the calling test with every rank's traceback, and the
-pool restarts itself so the next test starts clean.
+pool restarts itself so the next test starts clean. A check asserts what one rank can tell
+(its asserts are rewritten as pytest's: a failure says what it compared); the test asserts
+what needs every rank's values.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import multiprocessing as mp
 import os
@@ -112,12 +115,40 @@ def _worker(rank, world_size, port, tasks, results, env):
             break
         module_name, fn_name, args = task
         try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
+            fn = getattr(_checks_module(module_name), fn_name)
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # report everything, including assertion errors, to the parent
             results.put((rank, False, traceback.format_exc()))
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
+
+
+def _checks_module(name: str):
+    """The test module holding a check, imported as pytest imports it: its asserts rewritten,
+    so that an assert inside a check that fails on a rank says what it compared, as in the
+    test process (the rank's traceback comes back to the test)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return importlib.import_module(name)
+    import ast
+    import types
+
+    from _pytest.assertion.rewrite import rewrite_asserts
+    with open(spec.origin, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=spec.origin)
+    rewrite_asserts(tree, source, spec.origin)
+    module = types.ModuleType(name)
+    module.__file__, module.__spec__, module.__loader__ = spec.origin, spec, spec.loader
+    sys.modules[name] = module
+    try:
+        exec(compile(tree, spec.origin, "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 class RankPool:
