@@ -27,8 +27,7 @@
 #       dequantize + bf16 matmul vs vescale.fp8_matmul's matmul vs one block-scaled call.
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine
-#   DEVICE=cpu bash benchmarks/gpu_check.sh       # dry run on CPU (gloo, small sizes, the two lanes
-#                                                 # of parts side by side; in CI)
+#   DEVICE=cpu bash benchmarks/gpu_check.sh       # dry run on CPU (gloo, small sizes; in CI)
 # Environment: PYTHON (python), DEVICE (cuda), OUT, WORLD_SIZES ("64 256 1024"; cpu: "64"),
 # STEPS (main job steps: 300; cpu: 20).
 set -uo pipefail
@@ -64,66 +63,13 @@ else
   FP8_FLAGS=""
 fi
 
-RCS=$DIR/.exit_status  # NAME STATUS per part, read by the summary
-: > "$RCS"
+declare -A RC
 run() {  # run NAME TIMEOUT_S COMMAND...: log it, time it, keep its exit status
-  local name=$1 limit=$2 status; shift 2
+  local name=$1 limit=$2; shift 2
   echo; echo "== ($name) $*"
   local start=$SECONDS
-  timeout "$limit" "$@"; status=$?
-  echo "$name $status" >> "$RCS"
-  echo "== ($name) exit $status after $((SECONDS - start)) s"
-}
-# The parts in two lanes. On a GPU one after the other (their timings must not share the
-# device); on the CPU dry run the lanes run side by side, each part a single process with one
-# thread, its own files and ports: half the wall time on a 2-core machine.
-lanes() {  # lanes FIRST SECOND: two functions
-  if [ "$DEVICE" = cpu ]; then
-    local log_b=$DIR/.lane_b.log
-    "$2" > "$log_b" 2>&1 &
-    local pid=$!
-    "$1"
-    wait "$pid"
-    cat "$log_b"; rm -f "$log_b"
-  else
-    "$1"; "$2"
-  fi
-}
-
-lane_a() {
-  for cfg in vescale_default vescale_bf16; do
-    run "main_job_$cfg" 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
-      examples/train_gpt.py --steps "$STEPS" --config "examples/configs/$cfg.json"
-  done
-  run validate 300 "$PY" benchmarks/gpu_validate.py --device "$DEVICE" --out "$DIR"
-  # shellcheck disable=SC2086  # WORLD_SIZES is a list
-  run fake_pg_memory 240 "$PY" benchmarks/fake_pg_memory.py --device "$DEVICE" \
-    --world-sizes $WORLD_SIZES --repeats 1 --out "$DIR/fake_pg_memory_$DEVICE.md"
-  # shellcheck disable=SC2086  # flags
-  run step_time 300 "$PY" benchmarks/gpu_step_time.py --device "$DEVICE" $STEP_TIME_FLAGS --out "$DIR"
-  # shellcheck disable=SC2086  # flags
-  run fp8_matmul 200 "$PY" benchmarks/fp8_matmul.py --device "$DEVICE" $FP8_FLAGS \
-    --out "$DIR/fp8_matmul_$DEVICE.md"
-}
-
-lane_b() {
-  # shellcheck disable=SC2086  # flags
-  run offload 600 "$PY" benchmarks/gpu_offload.py --device "$DEVICE" $OFFLOAD_FLAGS --out "$DIR"
-  # shellcheck disable=SC2086  # flags
-  run moe_ep_memory 600 "$PY" benchmarks/moe_ep_memory.py --device "$DEVICE" $MOE_FLAGS \
-    --out "$DIR/moe_ep_memory_$DEVICE.md"
-  # shellcheck disable=SC2086  # flags
-  run checkpoint_io 300 "$PY" benchmarks/checkpoint_io.py --device "$DEVICE" --world 1 \
-    $CKPT_FLAGS --out "$DIR/checkpoint_io_$DEVICE.md"
-  # shellcheck disable=SC2086  # flags
-  run compile_step 400 "$PY" benchmarks/compile_step.py --device "$DEVICE" --world 1 \
-    $COMPILE_FLAGS --out "$DIR/compile_step_$DEVICE.md"
-  # shellcheck disable=SC2086  # flags
-  run quantized_comm 300 "$PY" benchmarks/quantized_comm.py --device "$DEVICE" --world 1 \
-    $QUANT_FLAGS --out "$DIR/quantized_comm_$DEVICE.md"
-  # shellcheck disable=SC2086  # flags
-  run quantized_comm_fake 300 "$PY" benchmarks/quantized_comm.py --device "$DEVICE" \
-    --fake-world "$QUANT_FAKE_WORLD" $QUANT_FLAGS --out "$DIR/quantized_comm_fake_$DEVICE.md"
+  timeout "$limit" "$@"; RC[$name]=$?
+  echo "== ($name) exit ${RC[$name]} after $((SECONDS - start)) s"
 }
 
 {
@@ -148,15 +94,43 @@ PY
   fi
   [ "$DEVICE" = cpu ] && lscpu | grep -E "Model name|^CPU\(s\)"
 
-  lanes lane_a lane_b
+  for cfg in vescale_default vescale_bf16; do
+    run "main_job_$cfg" 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+      examples/train_gpt.py --steps "$STEPS" --config "examples/configs/$cfg.json"
+  done
+  run validate 300 "$PY" benchmarks/gpu_validate.py --device "$DEVICE" --out "$DIR"
+  # shellcheck disable=SC2086  # WORLD_SIZES is a list
+  run fake_pg_memory 240 "$PY" benchmarks/fake_pg_memory.py --device "$DEVICE" \
+    --world-sizes $WORLD_SIZES --repeats 1 --out "$DIR/fake_pg_memory_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run step_time 300 "$PY" benchmarks/gpu_step_time.py --device "$DEVICE" $STEP_TIME_FLAGS --out "$DIR"
+  # shellcheck disable=SC2086  # flags
+  run offload 600 "$PY" benchmarks/gpu_offload.py --device "$DEVICE" $OFFLOAD_FLAGS --out "$DIR"
+  # shellcheck disable=SC2086  # flags
+  run moe_ep_memory 600 "$PY" benchmarks/moe_ep_memory.py --device "$DEVICE" $MOE_FLAGS \
+    --out "$DIR/moe_ep_memory_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run checkpoint_io 300 "$PY" benchmarks/checkpoint_io.py --device "$DEVICE" --world 1 \
+    $CKPT_FLAGS --out "$DIR/checkpoint_io_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run compile_step 400 "$PY" benchmarks/compile_step.py --device "$DEVICE" --world 1 \
+    $COMPILE_FLAGS --out "$DIR/compile_step_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run quantized_comm 300 "$PY" benchmarks/quantized_comm.py --device "$DEVICE" --world 1 \
+    $QUANT_FLAGS --out "$DIR/quantized_comm_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run quantized_comm_fake 300 "$PY" benchmarks/quantized_comm.py --device "$DEVICE" \
+    --fake-world "$QUANT_FAKE_WORLD" $QUANT_FLAGS --out "$DIR/quantized_comm_fake_$DEVICE.md"
+  # shellcheck disable=SC2086  # flags
+  run fp8_matmul 200 "$PY" benchmarks/fp8_matmul.py --device "$DEVICE" $FP8_FLAGS \
+    --out "$DIR/fp8_matmul_$DEVICE.md"
 
   echo; echo "== summary (exit status per part; 0 = passed)"
   failed=0
-  while read -r name status; do
-    echo "$name: $status"
-    [ "$status" = 0 ] || failed=1
-  done < "$RCS"
-  rm -f "$RCS"
+  for name in "${!RC[@]}"; do
+    echo "$name: ${RC[$name]}"
+    [ "${RC[$name]}" = 0 ] || failed=1
+  done
   echo "results in $DIR"
   exit $failed
 } 2>&1 | tee "$LOG"
