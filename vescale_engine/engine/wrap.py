@@ -67,28 +67,10 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     if extra is not None and experts is not None:                      # collectives
         raise ValueError("a model whose layers split their experts themselves (DeepSpeed's "
                          "deepspeed.moe.layer.MoE) cannot also use expert_parallel.autoep_size")
-    given = ((cfg.raw.get("vescale") or {}).get("granularity") or {})  # a default set or not
-    wrap, precision = cfg.wrap, cfg.precision
-    granularity = optim.sharding_granularity(  # the granularity the optimizer needs
-        cfg.optimizer, {"overrides": wrap.granularity_overrides,
-                        **({"default": wrap.granularity} if "default" in given else {})}, model)
-    compute, reduce = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
-    # cfg.sharding.face, ZeRO3Pieces: DeepSpeed ZeRO-3's view of a sharded parameter (a plain
-    # tensor that deepspeed.zero.GatheredParameters fills in place), which the DeepSpeed-aware
-    # libraries the engine serves (transformers, PEFT, TRL) rely on
-    kwargs = dict(mesh=mesh, reshard_after_forward=wrap.reshard_after_forward,
-                  sharding=dataclasses.replace(cfg.sharding, granularity=granularity),
-                  memory=cfg.memory, communication=cfg.communication,
-                  mp_policy=MixedPrecisionPolicy(
-                      param_dtype=getattr(torch, compute) if compute else None,
-                      # DeepSpeed's: gradients reduced in the compute dtype unless told, each
-                      # rounded to it (bf16 weights' gradients are bf16 there)
-                      reduce_dtype=getattr(torch, reduce) if reduce else None,
-                      keep_wide_grads=False,
-                      cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
+    kwargs = _fully_shard_keywords(model, cfg, mesh)
     for extension in extensions.registered("before_wrap"):  # DeepSpeed's leaf modules
         extension.before_wrap(model, cfg)
-    choice = choose_units(model, wrap.module_classes, wrap.min_params)
+    choice = choose_units(model, cfg.wrap.module_classes, cfg.wrap.min_params)
     choice = WrapChoice(choice.rule, units_with_whole_leaves(model, choice.modules),
                         choice.detail)
     if experts is not None:
@@ -108,15 +90,44 @@ def wrap_model(model: nn.Module, cfg, mesh, experts: ExpertUnits | None = None) 
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})
     gather_on_read(units_under(model))  # a parameter read in forward, as DeepSpeed gathers it
     if dist.get_rank() == 0:
-        LOG.info(describe(choice, model))
-        _warn_coarse_shampoo(cfg, model, choice)
-        if cfg.communication.fp8_matmul:
-            routed = sum(u.fp8_linears for u in units_under(model))
-            (LOG.info if routed else LOG.warning)(
-                f"vescale.fp8_matmul: {routed} nn.Linear layers compute their forward from "
-                "FP8 weight tiles" + ("" if routed else " (none has a weight gathered as "
-                                      "tiles: see the warning above)"))
+        _report(cfg, model, choice)
     return model
+
+
+def _fully_shard_keywords(model: nn.Module, cfg, mesh) -> dict:
+    """fully_shard's keywords for every unit: the config's policies, the granularity the
+    optimizer needs, DeepSpeed's mixed precision."""
+    given = ((cfg.raw.get("vescale") or {}).get("granularity") or {})  # a default set or not
+    wrap, precision = cfg.wrap, cfg.precision
+    granularity = optim.sharding_granularity(  # the granularity the optimizer needs
+        cfg.optimizer, {"overrides": wrap.granularity_overrides,
+                        **({"default": wrap.granularity} if "default" in given else {})}, model)
+    compute, reduce = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
+    # cfg.sharding.face, ZeRO3Pieces: DeepSpeed ZeRO-3's view of a sharded parameter (a plain
+    # tensor that deepspeed.zero.GatheredParameters fills in place), which the DeepSpeed-aware
+    # libraries the engine serves (transformers, PEFT, TRL) rely on
+    return dict(mesh=mesh, reshard_after_forward=wrap.reshard_after_forward,
+                sharding=dataclasses.replace(cfg.sharding, granularity=granularity),
+                memory=cfg.memory, communication=cfg.communication,
+                mp_policy=MixedPrecisionPolicy(
+                    param_dtype=getattr(torch, compute) if compute else None,
+                    # DeepSpeed's: gradients reduced in the compute dtype unless told, each
+                    # rounded to it (bf16 weights' gradients are bf16 there)
+                    reduce_dtype=getattr(torch, reduce) if reduce else None,
+                    keep_wide_grads=False,
+                    cast_forward_inputs=False))  # the model's inputs as DeepSpeed gives them
+
+
+def _report(cfg, model: nn.Module, choice: WrapChoice) -> None:
+    """Rank 0's lines on the wrap: the units chosen, coarse Shampoo blocks, FP8 matmuls."""
+    LOG.info(describe(choice, model))
+    _warn_coarse_shampoo(cfg, model, choice)
+    if cfg.communication.fp8_matmul:
+        routed = sum(u.fp8_linears for u in units_under(model))
+        (LOG.info if routed else LOG.warning)(
+            f"vescale.fp8_matmul: {routed} nn.Linear layers compute their forward from "
+            "FP8 weight tiles" + ("" if routed else " (none has a weight gathered as "
+                                  "tiles: see the warning above)"))
 
 
 def refuse_with_experts(module: nn.Module, what: str) -> None:
