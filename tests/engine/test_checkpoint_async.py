@@ -226,6 +226,7 @@ def preemption_waits(rank, world, root):
     cfg["vescale"]["save_on_signal"] = {"save_dir": root}
     engine, *_ = initialize(model=fm.make("gpt"), config=cfg)
     train(engine, rank, world, 1)
+    result = None
     with _HeldWriter() as writer:
         threading.Timer(0.5, writer.release.set).start()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -236,13 +237,12 @@ def preemption_waits(rank, world, root):
             with open(os.path.join(root, "latest")) as f:
                 latest = f.read().splitlines()[0]
             engine.destroy()
-            return published, latest, [kind for kind, _ in writer.order]
-    return None
+            result = published, latest, [kind for kind, _ in writer.order]
+    assert result == (True, "global_step2", ["held", "writing"]), result
 
 
 def test_the_preemption_save_is_published_before_preempted_is_raised(pools, tmp_path):
-    for result in pools(WORLD).run(preemption_waits, str(tmp_path / "ckpt")):
-        assert result == (True, "global_step2", ["held", "writing"]), result
+    pools(WORLD).run(preemption_waits, str(tmp_path / "ckpt"))
 
 
 def hf_files(directory) -> dict:

@@ -124,8 +124,24 @@ def run_round_trip(rank, world, optimizer, dtype, offload_optimizer):
         info["final" if round_trip else "final_plain"] = {
             n: bits(p) for n, p in engine.module.named_parameters()}
         engine.destroy()
-    info["losses"] = losses
-    return info
+    assert info["grads_held"] > 0  # offloaded mid-window: gradient shards were held
+    # while offloaded: every device storage is empty but the host-resident optimizer state
+    full = [n for n, nbytes in info["offloaded"].items()
+            if nbytes and n not in info["host_resident"]]
+    assert not full, (rank, full[:5])
+    assert info["device_bytes"] == 0
+    assert info["bytes_offloaded"] > 0
+    if offload_optimizer:  # its state stays in host memory, untouched
+        assert info["host_resident"]
+        assert all(info["offloaded"][n] > 0 for n in info["host_resident"])
+        assert info["compute_freed"], rank
+    else:
+        assert not info["host_resident"]
+    assert info["same_objects"]
+    assert info["changed"] == [], (rank, info["changed"][:5])
+    assert losses[True] == losses[False], rank
+    plain, trip = info["final_plain"], info["final"]
+    assert all(torch.equal(plain[n], trip[n]) for n in plain), rank
 
 
 
@@ -134,26 +150,7 @@ def run_round_trip(rank, world, optimizer, dtype, offload_optimizer):
     ("AdamW", "fp32", False), ("AdamW", "bf16", False), ("AdamW8bit", "fp32", False),
     ("Muon", "fp32", False), ("AdamW", "fp32", True)])
 def test_round_trip_is_exact_and_training_goes_on(pools, optimizer, dtype, offload_optimizer):
-    for rank, info in enumerate(pools(2).run(run_round_trip, optimizer, dtype,
-                                             offload_optimizer)):
-        assert info["grads_held"] > 0  # offloaded mid-window: gradient shards were held
-        # while offloaded: every device storage is empty but the host-resident optimizer state
-        full = [n for n, nbytes in info["offloaded"].items()
-                if nbytes and n not in info["host_resident"]]
-        assert not full, (rank, full[:5])
-        assert info["device_bytes"] == 0
-        assert info["bytes_offloaded"] > 0
-        if offload_optimizer:  # its state stays in host memory, untouched
-            assert info["host_resident"]
-            assert all(info["offloaded"][n] > 0 for n in info["host_resident"])
-            assert info["compute_freed"], rank
-        else:
-            assert not info["host_resident"]
-        assert info["same_objects"]
-        assert info["changed"] == [], (rank, info["changed"][:5])
-        assert info["losses"][True] == info["losses"][False], rank
-        plain, trip = info["final_plain"], info["final"]
-        assert all(torch.equal(plain[n], trip[n]) for n in plain), rank
+    pools(2).run(run_round_trip, optimizer, dtype, offload_optimizer)
 
 
 def run_decay_groups(rank, world, optimizer):
@@ -179,15 +176,14 @@ def run_decay_groups(rank, world, optimizer):
         seen += [micro_step(engine, rank, world, k % ACCUM) for k in range(2 * ACCUM)]
         out.append((seen, len(decays), freed, engine._colocation.device_bytes() > 0))
         engine.destroy()
-    return out
+    (plain, decays, _, _), (trip, _, freed, held_after) = out
+    assert decays > 0 and freed == [0] * decays
+    assert held_after and trip == plain
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "AdamW8bit"])
 def test_per_element_weight_decay_moves_with_the_state(pools, optimizer):
-    for (plain, decays, _, _), (trip, _, freed, held_after) in \
-            pools(2).run(run_decay_groups, optimizer):
-        assert decays > 0 and freed == [0] * decays
-        assert held_after and trip == plain
+    pools(2).run(run_decay_groups, optimizer)
 
 
 # -- partial include, and what each name moves --------------------------------------------------
@@ -209,26 +205,24 @@ def run_partial(rank, world):
     out["after"] = {kind: bytes_of(kind, engine) for kind in kinds}
     micro_step(engine, rank, world, 1)  # the window finishes
     engine.destroy()
-    return out
+    assert all(full.values()), full
+    moved = {
+        "[<OffloadStateTypeEnum.optim_states: 'optim_states'>]": {"optim_states"},
+        "[<OffloadStateTypeEnum.hp_params: 'hp_params'>]": {"hp_params"},
+        "['lp_grads']": {"lp_grads"}, "'lp_grads'": {"lp_grads"},
+        # no compute-dtype shard in these buffers, and the full gradient buffers are
+        # free between steps: nothing to move
+        "[<OffloadStateTypeEnum.lp_params: 'lp_params'>, "
+        "<OffloadStateTypeEnum.contiguous_grad_buffer: 'contiguous_grad_buffer'>]": set()}
+    for include, held, offloaded in out["cases"]:
+        expect = moved.get(include, {"optim_states", "lp_grads"})  # the set
+        assert held == {k: 0 if k in expect else full[k] for k in full}, include
+        assert offloaded == sum(full[k] for k in expect), include
+    assert out["after"] == full
 
 
 def test_partial_include_moves_only_its_own(pools):
-    for info in pools(2).run(run_partial):
-        full = info["full"]
-        assert all(full.values()), full
-        moved = {
-            "[<OffloadStateTypeEnum.optim_states: 'optim_states'>]": {"optim_states"},
-            "[<OffloadStateTypeEnum.hp_params: 'hp_params'>]": {"hp_params"},
-            "['lp_grads']": {"lp_grads"}, "'lp_grads'": {"lp_grads"},
-            # no compute-dtype shard in these buffers, and the full gradient buffers are
-            # free between steps: nothing to move
-            "[<OffloadStateTypeEnum.lp_params: 'lp_params'>, "
-            "<OffloadStateTypeEnum.contiguous_grad_buffer: 'contiguous_grad_buffer'>]": set()}
-        for include, held, offloaded in info["cases"]:
-            expect = moved.get(include, {"optim_states", "lp_grads"})  # the set
-            assert held == {k: 0 if k in expect else full[k] for k in full}, include
-            assert offloaded == sum(full[k] for k in expect), include
-        assert info["after"] == full
+    pools(2).run(run_partial)
 
 
 # -- the call forms in the wild -----------------------------------------------------------------
@@ -298,16 +292,15 @@ def run_call_forms(rank, world):
     plain = make_engine(config())
     expected = [micro_step(plain, rank, world, k % ACCUM) for k in range(2 * ACCUM)][ACCUM:]
     plain.destroy()
-    return ours, moved, losses, expected
+    assert ours == ("VeScaleEngine", False)
+    # the gradient shards dropped at the step are freed, not moved: the same bytes
+    assert moved[0] > 0 and moved[0] == moved[1] == moved[3], moved
+    assert moved[2] == 0  # nothing left on the device while offloaded
+    assert losses == expected
 
 
 def test_call_forms_of_deepspeed_and_openrlhf(pools):
-    for ours, moved, losses, expected in pools(2).run(run_call_forms):
-        assert ours == ("VeScaleEngine", False)
-        # the gradient shards dropped at the step are freed, not moved: the same bytes
-        assert moved[0] > 0 and moved[0] == moved[1] == moved[3], moved
-        assert moved[2] == 0  # nothing left on the device while offloaded
-        assert losses == expected
+    pools(2).run(run_call_forms)
 
 
 # -- misuse: one line each ----------------------------------------------------------------------

@@ -102,7 +102,11 @@ def hygiene_rank(rank, world, optimizer, precision, directory):
     want, want_params = train(rank, world, optimizer, precision, f"{directory}/ref", meta=False)
     same_params = len(got_params) == len(want_params) and all(
         torch.equal(a, b) for a, b in zip(got_params, want_params))
-    return got, want, same_params
+    assert got == want, (got, want)
+    assert same_params
+    flat = [x for step in got for x in step]
+    assert all(x == x and abs(x) != float("inf") for x in flat), got
+    assert got[-1] == got[STEPS - 1]  # resumed from the checkpoint: the same last step
 
 
 CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED, OFFLOADED, BOTH_OFFLOADED]] + \
@@ -111,12 +115,7 @@ CASES = [(name, "bf16") for name in [*OPTIMIZERS, TORCH_FUSED, OFFLOADED, BOTH_O
 
 @pytest.mark.parametrize("optimizer,precision", CASES)
 def test_training_never_uses_the_default_device(pool, optimizer, precision):
-    for got, want, same_params in pool.run(hygiene_rank, optimizer, precision, scratch_dir()):
-        assert got == want, (got, want)
-        assert same_params
-        flat = [x for step in got for x in step]
-        assert all(x == x and abs(x) != float("inf") for x in flat), got
-        assert got[-1] == got[STEPS - 1]  # resumed from the checkpoint: the same last step
+    pool.run(hygiene_rank, optimizer, precision, scratch_dir())
 
 
 def test_torch_optimizer_state_loads_where_its_kernel_reads_it():

@@ -124,14 +124,14 @@ def patched_rank(rank, world):
         engine, *_ = deepspeed.initialize(model=fm.make("gpt"), config=CONFIG)
         idx, tgt = fm.batch("gpt", 0, MICRO)
         engine.backward(engine(idx, tgt))
-        return isinstance(engine, VeScaleEngine), engine.micro_steps
+        is_ours, micro_steps = isinstance(engine, VeScaleEngine), engine.micro_steps
+        assert is_ours and micro_steps == 0
     finally:
         deepspeed.initialize = original
 
 
 def test_patch_deepspeed_routes_vescale_configs(pool):
-    is_ours, micro_steps = pool.run(patched_rank)[0]
-    assert is_ours and micro_steps == 0
+    pool.run(patched_rank)
 
 
 def test_patch_deepspeed_leaves_other_configs_to_deepspeed(monkeypatch):
@@ -465,18 +465,16 @@ def backward_styles_rank(rank, world, extra):
     (l1, s1, g1, n1), (l2, s2, g2, n2) = results["engine"], results["plain"]
     worst = max((s1[k] - s2[k]).abs().max().item() for k in s1)
     in_place = {unit_of(m).switches.grads_in_place for m in engine.module.modules() if unit_of(m)}
-    return l1 == l2, worst, g1 == g2 == 3, n1 == n2, in_place
+    want = {extra.get("vescale", {}).get("grads_in_place", True)}
+    assert l1 == l2 and worst == 0.0 and g1 == g2 == 3 and n1 == n2, (worst,)
+    assert in_place == want
 
 
 @pytest.mark.parametrize("extra", [
     {}, {"fp16": {"enabled": True, "initial_scale_power": 10},
          "vescale": {**CONFIG["vescale"], "grads_in_place": False}}], ids=["fp32", "fp16"])
 def test_plain_loss_backward_equals_engine_backward(pool, extra):
-    want = {extra.get("vescale", {}).get("grads_in_place", True)}
-    for same_losses, worst, steps_ok, same_norm, in_place in pool.run(backward_styles_rank,
-                                                                      extra):
-        assert same_losses and worst == 0.0 and steps_ok and same_norm, (worst,)
-        assert in_place == want
+    pool.run(backward_styles_rank, extra)
 
 
 # -- model_parameters -----------------------------------------------------------------------------
@@ -661,14 +659,14 @@ def lifecycle_rank(rank, world):
             errors.append(str(err))
     engine.destroy()  # a second destroy is harmless
     again, *_ = initialize(model=fm.make("gpt"), config={**CONFIG, "steps_per_print": 100})
-    return modes, same_loss_with_grad, released, errors, _train_step(again, rank, 0)
+    loss = _train_step(again, rank, 0)
+    assert modes == [True, True] and same_loss_with_grad and released
+    assert all(e and "was destroyed" in e for e in errors), errors
+    assert 0 < loss < 100
 
 
 def test_train_eval_destroy(pool):
-    for modes, same_loss, released, errors, loss in pool.run(lifecycle_rank):
-        assert modes == [True, True] and same_loss and released
-        assert all(e and "was destroyed" in e for e in errors), errors
-        assert 0 < loss < 100
+    pool.run(lifecycle_rank)
 
 
 # -- loss scaler alone ---------------------------------------------------------------------------

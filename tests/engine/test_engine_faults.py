@@ -199,20 +199,18 @@ def signal_handlers_rank(rank, world, save_dir):
     thread = threading.Thread(target=build)
     thread.start()
     thread.join(timeout=120)
-    return seen, bad_tag, in_thread, forked_child, issubclass(vescale_engine.Preempted,
-                                                              SystemExit)
+    exits = issubclass(vescale_engine.Preempted, SystemExit)
+    # default before, default without the key, the engine's with it, default after
+    assert seen == [[True, True], [True, True], [False, False], [True, True]], seen
+    assert bad_tag == ("vescale.save_on_signal.tag 's{step}': not a pattern with only "
+                       "{global_steps} in it (KeyError: 'step')"), bad_tag
+    assert in_thread == ["vescale.save_on_signal: initialize must run on the main thread "
+                         "(Python installs signal handlers only there)"], in_thread
+    assert forked_child and exits
 
 
 def test_signal_handlers_only_with_the_key_and_restored_by_destroy(pool, tmp_path):
-    for seen, bad_tag, in_thread, child_killed, exits in pool.run(signal_handlers_rank,
-                                                                  str(tmp_path)):
-        # default before, default without the key, the engine's with it, default after
-        assert seen == [[True, True], [True, True], [False, False], [True, True]], seen
-        assert bad_tag == ("vescale.save_on_signal.tag 's{step}': not a pattern with only "
-                           "{global_steps} in it (KeyError: 'step')"), bad_tag
-        assert in_thread == ["vescale.save_on_signal: initialize must run on the main thread "
-                             "(Python installs signal handlers only there)"], in_thread
-        assert child_killed and exits
+    pool.run(signal_handlers_rank, str(tmp_path))
 
 
 

@@ -230,29 +230,27 @@ def meshes_and_plans(rank, world):
         out["differ"] = None
     except ValueError as err:
         out["differ"] = str(err)
-    return out
+    assert out["tp"] == [rank - rank % 2, rank - rank % 2 + 1]  # consecutive ranks
+    assert out["dense_dp"] == [rank % 2, rank % 2 + 2]
+    assert out["ep"] == [rank - rank % 2, rank - rank % 2 + 1]
+    assert out["efsdp"] == [rank % 2, rank % 2 + 2]
+    assert out["ep_dense_dp"] == [0, 1, 2, 3]  # experts borrow: every rank is dp
+    assert out["hsdp_dense"] == [[0, 1], [2, 3]]  # (replicate 2, shard 2)
+    assert out["hsdp_experts"] == ([[0], [2]] if rank % 2 == 0 else [[1], [3]])
+    assert out["q"] == ("(Shard(dim=0),)", (8, 16))
+    assert out["o"] == ("(Shard(dim=1),)", (16, 8))
+    assert out["ours"] == ("(Shard(dim=0),)", "(Shard(dim=1),)")
+    assert out["experts"] == ("(Shard(dim=0),)", (2, 64, 16), 2)
+    group = [rank - rank % 2, rank - rank % 2 + 1]
+    assert out["differ"] == (
+        f"data inconsistency within the tensor-parallel group {group}: rank(s) "
+        f"[{group[1]}] got a different batch from rank {group[0]}; the ranks of a TP group "
+        "must get the same batch (data-parallel rank = rank // autotp_size, as the "
+        "dataloader initialize returns does)")
 
 
 def test_meshes_plans_and_the_tp_batch_check(pool):
-    got = pool.run(meshes_and_plans)
-    for rank, out in enumerate(got):
-        assert out["tp"] == [rank - rank % 2, rank - rank % 2 + 1]  # consecutive ranks
-        assert out["dense_dp"] == [rank % 2, rank % 2 + 2]
-        assert out["ep"] == [rank - rank % 2, rank - rank % 2 + 1]
-        assert out["efsdp"] == [rank % 2, rank % 2 + 2]
-        assert out["ep_dense_dp"] == [0, 1, 2, 3]  # experts borrow: every rank is dp
-        assert out["hsdp_dense"] == [[0, 1], [2, 3]]  # (replicate 2, shard 2)
-        assert out["hsdp_experts"] == ([[0], [2]] if rank % 2 == 0 else [[1], [3]])
-        assert out["q"] == ("(Shard(dim=0),)", (8, 16))
-        assert out["o"] == ("(Shard(dim=1),)", (16, 8))
-        assert out["ours"] == ("(Shard(dim=0),)", "(Shard(dim=1),)")
-        assert out["experts"] == ("(Shard(dim=0),)", (2, 64, 16), 2)
-        group = [rank - rank % 2, rank - rank % 2 + 1]
-        assert out["differ"] == (
-            f"data inconsistency within the tensor-parallel group {group}: rank(s) "
-            f"[{group[1]}] got a different batch from rank {group[0]}; the ranks of a TP group "
-            "must get the same batch (data-parallel rank = rank // autotp_size, as the "
-            "dataloader initialize returns does)")
+    pool.run(meshes_and_plans)
 
 
 def initialize_errors(rank, world):
@@ -516,20 +514,19 @@ def tp_batch_mismatch(rank, world):
     ids = global_batch()[rank:rank + 1].repeat(2, 1)  # by global rank: TP peers differ
     try:
         engine(input_ids=ids, labels=ids)
-        return None
+        message = None
     except ValueError as err:
-        return str(err)
+        message = str(err)
     finally:
         engine.destroy()
+    group = [rank - rank % 2, rank - rank % 2 + 1]
+    assert message is not None and message.startswith(
+        f"data inconsistency within the tensor-parallel group {group}: rank(s) "
+        f"[{group[1]}] got a different batch from rank {group[0]}"), message
 
 
 def test_tp_peers_given_different_batches_stop_at_the_first_forward(pool):
-    got = pool.run(tp_batch_mismatch)
-    for rank, message in enumerate(got):
-        group = [rank - rank % 2, rank - rank % 2 + 1]
-        assert message is not None and message.startswith(
-            f"data inconsistency within the tensor-parallel group {group}: rank(s) "
-            f"[{group[1]}] got a different batch from rank {group[0]}"), message
+    pool.run(tp_batch_mismatch)
 
 
 # -- checkpoints: true global shapes, loaded at another layout --------------------------------------
@@ -641,7 +638,7 @@ def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
     (dp 4, tp/ep 1), compare every piece (parameters, AdamW state) bitwise with the checkpoint
     read by one process alone, and train the same 2 steps; save there and load back at
     `parallel` (bitwise, the next step's loss). For experts, also into FSDP2+EP (torch's
-    fully_shard) through plain dcp.load. (coverage, errors, losses at each layout)"""
+    fully_shard) through plain dcp.load; every piece covered, no difference."""
     import os
     import torch.distributed as dist
     import vescale_engine
@@ -686,7 +683,17 @@ def checkpoint_across_layouts(rank, world, build, parallel, micro_rows, path):
                next=(plain_next[0], split_next[0]), hf=(hf_err, hf.bytes_read, own))
     if "expert_parallel" in parallel:
         out["fsdp2"] = _fsdp2_ep_load(build, f"{path}/t", full)
-    return out
+    # true global shapes, every element once (TP-replicated pieces deduplicated by DCP)
+    assert all(n == numel for n, numel in out["coverage"].values()), out["coverage"]
+    assert out["saved"][0] == 0.0 and out["saved"][1] > 20, (rank, out["saved"])
+    assert out["loaded"][0] == 0.0 and out["loaded"][1] > 20, (rank, out["loaded"])
+    assert max(abs(a - b) for a, b in zip(out["after"], out["resumed"])) < 1e-6, out
+    assert out["back"][0] == 0.0 and out["back"][1] > 20, (rank, out["back"])
+    assert abs(out["next"][0] - out["next"][1]) < 1e-6, (rank, out["next"])
+    hf_err, read, own = out["hf"]
+    assert hf_err == 0.0 and read == own, (rank, out["hf"])  # exact, only its own bytes
+    if "fsdp2" in out:
+        assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
 
 
 def _fsdp2_ep_load(build, path, full):
@@ -715,19 +722,7 @@ def _fsdp2_ep_load(build, path, full):
     (tiny_llama, {"tensor_parallel": {"autotp_size": 2}}, 2)], ids=["dp2_ep2", "dp2_tp2"])
 def test_checkpoint_at_tp_ep_loads_at_dp4_one_process_and_fsdp2(pool, tmp_path, build, parallel,
                                                                   micro_rows):
-    got = pool.run(checkpoint_across_layouts, build, parallel, micro_rows, str(tmp_path))
-    for rank, out in enumerate(got):
-        # true global shapes, every element once (TP-replicated pieces deduplicated by DCP)
-        assert all(n == numel for n, numel in out["coverage"].values()), out["coverage"]
-        assert out["saved"][0] == 0.0 and out["saved"][1] > 20, (rank, out["saved"])
-        assert out["loaded"][0] == 0.0 and out["loaded"][1] > 20, (rank, out["loaded"])
-        assert max(abs(a - b) for a, b in zip(out["after"], out["resumed"])) < 1e-6, out
-        assert out["back"][0] == 0.0 and out["back"][1] > 20, (rank, out["back"])
-        assert abs(out["next"][0] - out["next"][1]) < 1e-6, (rank, out["next"])
-        hf_err, read, own = out["hf"]
-        assert hf_err == 0.0 and read == own, (rank, out["hf"])  # exact, only its own bytes
-        if "fsdp2" in out:
-            assert out["fsdp2"] == 0.0, (rank, out["fsdp2"])
+    pool.run(checkpoint_across_layouts, build, parallel, micro_rows, str(tmp_path))
 
 
 def test_optimizer_state_in_its_own_shape_must_be_mapped_for_tp_ep_parameters():
@@ -969,7 +964,17 @@ def accumulation_and_bf16(rank, world, build, keys, dp):
                          params=params, gas=engine.gradient_accumulation_steps(), micro=micro,
                          compute=engine.engine_config.precision.param_dtype)
         engine.destroy()
-    return out
+    acc, bf16 = out["accumulate"], out["bf16"]
+    assert (acc["gas"], acc["micro"], bf16["gas"], bf16["micro"]) == (2, 1, 1, 2), out
+    assert acc["loss"] < 1e-6 and acc["params"] < 1e-6, (rank, acc)
+    assert acc["norm"] < 1e-5, (rank, acc)  # measured 1.1e-7 (TP), 7.8e-8 (EP)
+    # bf16 against one process's bf16: each gradient element is a bf16 value, a few
+    # roundings of 2^-8 off, so the norm is within one bf16 ulp (2^-7 ~ 7.8e-3; measured
+    # 3.2e-4 TP, 2.3e-4 EP) and the losses within 1e-4 relative (measured 5.5e-6, 3.5e-6).
+    # Parameters are not compared: AdamW's first steps move each by ~lr * sign(gradient),
+    # and a near-zero gradient's sign differs by rounding (measured up to 2 lr).
+    assert (acc["compute"], bf16["compute"]) == (None, "bfloat16"), out
+    assert bf16["norm"] < 2.0 ** -7 and bf16["rel_loss"] < 1e-4, (rank, bf16)
 
 
 LLAMA_TP2 = (tiny_llama, {"tensor_parallel": {"autotp_size": 2}})
@@ -979,19 +984,7 @@ MIXTRAL_EP2 = (tiny_mixtral, {"expert_parallel": {"enabled": True, "autoep_size"
 @pytest.mark.parametrize("build,keys,dp", [(*LLAMA_TP2, 2), (*MIXTRAL_EP2, 4)],
                          ids=["dp2_tp2_llama", "dp4_ep2_mixtral"])
 def test_accumulation_and_bf16_under_tp_ep_equal_one_process(pool, build, keys, dp):
-    got = pool.run(accumulation_and_bf16, build, keys, dp)
-    for rank, out in enumerate(got):
-        acc, bf16 = out["accumulate"], out["bf16"]
-        assert (acc["gas"], acc["micro"], bf16["gas"], bf16["micro"]) == (2, 1, 1, 2), out
-        assert acc["loss"] < 1e-6 and acc["params"] < 1e-6, (rank, acc)
-        assert acc["norm"] < 1e-5, (rank, acc)  # measured 1.1e-7 (TP), 7.8e-8 (EP)
-        # bf16 against one process's bf16: each gradient element is a bf16 value, a few
-        # roundings of 2^-8 off, so the norm is within one bf16 ulp (2^-7 ~ 7.8e-3; measured
-        # 3.2e-4 TP, 2.3e-4 EP) and the losses within 1e-4 relative (measured 5.5e-6, 3.5e-6).
-        # Parameters are not compared: AdamW's first steps move each by ~lr * sign(gradient),
-        # and a near-zero gradient's sign differs by rounding (measured up to 2 lr).
-        assert (acc["compute"], bf16["compute"]) == (None, "bfloat16"), out
-        assert bf16["norm"] < 2.0 ** -7 and bf16["rel_loss"] < 1e-4, (rank, bf16)
+    pool.run(accumulation_and_bf16, build, keys, dp)
 
 
 def offload_against_device(rank, world, build, keys, micro_rows):
@@ -1021,7 +1014,16 @@ def offload_against_device(rank, world, build, keys, micro_rows):
                          buffers=len(buffers), host_steps=None if off is None else
                          off.stats.host_steps)
         engine.destroy()
-    return out
+    want = out["device"]
+    assert out["host"]["host"] == want["buffers"], (rank, out["host"]["host"])
+    assert 0 < out["half"]["host"] < want["buffers"], (rank, out["half"]["host"])
+    for variant in ("host", "half"):
+        got_v = out[variant]
+        assert got_v["losses"] == want["losses"], (rank, variant, got_v["losses"])
+        assert got_v["norms"] == want["norms"], (rank, variant, got_v["norms"])
+        assert got_v["host_steps"] == 3 * got_v["host"], (rank, variant)
+        for n, v in want["shards"].items():
+            assert torch.equal(got_v["shards"][n], v), (rank, variant, n)
 
 
 @pytest.mark.parametrize("build,keys,micro_rows", [(*LLAMA_TP2, 2), (*MIXTRAL_EP2, 1)],
@@ -1030,18 +1032,7 @@ def test_offload_under_tp_ep_matches_no_offload_bitwise(pool, build, keys, micro
     """ZeRO-Offload steps TP/EP pieces on the host with the device path's kernel, and the
     clipping norm reads host and device gradient shards over the same TP/EP-aware groups: the
     losses, norms and every parameter shard equal the run without offload bitwise."""
-    got = pool.run(offload_against_device, build, keys, micro_rows)
-    for rank, out in enumerate(got):
-        want = out["device"]
-        assert out["host"]["host"] == want["buffers"], (rank, out["host"]["host"])
-        assert 0 < out["half"]["host"] < want["buffers"], (rank, out["half"]["host"])
-        for variant in ("host", "half"):
-            got_v = out[variant]
-            assert got_v["losses"] == want["losses"], (rank, variant, got_v["losses"])
-            assert got_v["norms"] == want["norms"], (rank, variant, got_v["norms"])
-            assert got_v["host_steps"] == 3 * got_v["host"], (rank, variant)
-            for n, v in want["shards"].items():
-                assert torch.equal(got_v["shards"][n], v), (rank, variant, n)
+    pool.run(offload_against_device, build, keys, micro_rows)
 
 
 class _LocalExperts(torch.nn.Module):
@@ -1104,7 +1095,8 @@ def expert_gradients_land_early(rank, world):
         if end > begin:
             errors[fqn] = (local_of(sp.sharded.grad) - (summed / 2).reshape(-1)[begin:end]
                            ).abs().max().item()
-    return events, errors
+    assert events == ["w2", "gradient at h", "w1"], (rank, events)
+    assert errors and max(errors.values()) < 1e-6, (rank, errors)
 
 
 def test_expert_gradients_land_in_the_buffer_before_the_next_is_computed(pool):
@@ -1112,10 +1104,7 @@ def test_expert_gradients_land_in_the_buffer_before_the_next_is_computed(pool):
     LocalLeafRoute): w2's gradient lands in the buffer before the first matmul's backward
     computes w1's, so the two never live at once beside the gathered experts (the memory
     benchmark's peak); with DTensor's own to_local both landed after the last matmul."""
-    got = pool.run(expert_gradients_land_early)
-    for rank, (events, errors) in enumerate(got):
-        assert events == ["w2", "gradient at h", "w1"], (rank, events)
-        assert errors and max(errors.values()) < 1e-6, (rank, errors)
+    pool.run(expert_gradients_land_early)
 
 # --- meta-device models and HF weights under TP/EP (s4-meta)
 
@@ -1305,7 +1294,7 @@ def test_meta_models_random_init_hf_weights_and_hsdp_save_under_tp_ep(pool, tmp_
 def local_pieces_of_global(rank, world):
     """dtensor_params.local_of_global (what materialize keeps of a global init) against
     DTensor's own local tensors, for Shard on dims 0 and 1, _StridedShard (transformers' packed
-    gate/up) and FSDP2's 2-D expert placement: [(placements, equal, a view)]."""
+    gate/up) and FSDP2's 2-D expert placement: each equal, and a view."""
     from torch.distributed.tensor import distribute_tensor
     from vescale_engine.fsdp.dtensor_params import local_of_global
     full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
@@ -1315,14 +1304,13 @@ def local_pieces_of_global(rank, world):
         out.append((str(placements), torch.equal(mine, distribute_tensor(
             full, sub, placements).to_local()),
             mine.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()))
-    return out
+    assert all(equal for _, equal, _ in out), out
+    assert [view for *_, view in out][:4] == [True, True, False, False], out  # Shard:
+    # a view of the global tensor; _StridedShard: a copy of its segments
 
 
 def test_local_piece_of_a_global_tensor_is_dtensors_local_tensor(pool):
-    for out in pool.run(local_pieces_of_global):
-        assert all(equal for _, equal, _ in out), out
-        assert [view for *_, view in out][:4] == [True, True, False, False], out  # Shard:
-        # a view of the global tensor; _StridedShard: a copy of its segments
+    pool.run(local_pieces_of_global)
 
 
 def rank_seeded_meta(rank, world):
@@ -1336,11 +1324,10 @@ def rank_seeded_meta(rank, world):
         model=seeded(), config=config(tensor_parallel={"autotp_size": 2}))])
     engine, *_ = vescale_engine.initialize(model=seeded(), config=config())
     engine.destroy()
-    return errors
+    assert errors[0].startswith("random init of a meta model with replicated tensors "
+                                "(tensor_parallel.autotp_size 2"), errors
+    assert "rank(s) [1, 2, 3] differ from rank 0" in errors[0], errors
 
 
 def test_meta_init_with_replicas_needs_one_random_state(pool):
-    for errors in pool.run(rank_seeded_meta):
-        assert errors[0].startswith("random init of a meta model with replicated tensors "
-                                    "(tensor_parallel.autotp_size 2"), errors
-        assert "rank(s) [1, 2, 3] differ from rank 0" in errors[0], errors
+    pool.run(rank_seeded_meta)

@@ -113,7 +113,9 @@ def bitwise_rank(rank, world):
             gpt_tied = kind != "gpt" or model.head.weight is model.wte.weight
             out[(kind, size)] = (returned is model, rng_matches, pieces, differ, buffers,
                                  sorted(set(ref) ^ set(full)), tied and gpt_tied)
-    return out
+    assert len(out) == len(KINDS) * (WORLD - rank)  # rank r: in the groups of size > r
+    for key, value in out.items():
+        assert value == (True, True, [], [], [], [], True), (rank, key, value)
 
 
 def world_size_independence_rank(rank, world):
@@ -134,23 +136,19 @@ def world_size_independence_rank(rank, world):
             full = run(group)
             out[size] = sorted(k for k in alone if not torch.equal(full[k], alone[k]))
     std = float(alone["transformer.h.0.attn.c_proj.weight"].std())
-    return out, abs(std / (0.02 / math.sqrt(4)) - 1) < 0.1
+    scaled = abs(std / (0.02 / math.sqrt(4)) - 1) < 0.1
+    assert out == {size: [] for size in range(rank + 1, WORLD + 1)} and scaled, (rank, out)
 
 
 def test_a_parent_writing_a_childs_parameter_gives_the_same_values_at_any_world_size(pool):
-    for rank, (out, scaled) in enumerate(pool.run(world_size_independence_rank)):
-        assert out == {size: [] for size in range(rank + 1, WORLD + 1)} and scaled, (rank, out)
+    pool.run(world_size_independence_rank)
 
 
 def test_materialize_is_bitwise_a_one_process_build_at_1_2_3_ranks(pool):
     """Every rank of each group holds exactly its flat range of the one-process values, the
     gathered state dict (buffers included: Llama's rotary inv_freq) is bitwise equal, tied
     weights stay tied, and the generator ends where the one-process build left it."""
-    results = pool.run(bitwise_rank)
-    for rank, out in enumerate(results):
-        assert len(out) == len(KINDS) * (WORLD - rank)  # rank r: in the groups of size > r
-        for key, value in out.items():
-            assert value == (True, True, [], [], [], [], True), (rank, key, value)
+    pool.run(bitwise_rank)
 
 
 # -- initialize with a meta model ------------------------------------------------------------
@@ -189,15 +187,15 @@ def engine_rank(rank, world, kind, plain_parameters):
         results.append((loss.item(), initial, after, torch.get_rng_state(), on_cpu))
         engine.destroy()
     (loss_w, init_w, after_w, rng_w, dev_w), (loss_m, init_m, after_m, rng_m, dev_m) = results
-    return (loss_w == loss_m, sorted(k for k in init_w if not torch.equal(init_w[k], init_m[k])),
-            sorted(k for k in after_w if not torch.equal(after_w[k], after_m[k])),
-            torch.equal(rng_w, rng_m), dev_m, math.isfinite(loss_m))
+    out = (loss_w == loss_m, sorted(k for k in init_w if not torch.equal(init_w[k], init_m[k])),
+           sorted(k for k in after_w if not torch.equal(after_w[k], after_m[k])),
+           torch.equal(rng_w, rng_m), dev_m, math.isfinite(loss_m))
+    assert out == (True, [], [], True, {"cpu"}, True), out
 
 
 @pytest.mark.parametrize("kind,plain", [("gpt", True), ("llama", False)])
 def test_initialize_a_meta_model_trains_as_the_whole_build(pool, kind, plain):
-    for out in pool.run(engine_rank, kind, plain):
-        assert out == (True, [], [], True, {"cpu"}, True), out
+    pool.run(engine_rank, kind, plain)
 
 
 # -- peak memory ---------------------------------------------------------------------------
@@ -259,7 +257,9 @@ def memory_rank(rank, world):
     del model
     whole_growth, model = _growth(whole)
     del model
-    return meta_growth, whole_growth, shard_bytes, largest
+    out = meta_growth, whole_growth, shard_bytes, largest
+    cap = 1.1 * shard_bytes + largest + 16 * 2**20
+    assert meta_growth <= cap < whole_growth, (rank, out, cap)
 
 
 def _units_of(model):
@@ -276,10 +276,7 @@ def test_peak_memory_is_shard_plus_the_largest_module(pool):
     shard is 55.6 MiB per rank, the model 111 MiB; measured about 65 MiB of growth against a
     cap of 80). The control (build whole, then shard: about 118) must exceed it, so the check
     can fail."""
-    for rank, out in enumerate(pool.run(memory_rank)[:2]):
-        meta_growth, whole_growth, shard_bytes, largest = out
-        cap = 1.1 * shard_bytes + largest + 16 * 2**20
-        assert meta_growth <= cap < whole_growth, (rank, out, cap)
+    pool.run(memory_rank)
 
 
 # -- every silent failure is an error naming the parameter -----------------------------------
@@ -390,34 +387,33 @@ def errors_rank(rank, world):
     expected = nn.Linear(64, 256)
     fc = full_state_dict(real)
     out["reset_gathered"] = torch.equal(fc["blocks.0.fc.weight"], expected.weight.detach())
-    return out
+    assert out["forward"].startswith("wte.weight (and ") and \
+        "still on the meta device at forward" in out["forward"], out["forward"]
+    assert "at gathering full parameters" in out["full_state_dict"]
+    assert out["reset on meta"].startswith("Linear.reset_parameters(): its shards are "
+                                           "still on the meta device; call model.to_empty"), \
+        out["reset on meta"]
+    assert out["to_empty"] == "no error" and out["left on meta"] == [], \
+        (out["to_empty"], out["left on meta"])
+    assert "GPT.half(...)" in out["half"], out["half"]
+    assert out["to"].startswith("GPT.to(...) on a module sharded by fully_shard") and \
+        "vescale_engine.materialize(model)" in out["to"], out["to"]
+    assert out["forward in no_sync"] == out["forward"]
+    assert "1.weight is on the meta device but 0.weight is on cpu" in out["mixed"]
+    assert out["no_init"].startswith("scale (NoInit) was not initialized"), out["no_init"]
+    assert out["half_init"].startswith("w (HalfInit): the init wrote only part of it"), \
+        out["half_init"]
+    assert out["mask"].startswith("mask (MaskBuffer) is a buffer that was on the meta "
+                                  "device and no init wrote it"), out["mask"]
+    assert out["unmanaged"].startswith("allocate_shards: 0.weight is on the meta device but "
+                                       "no fully_shard unit manages it"), out["unmanaged"]
+    assert out["init_fn NoInit"] and out["init_fn HalfInit"] and out["init_fn MaskBuffer"]
+    assert out["reset"] is True
+    assert out["reset_gathered"]
 
 
 def test_meta_failures_are_errors_that_name_the_parameter(pool):
-    for out in pool.run(errors_rank):
-        assert out["forward"].startswith("wte.weight (and ") and \
-            "still on the meta device at forward" in out["forward"], out["forward"]
-        assert "at gathering full parameters" in out["full_state_dict"]
-        assert out["reset on meta"].startswith("Linear.reset_parameters(): its shards are "
-                                               "still on the meta device; call model.to_empty"), \
-            out["reset on meta"]
-        assert out["to_empty"] == "no error" and out["left on meta"] == [], \
-            (out["to_empty"], out["left on meta"])
-        assert "GPT.half(...)" in out["half"], out["half"]
-        assert out["to"].startswith("GPT.to(...) on a module sharded by fully_shard") and \
-            "vescale_engine.materialize(model)" in out["to"], out["to"]
-        assert out["forward in no_sync"] == out["forward"]
-        assert "1.weight is on the meta device but 0.weight is on cpu" in out["mixed"]
-        assert out["no_init"].startswith("scale (NoInit) was not initialized"), out["no_init"]
-        assert out["half_init"].startswith("w (HalfInit): the init wrote only part of it"), \
-            out["half_init"]
-        assert out["mask"].startswith("mask (MaskBuffer) is a buffer that was on the meta "
-                                      "device and no init wrote it"), out["mask"]
-        assert out["unmanaged"].startswith("allocate_shards: 0.weight is on the meta device but "
-                                           "no fully_shard unit manages it"), out["unmanaged"]
-        assert out["init_fn NoInit"] and out["init_fn HalfInit"] and out["init_fn MaskBuffer"]
-        assert out["reset"] is True
-        assert out["reset_gathered"]
+    pool.run(errors_rank)
 
 
 # -- constructors that initialize beyond reset_parameters --------------------------------------
@@ -539,26 +535,25 @@ def constructor_init_rank(rank, world):
             fully_shard(module, mesh=group, sharding=ShardingPolicy(face=ZeRO3Pieces()))
         materialize(flat)
         out["titan flat"] = _message(flat.init_weights)
-    return out
+    assert out["example"].startswith(
+        "wte.weight (Embedding) was written 3 time(s) while the model was built on the meta "
+        "device, but its reset_parameters writes it 2 time(s)"), out["example"]
+    assert "materialize(model, init_fn=...)" in out["example"]
+    assert out["initialize"] == out["example"], out["initialize"]
+    assert all(out["use_init_fn"]), out["use_init_fn"]
+    assert out["nanogpt"].startswith("wte.weight (Embedding) was written 3 time(s)"), \
+        out["nanogpt"]
+    assert out["init_fn sizes"] in ([[], []], [[], [], []]), out["init_fn sizes"]
+    assert all(out["init_fn values"]), out["init_fn values"]
+    if rank < 2:
+        assert out["titan flat"].startswith("TitanLike.init_weights(): tok.weight is a flat "
+                                            "piece"), out["titan flat"]
+        assert out["titan gathered"] == [], out["titan gathered"]
+        assert out["titan direct"] == [], out["titan direct"]
 
 
 def test_a_constructor_init_materialize_cannot_replay_is_refused(pool):
-    for rank, out in enumerate(pool.run(constructor_init_rank)):
-        assert out["example"].startswith(
-            "wte.weight (Embedding) was written 3 time(s) while the model was built on the meta "
-            "device, but its reset_parameters writes it 2 time(s)"), out["example"]
-        assert "materialize(model, init_fn=...)" in out["example"]
-        assert out["initialize"] == out["example"], out["initialize"]
-        assert all(out["use_init_fn"]), out["use_init_fn"]
-        assert out["nanogpt"].startswith("wte.weight (Embedding) was written 3 time(s)"), \
-            out["nanogpt"]
-        assert out["init_fn sizes"] in ([[], []], [[], [], []]), out["init_fn sizes"]
-        assert all(out["init_fn values"]), out["init_fn values"]
-        if rank < 2:
-            assert out["titan flat"].startswith("TitanLike.init_weights(): tok.weight is a flat "
-                                                "piece"), out["titan flat"]
-            assert out["titan gathered"] == [], out["titan gathered"]
-            assert out["titan direct"] == [], out["titan direct"]
+    pool.run(constructor_init_rank)
 
 
 # -- allocate_shards: the loader's primitive ---------------------------------------------------
@@ -617,21 +612,20 @@ def allocate_rank(rank, world):
         materialize(logged)
     progress = [line for line in lines if line.startswith("materialize: ")]
     again = full_state_dict(model)
-    return (same_objects, on_cpu, [k for k in reference if not torch.equal(full[k], reference[k])],
-            [k for k in reference if not torch.equal(again[k], reference[k])], progress,
-            no_draws, partial)
+    out = (same_objects, on_cpu, [k for k in reference if not torch.equal(full[k], reference[k])],
+           [k for k in reference if not torch.equal(again[k], reference[k])], progress,
+           no_draws, partial)
+    assert out[:4] == (True, {"cpu"}, [], []) and out[5:] == (True, []), out
+    # progress: rank 0 only, a line per 10% of the 28 modules with own parameters (every
+    # 3rd) and one at the end
+    assert len(progress) == (10 if rank == 0 else 0), progress
+    if rank == 0:
+        assert progress[0].startswith("materialize: 3/28 modules initialized"), progress
+        assert progress[-1].startswith("materialize: 28/28 modules initialized"), progress
 
 
 def test_allocate_shards_is_what_a_loader_fills(pool):
-    for rank, out in enumerate(pool.run(allocate_rank)):
-        assert out[:4] == (True, {"cpu"}, [], []) and out[5:] == (True, []), out
-        # progress: rank 0 only, a line per 10% of the 28 modules with own parameters (every
-        # 3rd) and one at the end
-        progress = out[4]
-        assert len(progress) == (10 if rank == 0 else 0), progress
-        if rank == 0:
-            assert progress[0].startswith("materialize: 3/28 modules initialized"), progress
-            assert progress[-1].startswith("materialize: 28/28 modules initialized"), progress
+    pool.run(allocate_rank)
 
 
 def test_vescale_engine_materialize_is_callable_and_a_module():
@@ -697,13 +691,13 @@ def loader_flow_rank(rank, world):
     head_ok = bool(torch.isfinite(head).all()) and abs(float(head.std()) / 0.02 - 1) < 0.1
     errors = [_message(lambda: init_unloaded(model, ["model.nope"])),
               _message(lambda: init_unloaded(model, ["model.norm.weight"]))]
-    return loaded, buffers, head_ok, errors[0], errors[1]
+    unknown, fine = errors
+    out = loaded, buffers, head_ok, unknown, fine
+    assert (loaded, buffers, head_ok) == ([], [], True), out
+    assert unknown == "init_unloaded: model.nope is not a parameter or buffer of " \
+                      "LlamaForCausalLM", unknown
+    assert fine == "no error", fine
 
 
 def test_a_loader_initializes_only_what_the_checkpoint_lacks(pool):
-    for out in pool.run(loader_flow_rank):
-        loaded, buffers, head_ok, unknown, fine = out
-        assert (loaded, buffers, head_ok) == ([], [], True), out
-        assert unknown == "init_unloaded: model.nope is not a parameter or buffer of " \
-                          "LlamaForCausalLM", unknown
-        assert fine == "no error", fine
+    pool.run(loader_flow_rank)

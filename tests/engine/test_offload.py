@@ -152,7 +152,38 @@ def run_parity(rank, world, dtype, optimizer="AdamW", local=False):
             info["layout"] = layout_facts(engine)
         results[variant] = info
         engine.destroy()
-    return results
+    plain = results[None]
+    assert all(norm > CLIP for _, norm in plain["steps"])  # clipping acted every step
+    for variant in VARIANTS[1:]:
+        ratio, param = variant
+        got = results[variant]
+        assert got["steps"] == plain["steps"], (rank, variant)
+        for name, value in plain["shards"].items():
+            assert torch.equal(got["shards"][name], value), (rank, variant, name)
+        assert got["bytes"] == got["expected"], (rank, variant)
+        if param:  # every step gathers each offloaded buffer at least once
+            assert min(got["gathers"]) >= STEPS, (rank, variant)
+        total = sum(got["all"])
+        if ratio == 1.0:
+            assert got["chosen"] == got["all"]
+        else:  # whole buffers, largest first, just reaching half the bytes
+            assert 0 < len(got["chosen"]) < len(got["all"])
+            assert got["chosen"] == sorted(got["all"], reverse=True)[:len(got["chosen"])]
+            assert sum(got["chosen"]) >= total / 2 > sum(got["chosen"][:-1])
+        for facts in got["layout"]:
+            assert facts["step"] == STEPS
+            if not facts["offloaded"]:  # master and state on the device, no compute shard
+                assert facts == {"offloaded": False, "compute": True, "step": STEPS,
+                                 "device_grad": True}
+                continue
+            # the master, every face and the state in the buffer's host allocation; the
+            # compute shard separate in the compute dtype, in that allocation only with
+            # offload_param, and the master itself only for fp32 with offload_param
+            assert facts["master"] and facts["grad"] and facts["faces"], facts
+            assert facts["state"], facts
+            assert facts["compute_dtype"], facts
+            assert facts["compute_in_host"] == param, facts
+            assert facts["compute_is_master"] == (param and dtype == "fp32"), facts
 
 
 def run_groups_and_frozen(rank, world):
@@ -173,15 +204,14 @@ def run_groups_and_frozen(rank, world):
         out.append((train(engine, rank, world, 2), shards(engine), len(decays),
                     None if offload is None else engine.optimizer.offload.stats.host_steps))
         engine.destroy()
-    return out
+    (want, want_shards, decays, _), (got, got_shards, _, host_steps) = out
+    assert decays > 0 and host_steps > 0  # the per-element decay path ran, on the host
+    assert got == want
+    assert all(torch.equal(got_shards[n], v) for n, v in want_shards.items())
 
 
 def test_weight_decay_groups_and_frozen_tensors_match(pools):
-    for (want, want_shards, decays, _), (got, got_shards, _, host_steps) in \
-            pools(2).run(run_groups_and_frozen):
-        assert decays > 0 and host_steps > 0  # the per-element decay path ran, on the host
-        assert got == want
-        assert all(torch.equal(got_shards[n], v) for n, v in want_shards.items())
+    pools(2).run(run_groups_and_frozen)
 
 
 
@@ -190,39 +220,7 @@ def test_weight_decay_groups_and_frozen_tensors_match(pools):
     ("fp32", "AdamW", False), ("bf16", "AdamW", False), ("fp16", "AdamW", False),
     ("bf16", "AdamW8bit", False), ("bf16", "AdamW", True)])
 def test_offload_matches_no_offload_bitwise(pools, dtype, optimizer, local):
-    for rank, results in enumerate(pools(2).run(run_parity, dtype, optimizer, local)):
-        plain = results[None]
-        assert all(norm > CLIP for _, norm in plain["steps"])  # clipping acted every step
-        for variant in VARIANTS[1:]:
-            ratio, param = variant
-            got = results[variant]
-            assert got["steps"] == plain["steps"], (rank, variant)
-            for name, value in plain["shards"].items():
-                assert torch.equal(got["shards"][name], value), (rank, variant, name)
-            assert got["bytes"] == got["expected"], (rank, variant)
-            if param:  # every step gathers each offloaded buffer at least once
-                assert min(got["gathers"]) >= STEPS, (rank, variant)
-            total = sum(got["all"])
-            if ratio == 1.0:
-                assert got["chosen"] == got["all"]
-            else:  # whole buffers, largest first, just reaching half the bytes
-                assert 0 < len(got["chosen"]) < len(got["all"])
-                assert got["chosen"] == sorted(got["all"], reverse=True)[:len(got["chosen"])]
-                assert sum(got["chosen"]) >= total / 2 > sum(got["chosen"][:-1])
-            for facts in got["layout"]:
-                assert facts["step"] == STEPS
-                if not facts["offloaded"]:  # master and state on the device, no compute shard
-                    assert facts == {"offloaded": False, "compute": True, "step": STEPS,
-                                     "device_grad": True}
-                    continue
-                # the master, every face and the state in the buffer's host allocation; the
-                # compute shard separate in the compute dtype, in that allocation only with
-                # offload_param, and the master itself only for fp32 with offload_param
-                assert facts["master"] and facts["grad"] and facts["faces"], facts
-                assert facts["state"], facts
-                assert facts["compute_dtype"], facts
-                assert facts["compute_in_host"] == param, facts
-                assert facts["compute_is_master"] == (param and dtype == "fp32"), facts
+    pools(2).run(run_parity, dtype, optimizer, local)
 
 
 def run_writes(rank, world, root, param):
@@ -297,17 +295,16 @@ def run_writes(rank, world, root, param):
     out.append(("train", True, True, trained[0] == trained[1], trained))
     for e in engines:
         e.destroy()
-    return out
+    for tag, moved, stale, same, losses in out:
+        assert moved and stale, (rank, tag)  # the next gather sees the write
+        assert same, (rank, tag, losses)
 
 
 @pytest.mark.parametrize("param", [False, True])
 def test_compute_shard_follows_every_write_to_the_master(pools, param):
     root = scratch_dir()
     try:
-        for rank, results in enumerate(pools(2).run(run_writes, root, param)):
-            for tag, moved, stale, same, losses in results:
-                assert moved and stale, (rank, tag)  # the next gather sees the write
-                assert same, (rank, tag, losses)
+        pools(2).run(run_writes, root, param)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -323,11 +320,11 @@ def run_data_caveat(rank, world):
         p.data.mul_(0.5)
     after = [b.master._version for b in bufs]
     off.destroy()
-    return before == after
+    assert before == after
 
 
 def test_writes_through_data_are_the_documented_caveat(pools):
-    assert pools(2).run(run_data_caveat) == [True, True]
+    pools(2).run(run_data_caveat)
 
 
 def run_checkpoint_cross(rank, world, root, dtype, optimizer, param):
@@ -349,7 +346,9 @@ def run_checkpoint_cross(rank, world, root, dtype, optimizer, param):
         out.append((after == got, all(torch.equal(expected[n], v)
                                       for n, v in shards(resumed).items()), after, got))
         resumed.destroy()
-    return out
+    for same_losses, same_shards, after, got in out:
+        assert same_losses, (rank, after, got)
+        assert same_shards, rank
 
 
 @pytest.mark.parametrize("dtype,optimizer,param", [
@@ -358,11 +357,7 @@ def run_checkpoint_cross(rank, world, root, dtype, optimizer, param):
 def test_checkpoint_crosses_offload_exactly(pools, dtype, optimizer, param):
     root = scratch_dir()
     try:
-        for rank, results in enumerate(pools(2).run(run_checkpoint_cross, root, dtype, optimizer,
-                                                    param)):
-            for same_losses, same_shards, after, got in results:
-                assert same_losses, (rank, after, got)
-                assert same_shards, rank
+        pools(2).run(run_checkpoint_cross, root, dtype, optimizer, param)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -371,15 +366,15 @@ def run_refusals(rank, world):
     from vescale_engine import initialize
     attempts = [lambda: initialize(model=fm.make("gpt"), config=config({"ratio": 1.0}),
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))]
-    return value_errors(attempts)
+    (client,) = value_errors(attempts)
+    assert client == ("zero_optimization.offload_optimizer: optimizer "
+                      "torch.optim.adamw.AdamW is not yet supported with offload; offload "
+                      "works with optimizer types AdamW, AdamW8bit and Muon (ours, over "
+                      "whole flat buffers)")
 
 
 def test_not_yet_supported_is_one_line_naming_what_works(pools):
-    for (client,) in pools(2).run(run_refusals):
-        assert client == ("zero_optimization.offload_optimizer: optimizer "
-                          "torch.optim.adamw.AdamW is not yet supported with offload; offload "
-                          "works with optimizer types AdamW, AdamW8bit and Muon (ours, over "
-                          "whole flat buffers)")
+    pools(2).run(run_refusals)
 
 
 def run_muon_parity(rank, world, dtype):
@@ -418,22 +413,21 @@ def run_muon_parity(rank, world, dtype):
             info["pieces"] = pieces
         results[variant] = info
         engine.destroy()
-    return results
+    plain = results[None]
+    assert all(norm > CLIP for _, norm in plain["steps"])
+    for variant in VARIANTS[1:]:
+        got = results[variant]
+        assert got["steps"] == plain["steps"], (rank, variant)
+        for name, value in plain["shards"].items():
+            assert torch.equal(got["shards"][name], value), (rank, variant, name)
+        assert got["faces_on_host"], (rank, variant)
+        assert got["pieces"] > 0, (rank, variant)  # Newton-Schulz moved offloaded pieces
+        assert got["bytes"] == got["expected"], (rank, variant)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_muon_offload_matches_no_offload_bitwise(pools, dtype):
-    for rank, results in enumerate(pools(2).run(run_muon_parity, dtype)):
-        plain = results[None]
-        assert all(norm > CLIP for _, norm in plain["steps"])
-        for variant in VARIANTS[1:]:
-            got = results[variant]
-            assert got["steps"] == plain["steps"], (rank, variant)
-            for name, value in plain["shards"].items():
-                assert torch.equal(got["shards"][name], value), (rank, variant, name)
-            assert got["faces_on_host"], (rank, variant)
-            assert got["pieces"] > 0, (rank, variant)  # Newton-Schulz moved offloaded pieces
-            assert got["bytes"] == got["expected"], (rank, variant)
+    pools(2).run(run_muon_parity, dtype)
 
 
 def test_nvme_and_offload_param_are_one_line_naming_what_works():
@@ -519,17 +513,16 @@ def run_param_alone(rank, world):
     out["same_shards"] = all(torch.equal(out["shards_True"][k], v)
                              for k, v in out.pop("shards_False").items())
     del out["shards_True"]
-    return out
+    assert out["offloaded_True"] == out["offloaded_False"] and \
+        not any(out["offloaded_True"]), out
+    assert out["train_True"] == out["train_False"] and out["same_shards"], out
+    assert out["inference_offloaded_True"] and all(out["inference_offloaded_True"]), out
+    assert not any(out["inference_offloaded_False"]), out
+    assert out["inference_True"] == out["inference_False"], out
 
 
 def test_offload_param_alone_moves_nothing_beside_an_optimizer_and_everything_without(pools):
-    for out in pools(2).run(run_param_alone):
-        assert out["offloaded_True"] == out["offloaded_False"] and \
-            not any(out["offloaded_True"]), out
-        assert out["train_True"] == out["train_False"] and out["same_shards"], out
-        assert out["inference_offloaded_True"] and all(out["inference_offloaded_True"]), out
-        assert not any(out["inference_offloaded_False"]), out
-        assert out["inference_True"] == out["inference_False"], out
+    pools(2).run(run_param_alone)
 
 
 def test_device_none_with_other_keys_is_a_warning_naming_them(caplog):

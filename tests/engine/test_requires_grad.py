@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from compare import relative
 from vescale_engine import optim as vopt
 from vescale_engine.optim.clip import global_grad_norm
 from vescale_engine.fsdp import (full_state_dict, fully_shard, no_sync, sharded_parameters,
@@ -63,10 +64,6 @@ def batch(step, rank=None, world=1):
 
 def lm_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-
-
-def relative(a, b):
-    return (a - b).norm().item() / max(b.norm().item(), 1e-30)
 
 
 def grad_errors(model, reference):
@@ -138,11 +135,11 @@ def train(rank, world, build, steps, kind, step_fn, first=None):
     return grads, norms, missing, param_error(model, reference)
 
 
-def check(results):
-    for grads, norms, missing, (params, name) in results:
-        assert not missing, missing
-        assert grads < TOL and norms < TOL, (grads, norms)
-        assert params < TOL, (params, name)
+def check(result):
+    grads, norms, missing, (params, name) = result
+    assert not missing, missing
+    assert grads < TOL and norms < TOL, (grads, norms)
+    assert params < TOL, (params, name)
 
 
 # -- (a) PEFT LoRA: the adapter-off reference pass between forward and backward -------------
@@ -155,12 +152,12 @@ def dpo_like_step(model, ids, step, sharded):
 
 
 def peft_rank(rank, world, kind):
-    return train(rank, world, lora_llama, 3, kind, dpo_like_step)
+    check(train(rank, world, lora_llama, 3, kind, dpo_like_step))
 
 
 @pytest.mark.parametrize("kind", ["torch", "vescale"])
 def test_peft_disable_adapter_reference_pass_between_forward_and_backward(pool, kind):
-    check(pool.run(peft_rank, kind))
+    pool.run(peft_rank, kind)
 
 
 # -- (b) freezing and unfreezing mid-training ----------------------------------------------
@@ -194,12 +191,12 @@ def freeze_schedule_step(model, ids, step, sharded):
 
 
 def freeze_rank(rank, world, kind):
-    return train(rank, world, frozen_at_build, 6, kind, freeze_schedule_step)
+    check(train(rank, world, frozen_at_build, 6, kind, freeze_schedule_step))
 
 
 @pytest.mark.parametrize("kind", ["torch", "vescale"])
 def test_freezing_and_unfreezing_layers_mid_training(pool, kind):
-    check(pool.run(freeze_rank, kind))
+    pool.run(freeze_rank, kind)
 
 
 # -- (c) toggled between forward and backward ----------------------------------------------
@@ -232,12 +229,12 @@ def toggle_step(model, ids, step, sharded):
 
 
 def toggle_rank(rank, world, kind):
-    return train(rank, world, tiny_llama, 4, kind, toggle_step)
+    check(train(rank, world, tiny_llama, 4, kind, toggle_step))
 
 
 @pytest.mark.parametrize("kind", ["torch", "vescale"])
 def test_requires_grad_toggled_between_forward_and_backward(pool, kind):
-    check(pool.run(toggle_rank, kind))
+    pool.run(toggle_rank, kind)
 
 
 # -- (d, e) extra forwards while a backward is pending --------------------------------------
@@ -273,11 +270,11 @@ def inference_first(model, ids):
 
 
 def extra_forward_rank(rank, world):
-    return train(rank, world, tiny_llama, 3, "vescale", extra_forward_step, inference_first)
+    check(train(rank, world, tiny_llama, 3, "vescale", extra_forward_step, inference_first))
 
 
 def test_extra_forwards_between_forward_and_backward(pool):
-    check(pool.run(extra_forward_rank))
+    pool.run(extra_forward_rank)
 
 
 def two_forwards_step(model, ids, step, sharded):
@@ -292,11 +289,11 @@ def two_forwards_step(model, ids, step, sharded):
 
 
 def two_forwards_rank(rank, world):
-    return train(rank, world, tiny_llama, 3, "vescale", two_forwards_step)
+    check(train(rank, world, tiny_llama, 3, "vescale", two_forwards_step))
 
 
 def test_two_forwards_then_one_backward(pool):
-    check(pool.run(two_forwards_rank))
+    pool.run(two_forwards_rank)
 
 
 # -- gradient accumulation: a flag changed between micro-steps ------------------------------
@@ -319,12 +316,12 @@ def accumulation_step(model, ids, step, sharded):
 
 
 def accumulation_rank(rank, world, kind):
-    return train(rank, world, tiny_llama, 2, kind, accumulation_step)
+    check(train(rank, world, tiny_llama, 2, kind, accumulation_step))
 
 
 @pytest.mark.parametrize("kind", ["torch", "vescale"])
 def test_flags_changed_between_accumulation_micro_steps(pool, kind):
-    check(pool.run(accumulation_rank, kind))
+    pool.run(accumulation_rank, kind)
 
 
 # -- a flag changed while its unit's backward runs: an error naming it -----------------------
@@ -338,14 +335,14 @@ def changed_in_backward_rank(rank, world):
         output[0].register_hook(lambda g: setattr(last.mlp.down_proj.weight, "requires_grad",
                                                   False))
     last.self_attn.register_forward_hook(toggle_later)
+    message = None
     try:
         lm_loss(model(input_ids=ids).logits, ids).backward()
     except RuntimeError as err:
-        return str(err)
-    return None
+        message = str(err)
+    assert message is not None and "mlp.down_proj.weight" in message and \
+        "while the backward" in message, message
 
 
 def test_a_flag_changed_during_its_units_backward_is_an_error(pool):
-    for message in pool.run(changed_in_backward_rank):
-        assert message is not None and "mlp.down_proj.weight" in message and \
-            "while the backward" in message, message
+    pool.run(changed_in_backward_rank)

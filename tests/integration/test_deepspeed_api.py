@@ -20,6 +20,7 @@ import weakref
 import pytest
 import torch
 
+from compare import relative_state
 import fsdp_models as fm
 from vescale_engine import initialize
 from vescale_engine.fsdp import full_state_dict
@@ -70,11 +71,6 @@ def _warmup_reference(world):
                       lambda opt: WarmupLR(opt, **WARMUP))
 
 
-def _relative(full, ref) -> float:
-    diff = torch.cat([(full[k] - ref[k]).flatten() for k in ref]).norm()
-    return (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
-
-
 def _flat(lists):
     return [x for inner in lists for x in inner]
 
@@ -113,10 +109,20 @@ def boundary_rank(rank, world, style, local):
         losses.append(window)
         norms.append(engine.get_global_grad_norm())
         lrs.append(engine.get_lr())
-    return dict(losses=_global_mean(losses), ref_losses=ref_losses, norms=norms,
-                ref_norms=ref_norms, lrs=lrs, ref_lrs=ref_lrs, seen=seen,
-                params=_relative(full_state_dict(engine.module), ref_state),
-                counters=(engine.global_steps, engine.micro_steps, engine.global_samples))
+    losses = _global_mean(losses)
+    params = relative_state(full_state_dict(engine.module), ref_state)
+    assert seen == [False, True] * STEPS
+    steps, micro_steps, samples = engine.global_steps, engine.micro_steps, engine.global_samples
+    # DeepSpeed's counters: micro_steps counts step() calls, samples a batch per step
+    assert steps == STEPS and samples == STEPS * MICRO * ACCUM * world
+    assert micro_steps == (STEPS if style == "accelerate" else STEPS * ACCUM)
+    assert params < TOLERANCE, params
+    for ours, ref in zip(losses, ref_losses, strict=True):
+        assert abs(ours - ref) <= TOLERANCE * ref, (losses, ref_losses)
+    for ours, ref in zip(norms, ref_norms, strict=True):
+        assert abs(ours - ref) <= 1e-5 * ref, (norms, ref_norms)
+    assert _flat(lrs) == pytest.approx(_flat(ref_lrs), rel=1e-12)
+    assert lrs[0] < lrs[-1]  # warming up
 
 
 @pytest.mark.parametrize("style,local", [("accelerate", False), ("accelerate", True),
@@ -125,19 +131,7 @@ def boundary_rank(rank, world, style, local):
 def test_accumulation_boundary_given_by_the_caller(pool, style, local):
     """The engine takes the boundary it is given: a no-op would take an optimizer step only
     every second window under Accelerate's loop (half the steps, wrong parameters)."""
-    for r in pool.run(boundary_rank, style, local):
-        assert r["seen"] == [False, True] * STEPS
-        steps, micro_steps, samples = r["counters"]
-        # DeepSpeed's counters: micro_steps counts step() calls, samples a batch per step
-        assert steps == STEPS and samples == STEPS * MICRO * ACCUM * pool.world_size
-        assert micro_steps == (STEPS if style == "accelerate" else STEPS * ACCUM)
-        assert r["params"] < TOLERANCE, r["params"]
-        for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
-            assert abs(ours - ref) <= TOLERANCE * ref, (r["losses"], r["ref_losses"])
-        for ours, ref in zip(r["norms"], r["ref_norms"], strict=True):
-            assert abs(ours - ref) <= 1e-5 * ref, (r["norms"], r["ref_norms"])
-        assert _flat(r["lrs"]) == pytest.approx(_flat(r["ref_lrs"]), rel=1e-12)
-        assert r["lrs"][0] < r["lrs"][-1]  # warming up
+    pool.run(boundary_rank, style, local)
 
 
 # -- an optimizer instance, schedulers built on it ------------------------------------------------
@@ -192,24 +186,22 @@ def instance_rank(rank, world, scheduler):
             window += loss.item() / ACCUM
         losses.append(window)
         lrs.append([g["lr"] for g in opt.param_groups])
-    return dict(losses=_global_mean(losses), ref_losses=ref_losses, lrs=lrs, ref_lrs=ref_lrs,
-                params=_relative(full_state_dict(engine.module), ref_state),
-                identity=(opt is instance, engine.optimizer is instance,
-                          scheduler == "script" or engine_sched is engine.lr_scheduler),
-                same_params=same_params, hook_calls=len(hook_calls),
-                overflow=opt.overflow)
+    losses = _global_mean(losses)
+    params = relative_state(full_state_dict(engine.module), ref_state)
+    identity = (opt is instance, engine.optimizer is instance,
+                scheduler == "script" or engine_sched is engine.lr_scheduler)
+    assert identity == (True, True, True)  # the same object, rebuilt in place
+    assert same_params and len(hook_calls) == STEPS and opt.overflow is False
+    assert params < TOLERANCE, params
+    for ours, ref in zip(losses, ref_losses, strict=True):
+        assert abs(ours - ref) <= TOLERANCE * ref, (losses, ref_losses)
+    assert _flat(lrs) == pytest.approx(_flat(ref_lrs), rel=1e-12)
+    assert lrs[0] != lrs[-1]  # the warmup reached the engine's optimizer
 
 
 @pytest.mark.parametrize("scheduler", ["script", "passed", "callable"])
 def test_optimizer_instance_is_rebuilt_over_the_shards(pool, scheduler):
-    for r in pool.run(instance_rank, scheduler):
-        assert r["identity"] == (True, True, True)  # the same object, rebuilt in place
-        assert r["same_params"] and r["hook_calls"] == STEPS and r["overflow"] is False
-        assert r["params"] < TOLERANCE, r["params"]
-        for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
-            assert abs(ours - ref) <= TOLERANCE * ref, (r["losses"], r["ref_losses"])
-        assert _flat(r["lrs"]) == pytest.approx(_flat(r["ref_lrs"]), rel=1e-12)
-        assert r["lrs"][0] != r["lrs"][-1]  # the warmup reached the engine's optimizer
+    pool.run(instance_rank, scheduler)
 
 
 # -- model_parameters with every optimizer we ship ------------------------------------------------
@@ -236,14 +228,13 @@ def model_parameters_rank(rank, world, kind):
                 engine.step()
         out.append((type(opt).__name__, opt.overflow, full_state_dict(engine.module)))
     (name, overflow, with_params), (name_without, _, without) = out
-    return name, name_without, overflow, all(torch.equal(with_params[k], without[k])
-                                             for k in without)
+    same = all(torch.equal(with_params[k], without[k]) for k in without)
+    assert name == name_without == kind and overflow is False and same
 
 
 @pytest.mark.parametrize("kind", list(SHIPPED))
 def test_model_parameters_with_every_optimizer(pool, kind):
-    for name, name_without, overflow, same in pool.run(model_parameters_rank, kind):
-        assert name == name_without == kind and overflow is False and same
+    pool.run(model_parameters_rank, kind)
 
 
 # -- engine.config, the 16-bit state dict, forwarding, unwrap -------------------------------------
@@ -357,23 +348,19 @@ def forwarding_rank(rank, world):
     unwrapped = (Accelerator.unwrap_model(None, engine), extract_model_from_parallel(engine),
                  unwrap_model(engine))
     original_extract = other.extract_model_from_parallel.__vescale_original__
-    return dict(forwarded=forwarded, missing=missing, hasattr=hasattr(engine, "nope"),
-                unguarded=unguarded,
-                before=before, unwrapped=all(m is engine.module for m in unwrapped),
-                # Trainer's label smoothing asks the unwrapped model's class
-                label_smoothing=unwrapped[0]._get_name() in
-                MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(),
-                once=not hasattr(original_extract, "__vescale_original__"))
+    assert forwarded == ("kept", True, True, True)
+    assert missing == ("'VeScaleEngine' object has no attribute 'no_such_attribute', "
+                       "and neither has its module (LlamaForCausalLM)")
+    assert hasattr(engine, "nope") is False
+    assert "save_pretrained without state_dict=" in unguarded, unguarded
+    # Trainer's label smoothing asks the unwrapped model's class
+    label_smoothing = unwrapped[0]._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    once = not hasattr(original_extract, "__vescale_original__")
+    assert before and all(m is engine.module for m in unwrapped) and label_smoothing and once
 
 
 def test_attributes_forward_to_the_model_and_accelerate_unwraps_the_engine(pool):
-    for r in pool.run(forwarding_rank):
-        assert r["forwarded"] == ("kept", True, True, True)
-        assert r["missing"] == ("'VeScaleEngine' object has no attribute 'no_such_attribute', "
-                                "and neither has its module (LlamaForCausalLM)")
-        assert r["hasattr"] is False
-        assert "save_pretrained without state_dict=" in r["unguarded"], r["unguarded"]
-        assert r["before"] and r["unwrapped"] and r["label_smoothing"] and r["once"]
+    pool.run(forwarding_rank)
 
 
 def test_unwrap_patch_names_the_version_when_accelerate_moved_its_function(monkeypatch):
@@ -445,18 +432,16 @@ def zero3_warmup_rank(rank, world, ds_dir):
                            "vescale_state.json")) as f:
         client = json.load(f)["client_state"]
     losses, lrs = run(engine, STEPS)
-    return dict(saved=saved, loaded=loaded, client=client, losses=losses, ds_losses=ds_losses,
-                lrs=lrs, ds_lrs=ds_lrs)
+    assert loaded == saved and saved[0] == STEPS and saved[3] >= 0
+    assert client == {"epoch": 3, "note": "hi"}
+    assert lrs == pytest.approx(ds_lrs, rel=1e-12)
+    assert lrs[0] < lrs[-1] < DS_WARMUP["warmup_max_lr"]  # still warming up
+    for ours, theirs in zip(losses, ds_losses, strict=True):
+        assert abs(ours - theirs) <= 1e-5 * theirs, (losses, ds_losses)
 
 
 def test_deepspeed_zero3_checkpoint_resumes_its_warmup_and_counters(pool, tmp_path):
-    for r in pool.run(zero3_warmup_rank, str(tmp_path / "ds"), timeout=600):
-        assert r["loaded"] == r["saved"] and r["saved"][0] == STEPS and r["saved"][3] >= 0
-        assert r["client"] == {"epoch": 3, "note": "hi"}
-        assert r["lrs"] == pytest.approx(r["ds_lrs"], rel=1e-12)
-        assert r["lrs"][0] < r["lrs"][-1] < DS_WARMUP["warmup_max_lr"]  # still warming up
-        for ours, theirs in zip(r["losses"], r["ds_losses"], strict=True):
-            assert abs(ours - theirs) <= 1e-5 * theirs, (r["losses"], r["ds_losses"])
+    pool.run(zero3_warmup_rank, str(tmp_path / "ds"), timeout=600)
 
 
 def stage2_state_dict_rank(rank, world):
@@ -473,9 +458,10 @@ def stage2_state_dict_rank(rank, world):
     sd = Accelerator.get_state_dict(None, engine)  # stage < 3: Accelerate's self is not read
     full = full_state_dict(engine.module)
     if rank:
-        return sd == {}
-    return sorted(sd) == sorted(full) and all(torch.equal(sd[k], full[k]) for k in full)
+        assert sd == {}
+    else:
+        assert sorted(sd) == sorted(full) and all(torch.equal(sd[k], full[k]) for k in full)
 
 
 def test_accelerate_state_dict_below_stage3_is_the_full_model_on_rank0(pool):
-    assert pool.run(stage2_state_dict_rank) == [True, True]
+    pool.run(stage2_state_dict_rank)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from compare import relative_state
+
 
 MICRO, STEPS, HIDDEN = 4, 5, 16
 CLIP = 0.2  # below every step's norm here: clipping acts at each step
@@ -87,11 +89,6 @@ def _ds_state(engine):
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
-def _relative(a, ref):
-    diff = torch.cat([(a[k].float() - ref[k]).flatten() for k in ref]).norm()
-    return (diff / torch.cat([ref[k].flatten() for k in ref]).norm()).item()
-
-
 def _ours(rank, world, default_divisor=False):
     """The same script after the one-line migration (patch_deepspeed + "vescale": {});
     default_divisor: the negative control, fully_shard's default divisor (the group's size)."""
@@ -145,7 +142,7 @@ def deepspeed_vs_vescale_rank(rank, world, save_dir, control=False):
     except NotImplementedError as err:
         refusal = f"{refusal} | {err}"
     result = dict(ds_losses=ds_losses, ds_norms=ds_norms, losses=losses, norms=norms,
-                  vs_ds=_relative(full_state_dict(engine.module), ds_state),
+                  vs_ds=relative_state(full_state_dict(engine.module), ds_state),
                   expert_group=all(b.shard_group is edp for b in expert_bufs),
                   expert_group_size={b.world_size for b in expert_bufs},
                   dense_group_size={b.world_size for b in dense_bufs},
@@ -246,6 +243,10 @@ def refusals_rank(rank, world):
         ok = torch.ones(())
         dist.all_reduce(ok)
         assert ok.item() == world
+    for name, expected in EXPECTED_REFUSALS.items():
+        message = out[name]
+        assert message is not None and expected in message and "\n" not in message, \
+            (name, message)
     return out
 
 
@@ -261,9 +262,6 @@ EXPECTED_REFUSALS = {
 
 def test_unsupported_moe_setups_are_one_line_errors_at_initialize(pool2):
     results = pool2.run(refusals_rank, timeout=120)
-    for name, expected in EXPECTED_REFUSALS.items():
+    for name in EXPECTED_REFUSALS:
         messages = {r[name] for r in results}
         assert len(messages) == 1, (name, messages)  # every rank the same line
-        message = messages.pop()
-        assert message is not None and expected in message and "\n" not in message, \
-            (name, message)

@@ -128,18 +128,17 @@ def attributes_rank(rank, world):
     out["in_forward"] = seen == [(S.AVAILABLE, (64, 32))]
     out["after"] = head.weight.ds_status == S.NOT_AVAILABLE
     engine.destroy()
-    return out
+    assert out["plain"] == [False, False], out      # other parameters: as before
+    assert out["shape"] and out["status"], out
+    assert out["left_out"] == [], out
+    assert out["deepspeed_own"] and not out["deleted"], out
+    assert out["peft_features"] == (16, 24), out    # (in, out), not the flat piece's
+    assert out["in_forward"] and out["after"], out
 
 
 def test_ds_attributes_are_what_trl_and_peft_read(pool):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: F401
-    for out in pool.run(attributes_rank):
-        assert out["plain"] == [False, False], out      # other parameters: as before
-        assert out["shape"] and out["status"], out
-        assert out["left_out"] == [], out
-        assert out["deepspeed_own"] and not out["deleted"], out
-        assert out["peft_features"] == (16, 24), out    # (in, out), not the flat piece's
-        assert out["in_forward"] and out["after"], out
+    pool.run(attributes_rank)
 
 
 # -- GatheredParameters ---------------------------------------------------------------------------
@@ -209,25 +208,24 @@ def gathered_rank(rank, world):
         out["bf16_write"] = (weight.dtype, torch.equal(weight, master))
     out["bf16_kept"] = torch.equal(full_state(engine)["lm_head.weight"], master)
     engine.destroy()
-    return out
+    assert out["held_full"] and out["nested"] == (64, 32), out
+    assert out["read"] == 0.0 and out["logits"] < 1e-5, out
+    assert out["restored"] and out["dropped"] == 0.0, out
+    assert out["written"] == 0.0, out
+    for loss, ref in out["train"]:
+        assert abs(loss - ref) <= TOLERANCE * abs(ref), out["train"]
+    assert out["trained"] < 1e-4, out
+    changed = "model.embed_tokens.weight of LlamaForCausalLM has shape [3, 3], not [64, 32]" \
+        if rank == 0 else "another rank changed a shape"  # rank 1 learns of it and stops too
+    assert changed in (out["shape_change"] or ""), out
+    assert out["after_refusal"] == out["trained"], out
+    assert "fwd_module=" in (out["fwd_module"] or ""), out
+    assert out["bf16_read"] == (torch.bfloat16, True), out
+    assert out["bf16_write"] == (torch.float32, True) and out["bf16_kept"], out
 
 
 def test_gathered_parameters_reads_and_writes_back(pool):
-    for rank, out in enumerate(pool.run(gathered_rank)):
-        assert out["held_full"] and out["nested"] == (64, 32), out
-        assert out["read"] == 0.0 and out["logits"] < 1e-5, out
-        assert out["restored"] and out["dropped"] == 0.0, out
-        assert out["written"] == 0.0, out
-        for loss, ref in out["train"]:
-            assert abs(loss - ref) <= TOLERANCE * abs(ref), out["train"]
-        assert out["trained"] < 1e-4, out
-        changed = "model.embed_tokens.weight of LlamaForCausalLM has shape [3, 3], not [64, 32]" if rank == 0 \
-            else "another rank changed a shape"  # rank 1 learns of it and stops too
-        assert changed in (out["shape_change"] or ""), out
-        assert out["after_refusal"] == out["trained"], out
-        assert "fwd_module=" in (out["fwd_module"] or ""), out
-        assert out["bf16_read"] == (torch.bfloat16, True), out
-        assert out["bf16_write"] == (torch.float32, True) and out["bf16_kept"], out
+    pool.run(gathered_rank)
 
 
 # -- TRL ------------------------------------------------------------------------------------------
@@ -329,13 +327,12 @@ def generation_rank(rank, world):
     out["unit_gathers_after"] = STATS.all_gathers - gathers  # hooks back
     out["trained"] = max_difference(engine, reference)
     engine.destroy()
-    return out
+    assert out["unwrapped"] and out["ids"], out
+    assert out["unit_gathers"] == 0 and out["unit_gathers_after"] > 0, out
+    for loss, ref in out["before"] + out["after"]:
+        assert abs(loss - ref) <= TOLERANCE * abs(ref), out
+    assert out["trained"] < 1e-4, out
 
 
 def test_trl_unwrap_model_for_generation(pool):
-    for out in pool.run(generation_rank):
-        assert out["unwrapped"] and out["ids"], out
-        assert out["unit_gathers"] == 0 and out["unit_gathers_after"] > 0, out
-        for loss, ref in out["before"] + out["after"]:
-            assert abs(loss - ref) <= TOLERANCE * abs(ref), out
-        assert out["trained"] < 1e-4, out
+    pool.run(generation_rank)

@@ -247,16 +247,16 @@ def _against_deepspeed(rank, make, seen, vescale):
 
 def returned_parameter_rank(rank, world):
     # the child a unit of its own: it reshards after its forward unless it is kept
-    return _against_deepspeed(rank, UsesChildsBias, "available",
-                              {"wrap_policy": {"module_classes": ["HandsOutBias"]}})
+    r = _against_deepspeed(rank, UsesChildsBias, "available",
+                           {"wrap_policy": {"module_classes": ["HandsOutBias"]}})
+    assert r["ds_seen"] == [True] * STEPS and r["seen"] == [True] * STEPS, r
+    assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+               zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
+    assert max(r["keys"].values()) < 1e-5, str(r["keys"])
 
 
 def test_a_parameter_a_module_returns_stays_gathered_for_its_caller_as_under_deepspeed(pool):
-    for r in pool.run(returned_parameter_rank, timeout=300):
-        assert r["ds_seen"] == [True] * STEPS and r["seen"] == [True] * STEPS, r
-        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
-                   zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
-        assert max(r["keys"].values()) < 1e-5, str(r["keys"])
+    pool.run(returned_parameter_rank, timeout=300)
 
 
 class ReadsChildrensWeights(nn.Module):
@@ -282,17 +282,17 @@ class ReadsChildrensWeights(nn.Module):
 
 def reads_weights_rank(rank, world):
     # every Linear a unit of its own: each is sharded when the parent reads it
-    return _against_deepspeed(rank, ReadsChildrensWeights, "shapes",
-                              {"wrap_policy": {"module_classes": ["Linear"]}})
+    r = _against_deepspeed(rank, ReadsChildrensWeights, "shapes",
+                           {"wrap_policy": {"module_classes": ["Linear"]}})
+    assert r["seen"] == r["ds_seen"] == [[(DIM, DIM)] * 2] * STEPS, r
+    assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+               zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
+    assert max(r["keys"].values()) < 1e-5, str(r["keys"])
 
 
 def test_a_parent_reading_its_childrens_weights_in_forward_gets_them_whole_as_under_deepspeed(
         pool):
-    for r in pool.run(reads_weights_rank, timeout=300):
-        assert r["seen"] == r["ds_seen"] == [[(DIM, DIM)] * 2] * STEPS, r
-        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
-                   zip(r["losses"], r["ds_losses"], strict=True)), (r["losses"], r["ds_losses"])
-        assert max(r["keys"].values()) < 1e-5, str(r["keys"])
+    pool.run(reads_weights_rank, timeout=300)
 
 
 class RaisesInRecompute(nn.Module):
@@ -358,15 +358,14 @@ def failed_backward_rank(rank, world):
         losses.append((mean.item() / world, ref.item()))
     full = vescale_engine.full_state_dict(engine.module)
     diff = {k: (v - full[k]).abs().max().item() for k, v in reference.state_dict().items()}
-    return dict(raised=raised, losses=losses, diff=diff)
+    assert raised == [("ours", "injected in recomputation")] + [
+        ("reference", "injected in recomputation")] * 2, (raised, losses, diff)
+    assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in losses), losses
+    assert max(diff.values()) < 1e-5, str(diff)
 
 
 def test_training_goes_on_after_a_backward_that_raised_keeping_its_gradients(pool):
-    for r in pool.run(failed_backward_rank, timeout=300):
-        assert r["raised"] == [("ours", "injected in recomputation")] + [
-            ("reference", "injected in recomputation")] * 2, r
-        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in r["losses"]), r["losses"]
-        assert max(r["diff"].values()) < 1e-5, str(r["diff"])
+    pool.run(failed_backward_rank, timeout=300)
 
 
 def _train_unmanaged(rank, config):
@@ -408,20 +407,19 @@ def unmanaged_rank(rank, world):
         ours = _train_unmanaged(rank, {**config, "vescale": {}})
     assert ours["name"] == "VeScaleEngine", ours["name"]
     diff = max((ours["state"][k] - theirs["state"][k]).abs().max().item() for k in theirs["state"])
-    return {"ours": {k: v for k, v in ours.items() if k != "state"},
-            "theirs": {k: v for k, v in theirs.items() if k != "state"}, "diff": diff}
+    # the rest, without the parameters (compared above), for the messages
+    ours, theirs = [{k: v for k, v in d.items() if k != "state"} for d in (ours, theirs)]
+    assert theirs["counters"] == [(1, 3 * TOKENS * 2, 1), (2, 4 * TOKENS * 2, 2)], theirs
+    for key in ("boundaries", "counters", "coalesce", "managed"):
+        assert ours[key] == theirs[key], (key, ours[key], theirs[key])
+    assert not ours["managed"] and "managed_gradient_accumulation=False" in ours["coalesce"]
+    assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
+               zip(ours["losses"], theirs["losses"], strict=True)), (ours, theirs, diff)
+    assert diff < 1e-5, diff
 
 
 def test_managed_gradient_accumulation_false_steps_at_every_step_call_as_under_deepspeed(pool):
-    for r in pool.run(unmanaged_rank, timeout=300):
-        ours, theirs = r["ours"], r["theirs"]
-        assert theirs["counters"] == [(1, 3 * TOKENS * 2, 1), (2, 4 * TOKENS * 2, 2)], theirs
-        for key in ("boundaries", "counters", "coalesce", "managed"):
-            assert ours[key] == theirs[key], (key, ours[key], theirs[key])
-        assert not ours["managed"] and "managed_gradient_accumulation=False" in ours["coalesce"]
-        assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in
-                   zip(ours["losses"], theirs["losses"], strict=True)), r
-        assert r["diff"] < 1e-5, r["diff"]
+    pool.run(unmanaged_rank, timeout=300)
 
 
 def _accessors(rank, config):
@@ -532,13 +530,12 @@ def positional_rank(rank, world):
             refused = None
         except TypeError as err:
             refused = str(err)
-    return type(engine).__name__, engine.mpu, refused
+    assert (type(engine).__name__, engine.mpu) == ("VeScaleEngine", None)
+    assert refused.startswith("deepspeed.initialize(mesh_param=...) with a"), refused
 
 
 def test_initialize_takes_deepspeeds_positional_order(pool):
-    for name, mpu, refused in pool.run(positional_rank, timeout=120):
-        assert (name, mpu) == ("VeScaleEngine", None)
-        assert refused.startswith("deepspeed.initialize(mesh_param=...) with a"), refused
+    pool.run(positional_rank, timeout=120)
 
 
 def second_initialize_rank(rank, world):
@@ -556,13 +553,13 @@ def second_initialize_rank(rank, world):
     except ValueError as err:
         refused = str(err)
     after = full_state_dict(engine.module)
-    return refused, all(torch.equal(before[k], after[k]) for k in before)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    assert refused.startswith("initialize: the model is sharded already"), refused
+    assert unchanged
 
 
 def test_a_second_initialize_on_a_sharded_model_is_refused_and_changes_nothing(pool):
-    for refused, unchanged in pool.run(second_initialize_rank, timeout=120):
-        assert refused.startswith("initialize: the model is sharded already"), refused
-        assert unchanged
+    pool.run(second_initialize_rank, timeout=120)
 
 
 CHUNKS = 3  # backward passes per optimizer step in the loops below
@@ -678,34 +675,31 @@ def manual_backward_rank(rank, world):
     def diff(a, b):
         return max((a[1][k] - b[1][k]).abs().max().item() for k in a[1])
 
-    return dict(names={k: v[2] for k, v in {**ours, **{"ds " + k: v for k, v in ds.items()}}.items()},
-                losses={k: (ours[k][0], ds[k][0]) for k in ds},
-                vs_deepspeed={k: diff(ours[k], ds[k]) for k in ds},
-                coalesce_vs_chunks=diff(ours["coalesce"], ours["chunks"]),
-                scale_vs_engine=diff(ours["scale fp16"], ours["engine fp16"]),
-                fp16_on_deepspeed=fp16_on_deepspeed,
-                counts=counts, refusals=refusals, ds_refusals=ds_refusals)
+    names = {k: v[2] for k, v in {**ours, **{"ds " + k: v for k, v in ds.items()}}.items()}
+    assert set(names.values()) == {"VeScaleEngine", "DeepSpeedEngine"}
+    assert [n for k, n in names.items() if not k.startswith("ds ")] == \
+        ["VeScaleEngine"] * 5, names
+    # (DeepSpeed's scale run in fp16 where fp16_on_deepspeed, else in fp32)
+    for how in ds:
+        losses, ds_losses = ours[how][0], ds[how][0]
+        tolerance = 2e-3 if how == "scale" and fp16_on_deepspeed else TOLERANCE  # fp16 losses
+        assert all(abs(a - b) <= tolerance * abs(b) for a, b in
+                   zip(losses, ds_losses, strict=True)), (how, losses, ds_losses)
+    vs_deepspeed = {k: diff(ours[k], ds[k]) for k in ds}
+    assert vs_deepspeed["coalesce"] < 1e-5, vs_deepspeed
+    assert vs_deepspeed["scale"] < (2e-3 if fp16_on_deepspeed else 1e-5), vs_deepspeed
+    # the coalesced block reduces once per step what per-micro-step reduction reduced
+    # CHUNKS times, to the same values; engine.scale's backward is engine.backward's
+    coalesce_vs_chunks = diff(ours["coalesce"], ours["chunks"])
+    assert coalesce_vs_chunks < 1e-6, coalesce_vs_chunks
+    scale_vs_engine = diff(ours["scale fp16"], ours["engine fp16"])
+    assert scale_vs_engine == 0, scale_vs_engine
+    assert counts["coalesce"] * CHUNKS == counts["chunks"] > 0, counts
+    # refused as DeepSpeed refuses them: the same exception type, before anything runs
+    for key, ds_outcome in ds_refusals.items():
+        assert ds_outcome is not None and refusals[key] is not None, (key, refusals, ds_refusals)
+        assert refusals[key][0] == ds_outcome[0], (key, refusals[key], ds_outcome)
 
 
 def test_coalesce_grad_reduction_and_scale_train_as_under_deepspeed(pool):
-    results = pool.run(manual_backward_rank, timeout=400)
-    for r in results:
-        assert set(r["names"].values()) == {"VeScaleEngine", "DeepSpeedEngine"}
-        assert [n for k, n in r["names"].items() if not k.startswith("ds ")] == \
-            ["VeScaleEngine"] * 5, r["names"]
-        fp16 = r["fp16_on_deepspeed"]  # (DeepSpeed's scale run in fp16, else in fp32)
-        for how, (losses, ds_losses) in r["losses"].items():
-            tolerance = 2e-3 if how == "scale" and fp16 else TOLERANCE  # fp16 losses
-            assert all(abs(a - b) <= tolerance * abs(b) for a, b in
-                       zip(losses, ds_losses, strict=True)), (how, losses, ds_losses)
-        assert r["vs_deepspeed"]["coalesce"] < 1e-5, r["vs_deepspeed"]
-        assert r["vs_deepspeed"]["scale"] < (2e-3 if fp16 else 1e-5), r["vs_deepspeed"]
-        # the coalesced block reduces once per step what per-micro-step reduction reduced
-        # CHUNKS times, to the same values; engine.scale's backward is engine.backward's
-        assert r["coalesce_vs_chunks"] < 1e-6, r["coalesce_vs_chunks"]
-        assert r["scale_vs_engine"] == 0, r["scale_vs_engine"]
-        assert r["counts"]["coalesce"] * CHUNKS == r["counts"]["chunks"] > 0, r["counts"]
-        # refused as DeepSpeed refuses them: the same exception type, before anything runs
-        for key, ds_outcome in r["ds_refusals"].items():
-            assert ds_outcome is not None and r["refusals"][key] is not None, (key, r)
-            assert r["refusals"][key][0] == ds_outcome[0], (key, r["refusals"][key], ds_outcome)
+    pool.run(manual_backward_rank, timeout=400)

@@ -331,7 +331,7 @@ def client_adamw_offload_rank(rank, world):
     """initialize with offload and a client optimizer instance, as deepspeed.initialize gets
     one from Trainer or a script: Trainer's torch AdamW (decay / no-decay groups) with a
     scheduler object built on it, trained 3 steps; then, for each optimizer that cannot become
-    ours, the error. Returns (what the rebuild gave, {case: error})."""
+    ours, the error."""
     import fsdp_models as fm
     from vescale_engine import initialize
     cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2,
@@ -388,7 +388,42 @@ def client_adamw_offload_rank(rank, world):
             errors[case] = None
         except ValueError as err:
             errors[case] = str(err)
-    return got, errors
+    assert got["class"] == OURS and got["engine_has_it"] and got["sched_is_client"], got
+    assert got["shared_groups"], got
+    assert got["hyper"] == [(1e-2, (0.9, 0.95), 1e-7, 0.01), (1e-2, (0.9, 0.95), 1e-7, 0.0)]
+    assert got["used_lrs"] == [[1e-2 * (1 / (1 + s))] * 2 for s in range(3)], got
+    assert got["host_steps"] == 3 * got["buffers"], got
+    head = "zero_optimization.offload_optimizer: the "
+    what = 'add an "optimizer" section (type AdamW, AdamW8bit or Muon) to the config, or ' \
+        "pass torch.optim.AdamW or vescale_engine.optim.AdamW"
+    only = "only torch.optim.AdamW itself, or the DeepSpeedCPUAdam Accelerate makes of " \
+        "it, is rebuilt as ours"
+    want = {
+        "sgd": f"{head}torch.optim.sgd.SGD passed to initialize cannot be stepped on the "
+               f"host ({only}); offload works with our AdamW, AdamW8bit and Muon: {what}",
+        "subclass": f"{head}{__name__}.MyAdamW passed to initialize cannot be stepped on "
+                    f"the host ({only}); offload works with our AdamW, AdamW8bit and Muon: "
+                    f"{what}",
+        "amsgrad": f"{head}torch.optim.adamw.AdamW passed to initialize cannot be stepped "
+                   "on the host (param_groups[0] has amsgrad=True); offload works with our "
+                   f"AdamW, AdamW8bit and Muon: {what}",
+        "maximize": f"{head}torch.optim.adamw.AdamW passed to initialize cannot be "
+                    "stepped on the host (param_groups[0] has maximize=True); offload "
+                    f"works with our AdamW, AdamW8bit and Muon: {what}",
+        "deepspeed_cpu_adam_l2": f"{head}deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam "
+                                 "passed to initialize cannot be stepped on the host "
+                                 "(adamw_mode is false: Adam with L2 decay, not AdamW); "
+                                 f"offload works with our AdamW, AdamW8bit and Muon: {what}",
+    }
+    for case, message in want.items():
+        assert errors[case] == message, (case, errors[case])
+    split = errors["split_buffer_lr"]
+    assert split.startswith(f"{head}torch.optim.adamw.AdamW passed to initialize cannot "
+                            "be stepped on the host as our AdamW (parameter "), split
+    assert "lr differs (" in split and split.endswith(
+        'add an "optimizer" section (type AdamW) to the config so that the engine '
+        "builds it"), split
+    assert all("\n" not in e for e in errors.values()), errors
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -665,44 +700,7 @@ def test_client_adamw_with_offload_is_rebuilt_as_ours_or_refused_in_one_line(poo
     ours steps on the host with the client's groups and hyperparameters, and the client's
     scheduler sets the lr ours uses. What cannot become ours with the same math is one line
     naming what to add."""
-    results = pool.run(client_adamw_offload_rank, timeout=300)
-    for got, errors in results:
-        assert got["class"] == OURS and got["engine_has_it"] and got["sched_is_client"], got
-        assert got["shared_groups"], got
-        assert got["hyper"] == [(1e-2, (0.9, 0.95), 1e-7, 0.01), (1e-2, (0.9, 0.95), 1e-7, 0.0)]
-        assert got["used_lrs"] == [[1e-2 * (1 / (1 + s))] * 2 for s in range(3)], got
-        assert got["host_steps"] == 3 * got["buffers"], got
-        head = "zero_optimization.offload_optimizer: the "
-        what = 'add an "optimizer" section (type AdamW, AdamW8bit or Muon) to the config, or ' \
-            "pass torch.optim.AdamW or vescale_engine.optim.AdamW"
-        only = "only torch.optim.AdamW itself, or the DeepSpeedCPUAdam Accelerate makes of " \
-            "it, is rebuilt as ours"
-        want = {
-            "sgd": f"{head}torch.optim.sgd.SGD passed to initialize cannot be stepped on the "
-                   f"host ({only}); offload works with our AdamW, AdamW8bit and Muon: {what}",
-            "subclass": f"{head}{__name__}.MyAdamW passed to initialize cannot be stepped on "
-                        f"the host ({only}); offload works with our AdamW, AdamW8bit and Muon: "
-                        f"{what}",
-            "amsgrad": f"{head}torch.optim.adamw.AdamW passed to initialize cannot be stepped "
-                       "on the host (param_groups[0] has amsgrad=True); offload works with our "
-                       f"AdamW, AdamW8bit and Muon: {what}",
-            "maximize": f"{head}torch.optim.adamw.AdamW passed to initialize cannot be "
-                        "stepped on the host (param_groups[0] has maximize=True); offload "
-                        f"works with our AdamW, AdamW8bit and Muon: {what}",
-            "deepspeed_cpu_adam_l2": f"{head}deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam "
-                                     "passed to initialize cannot be stepped on the host "
-                                     "(adamw_mode is false: Adam with L2 decay, not AdamW); "
-                                     f"offload works with our AdamW, AdamW8bit and Muon: {what}",
-        }
-        for case, message in want.items():
-            assert errors[case] == message, (case, errors[case])
-        split = errors["split_buffer_lr"]
-        assert split.startswith(f"{head}torch.optim.adamw.AdamW passed to initialize cannot "
-                                "be stepped on the host as our AdamW (parameter "), split
-        assert "lr differs (" in split and split.endswith(
-            'add an "optimizer" section (type AdamW) to the config so that the engine '
-            "builds it"), split
-        assert all("\n" not in e for e in errors.values()), errors
+    pool.run(client_adamw_offload_rank, timeout=300)
 
 
 # The public offload configs (tests/configs_in_the_wild/public/, sources in its README), each

@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from compare import relative_state
 import fsdp_models as fm
 from dist_harness import scratch_dir
 
@@ -170,9 +171,8 @@ def described(got, want, names) -> list:
 
 
 def relative(got, want) -> float:
-    keys = [k for k in want if not k.startswith("buffer:")]
-    diff = torch.cat([(got[k].float() - want[k].float()).flatten() for k in keys]).norm()
-    return (diff / torch.cat([want[k].float().flatten() for k in keys]).norm()).item()
+    """Over the parameters (not the "buffer:" entries)."""
+    return relative_state(got, want, [k for k in want if not k.startswith("buffer:")])
 
 
 def train_engine(engine, rank, world, steps):
@@ -204,7 +204,7 @@ def train_reference(model, world, steps):
 
 # -- from_pretrained ------------------------------------------------------------------------
 
-def pretrained_rank(rank, world, path, dtype_name):
+def pretrained_rank(rank, world, path, dtype_name, name):
     """One-process from_pretrained vs from_pretrained under the vescale config + the
     DeepSpeed call form of initialize: the same initial values (parameters and rotary
     buffers), the same first loss bit for bit, and (fp32) the same training."""
@@ -234,29 +234,29 @@ def pretrained_rank(rank, world, path, dtype_name):
     files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     left = deferred_record(engine.module)
     engine.destroy()
-    return dict(on_meta=on_meta, files=(len(recorded.files), len(files)),
-                dtype=str(recorded.dtype), initial=differing(got, want), first=first,
-                losses=losses, trained=trained, left=left,
-                read=(result.bytes_read, own * 4, sum(os.path.getsize(f) for f in recorded.files)))
+    out = dict(on_meta=on_meta, files=(len(recorded.files), len(files)),
+               dtype=str(recorded.dtype), initial=differing(got, want), first=first,
+               losses=losses, trained=trained, left=left,
+               read=(result.bytes_read, own * 4, sum(os.path.getsize(f) for f in recorded.files)))
+    assert out["on_meta"] == {"meta"} and out["dtype"] == f"torch.{dtype_name}", out
+    recorded_files, on_disk = out["files"]
+    assert recorded_files == on_disk and (recorded_files == 1) == (name == "tied"), out
+    read, own_fp32, total = out["read"]  # this rank's pieces only, from fp32 files
+    assert read == own_fp32 < total / 1.5, out
+    assert out["initial"] == [], out
+    assert out["first"][0] == out["first"][1], out
+    ours, ref = out["losses"]
+    assert len(ours) == len(ref) and all(abs(a - b) <= TOLERANCE * abs(b)
+                                         for a, b in zip(ours, ref)), out
+    assert out["trained"] <= TOLERANCE, out
+    assert out["left"] is None, out  # nothing left on meta
 
 
 @pytest.mark.parametrize("name,dtype", [("tied", "float32"), ("untied", "float32"),
                                         ("tied", "bfloat16"), ("untied", "bfloat16")])
 def test_from_pretrained_trains_as_the_model_loaded_in_one_process(pool, checkpoints, name,
                                                                   dtype):
-    for out in pool.run(pretrained_rank, f"{checkpoints}/{name}", dtype):
-        assert out["on_meta"] == {"meta"} and out["dtype"] == f"torch.{dtype}", out
-        recorded, on_disk = out["files"]
-        assert recorded == on_disk and (recorded == 1) == (name == "tied"), out
-        read, own_fp32, total = out["read"]  # this rank's pieces only, from fp32 files
-        assert read == own_fp32 < total / 1.5, out
-        assert out["initial"] == [], out
-        assert out["first"][0] == out["first"][1], out
-        ours, ref = out["losses"]
-        assert len(ours) == len(ref) and all(abs(a - b) <= TOLERANCE * abs(b)
-                                             for a, b in zip(ours, ref)), out
-        assert out["trained"] <= TOLERANCE, out
-        assert out["left"] is None, out  # nothing left on meta
+    pool.run(pretrained_rank, f"{checkpoints}/{name}", dtype, name)
 
 
 def missing_rank(rank, world, directory):
@@ -266,7 +266,7 @@ def missing_rank(rank, world, directory):
     causal-LM head, a file without lm_head, tensors of the wrong shape with
     ignore_mismatched_sizes=True, and in GPT-2 a bias whose module's weight is loaded (its
     init must skip that weight, drawing nothing) and a projection its parent's init rewrites
-    after its own. Returns the differing names per case."""
+    after its own. Each case: the missing keys expected, and no value differs."""
     import vescale_engine
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, LlamaForSequenceClassification
     patched()
@@ -286,15 +286,14 @@ def missing_rank(rank, world, directory):
         engine, *_ = vescale_engine.initialize(model=model, config=CONFIG)
         out.append((name, sorted(info["missing_keys"]), differing(state(engine.module), want)))
         engine.destroy()
-    return out
+    assert out == [("untied", ["score.weight"], []), ("base", ["lm_head.weight"], []),
+                   ("no_head", ["lm_head.weight"], []), ("wide", [], []),
+                   ("gpt2", ["transformer.h.0.attn.c_attn.bias",
+                             "transformer.h.0.attn.c_proj.weight"], [])], out
 
 
 def test_missing_keys_get_the_init_transformers_gives_them(pool, checkpoints):
-    for out in pool.run(missing_rank, checkpoints):
-        assert out == [("untied", ["score.weight"], []), ("base", ["lm_head.weight"], []),
-                       ("no_head", ["lm_head.weight"], []), ("wide", [], []),
-                       ("gpt2", ["transformer.h.0.attn.c_attn.bias",
-                                 "transformer.h.0.attn.c_proj.weight"], [])], out
+    pool.run(missing_rank, checkpoints)
 
 
 # -- from_config, the plain script form, DeepSpeed's own ------------------------------------
@@ -341,12 +340,11 @@ def from_config_rank(rank, world):
         want_params = {k: v for k, v in want.items() if not k.startswith("buffer:")}
         out.append((tied, ours, partitioned, described(deepspeed_values, want_params,
                                            differing(deepspeed_values, want_params))))
-    return out
+    assert out == [(True, [], True, []), (False, [], True, [])], out
 
 
 def test_from_config_gives_deepspeeds_values(pool):
-    for out in pool.run(from_config_rank):
-        assert out == [(True, [], True, []), (False, [], True, [])], out
+    pool.run(from_config_rank)
 
 
 def deepspeed_pretrained_rank(rank, world, path):
@@ -362,12 +360,12 @@ def deepspeed_pretrained_rank(rank, world, path):
         model = LlamaForCausalLM.from_pretrained(path)
     shapes = {tuple(p.shape) for p in model.parameters()}
     got = deepspeed_gathered(model)
-    return shapes, differing(got, want)
+    diff = differing(got, want)
+    assert shapes == {(0,)} and diff == [], (shapes, diff)
 
 
 def test_without_a_vescale_section_deepspeed_partitions_as_before(pool, checkpoints):
-    for shapes, diff in pool.run(deepspeed_pretrained_rank, f"{checkpoints}/tied"):
-        assert shapes == {(0,)} and diff == [], (shapes, diff)
+    pool.run(deepspeed_pretrained_rank, f"{checkpoints}/tied")
 
 
 def script_rank(rank, world, directory):
@@ -414,12 +412,11 @@ def script_rank(rank, world, directory):
     for source in (config, path):
         initial, losses, after = run(inside(source))
         out.append((differing(initial, whole[0]), losses == whole[1], differing(after, whole[2])))
-    return out
+    assert out == [([], True, []), ([], True, [])], out
 
 
 def test_the_plain_zero_init_script_form_equals_the_whole_build(pool, checkpoints):
-    for out in pool.run(script_rank, checkpoints):
-        assert out == [([], True, []), ([], True, [])], out
+    pool.run(script_rank, checkpoints)
 
 
 # -- every misuse names itself --------------------------------------------------------------

@@ -73,23 +73,24 @@ def unpatched_rank(rank, world):
     again = _train_deepspeed(rank, world)
     same = all(torch.equal(a, b) for a, b in zip(fresh[0] + fresh[1], again[0] + again[1],
                                                   strict=True))
-    return dict(patched=patched, changed=changed, restored=restored, left=integrations.installed(),
-                same=same, count=len(fresh[1]))
+    r = dict(patched=patched, changed=changed, restored=restored, left=integrations.installed(),
+             same=same, count=len(fresh[1]))
+    assert r["changed"] == sorted(["initialize", "tp_model_init", "configure", "Init",
+                                   "GatheredParameters", "ds_status", "ds_shape"]), r
+    assert "deepspeed.initialize" in r["patched"] and \
+        "torch.nn.parameter.Parameter.ds_status" in r["patched"], r["patched"]
+    assert r["restored"] == [] and r["left"] == [], r
+    assert r["same"] and r["count"] > 0, r
 
 
 def test_after_unpatch_deepspeed_zero3_trains_bitwise_as_in_a_fresh_process(pool):
-    for r in pool.run(unpatched_rank, timeout=600):
-        assert r["changed"] == sorted(["initialize", "tp_model_init", "configure", "Init",
-                                       "GatheredParameters", "ds_status", "ds_shape"]), r
-        assert "deepspeed.initialize" in r["patched"] and \
-            "torch.nn.parameter.Parameter.ds_status" in r["patched"], r["patched"]
-        assert r["restored"] == [] and r["left"] == [], r
-        assert r["same"] and r["count"] > 0, r
+    pool.run(unpatched_rank, timeout=600)
 
 
 def missing_name_rank(rank, world):
     import deepspeed
     from vescale_engine import integrations
+    from vescale_engine.versions import supported_range
     original = deepspeed.tp_model_init
     del deepspeed.tp_model_init
     message = left = None
@@ -100,16 +101,15 @@ def missing_name_rank(rank, world):
     finally:
         deepspeed.tp_model_init = original
         integrations.unpatch()
-    return message, left, deepspeed.__version__
+    version = deepspeed.__version__
+    assert left == [], left
+    assert message == (f"deepspeed {version} has no deepspeed.tp_model_init "
+                       "(vescale_engine.integrations.deepspeed supports "
+                       f"deepspeed{supported_range('deepspeed')})"), message
 
 
 def test_a_name_deepspeed_moved_is_one_line_naming_library_version_and_name(pool):
-    from vescale_engine.versions import supported_range
-    for message, left, version in pool.run(missing_name_rank):
-        assert left == [], left
-        assert message == (f"deepspeed {version} has no deepspeed.tp_model_init "
-                           "(vescale_engine.integrations.deepspeed supports "
-                           f"deepspeed{supported_range('deepspeed')})"), message
+    pool.run(missing_name_rank)
 
 
 # -- the order of imports ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from compare import relative
 import fsdp_models as fm
 from vescale_engine import optim as vopt
 from vescale_engine.optim import adamw as adamw_module
@@ -76,10 +77,6 @@ def sharded_step(model, opt, kind, step, rank, world, accumulation=1, use_no_syn
     mean = torch.tensor(total)
     dist.all_reduce(mean)
     return mean.item() / world
-
-
-def relative(a, b):
-    return (a - b).norm().item() / max(b.norm().item(), 1e-30)
 
 
 def compare(model, reference):
@@ -297,14 +294,13 @@ def exchange_rank(rank, world):
             all(torch.equal(a, b) for a, b in zip(gathered, want_gathered)),
             all(torch.equal(a, b) for a, b in zip(reduced, want_reduced)),
             torch.equal(in_place, want_gathered[0]), W)
-    return results
+    for label, (gathered, reduced, in_place, W) in results.items():
+        assert gathered and reduced and in_place, (rank, label, W)
+    assert results["half"][3] == len(range(rank % 2, world, 2))
 
 
 def test_gloo_collectives_run_as_exchanges_with_gloos_results(pool):
-    for rank, results in enumerate(pool.run(exchange_rank)):
-        for label, (gathered, reduced, in_place, W) in results.items():
-            assert gathered and reduced and in_place, (rank, label, W)
-        assert results["half"][3] == len(range(rank % 2, pool.world_size, 2))
+    pool.run(exchange_rank)
 
 
 
@@ -348,13 +344,13 @@ def awkward_rank(rank, world, checkpointed):
         losses.append(abs(got - want) / want)
     frozen = dict(sharded_parameters(model))["gpt.wpe.weight"]
     assert frozen.sharded.grad is None and not frozen.sharded.requires_grad
-    return (max(losses), *compare(model, reference))
+    loss, (whole, worst, name) = max(losses), compare(model, reference)
+    assert loss < 1e-6 and whole < 1e-6 and worst < PER_TENSOR, (loss, whole, worst, name)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_tied_frozen_buffers_checkpointing_and_a_block_called_twice(pool, checkpointed):
-    loss, whole, worst, name = pool.run(awkward_rank, checkpointed)[0]
-    assert loss < 1e-6 and whole < 1e-6 and worst < PER_TENSOR, (loss, whole, worst, name)
+    pool.run(awkward_rank, checkpointed)
 
 
 def grads_in_place_rank(rank, world):
@@ -381,15 +377,14 @@ def grads_in_place_rank(rank, world):
                                mode == "no_sync", mode == "late no_sync")
             gaps.append(abs(got - want) / want)
         out[(in_place, mode)] = (max(gaps), compare(model, reference)[0], max(separate))
-    return out
-
-
-def test_gradients_in_place_of_parameters(pool):
-    out = pool.run(grads_in_place_rank)[0]
     for (in_place, mode), (loss, whole, separate_bytes) in out.items():
         assert loss < 1e-6 and whole < 1e-6, (in_place, mode, loss, whole)
         if mode != "late no_sync":  # there the root's gradients land in place, then move
             assert (separate_bytes == 0) == (in_place and mode == "sync"), (in_place, mode)
+
+
+def test_gradients_in_place_of_parameters(pool):
+    pool.run(grads_in_place_rank)
 
 
 class DetachedReuse(torch.nn.Module):
@@ -487,12 +482,12 @@ def clip_rank(rank, world):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0)
     opt.step()
     ref_opt.step()
-    return abs(got.item() - want.item()) / want.item(), compare(model, reference)[0]
+    norm_gap, whole = abs(got.item() - want.item()) / want.item(), compare(model, reference)[0]
+    assert norm_gap < 1e-6 and whole < 1e-6
 
 
 def test_global_grad_norm_and_clipping(pool):
-    norm_gap, whole = pool.run(clip_rank)[0]
-    assert norm_gap < 1e-6 and whole < 1e-6
+    pool.run(clip_rank)
 
 
 def _gather_peak(call):
@@ -524,7 +519,7 @@ def gathered_rank(rank, world):
     reference, model = fm.make("gpt"), shard_model(fm.make("gpt"))
     ref = reference.state_dict()
     buffers = sum(len(unit_of(m).buffers) for m in model.modules() if unit_of(m) is not None)
-    out = {"buffers": buffers}
+    out = {}
     for rank0_only, cpu_offload in itertools.product([False, True], [False, True]):
         keeps = not rank0_only or rank == 0
         sd, peak = _gather_peak(lambda: full_state_dict(model, rank0_only=rank0_only,
@@ -562,32 +557,29 @@ def gathered_rank(rank, world):
     same = all(torch.equal(rebuilt[k], full[k]) for k in rebuilt)
     out["sharded"] = (sharded_shape, same,
                       sorted(rebuilt) == sorted(k for k in full if k != "head.weight"))
-    return out
+    assert buffers > 1
+    for rank0_only, cpu_offload in itertools.product([False, True], [False, True]):
+        keeps = not rank0_only or rank == 0
+        same, on_cpu, peak = out["state", rank0_only, cpu_offload]
+        assert same and on_cpu and peak == 1, (rank, rank0_only, cpu_offload, peak)
+        same, peak = out["inside", rank0_only, cpu_offload]
+        assert same, (rank, rank0_only, cpu_offload)
+        assert peak == (buffers if keeps and not cpu_offload else 1), (rank, peak)
+    for cpu_offload in (False, True):
+        assert out["writeback", cpu_offload] == ((256, 64), True)
+    assert out["writeback rank0_only"] == (
+        "gathered_parameters: writeback=True needs the full parameters on every rank; it "
+        "cannot be combined with rank0_only=True")
+    sharded_shape, same, names = out["sharded"]
+    assert sharded_shape[0] == (256, 64) and len(sharded_shape[1]) == 1 and same
+    assert names  # the tied head is the embedding, listed once
 
 
 def test_gathered_parameters_and_sharded_state_dict(pool):
     """Every option of full_state_dict and gathered_parameters gives the unsharded values, and
     gathers one DBuffer at a time: only gathered_parameters without cpu_offload, on a rank
     that keeps the result, holds every full buffer (as the parameters' storage)."""
-    results = pool.run(gathered_rank)
-    for rank, out in enumerate(results):
-        buffers = out["buffers"]
-        assert buffers > 1
-        for rank0_only, cpu_offload in itertools.product([False, True], [False, True]):
-            keeps = not rank0_only or rank == 0
-            same, on_cpu, peak = out["state", rank0_only, cpu_offload]
-            assert same and on_cpu and peak == 1, (rank, rank0_only, cpu_offload, peak)
-            same, peak = out["inside", rank0_only, cpu_offload]
-            assert same, (rank, rank0_only, cpu_offload)
-            assert peak == (buffers if keeps and not cpu_offload else 1), (rank, peak)
-        for cpu_offload in (False, True):
-            assert out["writeback", cpu_offload] == ((256, 64), True)
-        assert out["writeback rank0_only"] == (
-            "gathered_parameters: writeback=True needs the full parameters on every rank; it "
-            "cannot be combined with rank0_only=True")
-        sharded_shape, same, names = out["sharded"]
-        assert sharded_shape[0] == (256, 64) and len(sharded_shape[1]) == 1 and same
-        assert names  # the tied head is the embedding, listed once
+    pool.run(gathered_rank)
 
 
 def hsdp_rank(rank, world, native, avg=False):
@@ -766,12 +758,12 @@ def closure_rank(rank, world):
         returned = opt.step(closure)
         moved = not torch.equal(full_state_dict(model)["blocks.0.fc.weight"], before)
         out[name] = (returned is seen[0], len(seen), moved)
-    return out
+    for name, (same_loss, calls, moved) in out.items():
+        assert same_loss and calls == 1 and moved, name
 
 
 def test_optimizers_follow_the_closure_convention(pool):
-    for name, (same_loss, calls, moved) in pool.run(closure_rank)[0].items():
-        assert same_loss and calls == 1 and moved, name
+    pool.run(closure_rank)
 
 
 # ------------------------------------------------------------------ backends and reductions

@@ -111,22 +111,21 @@ def refusals_rank(rank, world):
                      (("fsdp2", torch_fully_shard), ("ours", fully_shard))}
         if _OLD_FSDP2 and name in _NEWER_FSDP2:
             out[name]["fsdp2"] = (_NEWER_FSDP2[name], None)
-    return out
+    wrong = []
+    for name in REFUSALS:
+        (theirs, _), (ours, message) = out[name]["fsdp2"], out[name]["ours"]
+        if theirs == "ok" or ours != theirs or "\n" in message:
+            wrong.append(f"{name}: ours {ours}: {message}; FSDP2 {out[name]['fsdp2']}")
+        elif name in WORDS and not all(WORDS[name] in said for said in (
+                message, out[name]["fsdp2"][1] or WORDS[name])):
+            wrong.append(f"{name}: ours says {message!r}; FSDP2 {out[name]['fsdp2']}")
+    wrong += [f"{name}: {out[name]}" for name in ACCEPTED
+              if out[name] != {"fsdp2": ("ok", None), "ours": ("ok", None)}]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_what_fsdp2_refuses_ours_refuses_with_its_error_type(pool):
-    for out in pool.run(refusals_rank):
-        wrong = []
-        for name in REFUSALS:
-            (theirs, _), (ours, message) = out[name]["fsdp2"], out[name]["ours"]
-            if theirs == "ok" or ours != theirs or "\n" in message:
-                wrong.append(f"{name}: ours {ours}: {message}; FSDP2 {out[name]['fsdp2']}")
-            elif name in WORDS and not all(WORDS[name] in said for said in (
-                    message, out[name]["fsdp2"][1] or WORDS[name])):
-                wrong.append(f"{name}: ours says {message!r}; FSDP2 {out[name]['fsdp2']}")
-        wrong += [f"{name}: {out[name]}" for name in ACCEPTED
-                  if out[name] != {"fsdp2": ("ok", None), "ours": ("ok", None)}]
-        assert not wrong, "\n".join(wrong)
+    pool.run(refusals_rank)
 
 
 class ConvScale(nn.Module):
@@ -161,11 +160,12 @@ def engine_face_rank(rank, world):
     from vescale_engine.fsdp import gathered_parameters
     with gathered_parameters(model):
         ours = dict(model.named_parameters())
-        return max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters())
+        diff = max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters())
+    assert diff < 1e-6
 
 
 def test_the_engine_s_plain_pieces_take_scalars_and_non_contiguous_weights(pool):
-    assert max(pool.run(engine_face_rank)) < 1e-6
+    pool.run(engine_face_rank)
 
 
 # -- 2. ranks as threads of one process -----------------------------------------------------------
@@ -343,17 +343,16 @@ def chunked_loss_rank(rank, world):
             out[(mode, accum)] = max(
                 [abs(a - b) / abs(b) for a, b in zip(ours[0], theirs[0])] +
                 [((ours[1][n] - p).norm() / p.norm()).item() for n, p in theirs[1].items()])
-    return out
+    # (before torch 2.13 FSDP2 itself fails the per-chunk backward: no reference there)
+    wrong = {case: diff for case, diff in out.items()
+             if (diff > 1e-6 if not isinstance(diff, str) else
+                 not (_OLD_FSDP2 and diff.startswith("no reference")))}
+    assert not wrong, wrong
+    assert any(not isinstance(diff, str) for diff in out.values()), out
 
 
 def test_a_grouped_head_called_on_its_own_after_the_forward_trains_as_with_fsdp2(pool):
-    for out in pool.run(chunked_loss_rank):
-        # (before torch 2.13 FSDP2 itself fails the per-chunk backward: no reference there)
-        wrong = {case: diff for case, diff in out.items()
-                 if (diff > 1e-6 if not isinstance(diff, str) else
-                     not (_OLD_FSDP2 and diff.startswith("no reference")))}
-        assert not wrong, wrong
-        assert any(not isinstance(diff, str) for diff in out.values()), out
+    pool.run(chunked_loss_rank)
 
 
 # -- 4. DTensor ops on a sharded parameter between steps --------------------------------------------
@@ -393,15 +392,16 @@ def reductions_rank(rank, world):
                         r = op(w)
                         out[(name, label)] = (isinstance(r, DTensor), r.full_tensor())
         results[engine] = out
-    return {key: (results["ours"][key][0], ((results["ours"][key][1] - results["fsdp2"][key][1])
-                                            .norm() / results["fsdp2"][key][1].norm()).item())
-            for key in results["fsdp2"]}
+    compared = {key: (results["ours"][key][0],
+                      ((results["ours"][key][1] - results["fsdp2"][key][1]).norm()
+                       / results["fsdp2"][key][1].norm()).item())
+                for key in results["fsdp2"]}
+    wrong = {key: v for key, v in compared.items() if not v[0] or v[1] > 1e-6}
+    assert not wrong and len(compared) == 4 * len(PER_ROW), wrong
 
 
 def test_reductions_over_some_dims_of_a_sharded_parameter_are_fsdp2_s(pool):
-    for out in pool.run(reductions_rank):
-        wrong = {key: v for key, v in out.items() if not v[0] or v[1] > 1e-6}
-        assert not wrong and len(out) == 4 * len(PER_ROW), wrong
+    pool.run(reductions_rank)
 
 
 # -- 5. fully_shard.state(module) -------------------------------------------------------------------
@@ -431,15 +431,14 @@ def state_rank(rank, world):
                 out["internal"] = "no error"
             except AttributeError as err:
                 out["internal"] = str(err)
-    return out
+    ours, theirs = out["ours"], out["fsdp2"]
+    assert ours["found"] == theirs["found"], (ours, theirs)
+    torch.testing.assert_close(ours["hooks"], theirs["hooks"], rtol=1e-6, atol=1e-7)
+    assert "_fsdp_param_groups" in out["internal"] and "\n" not in out["internal"]
 
 
 def test_fully_shard_state_finds_the_units_as_fsdp2_s(pool):
-    for out in pool.run(state_rank):
-        ours, theirs = out["ours"], out["fsdp2"]
-        assert ours["found"] == theirs["found"], (ours, theirs)
-        torch.testing.assert_close(ours["hooks"], theirs["hooks"], rtol=1e-6, atol=1e-7)
-        assert "_fsdp_param_groups" in out["internal"] and "\n" not in out["internal"]
+    pool.run(state_rank)
 
 
 # -- 6. tensor-subclass parameters (FSDP2's all-gather extensions) ----------------------------------
@@ -542,17 +541,16 @@ def hooks_rank(rank, world):
         names = {e.name.split(" (")[0] for e in prof.events()
                  if e.name.startswith(("vescale::", "FSDP::"))}
         out[which] = (seen, sorted(names))
-    return out
+    # FSDP2's pre-hook runs before the user's (prepend): the full, unsharded weight
+    assert out["ours"][0] == out["torch"][0] == [(False, (8, 4))], out
+    assert "FSDP::all_gather" in out["torch"][1], out["torch"][1]  # the profiler sees ranges
+    assert {"vescale::pre_forward", "vescale::post_forward", "vescale::all_gather",
+            "vescale::all_gather_wait", "vescale::pre_backward", "vescale::reduce_scatter",
+            "vescale::reduce_scatter_wait"} <= set(out["ours"][1]), out["ours"][1]
 
 
 def test_a_users_pre_hook_sees_full_parameters_and_a_profile_names_our_collectives(pool):
-    for r in pool.run(hooks_rank, timeout=120):
-        # FSDP2's pre-hook runs before the user's (prepend): the full, unsharded weight
-        assert r["ours"][0] == r["torch"][0] == [(False, (8, 4))], r
-        assert "FSDP::all_gather" in r["torch"][1], r["torch"][1]  # the profiler sees ranges
-        assert {"vescale::pre_forward", "vescale::post_forward", "vescale::all_gather",
-                "vescale::all_gather_wait", "vescale::pre_backward", "vescale::reduce_scatter",
-                "vescale::reduce_scatter_wait"} <= set(r["ours"][1]), r["ours"][1]
+    pool.run(hooks_rank, timeout=120)
 
 
 # -- a parameter assigned in place of a sharded one ---------------------------------------------
@@ -625,14 +623,13 @@ def assigned_rank(rank, world):
     fully_shard(half)
     half.bias = nn.Parameter(torch.zeros(4))
     out["partly assigned"] = outcome(lambda: half(torch.ones(1, 4)))
-    return out
+    for meta in (False, True):  # without the fix the assigned values were dropped silently
+        loss, params, kind = out[meta]
+        assert loss < 1e-6 and params < 1e-6 and kind == "RaggedDTensor", (meta, out[meta])
+    kind, message = out["partly assigned"]
+    assert kind == "RuntimeError" and message.startswith("weight (and 1 more) is still on "
+                                                         "the meta device at forward"), message
 
 
 def test_a_parameter_assigned_after_fully_shard_is_taken_into_the_shard(pool):
-    for out in pool.run(assigned_rank):
-        for meta in (False, True):  # without the fix the assigned values were dropped silently
-            loss, params, kind = out[meta]
-            assert loss < 1e-6 and params < 1e-6 and kind == "RaggedDTensor", (meta, out[meta])
-        kind, message = out["partly assigned"]
-        assert kind == "RuntimeError" and message.startswith("weight (and 1 more) is still on "
-                                                             "the meta device at forward"), message
+    pool.run(assigned_rank)

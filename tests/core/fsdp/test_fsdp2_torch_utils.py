@@ -88,25 +88,23 @@ def _close(a: dict, b: dict) -> bool:
 
 
 def train_rank(rank, world, fused, clip):
-    ours = _train(_ours(_make(0)), rank, world, fused, clip)
-    theirs = _train(_torch(_make(0)), rank, world, fused, clip)
-    return ours, theirs
+    losses, norms, params, grads = _train(_ours(_make(0)), rank, world, fused, clip)
+    t_losses, t_norms, t_params, t_grads = _train(_torch(_make(0)), rank, world, fused, clip)
+    # the norms first: on plain 1-D pieces clip_grad_norm_ returns each rank's own norm
+    assert norms == pytest.approx(t_norms, abs=TOL)
+    assert losses == pytest.approx(t_losses, abs=TOL)
+    if clip:
+        assert max(norms) > 1.0  # clipping did scale the gradients
+    assert _close(params, t_params)
+    # `.grad` after backward: a DTensor of the parameter's global shape, as torch's
+    assert all(name == "RaggedDTensor" and g == s for name, g, s in grads), grads
+    assert [(g, s) for _, g, s in grads] == [(g, s) for _, g, s in t_grads]
 
 
 @pytest.mark.parametrize("fused,clip", [(False, True), (True, True), (False, False)],
                          ids=["foreach-clip", "fused-clip", "foreach"])
 def test_torch_training_loop_matches_torch_fsdp2(pool, fused, clip):
-    for (losses, norms, params, grads), (t_losses, t_norms, t_params, t_grads) in \
-            pool.run(train_rank, fused, clip):
-        # the norms first: on plain 1-D pieces clip_grad_norm_ returns each rank's own norm
-        assert norms == pytest.approx(t_norms, abs=TOL)
-        assert losses == pytest.approx(t_losses, abs=TOL)
-        if clip:
-            assert max(norms) > 1.0  # clipping did scale the gradients
-        assert _close(params, t_params)
-        # `.grad` after backward: a DTensor of the parameter's global shape, as torch's
-        assert all(name == "RaggedDTensor" and g == s for name, g, s in grads), grads
-        assert [(g, s) for _, g, s in grads] == [(g, s) for _, g, s in t_grads]
+    pool.run(train_rank, fused, clip)
 
 
 def state_dict_rank(rank, world, path):
@@ -130,23 +128,22 @@ def state_dict_rank(rank, world, path):
     x, y = _batch(0, rank, world)
     resumed = (nn.functional.mse_loss(other(x), y).item(),
                nn.functional.mse_loss(ours(x), y).item())
-    return dict(full=full, t_full=t_full, shapes=shapes, t_shapes=t_shapes,
-                changed=not _close(before, saved), restored=_close(after, saved),
-                resumed=resumed)
+    out = dict(full=full, t_full=t_full, shapes=shapes, t_shapes=t_shapes,
+               changed=not _close(before, saved), restored=_close(after, saved),
+               resumed=resumed)
+    assert sorted(out["full"]) == sorted(out["t_full"])
+    if rank == 0:  # cpu_offload: rank 0 holds the values, as torch's
+        assert all(v.device.type == "cpu" and not isinstance(v, DTensor)
+                   for v in out["full"].values())
+        assert _close(out["full"], out["t_full"])
+    assert {k: s for k, (_, s) in out["shapes"].items()} == out["t_shapes"]
+    assert {name for name, _ in out["shapes"].values()} == {"RaggedDTensor"}
+    assert out["changed"] and out["restored"], out
+    assert out["resumed"][0] == out["resumed"][1]
 
 
 def test_state_dicts_and_dcp_round_trip(pool):
-    path = scratch_dir()
-    for rank, out in enumerate(pool.run(state_dict_rank, path)):
-        assert sorted(out["full"]) == sorted(out["t_full"])
-        if rank == 0:  # cpu_offload: rank 0 holds the values, as torch's
-            assert all(v.device.type == "cpu" and not isinstance(v, DTensor)
-                       for v in out["full"].values())
-            assert _close(out["full"], out["t_full"])
-        assert {k: s for k, (_, s) in out["shapes"].items()} == out["t_shapes"]
-        assert {name for name, _ in out["shapes"].values()} == {"RaggedDTensor"}
-        assert out["changed"] and out["restored"], out
-        assert out["resumed"][0] == out["resumed"][1]
+    pool.run(state_dict_rank, scratch_dir())
 
 
 def noop_move_rank(rank, world):
@@ -160,13 +157,13 @@ def noop_move_rank(rank, world):
     model.float()
     after = list(model.parameters())
     kept = all(a is b and getattr(a, "_vescale", None) is not None for a, b in zip(before, after))
-    return kept, _train(model, rank, world)[:3], _train(_ours(_make(0)), rank, world)[:3]
+    moved, plain = _train(model, rank, world)[:3], _train(_ours(_make(0)), rank, world)[:3]
+    assert kept
+    assert moved[0] == plain[0] and moved[1] == plain[1] and _close(moved[2], plain[2])
 
 
 def test_noop_moves_keep_the_dtensor_parameters(pool):
-    for kept, moved, plain in pool.run(noop_move_rank):
-        assert kept
-        assert moved[0] == plain[0] and moved[1] == plain[1] and _close(moved[2], plain[2])
+    pool.run(noop_move_rank)
 
 
 def assign_rank(rank, world, kind):
@@ -188,15 +185,15 @@ def assign_rank(rank, world, kind):
     kept = all(a is b for a, b in zip(before, model.parameters()))
     plain = _ours(_make(0))
     plain.load_state_dict(source)
-    return kept, _train(model, rank, world)[:3], _train(plain, rank, world)[:3]
+    assigned, loaded = _train(model, rank, world)[:3], _train(plain, rank, world)[:3]
+    assert kept
+    assert assigned[0] == loaded[0] and assigned[1] == loaded[1]
+    assert _close(assigned[2], loaded[2])
 
 
 @pytest.mark.parametrize("kind", ["full", "dtensor"])
 def test_load_state_dict_assign_keeps_our_parameters(pool, kind):
-    for kept, assigned, loaded in pool.run(assign_rank, kind):
-        assert kept
-        assert assigned[0] == loaded[0] and assigned[1] == loaded[1]
-        assert _close(assigned[2], loaded[2])
+    pool.run(assign_rank, kind)
 
 
 def bad_assign_rank(rank, world):
@@ -206,17 +203,18 @@ def bad_assign_rank(rank, world):
     model = _ours(_make(0))
     weight = model.a.weight
     other = distribute_tensor(torch.zeros(10, 6), weight.device_mesh, [Shard(0)])
+    message = None
     try:
         model.a.load_state_dict({"weight": other}, strict=False, assign=True)
     except (ValueError, RuntimeError) as err:  # (torch's load_state_dict wraps ours: Runtime)
-        return str(err), model.a.weight is weight
-    return None, model.a.weight is weight
+        message = str(err)
+    kept = model.a.weight is weight
+    assert message is not None and "Linear.weight" in message and "Shard" in message, message
+    assert kept
 
 
 def test_load_state_dict_assign_of_another_layout_raises(pool):
-    for message, kept in pool.run(bad_assign_rank):
-        assert message is not None and "Linear.weight" in message and "Shard" in message, message
-        assert kept
+    pool.run(bad_assign_rank)
 
 
 def test_torch_patch_is_installed_by_fully_shard_and_undone_by_unpatch():

@@ -210,14 +210,14 @@ def late_gradient(rank, world):
     model.blocks[1].set_reshard_after_backward(False)
     model(_batch(0, rank)).sum().backward()
     term = model.blocks[1].lin.weight.pow(2).sum()  # the full-shape weight: still unsharded
+    message = None
     try:
         (model(_batch(1, rank)).sum() + term).backward()
     except RuntimeError as err:
-        return str(err)
-    return None
+        message = str(err)
+    assert message is not None and message.startswith("lin.weight: a gradient "
+                                                      "arrived after its unit"), message
 
 
 def test_gradient_after_its_unit_reduced_is_refused(pool):
-    for message in pool.run(late_gradient):
-        assert message is not None and message.startswith("lin.weight: a gradient "
-                                                          "arrived after its unit"), message
+    pool.run(late_gradient)

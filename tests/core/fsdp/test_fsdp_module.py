@@ -175,17 +175,16 @@ def class_rank(rank, world):
     release(model)
     out["released"] = (type(model) is Tiny, type(model.blocks[0]) is Block,
                        isinstance(model, FSDPModule))
-    return out
+    assert out["isinstance"] and out["still a Tiny"] and out["same class per original"]
+    assert out["names"] == ("Tiny", "Tiny", __name__, "Block"), out["names"]
+    assert out["repr"] and out["slice"]
+    assert out["deepcopy"].startswith("Tiny is sharded by fully_shard and cannot be deep-"
+                                      "copied"), out["deepcopy"]
+    assert out["released"] == (True, True, False)
 
 
 def test_a_wrapped_module_is_an_fsdp_module_that_keeps_its_class_name(pool):
-    for out in pool.run(class_rank):
-        assert out["isinstance"] and out["still a Tiny"] and out["same class per original"]
-        assert out["names"] == ("Tiny", "Tiny", __name__, "Block"), out["names"]
-        assert out["repr"] and out["slice"]
-        assert out["deepcopy"].startswith("Tiny is sharded by fully_shard and cannot be deep-"
-                                          "copied"), out["deepcopy"]
-        assert out["released"] == (True, True, False)
+    pool.run(class_rank)
 
 
 def test_every_method_of_torch_s_fsdp_module_is_ours():
@@ -200,12 +199,12 @@ def test_every_method_of_torch_s_fsdp_module_is_ours():
 # fully_shard's arguments.
 
 def plain_rank(rank, world):
-    return both(rank, world, lambda fn: (train(m := shard(build(), fn), rank, world), m))
+    diff = both(rank, world, lambda fn: (train(m := shard(build(), fn), rank, world), m))
+    assert diff < TOL, diff
 
 
 def test_plain_training_matches_fsdp2(pool):
-    for diff in pool.run(plain_rank):
-        assert diff < TOL, diff
+    pool.run(plain_rank)
 
 
 def group_rank(rank, world):
@@ -216,14 +215,13 @@ def group_rank(rank, world):
     gathers = STATS.all_gathers  # root + the group: forward 2, backward 1 (the root stays)
     diff = both(rank, world, lambda fn: (train(m := shard(build(), fn, group=True), rank,
                                                world), m))
-    return diff, one_unit, gathers
+    assert diff < TOL, diff
+    assert one_unit
+    assert gathers == 3, gathers
 
 
 def test_a_list_of_modules_is_one_unit(pool):
-    for diff, one_unit, gathers in pool.run(group_rank):
-        assert diff < TOL, diff
-        assert one_unit
-        assert gathers == 3, gathers
+    pool.run(group_rank)
 
 
 def empty_root_rank(rank, world):
@@ -237,13 +235,13 @@ def empty_root_rank(rank, world):
         fn([model.norm, model.head])
         fn(model)
         return train(model, rank, world), model
-    return both(rank, world, run), len(unit_of(run(fully_shard)[1]).params)
+    diff, root_params = both(rank, world, run), len(unit_of(run(fully_shard)[1]).params)
+    assert diff < TOL, diff
+    assert root_params == 0
 
 
 def test_a_root_without_parameters_of_its_own(pool):
-    for diff, root_params in pool.run(empty_root_rank):
-        assert diff < TOL, diff
-        assert root_params == 0
+    pool.run(empty_root_rank)
 
 
 def reshard_rank(rank, world):
@@ -266,16 +264,15 @@ def reshard_rank(rank, world):
         out["3"] = "no error"
     except ValueError as err:
         out["3"] = str(err)
-    return out
+    for name in ("int world", "int 1", "False", "root True"):
+        assert out[name] < TOL, (name, out[name])
+    assert out["held"] == (True, True)
+    assert out["3"] == "If passing reshard_after_forward as an int, it should be a factor " \
+                       "of 2, not 3", out["3"]
 
 
 def test_reshard_after_forward_bool_int_and_the_root(pool):
-    for out in pool.run(reshard_rank):
-        for name in ("int world", "int 1", "False", "root True"):
-            assert out[name] < TOL, (name, out[name])
-        assert out["held"] == (True, True)
-        assert out["3"] == "If passing reshard_after_forward as an int, it should be a factor " \
-                           "of 2, not 3", out["3"]
+    pool.run(reshard_rank)
 
 
 def reshard_to_pairs_rank(rank, world):
@@ -310,21 +307,19 @@ def reshard_to_pairs_rank(rank, world):
         out["hsdp"] = "no error"
     except NotImplementedError as err:
         out["hsdp"] = str(err)
-    return out
+    assert out["diff"] < TOL, out["diff"]
+    assert out["sharded after forward"]  # a DTensor between forward and backward, as FSDP2's
+    hpz, gathers = out["gathers"]  # the blocks' backward gathers (not the root's): the pair
+    assert 0 < hpz < gathers, out["gathers"]
+    assert out["groups"] == ({(0, 1)} if rank < 2 else {(2, 3)}), out["groups"]
+    assert out["both sizes"] == "reshard_after_forward=2 and hpz_partition_size=4 name two " \
+        "sizes for the groups to reshard to after forward; pass one of them"
+    assert out["hsdp"].startswith("reshard_after_forward=2 needs a unit sharded over every "
+                                  "rank (no HSDP"), out["hsdp"]
 
 
 def test_reshard_after_forward_to_a_smaller_group_trains_as_fsdp2_gathering_inside_it(pools):
-    outs = pools(4).run(reshard_to_pairs_rank)
-    for rank, out in enumerate(outs):
-        assert out["diff"] < TOL, out["diff"]
-        assert out["sharded after forward"]  # a DTensor between forward and backward, as FSDP2's
-        hpz, gathers = out["gathers"]  # the blocks' backward gathers (not the root's): the pair
-        assert 0 < hpz < gathers, out["gathers"]
-        assert out["groups"] == ({(0, 1)} if rank < 2 else {(2, 3)}), out["groups"]
-        assert out["both sizes"] == "reshard_after_forward=2 and hpz_partition_size=4 name two " \
-            "sizes for the groups to reshard to after forward; pass one of them"
-        assert out["hsdp"].startswith("reshard_after_forward=2 needs a unit sharded over every "
-                                      "rank (no HSDP"), out["hsdp"]
+    pools(4).run(reshard_to_pairs_rank)
 
 
 def test_reshard_after_forward_int_maps_to_a_bool_and_a_group_size():
@@ -366,25 +361,23 @@ def cast_rank(rank, world):
             refused[name] = str(err)
     out["refused"] = refused
     out["unchanged"] = {p.dtype for m in (model, grouped) for p in m.parameters()}
-    return out
+    for dtype in (torch.float64, torch.bfloat16):
+        assert out[str(dtype)] < TOL, (dtype, out[str(dtype)])  # (bitwise where measured)
+        assert out[f"{dtype} same objects"] and out[f"{dtype} grads"] == {True}
+        assert out[f"{dtype} faces"] == {(dtype, dtype, dtype)}, out[f"{dtype} faces"]
+    assert refused["gradients held"].endswith(
+        "cannot cast the sharded parameters to torch.float64: its gradients are held (call "
+        "it after zero_grad)"), refused
+    assert refused["half a unit"].startswith("Block.to(torch.float64): unit Block+Block#"), \
+        refused
+    assert refused["half a unit"].endswith(
+        "also holds Block, which is not under it; cast the module that holds every module "
+        "of the unit"), refused
+    assert out["unchanged"] == {torch.float32}  # nothing changed where it was refused
 
 
 def test_a_cast_after_fully_shard_casts_the_shards_and_trains_as_fsdp2(pool):
-    for out in pool.run(cast_rank):
-        for dtype in (torch.float64, torch.bfloat16):
-            assert out[str(dtype)] < TOL, (dtype, out[str(dtype)])  # (bitwise where measured)
-            assert out[f"{dtype} same objects"] and out[f"{dtype} grads"] == {True}
-            assert out[f"{dtype} faces"] == {(dtype, dtype, dtype)}, out[f"{dtype} faces"]
-        refused = out["refused"]
-        assert refused["gradients held"].endswith(
-            "cannot cast the sharded parameters to torch.float64: its gradients are held (call "
-            "it after zero_grad)"), refused
-        assert refused["half a unit"].startswith("Block.to(torch.float64): unit Block+Block#"), \
-            refused
-        assert refused["half a unit"].endswith(
-            "also holds Block, which is not under it; cast the module that holds every module "
-            "of the unit"), refused
-        assert out["unchanged"] == {torch.float32}  # nothing changed where it was refused
+    pool.run(cast_rank)
 
 
 def placement_rank(rank, world):
@@ -404,16 +397,15 @@ def placement_rank(rank, world):
     fully_shard(stack, granularity="element",
                 shard_placement_fn=lambda p: Shard(0) if p is stack["a"] else None)
     blocks = [sp.block for sp in unit_of(stack).params]
-    return dim0, refused, blocks
+    assert dim0 < TOL, dim0
+    assert blocks == [15, 15], blocks
+    assert refused == "shard_placement_fn returned Shard(1) for fc1.weight: vescale_engine's" \
+        " fully_shard keeps each rank's piece one flat range, so it shards along dim 0 " \
+        "only; return None or Shard(0)", refused
 
 
 def test_shard_placement_fn_shard_0_and_the_refusal_of_other_dims(pool):
-    for dim0, refused, blocks in pool.run(placement_rank):
-        assert dim0 < TOL, dim0
-        assert blocks == [15, 15], blocks
-        assert refused == "shard_placement_fn returned Shard(1) for fc1.weight: vescale_engine's" \
-            " fully_shard keeps each rank's piece one flat range, so it shards along dim 0 " \
-            "only; return None or Shard(0)", refused
+    pool.run(placement_rank)
 
 
 def mixed_precision_rank(rank, world, ours_class):
@@ -435,16 +427,15 @@ def mixed_precision_rank(rank, world, ours_class):
                                                          str(y.dtype))
             return losses, model
         out[f"cast {cast}"] = both(rank, world, run)
-    return out
+    assert out["cast True"] < TOL and out["cast False"] < TOL, out
+    for ours in (True, False):
+        assert out[f"dtypes True {ours}"] == ("torch.bfloat16", "torch.float16"), out
+        assert out[f"dtypes False {ours}"] == ("torch.float32", "torch.float16"), out
 
 
 @pytest.mark.parametrize("policy_class", ["ours", "torch's"])
 def test_mixed_precision_policy_every_field(pool, policy_class):
-    for out in pool.run(mixed_precision_rank, policy_class == "ours"):
-        assert out["cast True"] < TOL and out["cast False"] < TOL, out
-        for ours in (True, False):
-            assert out[f"dtypes True {ours}"] == ("torch.bfloat16", "torch.float16"), out
-            assert out[f"dtypes False {ours}"] == ("torch.float32", "torch.float16"), out
+    pool.run(mixed_precision_rank, policy_class == "ours")
 
 
 def offload_rank(rank, world):
@@ -459,13 +450,12 @@ def offload_rank(rank, world):
     hosted = [buf.compute is not None and buf.master.device.type == "cpu"
               for block in model.blocks for buf in unit_of(block).buffers]
     root = [buf.compute is None for buf in unit_of(model).buffers]
-    return diff, all(hosted), all(root)
+    assert diff < TOL, diff
+    assert all(hosted) and all(root)
 
 
 def test_cpu_offload_policy(pool):
-    for diff, hosted, root in pool.run(offload_rank):
-        assert diff < TOL, diff
-        assert hosted and root
+    pool.run(offload_rank)
 
 
 def ignored_rank(rank, world):
@@ -480,12 +470,12 @@ def ignored_rank(rank, world):
         assert sorted(same) == sorted(kept[fn is fully_shard])
         assert model.head.bias.shape == (VOCAB,) and not isinstance(model.head.bias, DTensor)
         return train(model, rank, world), model
-    return both(rank, world, run)
+    diff = both(rank, world, run)
+    assert diff < TOL, diff
 
 
 def test_ignored_params_stay_unsharded_and_unreduced(pool):
-    for diff in pool.run(ignored_rank):
-        assert diff < TOL, diff
+    pool.run(ignored_rank)
 
 
 def meta_rank(rank, world):
@@ -527,9 +517,13 @@ def meta_rank(rank, world):
     reset_all(theirs)
     fsdp2 = full_parameters(theirs)
     losses = train(model, rank, world)  # and it trains
-    return ({n: torch.equal(ours[n], expected[n]) for n in expected},
-            {n: torch.equal(materialized[n], materialize_like[n]) for n in expected},
-            {n: torch.equal(fsdp2[n], expected[n]) for n in expected}, losses)
+    ours_same = {n: torch.equal(ours[n], expected[n]) for n in expected}
+    materialized_same = {n: torch.equal(materialized[n], materialize_like[n]) for n in expected}
+    fsdp2_same = {n: torch.equal(fsdp2[n], expected[n]) for n in expected}
+    assert all(ours_same.values()), ours_same
+    assert all(materialized_same.values()), materialized_same
+    assert not all(fsdp2_same.values())
+    assert all(math.isfinite(x) for x in losses)
 
 
 def post_order(module):
@@ -543,11 +537,7 @@ def test_meta_init_through_to_empty_and_reset_parameters(pool):
     own one-process order, children first). FSDP2 on CPU is not: its DTensor init draws each
     rank's shard from the same generator state (no CPU RNG tracker), so it matches neither;
     recorded here, not required."""
-    for ours, materialized, fsdp2, losses in pool.run(meta_rank):
-        assert all(ours.values()), ours
-        assert all(materialized.values()), materialized
-        assert not all(fsdp2.values())
-        assert all(math.isfinite(x) for x in losses)
+    pool.run(meta_rank)
 
 
 def refusals_rank(rank, world):
@@ -581,29 +571,28 @@ def refusals_rank(rank, world):
     model.set_allocate_memory_from_process_group_for_comm(False)
     model.set_reduce_scatter_max_input_buffers(1)
     model._set_unshard_async_op(True)
-    return out
+    for method in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
+                   "set_symm_mem_for_comm", "set_separate_reduce_scatter_group",
+                   "set_allocate_memory_from_process_group_for_comm",
+                   "set_reduce_scatter_max_input_buffers",
+                   "set_reduce_scatter_unused_params"):
+        assert out[method].startswith(f"NotImplementedError: FSDPModule.{method} is not "
+                                      "supported by vescale_engine's fully_shard: "), \
+            out[method]
+    assert out["dp_mesh_dims"].startswith("NotImplementedError: dp_mesh_dims is not "
+                                          "supported"), out["dp_mesh_dims"]
+    assert out["offload_policy"].startswith("NotImplementedError: offload_policy=<object"), \
+        out["offload_policy"]
+    assert out["not a placement"].startswith(
+        "NotImplementedError: shard_placement_fn returned int for embed.weight: "
+        "vescale_engine's fully_shard takes None, Shard(0) or a ShardPlacementResult"), \
+        out["not a placement"]
+    assert out["reset_iter_state"] == "RuntimeError: reset_iter_state must be called on " \
+                                      "the root FSDP module", out["reset_iter_state"]
 
 
 def test_what_is_refused_names_itself(pool):
-    for out in pool.run(refusals_rank):
-        for method in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
-                       "set_symm_mem_for_comm", "set_separate_reduce_scatter_group",
-                       "set_allocate_memory_from_process_group_for_comm",
-                       "set_reduce_scatter_max_input_buffers",
-                       "set_reduce_scatter_unused_params"):
-            assert out[method].startswith(f"NotImplementedError: FSDPModule.{method} is not "
-                                          "supported by vescale_engine's fully_shard: "), \
-                out[method]
-        assert out["dp_mesh_dims"].startswith("NotImplementedError: dp_mesh_dims is not "
-                                              "supported"), out["dp_mesh_dims"]
-        assert out["offload_policy"].startswith("NotImplementedError: offload_policy=<object"), \
-            out["offload_policy"]
-        assert out["not a placement"].startswith(
-            "NotImplementedError: shard_placement_fn returned int for embed.weight: "
-            "vescale_engine's fully_shard takes None, Shard(0) or a ShardPlacementResult"), \
-            out["not a placement"]
-        assert out["reset_iter_state"] == "RuntimeError: reset_iter_state must be called on " \
-                                          "the root FSDP module", out["reset_iter_state"]
+    pool.run(refusals_rank)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,13 +618,13 @@ def sync_rank(rank, world):
     before.set = lambda model, last: model.set_requires_gradient_sync(last)  # FSDP2's no_sync
     diff = both(rank, world, lambda fn: (train(m := shard(build(), fn), rank, world, accum=2,
                                                before=before), m))
-    return diff, before.counted
+    reduce_scatters = before.counted
+    assert diff < TOL, diff
+    assert reduce_scatters == [0, 0], reduce_scatters
 
 
 def test_set_requires_gradient_sync(pool):
-    for diff, reduce_scatters in pool.run(sync_rank):
-        assert diff < TOL, diff
-        assert reduce_scatters == [0, 0], reduce_scatters
+    pool.run(sync_rank)
 
 
 def hsdp_rank(rank, world):
@@ -648,13 +637,13 @@ def hsdp_rank(rank, world):
     model = shard(build(), fully_shard, blocks={"mesh": mesh}, root={"mesh": mesh})
     STATS.reset()
     train(model, rank, world, steps=1)
-    return diff, before.counted, STATS.all_reduces
+    skipped, all_reduces = before.counted, STATS.all_reduces
+    assert diff < TOL, diff
+    assert skipped == [0, 0] and all_reduces == 3, (skipped, all_reduces)
 
 
 def test_set_requires_all_reduce_under_hsdp(pool):
-    for diff, skipped, all_reduces in pool.run(hsdp_rank):
-        assert diff < TOL, diff
-        assert skipped == [0, 0] and all_reduces == 3, (skipped, all_reduces)
+    pool.run(hsdp_rank)
 
 
 def reshard_after_backward_rank(rank, world):
@@ -668,13 +657,13 @@ def reshard_after_backward_rank(rank, world):
     before.kept = None
     diff = both(rank, world, lambda fn: (train(m := shard(build(), fn), rank, world, accum=2,
                                                before=before, steps=1), m))
-    return diff, before.kept
+    kept = before.kept
+    assert diff < TOL, diff
+    assert kept is True
 
 
 def test_set_reshard_after_backward(pool):
-    for diff, kept in pool.run(reshard_after_backward_rank):
-        assert diff < TOL, diff
-        assert kept is True
+    pool.run(reshard_after_backward_rank)
 
 
 def reshard_after_forward_method_rank(rank, world):
@@ -694,14 +683,13 @@ def reshard_after_forward_method_rank(rank, world):
         bad = "no error"
     except ValueError as err:
         bad = str(err)
-    return diff, held, bad
+    assert diff < TOL, diff
+    assert held == (1, 2)
+    assert bad == "reshard_after_forward should be a bool, got <class 'int'>"
 
 
 def test_set_reshard_after_forward(pool):
-    for diff, held, bad in pool.run(reshard_after_forward_method_rank):
-        assert diff < TOL, diff
-        assert held == (1, 2)
-        assert bad == "reshard_after_forward should be a bool, got <class 'int'>"
+    pool.run(reshard_after_forward_method_rank)
 
 
 def prefetch_rank(rank, world):
@@ -721,19 +709,19 @@ def prefetch_rank(rank, world):
     STATS.record = False
     events = [(kind, name) for kind, name, *_ in STATS.events
               if kind in ("unshard_issue", "forward", "backward")]
-    return diff, events, b0, b1, unit_of(model).name
+    root = unit_of(model).name
+    assert diff < TOL, diff
+    # the root's forward issues both blocks' all-gathers before its own forward runs (by
+    # default only the next unit's); the root's backward issues block 0's before block 1's
+    # backward begins (by default block 1's backward does)
+    forward = events[:events.index(("forward", root))]
+    assert ("unshard_issue", b0) in forward and ("unshard_issue", b1) in forward, events
+    back = events[events.index(("backward", root)):]
+    assert back.index(("unshard_issue", b0)) < back.index(("backward", b1)), events
 
 
 def test_set_modules_to_forward_and_backward_prefetch(pool):
-    for diff, events, b0, b1, root in pool.run(prefetch_rank):
-        assert diff < TOL, diff
-        # the root's forward issues both blocks' all-gathers before its own forward runs (by
-        # default only the next unit's); the root's backward issues block 0's before block 1's
-        # backward begins (by default block 1's backward does)
-        forward = events[:events.index(("forward", root))]
-        assert ("unshard_issue", b0) in forward and ("unshard_issue", b1) in forward, events
-        back = events[events.index(("backward", root)):]
-        assert back.index(("unshard_issue", b0)) < back.index(("backward", b1)), events
+    pool.run(prefetch_rank)
 
 
 def divide_rank(rank, world):
@@ -754,7 +742,9 @@ def divide_rank(rank, world):
         model.set_reduce_scatter_divide_factor(3.0)
     out["deprecated"] = [str(w.message) for w in caught if w.category is FutureWarning]
     out["factor"] = unit_of(model).buffers[0].comm.reduction.post_divide
-    return out
+    assert out["divide"] < TOL and out["divide, sum"] < TOL, out
+    assert out["deprecated"] == ["Use `set_gradient_divide_factor` instead"]
+    assert out["factor"] == 3.0
 
 
 def test_force_sum_sums_where_the_backend_would_average():
@@ -768,10 +758,7 @@ def test_force_sum_sums_where_the_backend_would_average():
 
 
 def test_set_gradient_divide_factor_and_force_sum(pool):
-    for out in pool.run(divide_rank):
-        assert out["divide"] < TOL and out["divide, sum"] < TOL, out
-        assert out["deprecated"] == ["Use `set_gradient_divide_factor` instead"]
-        assert out["factor"] == 3.0
+    pool.run(divide_rank)
 
 
 def hints_rank(rank, world):
@@ -783,13 +770,13 @@ def hints_rank(rank, world):
     model = shard(build(), fully_shard)
     model.set_post_optim_event(torch.Event(device="cpu"))
     model(*micro_batches(0, rank, world)[0]).backward()
-    return diff, unit_of(model).switches.post_optim_event is None
+    dropped = unit_of(model).switches.post_optim_event is None
+    assert diff < TOL, diff
+    assert dropped
 
 
 def test_set_is_last_backward_and_set_post_optim_event(pool):
-    for diff, dropped in pool.run(hints_rank):
-        assert diff < TOL, diff
-        assert dropped
+    pool.run(hints_rank)
 
 
 def unshard_in_backward_rank(rank, world):
@@ -805,13 +792,13 @@ def unshard_in_backward_rank(rank, world):
         STATS.reset()
         train(model, rank, world, steps=1)
         gathers.append(STATS.all_gathers)
-    return diff, gathers
+    with_gather, without = gathers
+    assert diff < TOL, diff
+    assert without == with_gather - 1, (with_gather, without)
 
 
 def test_set_unshard_in_backward(pool):
-    for diff, (with_gather, without) in pool.run(unshard_in_backward_rank):
-        assert diff < TOL, diff
-        assert without == with_gather - 1, (with_gather, without)
+    pool.run(unshard_in_backward_rank)
 
 
 def unshard_rank(rank, world):
@@ -839,13 +826,14 @@ def unshard_rank(rank, world):
         train(model, rank, world, steps=2,
               before=(lambda m, k, a: m.blocks[1].unshard(async_op=True)) if explicit else None)
         gathers.append(STATS.all_gathers)
-    return (torch.equal(values[0], values[2]), values[1], values[3], losses[0] == losses[1],
-            gathers[0] == gathers[1])
+    same, ours_sharded, their_sharded, same_losses, no_regather = (
+        torch.equal(values[0], values[2]), values[1], values[3], losses[0] == losses[1],
+        gathers[0] == gathers[1])
+    assert same and ours_sharded and their_sharded and same_losses and no_regather
 
 
 def test_unshard_and_reshard(pool):
-    for same, ours_sharded, their_sharded, same_losses, no_regather in pool.run(unshard_rank):
-        assert same and ours_sharded and their_sharded and same_losses and no_regather
+    pool.run(unshard_rank)
 
 
 def reset_iter_rank(rank, world):
@@ -863,12 +851,12 @@ def reset_iter_rank(rank, world):
             model.reset_iter_state()
             model.blocks[1].fail = False
         return train(model, rank, world), model
-    return both(rank, world, run)
+    diff = both(rank, world, run)
+    assert diff < TOL, diff
 
 
 def test_reset_iter_state_after_a_forward_that_raised(pool):
-    for diff in pool.run(reset_iter_rank):
-        assert diff < TOL, diff
+    pool.run(reset_iter_rank)
 
 
 def forward_method_rank(rank, world):
@@ -885,7 +873,9 @@ def forward_method_rank(rank, world):
             out[name + " after"] = isinstance(model.head.weight, DTensor)
     with torch.no_grad():
         out["plain"] = build().logits_of(idx)
-    return out
+    for name in ("ours", "torch's on ours", "fsdp2"):
+        assert torch.equal(out[name], out["plain"]), name
+    assert out["ours after"] and out["torch's on ours after"]
 
 
 def block_first_rank(rank, world):
@@ -903,20 +893,18 @@ def block_first_rank(rank, world):
             run.resharded = not unit_of(model.blocks[0]).is_unsharded
             loss.backward()
         return losses, model
-    return both(rank, world, run), run.resharded
+    diff = both(rank, world, run)
+    resharded = run.resharded
+    assert diff < TOL, diff
+    assert resharded
 
 
 def test_a_block_run_alone_first_is_not_the_root_afterwards(pool):
-    for diff, resharded in pool.run(block_first_rank):
-        assert diff < TOL, diff
-        assert resharded
+    pool.run(block_first_rank)
 
 
 def test_register_fsdp_forward_method(pool):
-    for out in pool.run(forward_method_rank):
-        for name in ("ours", "torch's on ours", "fsdp2"):
-            assert torch.equal(out[name], out["plain"]), name
-        assert out["ours after"] and out["torch's on ours after"]
+    pool.run(forward_method_rank)
 
 
 def compile_rank(rank, world, when):
@@ -936,7 +924,10 @@ def compile_rank(rank, world, when):
                 block.compile(backend="inductor")
         return train(model, rank, world), model
     diff = both(rank, world, run)
-    return diff, counters["stats"]["unique_graphs"], sorted(counters["graph_break"])
+    graphs, breaks = counters["stats"]["unique_graphs"], sorted(counters["graph_break"])
+    assert diff < 1e-5, diff
+    assert graphs == 1, graphs
+    assert all("disable" in reason for reason in breaks), breaks
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -944,10 +935,7 @@ def test_torch_compile_of_blocks_before_or_after_fully_shard(pool, when):
     """Inductor (the C++ CPU backend) compiles the blocks; the result is FSDP2's eager one
     up to the compiled kernels' rounding. The forward hooks run eagerly around the blocks'
     graph (one graph, the blocks being alike): dynamo does not trace into our hooks."""
-    for diff, graphs, breaks in pool.run(compile_rank, when, timeout=900):
-        assert diff < 1e-5, diff
-        assert graphs == 1, graphs
-        assert all("disable" in reason for reason in breaks), breaks
+    pool.run(compile_rank, when, timeout=900)
 
 
 def policies_rank(rank, world):
@@ -980,20 +968,19 @@ def policies_rank(rank, world):
             out[name] = "no error"
         except (ValueError, TypeError) as err:
             out[name] = f"{type(err).__name__}: {err}"
-    return out
+    assert difference(out["keywords"][:2], out["policies"][:2]) == 0.0
+    assert out["keywords"][2] == out["policies"][2]
+    assert difference(out["pieces"][:2], out["policies"][:2]) == 0.0
+    assert out["policies faces"] == ["RaggedDTensor"], out["policies faces"]
+    assert out["pieces faces"] == ["Parameter"], out["pieces faces"]
+    assert out["both"] == "ValueError: max_buffers=3 was passed beside a ShardingPolicy: " \
+                          "set it in the policy instead"
+    assert out["bad"] == "ValueError: max_reuse_distance must be an int >= 0, got -1"
+    assert "rows:x" in out["granularity"], out["granularity"]
+    assert out["face"] == "TypeError: face must be a ParameterFace (fsdp/faces.py), got " \
+                          "'flat'", out["face"]
+    assert out["rank_local"] == "ValueError: rank_local must be a bool, got 1"
 
 
 def test_policies_are_the_keywords_they_hold(pool):
-    for out in pool.run(policies_rank):
-        assert difference(out["keywords"][:2], out["policies"][:2]) == 0.0
-        assert out["keywords"][2] == out["policies"][2]
-        assert difference(out["pieces"][:2], out["policies"][:2]) == 0.0
-        assert out["policies faces"] == ["RaggedDTensor"], out["policies faces"]
-        assert out["pieces faces"] == ["Parameter"], out["pieces faces"]
-        assert out["both"] == "ValueError: max_buffers=3 was passed beside a ShardingPolicy: " \
-                              "set it in the policy instead"
-        assert out["bad"] == "ValueError: max_reuse_distance must be an int >= 0, got -1"
-        assert "rows:x" in out["granularity"], out["granularity"]
-        assert out["face"] == "TypeError: face must be a ParameterFace (fsdp/faces.py), got " \
-                              "'flat'", out["face"]
-        assert out["rank_local"] == "ValueError: rank_local must be a bool, got 1"
+    pool.run(policies_rank)

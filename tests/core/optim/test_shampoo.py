@@ -543,17 +543,16 @@ def late_changes_rank(rank, world, directory):
     laid_out = sorted(len(late._layouts[id(p)].blocks) >= 0 for p in (params["w"], params["experts"]))
     errors = value_errors((lambda: late.add_param_group({"params": [torch.nn.Parameter(
         torch.zeros(3, 3))]}),))
-    return dict(want=want, got=got, mix_step=mix_step, roots_before=roots_before,
-                roots_after=roots_after, zero_roots=zero_roots, laid_out=laid_out,
-                errors=errors)
+    out = dict(want=want, got=got, mix_step=mix_step, roots_before=roots_before,
+               roots_after=roots_after, zero_roots=zero_roots, laid_out=laid_out,
+               errors=errors)
+    assert max(abs(a - b) / abs(b) for a, b in zip(out["got"], out["want"])) < 1e-6, out
+    assert out["mix_step"] == 0, out
+    assert out["roots_before"] == {0} and out["roots_after"] == {4}, out
+    assert out["zero_roots"] == [], out
+    assert out["laid_out"] == [True, True], out
+    assert "needs parameters sharded by vescale_engine.fully_shard" in out["errors"][0]
 
 
 def test_early_checkpoint_late_schedule_and_added_groups(pools):
-    directory = scratch_dir()
-    for out in pools(2).run(late_changes_rank, directory, timeout=300):
-        assert max(abs(a - b) / abs(b) for a, b in zip(out["got"], out["want"])) < 1e-6, out
-        assert out["mix_step"] == 0, out
-        assert out["roots_before"] == {0} and out["roots_after"] == {4}, out
-        assert out["zero_roots"] == [], out
-        assert out["laid_out"] == [True, True], out
-        assert "needs parameters sharded by vescale_engine.fully_shard" in out["errors"][0]
+    pools(2).run(late_changes_rank, scratch_dir(), timeout=300)

@@ -63,13 +63,13 @@ def flatten_rank(rank, world):
     inner = {name: getattr(tensor, name) for name in names}
     local, got_mesh, placements, requires_grad = \
         torch_compat.unflatten_dtensor_parts(inner, context)
-    return (local is tensor._local_tensor, got_mesh == mesh, tuple(placements),
-            requires_grad)
+    out = (local is tensor._local_tensor, got_mesh == mesh, tuple(placements),
+           requires_grad)
+    assert out == (True, True, (Replicate(),), True)
 
 
 def test_dtensor_flatten_context_is_read_on_this_torch(pool):
-    (out,) = pool.run(flatten_rank)
-    assert out == (True, True, (Replicate(),), True)
+    pool.run(flatten_rank)
 
 
 def test_fsdp2_gradient_dtype_probe_agrees_with_fsdp2_s_own_docs():

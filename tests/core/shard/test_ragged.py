@@ -286,7 +286,7 @@ def run_async(rank, world_size, count):
         got = handle.wait()
         assert _same(got, want)
         assert handle.wait() is got  # waiting twice returns the same result
-    return len(pending)
+    assert len(pending) == 4 * count  # every case, four kinds each
 
 
 def run_batched(rank, world_size, count):
@@ -364,7 +364,6 @@ def run_errors(rank, world_size):
         _expect_error("needs the full tensor", root_to_ragged, None, spec, ws - 1)
     # nothing was left half-started: this collective pairs with the same one on every rank
     assert _same(ragged_to_replicate(local, spec), full)
-    return True
 
 
 def run_in_subgroup(rank, world_size):
@@ -387,7 +386,7 @@ def run_in_subgroup(rank, world_size):
         checks = 4
     dist.barrier()
     dist.destroy_process_group(group)
-    return checks
+    assert checks == (0 if rank == 0 else 4)
 
 
 POOL_WORLDS = [2, 3, 4]  # (conftest.py's `pool`, once per size)
@@ -399,7 +398,7 @@ def test_round_trips(pool):
 
 
 def test_async_matches_sync(pool):
-    assert pool.run(run_async, 30) == [120] * pool.world_size
+    pool.run(run_async, 30)
 
 
 def test_batched_roots_round_trip(pool):
@@ -408,8 +407,8 @@ def test_batched_roots_round_trip(pool):
 
 
 def test_errors_before_any_collective(pool):
-    assert pool.run(run_errors) == [True] * pool.world_size
+    pool.run(run_errors)
 
 
 def test_subgroup_ranks(pool):
-    assert pool.run(run_in_subgroup) == [0] + [4] * (pool.world_size - 1)
+    pool.run(run_in_subgroup)

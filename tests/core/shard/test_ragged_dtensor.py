@@ -106,11 +106,11 @@ def run_elementwise(rank, world):
             checked += 1
         inplace = a.clone()
         assert inplace.mul_(3) is inplace  # in place returns the same object, as torch does
-    return checked
+    assert checked == 4 * 21
 
 
 def test_elementwise_ops_match_the_full_tensors(pool):
-    assert pool.run(run_elementwise) == [4 * 21] * 2
+    pool.run(run_elementwise)
 
 
 def run_zero_copy(rank, world):
@@ -134,12 +134,12 @@ def run_zero_copy(rank, world):
     for p in params:
         p.grad = torch.ones_like(p)
     torch.optim.AdamW(params, lr=0.5, foreach=True).step()
-    return bool((buffer[:nw + ne] != torch.cat([torch.full((nw,), 3.0), torch.full((ne,), 2.0)])
+    assert bool((buffer[:nw + ne] != torch.cat([torch.full((nw,), 3.0), torch.full((ne,), 2.0)])
                  ).all()) and bool((buffer[nw + ne:] == 0).all())
 
 
 def test_local_tensors_are_the_buffer(pool):
-    assert pool.run(run_zero_copy) == [True, True]
+    pool.run(run_zero_copy)
 
 
 def run_adamw(rank, world, kind):
@@ -165,7 +165,8 @@ def run_adamw(rank, world, kind):
     exp_avg = optimizers[0].state[ours[0]]["exp_avg"]
     state_kept = _same_layout(exp_avg, ours[0]) and \
         exp_avg.to_local().data_ptr() != ours[0].to_local().data_ptr()
-    return as_pieces, worst, state_kept
+    assert as_pieces and state_kept
+    assert worst <= (1e-7 if kind == "fused" else 0.0), worst
 
 
 @pytest.mark.parametrize("kind", ["foreach", "fused", "for-loop"])
@@ -173,9 +174,7 @@ def test_torch_adamw_matches_unsharded(pool, kind):
     """Bitwise the optimizer on the local pieces; and the unsharded run bitwise too, except
     fused: torch's CPU fused kernel itself rounds a piece that starts mid-tensor differently
     in the last bit (the same on plain slices), hence 1e-7."""
-    for as_pieces, worst, state_kept in pool.run(run_adamw, kind):
-        assert as_pieces and state_kept
-        assert worst <= (1e-7 if kind == "fused" else 0.0), worst
+    pool.run(run_adamw, kind)
 
 
 def run_clip(rank, world, norm_type, foreach):
@@ -195,14 +194,14 @@ def run_clip(rank, world, norm_type, foreach):
     clipped = all(_same_layout(p.grad, p) and
                   torch.allclose(p.grad.full_tensor(), r.grad, rtol=1e-6, atol=0)
                   for p, r in zip(ours, ref))
-    return read and math.isclose(total.item(), want.item(), rel_tol=1e-6), clipped, \
-        want.item() > 0.5
+    assert (read and math.isclose(total.item(), want.item(), rel_tol=1e-6), clipped,
+            want.item() > 0.5) == (True, True, True)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 @pytest.mark.parametrize("foreach", [True, False])
 def test_clip_grad_norm_is_global(pool, norm_type, foreach):
-    assert pool.run(run_clip, norm_type, foreach) == [(True, True, True)] * 2
+    pool.run(run_clip, norm_type, foreach)
 
 
 def run_reductions(rank, world):
@@ -227,12 +226,11 @@ def run_reductions(rank, world):
             results.append(torch.equal(got, want) if want.dtype == torch.bool else
                            torch.allclose(got, want, rtol=1e-6, atol=1e-6))
         results.append(math.isclose(a.sum().item(), A.sum().item(), rel_tol=1e-6, abs_tol=1e-6))
-    return results
+    assert len(results) == 4 * 14 and all(results)
 
 
 def test_reductions_over_all_elements_are_global(pool):
-    for results in pool.run(run_reductions):
-        assert len(results) == 4 * 14 and all(results)
+    pool.run(run_reductions)
 
 
 def run_reductions_over_some_dims(rank, world):
@@ -265,12 +263,11 @@ def run_reductions_over_some_dims(rank, world):
                 if not (ok and got.shape == want.shape and got.dtype == want.dtype and
                         torch.allclose(got, want, rtol=1e-6, atol=1e-6)):
                     wrong.append(f"{name} {label} dims={dims}: {got} != {want}")
-    return wrong
+    assert not wrong, "\n".join(wrong)
 
 
 def test_reductions_over_some_dims_are_the_full_tensor_s(pool):
-    for wrong in pool.run(run_reductions_over_some_dims):
-        assert not wrong, "\n".join(wrong)
+    pool.run(run_reductions_over_some_dims)
 
 
 def run_gather_and_redistribute(rank, world):
@@ -297,12 +294,11 @@ def run_gather_and_redistribute(rank, world):
         x.grad = None
         (x.to_local() * 3).sum().backward()
         ok.append(_same_layout(x.grad, x) and bool((x.grad.to_local() == 3).all()))
-    return ok
+    assert len(ok) == 4 * 6 and all(ok)
 
 
 def test_full_tensor_and_redistribute(pool):
-    for ok in pool.run(run_gather_and_redistribute):
-        assert len(ok) == 4 * 6 and all(ok)
+    pool.run(run_gather_and_redistribute)
 
 
 def run_dcp(rank, world, path):
@@ -389,11 +385,12 @@ def run_state_dict(rank, world):
     weight.data = replacement
     cast = cast and weight._local_tensor is replacement._local_tensor and \
         torch.equal(weight.full_tensor(), 2 * doubled["inner.weight"].double())
-    return kept, same, counts, loaded, kept_by_copies, cast, weight.layout is torch.strided
+    assert (kept, same, counts, loaded, kept_by_copies, cast,
+            weight.layout is torch.strided) == (True,) * 7
 
 
 def test_get_model_state_dict_full(pool):
-    assert pool.run(run_state_dict) == [(True,) * 7] * 2
+    pool.run(run_state_dict)
 
 
 def run_refusals(rank, world):
@@ -423,14 +420,13 @@ def run_refusals(rank, world):
             messages[name] = None
         except NotImplementedError as err:
             messages[name] = str(err)
-    return messages
+    for op, message in messages.items():
+        assert message is not None, f"{op} did not raise"
+        assert op in message and "Ragged" in message, message
 
 
 def test_unsupported_ops_raise_naming_the_op(pool):
-    for messages in pool.run(run_refusals):
-        for op, message in messages.items():
-            assert message is not None, f"{op} did not raise"
-            assert op in message and "Ragged" in message, message
+    pool.run(run_refusals)
 
 
 def run_random_fills(rank, world):
@@ -451,12 +447,12 @@ def run_random_fills(rank, world):
             (got if side == "ragged" else want)[name] = \
                 t.full_tensor() if side == "ragged" else t
         (got if side == "ragged" else want)["next draw"] = torch.rand(3)
-    return {k: torch.equal(got[k], want[k]) for k in want}
+    equal = {k: torch.equal(got[k], want[k]) for k in want}
+    assert all(equal.values()), equal
 
 
 def test_random_fills_draw_the_unsharded_values(pool):
-    for equal in pool.run(run_random_fills):
-        assert all(equal.values()), equal
+    pool.run(run_random_fills)
 
 
 def run_distribute(rank, world):
@@ -476,9 +472,8 @@ def run_distribute(rank, world):
     fill_from_full(target, mine)
     out["in place"] = target._local_tensor is local and \
         torch.equal(local, mine.reshape(-1)[slice(*layout.local_range(rank))])
-    return out
+    assert all(out.values()), out
 
 
 def test_distribute_ragged_takes_the_source_ranks_values(pool):
-    for out in pool.run(run_distribute):
-        assert all(out.values()), out
+    pool.run(run_distribute)
