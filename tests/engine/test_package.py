@@ -8,13 +8,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # tests/<tier>/ is two folders down
 
 
+def _prints_ok(code: str) -> None:
+    """`code` in a fresh interpreter (nothing imported before it) runs to its print('ok')."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_import_is_light_and_names_resolve():
     code = ("import sys, vescale_engine as v; assert 'torch' not in sys.modules; "
             "import launcher.cli; assert 'torch' not in sys.modules; "
             "assert callable(v.fully_shard) and callable(v.clip_grad_norm_); "
             "assert v.optim.AdamW and v.MixedPrecisionPolicy and v.RaggedShard; print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "ok", out.stderr
+    _prints_ok(code)
 
 
 def test_importing_defines_names_only():
@@ -33,8 +38,7 @@ def test_importing_defines_names_only():
             "install()\n"
             "assert len(logging.getLogger('vescale_engine').handlers) == 1\n"
             "print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "ok", out.stderr
+    _prints_ok(code)
 
 
 def test_console_script_version():
@@ -58,8 +62,7 @@ def test_public_paths_survive_the_subpackages():
             "assert v.load_hf_checkpoint and v.save_hf_checkpoint and v.MixedPrecisionPolicy\n"
             "assert v.optim.AdamW8bit and v.optim.Muon and v.clip_grad_norm_ and v.add_config_arguments\n"
             "print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "ok", out.stderr
+    _prints_ok(code)
 
 
 # Notes that lived beside the repository while it was written; users do not have them, so no
