@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = dict(os.environ, DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable,
-               OMP_NUM_THREADS="1", STEPS="6")
+               OMP_NUM_THREADS="1", STEPS="3")
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
                           capture_output=True, text=True, timeout=900)
     log = (tmp_path / "gpu_check.log").read_text()
@@ -26,7 +26,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                  "fake_pg_memory", "step_time", "offload", "moe_ep_memory", "checkpoint_io",
                  "compile_step", "quantized_comm", "quantized_comm_fake", "fp8_matmul"):
         assert f"{part}: 0" in log, part
-    assert log.count("trained 6 steps on 1 rank(s)") == 2
+    assert log.count("trained 3 steps on 1 rank(s)") == 2
     report = json.loads((tmp_path / "gpu_validate.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
     assert statuses.pop("host_syncs") == "n/a"  # CUDA only
