@@ -2,7 +2,9 @@
 
 The shapes format is the one in `examples/models/*.json` (docs/design.md, "Shapes files"):
 `{"name": ..., "groups": [{"name": ..., "repeat": N, "tensors": [{"name": ..., "shape": [...]}]}]}`,
-with an optional "description" (the published config the shapes come from; not read).
+with an optional "description" (the published config the shapes come from; not read) and an
+optional "architecture" (the few hyper-parameters FLOPs need beyond the weights: layers, heads,
+head dims, experts; `Architecture` says which; plan/step_time/compute.py reads them).
 Each group is one FSDP unit, planned once however often it repeats (identical decoder layers),
 and groups listing the same tensors are planned once between them.
 """
@@ -17,7 +19,7 @@ from .granularity import Granularity, parse_granularity
 from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, TensorSpec, check_plan,
                       plan_buffer, plan_unit, shard_lower_bound)
 
-__all__ = ["ShapesError", "Group", "ModelShapes", "load_shapes", "model_specs", "ModelPlan",
+__all__ = ["ShapesError", "Group", "ModelShapes", "Architecture", "parse_architecture", "load_shapes", "model_specs", "ModelPlan",
            "plan_model", "fsdp2_padding_ratio", "fsdp2_shard_dim", "fsdp2_unsupported",
            "zero3_padding_ratio", "Alternative", "alternatives", "single_buffer_ratio",
            "single_buffer_lower_bound_ratio", "per_block_size_ratio", "DTYPE_BYTES",
@@ -58,10 +60,73 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """A shapes file's optional "architecture" section: what FLOPs need that the weights' shapes
+    do not say (Hugging Face config names in brackets). The sequence length is not here: it is a
+    training setting, not the model's."""
+    layers: int              # decoder layers (num_hidden_layers)
+    hidden: int              # hidden_size
+    heads: int               # query heads (num_attention_heads)
+    head_dim: int            # query/key dim per head (head_dim; MLA: qk_nope + qk_rope)
+    vocab: int               # vocab_size
+    kv_heads: int = 0        # key/value heads (num_key_value_heads); 0: as many as heads
+    v_head_dim: int = 0      # value dim per head (MLA's v_head_dim); 0: head_dim
+    experts: int = 0         # routed experts (n_routed_experts / num_local_experts); 0: dense
+    experts_per_token: int = 0   # routed experts each token visits (num_experts_per_tok)
+    shared_experts: int = 0      # always-on experts (n_shared_experts)
+    tied_embeddings: bool = False  # the head is the embedding matrix (tie_word_embeddings)
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+
+_ARCH_REQUIRED = ("layers", "hidden", "heads", "head_dim", "vocab")
+_ARCH_OPTIONAL = ("kv_heads", "v_head_dim", "experts", "experts_per_token", "shared_experts")
+
+
+def parse_architecture(path: str, raw) -> Architecture:
+    """Validate an "architecture" section; errors are one line naming the file and field."""
+    where = f"{path}: architecture"
+    if not isinstance(raw, dict):
+        raise ShapesError(f"{where}: expected an object, got {type(raw).__name__}")
+    known = set(_ARCH_REQUIRED) | set(_ARCH_OPTIONAL) | {"tied_embeddings", "source"}
+    for key in raw:
+        if key not in known:   # a typo would otherwise silently become a default
+            raise ShapesError(f"{where}.{key}: unknown field (expected one of "
+                              f"{', '.join(sorted(known))})")
+    values = {}
+    for key in _ARCH_REQUIRED + _ARCH_OPTIONAL:
+        if key not in raw:
+            if key in _ARCH_REQUIRED:
+                raise ShapesError(f"{where}.{key}: missing")
+            continue
+        v = raw[key]
+        least = 1 if key in _ARCH_REQUIRED else 0
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ShapesError(f"{where}.{key}: must be an integer >= {least}, got {v!r}")
+        values[key] = v
+    tied = raw.get("tied_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ShapesError(f"{where}.tied_embeddings: must be true or false, got {tied!r}")
+    arch = Architecture(**values, tied_embeddings=tied)
+    if arch.kv_heads and arch.heads % arch.kv_heads:
+        raise ShapesError(f"{where}.kv_heads: {arch.kv_heads} does not divide heads "
+                          f"{arch.heads}")
+    if bool(arch.experts) != bool(arch.experts_per_token) or \
+            arch.experts_per_token > arch.experts:
+        raise ShapesError(f"{where}.experts_per_token: must be between 1 and experts "
+                          f"({arch.experts}) for a MoE model and 0 for a dense one, got "
+                          f"{arch.experts_per_token}")
+    return arch
+
+
+@dataclass(frozen=True)
 class ModelShapes:
     name: str
     path: str
     groups: tuple
+    architecture: Architecture | None = None   # the file's "architecture" section, if any
 
     @property
     def numel(self) -> int:
@@ -109,7 +174,9 @@ def load_shapes(path: str) -> ModelShapes:
                 raise ShapesError(f"{where}, tensor {tname!r}: non-positive dimension in {shape}")
             parsed.append((tname, tuple(shape)))
         groups.append(Group(gname, repeat, tuple(parsed)))
-    return ModelShapes(str(data.get("name", path)), path, tuple(groups))
+    arch = data.get("architecture")
+    arch = None if arch is None else parse_architecture(path, arch)
+    return ModelShapes(str(data.get("name", path)), path, tuple(groups), arch)
 
 
 @dataclass(frozen=True)
