@@ -25,7 +25,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["vescale_engine", "vescale_engine.*", "config_schemas",
                                     "launcher"]),
-    package_data={"config_schemas": ["*.json"]},
+    package_data={"config_schemas": ["*.json"],
+                  "vescale_engine.plan.step_time": ["clusters/*.json"]},
     install_requires=[
         "torch>=2.11.0,<2.16",
         "deepspeed>=0.19.3,<0.20",
