@@ -243,7 +243,9 @@ def measure(case: dict) -> dict:
     peak = _peaks(prof)
     dist.destroy_process_group()
     traffic.pop("on")
-    return {**case, **peak, **state, "traffic": traffic, "torch": torch.__version__}
+    sequence = traffic.pop("sequence")
+    return {**case, **peak, **state, "traffic": traffic, "sequence": sequence,
+            "torch": torch.__version__}
 
 
 def _count_collectives(dist, hpz_size=None, quantized_gradients=False) -> dict:
@@ -251,8 +253,11 @@ def _count_collectives(dist, hpz_size=None, quantized_gradients=False) -> dict:
     rank moves are added up as the estimate counts them: what an all-gather receives and a
     reduce-scatter sends ((group size - 1) shards), what a ring all-reduce sends; with ZeRO++,
     the quantized gradients' all-to-all (all but this rank's own range) as the reduce-scatter
-    and the all-gathers over hpZ groups of `hpz_size` as `all_gather_hpz`."""
-    counts = {"on": False, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    and the all-gathers over hpZ groups of `hpz_size` as `all_gather_hpz`. `sequence` lists
+    every collective in the order issued: [kind, group size, bytes of its full buffer]
+    (all_reduce: of the tensor), what `vescale plan --time`'s schedule is checked against."""
+    counts = {"on": False, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0,
+              "sequence": []}
 
     import inspect
 
@@ -266,6 +271,9 @@ def _count_collectives(dist, hpz_size=None, quantized_gradients=False) -> dict:
                 size = dist.get_world_size(bound.get("group"))
                 tensor = bound[which]
                 nbytes = tensor.numel() * tensor.element_size()
+                counts["sequence"].append([kind, size, nbytes if kind in ("all_reduce",
+                                                                          "all_to_all")
+                                           else size * nbytes])
                 if kind == "all_reduce":
                     counts[kind] += 2 * (size - 1) * nbytes // size
                 elif kind == "all_to_all":  # quantized gradients: all but its own range
