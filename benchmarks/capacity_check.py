@@ -86,11 +86,19 @@ def layer_tensors(H, Hq, Hkv, F, experts=None, bias=False) -> list:
 def model_shapes(name, vocab, H, layers, Hq, Hkv, F, experts=None, bias=False,
                  tied=False) -> dict:
     """A shapes file: embeddings, `layers` decoder layers, final norm and head; a tied head
-    reuses the embedding, which then says `"uses": 2`."""
+    reuses the embedding, which then says `"uses": 2`; the architecture section the step-time
+    model reads (the builder's experts each take EXPERT_CAPACITY of the TOKENS tokens: a token
+    visits experts * EXPERT_CAPACITY / TOKENS of them)."""
     embed = {"name": "embed_tokens.weight", "shape": [vocab, H], **({"uses": 2} if tied else {})}
     head = [{"name": "norm.weight", "shape": [H]}] + \
         ([] if tied else [{"name": "lm_head.weight", "shape": [vocab, H]}])
-    return {"name": name, "groups": [
+    architecture = {"layers": layers, "hidden": H, "heads": Hq // HEAD_DIM,
+                    "kv_heads": Hkv // HEAD_DIM, "head_dim": HEAD_DIM, "vocab": vocab,
+                    "tied_embeddings": tied}
+    if experts:
+        architecture.update(experts=experts,
+                            experts_per_token=min(experts, experts * EXPERT_CAPACITY // TOKENS))
+    return {"name": name, "architecture": architecture, "groups": [
         {"name": "embed_tokens", "repeat": 1, "tensors": [embed]},
         {"name": "layers", "repeat": layers,
          "tensors": layer_tensors(H, Hq, Hkv, F, experts, bias)},
@@ -417,12 +425,19 @@ def estimate(case: dict) -> dict:
     sys.path.insert(0, ROOT)
     from vescale_engine.plan import capacity, model_plan
 
-    setup = capacity.Setup(case["world_size"], optimizer=case["optimizer"],
-                           param_dtype=case["param_dtype"], reduce_dtype=case["reduce_dtype"],
-                           grad_accum=case["grad_accum"], hsdp=case["hsdp"],
-                           reshard_after_forward=case["reshard_after_forward"],
-                           **{k: case[k] for k in ZERO_PLUS_PLUS if k in case})
-    return capacity.estimate(model_plan.load_shapes(case["path"]), setup)
+    return capacity.estimate(model_plan.load_shapes(case["path"]), setup_of(case))
+
+
+def setup_of(case: dict):
+    """The capacity.Setup a case is estimated (and its step's schedule built) with."""
+    sys.path.insert(0, ROOT)
+    from vescale_engine.plan import capacity
+
+    return capacity.Setup(case["world_size"], optimizer=case["optimizer"],
+                          param_dtype=case["param_dtype"], reduce_dtype=case["reduce_dtype"],
+                          grad_accum=case["grad_accum"], hsdp=case["hsdp"],
+                          reshard_after_forward=case["reshard_after_forward"],
+                          **{k: case[k] for k in ZERO_PLUS_PLUS if k in case})
 
 
 def run_case(case: dict, timeout: float) -> dict:

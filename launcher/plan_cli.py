@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from launcher import plan_time
 from launcher.arg_types import positive_int
 from vescale_engine.plan.granularity import GRANULARITY_HELP, parse_granularity
 from vescale_engine.plan.planner import DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError
@@ -143,6 +144,7 @@ def add_parser(sub):
     a.add_argument("--tiled-loss", action="store_const", const=True, default=None,
                    help="DeepSpeed's TiledFusedLogitsLoss: no full-vocabulary logits kept")
     a.add_argument("--head-dim", metavar="D", help="attention head size (default 128)")
+    plan_time.add_arguments(p)
     p.set_defaults(run=_run_plan)
 
 
@@ -190,10 +192,11 @@ def _capacity_setups(args, model) -> dict:
     """{world size: capacity.Setup}, checked: a bad value is one line, before any planning."""
     from vescale_engine.plan import capacity
 
-    if not args.memory:
+    if not args.memory and not args.time:
         given = [f for f in _MEMORY_FLAGS if getattr(args, f) is not None]
         if given:
-            raise capacity.CapacityError(f"--{given[0].replace('_', '-')} needs --memory")
+            raise capacity.CapacityError(f"--{given[0].replace('_', '-')} needs --memory "
+                                         f"(or --time)")
         return {}
     args.grad_accum = _flag_number(args.grad_accum, "--grad-accum", int)
     args.hsdp = _flag_number(args.hsdp, "--hsdp", int)
@@ -206,7 +209,26 @@ def _capacity_setups(args, model) -> dict:
     if args.quantization_group and not (args.quantized_weights or args.quantized_gradients):
         raise capacity.CapacityError("--quantization-group needs --quantized-weights or "
                                      "--quantized-gradients")
-    _activation_flags(args, model)
+    if args.memory:
+        # --seq is the time model's tokens too: a model the activation estimate cannot read
+        # (MoE, MLA) is still timed; its memory says activations are excluded
+        only_tokens = not any(getattr(args, f) is not None for f in _ACTIVATION_FLAGS
+                              if f not in ("micro_batch", "activation_checkpointing"))
+        try:
+            _activation_flags(args, model)
+        except capacity.CapacityError as err:
+            if not (args.time and only_tokens and "activation estimate" in str(err)):
+                raise
+            print(f"note: {err}: memory without activations", file=sys.stderr)
+            args.activations = None
+    else:   # --time alone: the tokens per rank; the activation estimate is --memory's
+        given = [f for f in _ACTIVATION_FLAGS if f != "micro_batch" and
+                 getattr(args, f) is not None and f != "activation_checkpointing"]
+        if given:
+            raise capacity.CapacityError(f"--{given[0].replace('_', '-')} needs --memory")
+        args.activations = None
+        args.seq = _flag_number(args.seq, "--seq", int)
+        args.micro_batch = _flag_number(args.micro_batch, "--micro-batch", int)
     args.optimizer_type, optimizer = _optimizer(args.optimizer)
     if args.max_preconditioner_dim and optimizer != "Shampoo":
         raise capacity.CapacityError("--max-preconditioner-dim needs --optimizer Shampoo")
@@ -321,6 +343,7 @@ def _run_plan(args) -> int:
         raise mp.ShapesError(f"--plot must name a .png file, got {args.plot!r}")
     if args.plot:
         _require_matplotlib()
+    plan_time.check(args)
     setups = _capacity_setups(args, model)   # resolves args.granularity; checks first
     args.granularity = args.granularity or [parse_granularity("rows:1")]
     local, meshes = _local(args, model)
@@ -350,7 +373,8 @@ def _run_plan(args) -> int:
                 print(warning, file=sys.stderr, flush=True)
     if not args.json and sweep:
         print(_FOOTNOTE)
-    if setups:
+    timed = plan_time.run(args, model, setups) if args.time else None
+    if setups and args.memory:
         from vescale_engine.plan import capacity
         cache = capacity.PlanCache()
         uses = capacity.tensor_uses(model.path)
@@ -370,7 +394,13 @@ def _run_plan(args) -> int:
         for obj, plan in zip(out, plans):
             obj["alternatives"] = {a.system: a.to_json() for a in mp.alternatives(plan)}
             obj["warnings"] = warnings[id(plan)]
-            found = estimates.get((str(plan.granularity), plan.world))
+            key = (str(plan.granularity), plan.world)
+            if timed:
+                obj["time"] = {**timed["rows"][key], "cluster": timed["cluster"].name,
+                               "workload": dataclasses.asdict(timed["workload"])}
+                obj["time"]["strong"] = next((r for r in timed["strong"] or []
+                                              if r["world_size"] == plan.world), None)
+            found = estimates.get(key)
             if found:
                 obj.update(memory=found["memory"], traffic=found["traffic"],
                            memory_setup=found["setup"])
@@ -380,9 +410,11 @@ def _run_plan(args) -> int:
         _print_detail(plans[0])
     if estimates and not args.json:
         _print_memory(model, plans, estimates, args.device_memory, args)
+    if timed:
+        plan_time.show(args, model, setups, timed)
     if args.verify and not args.json:
         print(f"verified: {len(plans)} model plan(s), every invariant holds")
-    if args.plot:
+    if args.plot and not (args.time and args.scan):   # --time --scan: its scaling plot
         _plot(plans, model, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

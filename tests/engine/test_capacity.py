@@ -41,6 +41,10 @@ CASES = [
     ("tied", "ours", 16, {"optimizer": "Muon", "grad_accum": 2}),
     ("tied", "fsdp2", 8, {"grad_accum": 2}),
 ]
+# ZeRO++ settings measured on the dense model, ours, rank 0 of 8
+ZERO_PLUS_PLUS = [{"quantized_weights": True, "quantized_gradients": True},
+                  {"hpz": 2, "quantized_weights": True},
+                  {"quantized_weights": True, "fp8_matmul": True}]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,41 @@ def test_estimate_matches_fake_pg_measurement(tiny_models, kind, system, world, 
         assert mine["optimizer"] == found["optimizer"]
     else:  # AdamW8bit's quantizer and Muon's per-piece steps: within a few bytes per tensor
         assert mine["optimizer"] == pytest.approx(found["optimizer"], rel=0.02)
+
+
+def schedule_sequence(schedule, setup) -> list:
+    """[kind, group size, bytes] of every collective the time model's schedule issues in the
+    measured step (its micro-steps), as capacity_check records them."""
+    size = {"shard": schedule.shard_group, "replica": setup.hsdp, "hpz": setup.hpz}
+    return [[c.kind, size[c.group], c.nbytes] for _ in range(setup.grad_accum)
+            for task in schedule.tasks for c in task.gathers + task.reduces
+            for _ in range(c.count)]
+
+
+# every measured case but Muon's (its optimizer step has collectives of its own) and FP8's
+# (tile scales, not int8 groups' scales)
+SCHEDULED = [c for c in CASES if c[3].get("optimizer") != "Muon"] + [
+    ("dense", "ours", 8, z) for z in ZERO_PLUS_PLUS if not z.get("fp8_matmul")]
+
+
+@pytest.mark.parametrize("kind,system,world,changes", SCHEDULED,
+                         ids=[f"{k}-{s}-W{w}-" + "-".join(f"{a}={b}" for a, b in c.items())
+                              for k, s, w, c in SCHEDULED])
+def test_the_time_models_schedule_is_the_collectives_a_step_issues(tiny_models, kind, system,
+                                                                   world, changes):
+    """`vescale plan --time` plays a schedule built from the planner; here it is the real
+    step's: every all-gather, reduce-scatter, all-reduce and all-to-all the measured step
+    issued (ours: fully_shard's per buffer; torch's FSDP2's own), in order per kind, with its
+    group size and bytes, equals the schedule's."""
+    from vescale_engine.plan.step_time.schedule import build_schedule
+    case, found = measured(tiny_models, kind, system, world, changes)
+    setup = bench.setup_of(case)
+    schedule = build_schedule(system, model_plan.load_shapes(case["path"]), setup, bench.TOKENS)
+    mine = schedule_sequence(schedule, setup)
+    for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        recorded = [s for s in found["sequence"] if s[0] == op]
+        assert recorded == [s for s in mine if s[0] == op], op
+    assert len(found["sequence"]) == len(mine) > 0
 
 
 def test_comparison_tells_setups_apart(tiny_models):
@@ -623,11 +662,8 @@ def test_shampoo_block_cut_is_the_optimizers():
                     (shape, g, B)
 
 
-@pytest.mark.parametrize("changes", [
-    {"quantized_weights": True, "quantized_gradients": True},
-    {"hpz": 2, "quantized_weights": True},
-    {"quantized_weights": True, "fp8_matmul": True},
-], ids=["quantized", "hpz-quantized-weights", "fp8-matmul"])
+@pytest.mark.parametrize("changes", ZERO_PLUS_PLUS, ids=["quantized", "hpz-quantized-weights",
+                                                          "fp8-matmul"])
 def test_zero_plus_plus_traffic_is_what_the_collectives_move(tiny_models, changes):
     """ZeRO++ (ours): the quantized all-gathers and gradient all-to-alls and hpZ's in-group
     gathers of a real training step (fake process group, rank 0 of 8) move exactly the bytes

@@ -304,7 +304,9 @@ def test_executed_flops_and_checkpointing():
 def test_unit_time_and_copy_time(h100):
     g = next(g for g in group_flops(shapes("llama-3.1-8b"), 8192) if g.name == "layers")
     fwd, _ = unit_time(g, 8192, h100)
-    by_hand = 8192 * (g.matmul / (989e12 * 0.7) + g.attention / 2 / (989e12 * 0.35))
+    d = h100.device
+    by_hand = 8192 * (g.matmul / (989e12 * d.matmul_efficiency)
+                      + g.attention / 2 / (989e12 * d.attention_efficiency))
     assert fwd == pytest.approx(by_hand, rel=1e-12)
     # 1 GB copied: read + write at 85% of 3.35 TB/s
     assert copy_time(1e9, h100) == pytest.approx(2e9 / (3.35e12 * 0.85))

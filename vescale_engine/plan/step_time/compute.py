@@ -27,12 +27,12 @@ Executed FLOPs, for time (`unit_flops`), differ where the GPU does different wor
   activation_checkpoint.py, _apply_op_sac), which saves SDPA's output and every other matmul's,
   so it recomputes about half the layer's matmul FLOPs and no attention.
 
-Left out: sliding-window attention (GPT-OSS's every other layer: this counts full attention, as
-torchtitan does), elementwise work (norms, activations, softmax, rotary, the router's top-k),
-the optimizer step, and MoE load imbalance (every expert is assumed to get its share). So
-compute times are optimistic: on the shipped h100 cluster, Llama-3.1-8B at 8,192 tokens per GPU
-runs at ~67% MFU here before any communication, above what FSDP runs measure; calibrate the
-cluster's efficiencies against a measured step before trusting absolute times.
+Left out as FLOPs: sliding-window attention (GPT-OSS's every other layer: this counts full
+attention, as torchtitan does), elementwise work (norms, activations, softmax, rotary, the
+router's top-k) and MoE load imbalance (every expert is assumed to get its share). The shipped
+clusters' efficiencies are calibrated on a measured eager-PyTorch step (their "source" says
+which), so they fold the elementwise work in, at that model's proportions; the optimizer step is
+simulate.py's.
 """
 from __future__ import annotations
 

@@ -69,12 +69,13 @@ _VARIANTS = (
     ("reshard_after_forward off", lambda s, w: (dataclasses.replace(
         s, reshard_after_forward=not s.reshard_after_forward), w)),
     ("prefetch 2", lambda s, w: (s, dataclasses.replace(w, prefetch=2))),
-    ("prefetch 0", lambda s, w: (s, dataclasses.replace(w, prefetch=0))),
     ("quantized weights (int8)", lambda s, w: (dataclasses.replace(
         s, quantized_weights=True), w)),
     ("quantized gradients (int8)", lambda s, w: (dataclasses.replace(
         s, quantized_gradients=True), w)),
     ("hpZ within a node (8)", lambda s, w: (dataclasses.replace(s, hpz=8), w)),
+    ("one buffer per unit (fewer collectives)", lambda s, w: (dataclasses.replace(
+        s, max_buffers=1), w)),
     ("granularity element", lambda s, w: (dataclasses.replace(s, granularity="element"), w)),
     ("granularity rows:128", lambda s, w: (dataclasses.replace(s, granularity="rows:128"), w)),
 )

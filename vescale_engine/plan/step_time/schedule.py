@@ -19,8 +19,9 @@ their order is the one the engines issue:
   gradients are concatenated into the reduce-scatter's input (copy-in, `chunk_cat`, the full
   gradient bytes) after its backward; per-parameter dim-0 padding.
 - ZeRO-3 (deepspeed/runtime/zero/stage3.py, partitioned_param_coordinator.py), from DeepSpeed's
-  own rules, not a run (its runtime needs a device per rank): one all-gather per parameter above
-  the persistence threshold (padded to a multiple of W), as the submodule hooks fetch them;
+  own rules, not a run (its runtime needs a device per rank): the parameters above the
+  persistence threshold (each padded to a multiple of W) all-gathered in module order, one
+  coalesced collective per prefetch bucket (stage3_prefetch_bucket_size elements);
   gradients copied into the reduce bucket (`__add_grad_to_ipg_bucket`) and reduce-scattered
   each time the bucket reaches reduce_bucket_size elements, and once more at the end.
 
@@ -132,6 +133,11 @@ def _pipeline(setup: Setup, units: list, root_unit, root_work, gather, reduce, r
     return tuple(tasks)
 
 
+def _quantized(kind: str, M: int, buffers: list) -> tuple:
+    """ZeRO++'s collectives of a unit, per buffer: the int8 payload, then the fp32 scales."""
+    return tuple(Comm(kind, nbytes) for n, g in buffers for nbytes in (M * n, M * 4 * g))
+
+
 def _ours(root, order, works, root_work, setup, cache) -> Schedule:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce]
     plans = {u.name: cache.plan(u, setup) for u in {u.name: u for u in order}.values()}
@@ -147,14 +153,14 @@ def _ours(root, order, works, root_work, setup, cache) -> Schedule:
         M = plans[unit.name].world
         if phase == "backward" and setup.hpz > 1:   # hpZ: from the secondary copies
             return tuple(Comm("all_gather", M * n * pb, "hpz") for n, _ in buffers[unit.name])
-        if setup.quantized_weights:   # int8 payload and one fp32 scale per group, per rank
-            return tuple(Comm("all_gather", M * (n + 4 * g)) for n, g in buffers[unit.name])
+        if setup.quantized_weights:   # the int8 payload, then one fp32 scale per group
+            return _quantized("all_gather", M, buffers[unit.name])
         return tuple(Comm("all_gather", M * n * pb) for n, _ in buffers[unit.name])
 
     def reduce(unit):
         M = plans[unit.name].world
         if setup.quantized_gradients:
-            return tuple(Comm("all_to_all", M * (n + 4 * g)) for n, g in buffers[unit.name]) + \
+            return _quantized("all_to_all", M, buffers[unit.name]) + \
                 tuple(c for n, _ in buffers[unit.name] for c in _reduces(setup, 0, n * rb)[1:])
         return tuple(c for n, _ in buffers[unit.name] for c in _reduces(setup, M * n * rb,
                                                                          n * rb))
@@ -214,9 +220,21 @@ def _zero3(root, order, works, root_work, setup, cache) -> Schedule:
             parts[unit.name] = [(M * -(-t.numel // M), t.numel >= limit) for t in unit.tensors]
         return parts[unit.name]
 
-    def gather(unit, phase):   # one per parameter above the persistence threshold
+    def gather(unit, phase):
+        """The parameters above the persistence threshold, in module order, fetched together
+        up to prefetch_bucket_size elements: one coalesced all-gather per bucket
+        (partitioned_param_coordinator's fetch of a submodule and the ones after it)."""
         if unit.name not in gathers:
-            sizes = [n * pb for n, fetched in padded(unit) if fetched]
+            buckets, filling = [], 0
+            for n, fetched in padded(unit):
+                if not fetched:
+                    continue
+                if filling and filling + n > ZERO3_DEFAULTS["prefetch_bucket_size"]:
+                    buckets.append(filling)
+                    filling = 0
+                filling += n
+            buckets += [filling] if filling else []
+            sizes = [n * pb for n in buckets]
             gathers[unit.name] = tuple(Comm("all_gather", n, count=sizes.count(n))
                                        for n in dict.fromkeys(sizes))
         return gathers[unit.name]
