@@ -11,6 +11,9 @@ from launcher.arg_types import positive_int
 
 SYSTEMS = (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3"))
 _TIME_FLAGS = ("cluster", "checkpointing", "prefetch", "scan")
+_CHECKPOINTING = {"none": "no activation checkpointing",
+                  "selective": "selective activation checkpointing",
+                  "full": "full activation checkpointing"}
 
 
 def add_arguments(parser) -> None:
@@ -46,6 +49,9 @@ def check(args) -> None:
         if given:
             raise CapacityError(f"--{given[0]} needs --time")
         return
+    if args.tp > 1 or args.ep > 1:
+        raise CapacityError("--time models FSDP and HSDP steps; TP/EP (their all-to-alls and "
+                            "TP collectives) are not in the time model: drop --tp/--ep")
     if args.scan and len(args.world_size) < 2:
         raise CapacityError("--scan needs a --world-size list, e.g. 8,16,32,...,8192")
     if args.scan and args.granularity and len(args.granularity) > 1:
@@ -103,7 +109,7 @@ def _print(model, cluster, work, setups, out, strong) -> None:
     d = cluster.device
     print(f"\nstep time: {model.name} on {cluster.name} ({cluster.gpus_per_node} x {d.name} per "
           f"node), {work.micro_batch} x {work.seq_len:,} tokens per rank per micro-step, "
-          f"{work.checkpointing} activation checkpointing, prefetch {work.prefetch}; compute at "
+          f"{_CHECKPOINTING[work.checkpointing]}, prefetch {work.prefetch}; compute at "
           f"{_pct(d.matmul_efficiency)} (matmuls) and {_pct(d.attention_efficiency)} "
           f"(attention) of {d.bf16_flops / 1e12:,.0f} TFLOP/s; MFU counts torchtitan's model "
           f"FLOPs")

@@ -301,11 +301,12 @@ def test_capacity_guide_shows_the_commands_real_output():
     # (the synopsis of the command's flags is a `text` block, not a command run)
     commands = [i for i, (lang, b) in enumerate(fenced)
                 if not lang and b.startswith("vescale plan")]
-    # the AdamW8bit question, the offload one, the long sequence one, Kimi K2 with EP
-    assert len(commands) == 4
+    # the AdamW8bit question, the offload one, the long sequence one, Kimi K2 with EP; the
+    # step time of Llama-3-70B on 512 H100s and GPT-OSS-120B's scaling (--time)
+    assert len(commands) == 6
     for i in commands:
         shown = blocks[i + 1]
-        assert shown.startswith("memory per rank")
+        assert shown.startswith("step time" if "--time" in blocks[i] else "memory per rank")
         out = vescale(*shlex.split(blocks[i])[1:])
         assert out.returncode == 0, out.stderr
         assert shown.strip() in out.stdout

@@ -26,7 +26,7 @@ from .request import MASTER_BYTES, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
 
-__all__ = ["simulate_fsdp2", "traffic_fsdp2", "pcie_fsdp2"]
+__all__ = ["simulate_fsdp2", "traffic_fsdp2", "pcie_fsdp2", "unit_shard"]
 
 
 def _dim0_shard(shape, world: int, dim: int = 0) -> int:
@@ -38,6 +38,12 @@ def _shard(t, unit: Unit, setup: Setup) -> int:
     """Rank 0's padded shard of tensor `t` of `unit`, over the unit's shard group."""
     world = setup.group_size(unit)
     return _dim0_shard(t.shape, world, 1 if unit.expert and world > t.shape[0] else 0)
+
+
+def unit_shard(unit: Unit, setup: Setup) -> int:
+    """Elements of rank 0's padded shards of one instance of `unit` (FSDP2's all-gather input:
+    every rank's is this size)."""
+    return sum(_shard(t, unit, setup) for t in unit.tensors)
 
 
 def _fsdp2_optimizer(unit: Unit, setup: Setup) -> tuple:

@@ -40,8 +40,8 @@ from .request import MASTER_BYTES, CapacityError, Setup, add_traffic
 from .timeline import Timeline
 from .units import Unit, expand
 
-__all__ = ["ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES", "PlanCache",
-           "offloaded_buffers", "simulate_ours", "traffic", "pcie"]
+__all__ = ["ADAMW8BIT_STEP_BYTES_PER_ELEMENT", "ADAMW8BIT_TABLE_BYTES", "UNITS_CHECK_BYTES",
+           "PlanCache", "offloaded_buffers", "simulate_ours", "traffic", "pcie"]
 
 # AdamW8bit's step, per element of the largest chunk it works on at a time (quantize.py), at
 # its peak while quantizing a moment again: both moments restored to fp32 (8 B), the normalized

@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..capacity import PlanCache, Setup, default_root, model_units, tensor_uses
-from ..capacity.fsdp2 import _shard as fsdp2_shard
+from ..capacity.fsdp2 import unit_shard
 from ..capacity.ours import UNITS_CHECK_BYTES
 from ..capacity.units import expand
 from ..capacity.zero3 import ZERO3_DEFAULTS
@@ -184,7 +184,7 @@ def _fsdp2(root, order, works, root_work, setup, cache) -> Schedule:
 
     def shard(unit):
         if unit.name not in shards:
-            shards[unit.name] = sum(fsdp2_shard(t, unit, setup) for t in unit.tensors)
+            shards[unit.name] = unit_shard(unit, setup)
         return shards[unit.name]
 
     def gather(unit, phase):
