@@ -9,7 +9,9 @@
 #       drift, native collectives and ragged redistributions, checkpoint resume for AdamW,
 #       AdamW8bit, Muon and Shampoo (placement and host syncs for each too), stage 0;
 #   (3) the fake-process-group memory comparison with FSDP2 at W = $WORLD_SIZES;
-#   (4) step time and peak memory against FSDP2 on a ~1B-parameter bf16 model (world size 1);
+#   (4) step time and peak memory against FSDP2 on a ~1B-parameter bf16 model (world size 1),
+#       and `vescale plan --time`'s prediction of both on this GPU's cluster file (within 10%:
+#       benchmarks/step_time_check.py);
 #   (5) benchmarks/gpu_offload.py: offload, peak device memory and step time of ~1B and ~3B
 #       bf16 Llamas, ours vs DeepSpeed ZeRO-3 offload vs FSDP2 CPUOffloadPolicy (world size 1;
 #       a variant the engine refuses is skipped with its reason);
@@ -104,6 +106,8 @@ PY
     --world-sizes $WORLD_SIZES --repeats 1 --out "$DIR/fake_pg_memory_$DEVICE.md"
   # shellcheck disable=SC2086  # flags
   run step_time 300 "$PY" benchmarks/gpu_step_time.py --device "$DEVICE" $STEP_TIME_FLAGS --out "$DIR"
+  run step_time_model 60 "$PY" benchmarks/step_time_check.py \
+    --measured "$DIR/gpu_step_time_$DEVICE.json" --out "$DIR/step_time_model_$DEVICE.md"
   # shellcheck disable=SC2086  # flags
   run offload 600 "$PY" benchmarks/gpu_offload.py --device "$DEVICE" $OFFLOAD_FLAGS --out "$DIR"
   # shellcheck disable=SC2086  # flags

@@ -88,8 +88,9 @@ def worker(args):
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 1e6 if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"system": args.system, "params": n_params, "step_s": statistics.median(times),
-                      "peak_mb": peak, "loss": loss.item()}), flush=True)
+                      "peak_mb": peak, "loss": loss.item(), "device_name": name}), flush=True)
     dist.destroy_process_group()
 
 
@@ -139,6 +140,11 @@ def main():
               f"{rows[s]['loss']:.4f} |" for s in SYSTEMS]
     table += ["", f"veScale / FSDP2: step time {ratio:.3f}x, peak memory {mem:.3f}x"]
     write_report(os.path.join(args.out, f"gpu_step_time_{args.device}.md"), table)
+    # what benchmarks/step_time_check.py compares `vescale plan --time` with
+    with open(os.path.join(args.out, f"gpu_step_time_{args.device}.json"), "w") as f:
+        json.dump({"device": args.device, "device_name": runs["FSDP2"][-1]["device_name"],
+                   **{k: getattr(args, k) for k in ("layers", "dim", "vocab", "seq", "batch")},
+                   "step_s": {s: rows[s]["step_s"] for s in SYSTEMS}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The GPU check's CPU dry run: `DEVICE=cpu bash benchmarks/gpu_check.sh` runs every part of
 the script the first GPU will run (main job fp32 and bf16, gpu_validate's checks, the fake
-process group memory comparison, the step-time comparison with FSDP2, the offload comparison,
+process group memory comparison, the step-time comparison with FSDP2 and its prediction by
+`vescale plan --time`, the offload comparison,
 the MoE memory, checkpoint stall and compile comparisons, quantized communication on one rank
 and as rank 0 of a fake process group, the FP8 matmuls) on gloo, small sizes."""
 import json
@@ -23,7 +24,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     import torch
     assert f"python {platform.python_version()} | torch {torch.__version__} |" in log, log[:2000]
     for part in ("main_job_vescale_default", "main_job_vescale_bf16", "validate",
-                 "fake_pg_memory", "step_time", "offload", "moe_ep_memory", "checkpoint_io",
+                 "fake_pg_memory", "step_time", "step_time_model", "offload", "moe_ep_memory", "checkpoint_io",
                  "compile_step", "quantized_comm", "quantized_comm_fake", "fp8_matmul"):
         assert f"{part}: 0" in log, part
     assert log.count("trained 3 steps on 1 rank(s)") == 2
@@ -37,6 +38,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert "Shampoo" in json.dumps(checks["checkpoints"]), checks["checkpoints"]
     table = (tmp_path / "gpu_step_time_cpu.md").read_text()
     assert "| veScale |" in table and "| FSDP2 |" in table
+    model = (tmp_path / "step_time_model_cpu.md").read_text()   # plan --time on this GPT
+    assert "| veScale |" in model and "shown and not compared" in model
     assert (tmp_path / "fake_pg_memory_cpu.md").exists()
     offload = json.loads((tmp_path / "gpu_offload_cpu.json").read_text())
     systems = offload["models"]["smoke"]["systems"]
