@@ -26,18 +26,19 @@ from ranks import write_report  # noqa: E402
 SYSTEMS = {"veScale": "ours", "FSDP2": "fsdp2"}
 
 
-def gpt_shapes(layers: int, dim: int, vocab: int, seq: int) -> dict:
+def gpt_shapes(layers: int, dim: int, vocab: int, seq: int, head_dim: int = 128) -> dict:
     """examples/gpt_model.py's GPT as a shapes file: tied embedding (used twice), learned
-    positions, blocks of LayerNorm, fused qkv, output projection and a 4x MLP; heads of 128
-    (gpu_step_time.py's n_head = dim // 128)."""
+    positions, blocks of LayerNorm, fused qkv, output projection and a 4x MLP; heads of
+    `head_dim` (gpu_step_time.py's n_head = dim // 128; fsdp_step_time.py's dim // 64)."""
     def t(name, shape, **extra):
         return {"name": name, "shape": shape, **extra}
     block = [t("ln_1.weight", [dim]), t("ln_1.bias", [dim]), t("attn.weight", [3 * dim, dim]),
              t("attn_proj.weight", [dim, dim]), t("ln_2.weight", [dim]), t("ln_2.bias", [dim]),
              t("fc.weight", [4 * dim, dim]), t("proj.weight", [dim, 4 * dim])]
     return {"name": f"gpt-{layers}x{dim}",
-            "architecture": {"layers": layers, "hidden": dim, "heads": max(1, dim // 128),
-                             "head_dim": min(dim, 128), "vocab": vocab,
+            "architecture": {"layers": layers, "hidden": dim,
+                             "heads": max(1, dim // head_dim), "head_dim": min(dim, head_dim),
+                             "vocab": vocab,
                              "tied_embeddings": True},
             "groups": [{"name": "embeddings", "repeat": 1,
                         "tensors": [t("wte.weight", [vocab, dim], uses=2),

@@ -135,6 +135,9 @@ def test_overlap_by_hand(h100, monkeypatch):
     assert exposed.step - 8 == pytest.approx(3 * (1 + 2 + 1))
     assert hidden.compute == exposed.compute == pytest.approx(6)
     assert exposed.exposed == pytest.approx(exposed.step - 6)
+    # no overlap (CPU ranks on gloo): every collective adds to the compute
+    serial = simulate(schedule, dataclasses.replace(cluster, overlap=False), place, tokens=1)
+    assert serial.step - 8 == pytest.approx(3 * 2 + 3 * 1 + 3 * 1)
     # copies run on the compute stream: 0.5 s before each unit adds 1.5 s
     copied = Schedule("test", tuple(dataclasses.replace(t, copy_before=0.5) for t in tasks), 0, 8)
     assert simulate(copied, cluster, place, tokens=1).step - hidden.step == pytest.approx(1.5)

@@ -82,6 +82,9 @@ def test_a_path_and_bare_numbers_load(tmp_path):
     (lambda d: d.pop("intra_node"), "intra_node: missing or not an object"),
     (lambda d: d["device"].update(bf16_flops="989e12"), "device.bf16_flops: must be a positive"),
     (lambda d: d["device"].update(attention_efficiency=True), "device.attention_efficiency"),
+    (lambda d: d.update(protocols=["Simple", "ring"]), "protocols: a non-empty list"),
+    (lambda d: d.update(protocols=[]), "protocols: a non-empty list"),
+    (lambda d: d.update(overlap="no"), "overlap: must be true or false"),
 ])
 def test_cluster_refusals_name_the_file_and_field(tmp_path, edit, field):
     data = copy.deepcopy(_shipped())
@@ -91,6 +94,21 @@ def test_cluster_refusals_name_the_file_and_field(tmp_path, edit, field):
         load_cluster(path)
     message = str(err.value)
     assert message.startswith(path) and field in message and "\n" not in message
+
+
+def test_protocols_and_overlap_are_optional_and_read(tmp_path):
+    """Shipped clusters: NCCL's three protocols, collectives beside compute; a gloo-like file
+    narrows the protocols (only Simple's latency and bandwidth) and turns overlap off."""
+    shipped = load_cluster("h100")
+    assert shipped.protocols == ("LL", "LL128", "Simple") and shipped.overlap
+    data = copy.deepcopy(_shipped())
+    data.update(protocols=["Simple"], overlap=False)
+    cpu = load_cluster(_write(tmp_path, data))
+    assert cpu.protocols == ("Simple",) and not cpu.overlap
+    small = 64 * 1024   # LL's lower latency wins at small messages, when allowed
+    g = Group(8, 8)
+    assert collective_time("all_gather", small, g, cpu) > collective_time("all_gather", small,
+                                                                         g, shipped)
 
 
 def test_cluster_refuses_unknown_names_and_bad_json(tmp_path):

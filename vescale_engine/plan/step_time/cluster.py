@@ -18,7 +18,11 @@ files give a source for each):
      "intra_node": {"bandwidth": bytes/s per GPU, one direction,
                     "latency": s per ring step (NCCL's Simple protocol),
                     "efficiency": the fraction of bandwidth NCCL's busbw reaches},
-     "inter_node": {... the same three, for one GPU's NIC}}
+     "inter_node": {... the same three, for one GPU's NIC},
+     "protocols": optional, the NCCL protocols its collectives may use (default all three:
+                  "LL", "LL128", "Simple"; a library with one algorithm, gloo: ["Simple"]),
+     "overlap": optional, true (default) when collectives run beside compute (NCCL's own
+                kernels and links); false when they share the processor (CPU ranks on gloo)}
 
 Bad input is a ClusterError naming the file and the field.
 """
@@ -69,6 +73,8 @@ class Cluster:
     device: Device
     intra_node: Link
     inter_node: Link
+    protocols: tuple = ("LL", "LL128", "Simple")
+    overlap: bool = True
 
 
 _FRACTIONS = {"matmul_efficiency", "attention_efficiency", "memory_efficiency", "efficiency"}
@@ -135,5 +141,13 @@ def load_cluster(name_or_path: str) -> Cluster:
     device = Device(dev["name"], *(_number(path, dev, f, "device") for f in (
         "bf16_flops", "matmul_efficiency", "attention_efficiency", "memory_bytes",
         "memory_bandwidth", "memory_efficiency")))
+    protocols = data.get("protocols", list(Cluster.protocols))
+    if not isinstance(protocols, list) or not protocols or \
+            any(p not in Cluster.protocols for p in protocols):
+        raise ClusterError(f"{path}: protocols: a non-empty list of "
+                           f"{', '.join(Cluster.protocols)}, got {protocols!r}")
+    overlap = data.get("overlap", True)
+    if not isinstance(overlap, bool):
+        raise ClusterError(f"{path}: overlap: must be true or false, got {overlap!r}")
     return Cluster(str(name), path, int(gpus), device, _link(path, data, "intra_node"),
-                   _link(path, data, "inter_node"))
+                   _link(path, data, "inter_node"), tuple(protocols), overlap)

@@ -166,4 +166,4 @@ def collective_time(kind: str, nbytes: float, group: Group, cluster: Cluster,
             raise ValueError(f"{kind} runs {' or '.join(algorithms)}, not {algorithm!r}")
         algorithms = (algorithm,)
     return min(_time(kind, a, p, nbytes, group, cluster)
-               for a in algorithms for p in PROTOCOLS)
+               for a in algorithms for p in cluster.protocols)

@@ -11,6 +11,8 @@ compute stream and the communication stream, as the engines overlap them.
   with prefetch 1, unit i+1's gather overlaps unit i's compute, as FSDP2's and ours do by
   default (forward: the host runs ahead; backward: explicit prefetch). A task's
   reduce-scatters are issued when its backward ends.
+- A cluster without overlap (CPU ranks, where gloo's collectives take the cores the compute
+  runs on) adds every collective's time to the compute's instead.
 - Gradient accumulation repeats the micro-step (ours and FSDP2 reduce every micro-step, as
   `--memory`'s traffic counts them); the optimizer step starts when the last collective ended:
   the gradient norm's all-reduce (a few bytes: its latency), then a memory-bound pass over the
@@ -103,6 +105,8 @@ def simulate(schedule: Schedule, cluster: Cluster, placement: Placement, tokens:
         end, busy, copies = (a + more * (b - a) for a, b in zip(played[0][:3], played[1][:3]))
         by_kind = {k: v + more * (played[1][3][k] - v) for k, v in played[0][3].items()}
     norm = collective_time("all_reduce", 8, placement.shard, cluster)
+    if not cluster.overlap:   # one processor: nothing hides
+        end = busy + sum(by_kind.values())
     by_kind["all_reduce"] = by_kind.get("all_reduce", 0.0) + norm
     optimizer_s = copy_time(OPTIMIZER_BYTES[optimizer] * schedule.optimizer_elements / 2,
                             cluster)
