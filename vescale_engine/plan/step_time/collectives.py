@@ -20,7 +20,7 @@ buffer) and N = size:
 
     ring all_gather / reduce_scatter:  a + (N - n) a_nvl + (n - 1) a_net + (N-1)/N * nbytes / bw
     ring all_reduce:                   a + 2(N - n) a_nvl + 2n a_net    + 2(N-1)/N * nbytes / bw
-    tree all_reduce:                   a + 2((k - 1) a_nvl + floor(log2 n) a_net) + nbytes / (bw / 2)
+    tree all_reduce:                   a + 2((k-1) a_nvl + floor(log2 n) a_net) + nbytes / (bw/2)
     broadcast (pipelined ring):        a + a_hop + nbytes / bw
     all_to_all (`nbytes` per rank):    a + a_hop + max(intra bytes / B_nvl, inter bytes / B_nic)
 
