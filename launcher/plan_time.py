@@ -10,6 +10,7 @@ import sys
 from launcher.arg_types import positive_int
 
 SYSTEMS = (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3"))
+SMALL_CHANGE = 0.005   # what moves ours: settings below it are not printed (--json has all)
 _TIME_FLAGS = ("cluster", "checkpointing", "prefetch", "scan")
 _CHECKPOINTING = {"none": "no activation checkpointing",
                   "selective": "selective activation checkpointing",
@@ -137,9 +138,12 @@ def _print(model, cluster, work, setups, out, strong) -> None:
             print(f"{label:<7} {r['step_s']:>8.3f} {r['tokens_per_s_per_gpu']:>13,.0f} "
                   f"{_pct(r['mfu']):>6} {_pct(r['exposed_share']):>8} "
                   f"{_pct(r['copies_share']):>7} {r['communication_s']:>12.3f}")
-        if row["settings"]:
-            print("what moves ours most: " + "; ".join(
-                f"{s['setting']} {100 * s['change']:+.1f}%" for s in row["settings"]))
+        moving = [s for s in row["settings"] if abs(s["change"]) >= SMALL_CHANGE]
+        print("what moves ours most: " + ("; ".join(
+            f"{s['setting']} {100 * s['change']:+.1f}%" for s in moving) if moving else
+            f"no setting tried changes the step by {100 * SMALL_CHANGE:.1f}% or more"
+            + (f" (the most: {row['settings'][0]['setting']} "
+               f"{100 * row['settings'][0]['change']:+.1f}%)" if row["settings"] else "")))
     if strong:
         largest = max(r["world_size"] for r in strong)
         print(f"strong scaling (the global batch of {largest:,} ranks x {work.micro_batch} "
