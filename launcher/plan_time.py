@@ -82,9 +82,9 @@ def run(args, model, setups: dict) -> dict:
     try:
         for key, setup in setups.items():
             row = {name: predict(name, model, setup, cluster, work, cache) for name, _ in SYSTEMS}
-            row["settings"] = [{"setting": n, "step_s": s, "change": c}
-                               for n, s, c in settings_that_matter(model, setup, cluster, work,
-                                                                   cache)]
+            if len(setups) == 1:   # a sweep's table has no room for them (and they cost)
+                row["settings"] = [{"setting": n, "step_s": s, "change": c} for n, s, c in
+                                   settings_that_matter(model, setup, cluster, work, cache)]
             out[key] = row
         strong = scan(model, next(iter(setups.values())), cluster, work,
                       [w for _, w in setups])["strong"] if args.scan else None

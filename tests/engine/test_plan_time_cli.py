@@ -93,3 +93,17 @@ def test_a_shapes_file_without_architecture_is_one_line(tmp_path):
     out = vescale("plan", "--shapes", str(path), "--world-size", "8", "--time")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "architecture" in out.stderr
+
+
+def test_the_command_scans_the_largest_model_to_8192_ranks_in_seconds():
+    """Kimi K2 (1T parameters, 384 experts: the slowest shipped file to plan), 8 to 8,192
+    ranks, weak and strong, three systems, through the command: seconds (7 s on a 2-core EPYC;
+    a generous 90 s bound for a loaded machine)."""
+    import time
+    started = time.monotonic()
+    out = vescale("plan", "--shapes", os.path.join("examples", "models", "kimi-k2.json"),
+                  "--world-size", ",".join(str(2 ** k) for k in range(3, 14)), "--time",
+                  "--scan")
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert "strong scaling" in out.stdout and took < 90, took

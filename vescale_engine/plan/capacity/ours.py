@@ -66,6 +66,7 @@ class _Planned:
     rank0: dict = field(default_factory=dict)  # tensor name -> rank 0's elements of it
     world: int = 1        # the ranks it is sharded over (its shard group)
     groups: int = 0       # quantized communication: scales per shard (the most any rank has)
+    buffer_groups: tuple = ()  # the same per buffer (its collectives are one per buffer)
 
 
 class PlanCache:
@@ -97,9 +98,10 @@ class PlanCache:
                 rank0[p.name] = max(0, min(p.offset + p.numel, buf.shard_size) - p.offset) \
                     if p.offset < buf.shard_size else 0
         shard = sum(b.shard_size for b in layout.buffers)
-        groups = sum(max(shard_group_counts(b, group)) for b in layout.buffers) if group else 0
+        per_buffer = tuple(max(shard_group_counts(b, group)) if group else 0
+                           for b in layout.buffers)
         return _Planned(unit, shard, shard * M, unit.numel, list(layout.buffers), rank0, M,
-                        groups)
+                        sum(per_buffer), per_buffer)
 
 
 def _block(block: int, tensor, group) -> int:

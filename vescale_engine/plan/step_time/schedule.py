@@ -38,7 +38,6 @@ from ..capacity.ours import UNITS_CHECK_BYTES
 from ..capacity.units import expand
 from ..capacity.zero3 import ZERO3_DEFAULTS
 from ..model_plan import DTYPE_BYTES, ModelShapes
-from ..quantization import shard_group_counts
 from .compute import Work, group_flops, unit_flops
 
 __all__ = ["SYSTEMS", "Comm", "Task", "Schedule", "build_schedule", "OPTIMIZER_BYTES"]
@@ -143,11 +142,10 @@ def _ours(root, order, works, root_work, setup, cache) -> Schedule:
     plans = {u.name: cache.plan(u, setup) for u in {u.name: u for u in order}.values()}
     if root.tensors:
         plans["root"] = cache.plan(root, setup)
-    group = setup.quantization_group if setup.quantized else None
     # per unit, per buffer (one collective each, in the unit's buffer order): the rank's
     # shard elements and, quantized, its scales (the most any rank has)
-    buffers = {name: [(b.shard_size, max(shard_group_counts(b, group)) if group else 0)
-                      for b in p.buffers] for name, p in plans.items()}
+    buffers = {name: list(zip((b.shard_size for b in p.buffers), p.buffer_groups))
+               for name, p in plans.items()}
 
     def gather(unit, phase):
         M = plans[unit.name].world
