@@ -118,10 +118,12 @@ def _print(model, cluster, work, setups, out, strong) -> None:
     if sweep:
         print("weak scaling (the same micro-batch per rank): tokens/s per GPU (MFU), exposed "
               "communication in % of the step")
-        print(f"{'ranks':>6} " + " ".join(f"{label:>22}" for _, label in SYSTEMS)
-              + f" {'ours exposed':>13}")
+        several = len({g for g, _ in out}) > 1   # a granularity sweep: say which row is which
+        print((f"{'granularity':<14}" if several else "") + f"{'ranks':>6} "
+              + " ".join(f"{label:>22}" for _, label in SYSTEMS) + f" {'ours exposed':>13}")
         for (g, world), row in out.items():
-            print(f"{world:>6} " + " ".join(f"{_cell(row[name]):>22}" for name, _ in SYSTEMS)
+            print((f"{g:<14}" if several else "") + f"{world:>6} "
+                  + " ".join(f"{_cell(row[name]):>22}" for name, _ in SYSTEMS)
                   + f" {_pct(row['ours']['exposed_share']):>13}")
     else:
         (g, world), row = next(iter(out.items()))

@@ -107,3 +107,13 @@ def test_the_command_scans_the_largest_model_to_8192_ranks_in_seconds():
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
     assert "strong scaling" in out.stdout and took < 90, took
+
+
+def test_a_granularity_sweep_labels_its_rows():
+    out = vescale("plan", "--shapes", LLAMA_8B, "--world-size", "64,128", "--granularity",
+                  "rows:1,rows:128", "--time")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout[out.stdout.index("weak scaling"):].splitlines()
+            if line.startswith("rows:")]
+    assert [(r[0], r[1]) for r in rows] == [("rows:1", "64"), ("rows:1", "128"),
+                                            ("rows:128", "64"), ("rows:128", "128")]
