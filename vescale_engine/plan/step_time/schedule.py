@@ -109,12 +109,13 @@ def _reduces(setup: Setup, rs_bytes: int, shard_bytes: int) -> tuple:
 
 def _pipeline(setup: Setup, units: list, root_unit, root_work, gather, reduce, regather_last,
               copies=lambda unit, phase: (0, 0)) -> tuple:
-    """`gather(unit, phase)` and `reduce(unit)` give a unit's collectives (tuples)."""
     """Forward: the root's gather, the units in order, the head; backward: the head, the
-    units in reverse (regathered when resharded), the embeddings with the root's reduce."""
+    units in reverse (regathered when resharded), the embeddings with the root's reduce.
+    `gather(unit, phase)` and `reduce(unit)` give a unit's collectives (tuples), `copies(unit,
+    phase)` the bytes copied before and after it on the compute stream."""
     tasks = [Task("root", "forward", Work(0.0, 0.0), gather(root_unit, "forward"),
                   copy_before=copies(root_unit, "forward")[0])] if root_unit else []
-    for i, (unit, work) in enumerate(units):
+    for unit, work in units:
         before, _ = copies(unit, "forward")
         tasks.append(Task(unit.name, "forward", work[0], gather(unit, "forward"),
                           copy_before=before))
