@@ -50,9 +50,9 @@ def check(args) -> None:
         if given:
             raise CapacityError(f"--{given[0]} needs --time")
         return
-    if args.tp > 1 or args.ep > 1:
-        raise CapacityError("--time models FSDP and HSDP steps; TP/EP (their all-to-alls and "
-                            "TP collectives) are not in the time model: drop --tp/--ep")
+    if args.tp > 1 or args.ep > 1:   # before the shapes file's tp_plan is read
+        from vescale_engine.plan.step_time.report import NO_TP_EP
+        raise CapacityError(NO_TP_EP)
     if args.scan and len(args.world_size) < 2:
         raise CapacityError("--scan needs a --world-size list, e.g. 8,16,32,...,8192")
     if args.scan and args.granularity and len(args.granularity) > 1:

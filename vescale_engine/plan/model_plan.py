@@ -19,7 +19,7 @@ from .granularity import Granularity, parse_granularity
 from .planner import (DEFAULT_ALIGN_BYTES, DEFAULT_MAX_BUFFERS, PlanError, TensorSpec, check_plan,
                       plan_buffer, plan_unit, shard_lower_bound)
 
-__all__ = ["ShapesError", "Group", "ModelShapes", "Architecture", "parse_architecture", "load_shapes", "model_specs", "ModelPlan",
+__all__ = ["ShapesError", "Group", "ModelShapes", "Architecture", "parse_architecture", "read_json", "load_shapes", "model_specs", "ModelPlan",
            "plan_model", "fsdp2_padding_ratio", "fsdp2_shard_dim", "fsdp2_unsupported",
            "zero3_padding_ratio", "Alternative", "alternatives", "single_buffer_ratio",
            "single_buffer_lower_bound_ratio", "per_block_size_ratio", "DTYPE_BYTES",
@@ -133,15 +133,21 @@ class ModelShapes:
         return sum(g.numel * g.repeat for g in self.groups)
 
 
-def load_shapes(path: str) -> ModelShapes:
-    """Read and validate a shapes file; errors are one line naming the file, group and tensor."""
+def read_json(path: str, error: type = ValueError):
+    """A JSON file's content; a file that cannot be read or parsed is one line naming it,
+    raised as `error` (the caller's own error class)."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as err:
-        raise ShapesError(f"{path}: cannot read: {err.strerror}") from None
+        raise error(f"{path}: cannot read: {err.strerror}") from None
     except json.JSONDecodeError as err:
-        raise ShapesError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+        raise error(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+
+
+def load_shapes(path: str) -> ModelShapes:
+    """Read and validate a shapes file; errors are one line naming the file, group and tensor."""
+    data = read_json(path, ShapesError)
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
         raise ShapesError(f"{path}: expected an object with a non-empty 'groups' list")
     groups, seen = [], set()

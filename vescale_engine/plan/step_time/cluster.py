@@ -28,10 +28,11 @@ Bad input is a ClusterError naming the file and the field.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
+
+from ..model_plan import read_json
 
 __all__ = ["ClusterError", "Device", "Link", "Cluster", "load_cluster", "SHIPPED"]
 
@@ -122,13 +123,7 @@ def load_cluster(name_or_path: str) -> Cluster:
             raise ClusterError(f"{name_or_path}: unknown cluster (shipped: "
                                f"{', '.join(SHIPPED)}; or give a path to a JSON file)")
         path = os.path.join(HERE, f"{name_or_path}.json")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ClusterError(f"{path}: cannot read: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise ClusterError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    data = read_json(path, ClusterError)
     if not isinstance(data, dict):
         raise ClusterError(f"{path}: expected a JSON object")
     name = data.get("name", os.path.splitext(os.path.basename(path))[0])

@@ -14,7 +14,7 @@ from .compute import model_flops_per_token
 from .schedule import SYSTEMS, build_schedule
 from .simulate import Placement, simulate
 
-__all__ = ["Workload", "predict", "settings_that_matter", "scan", "DEFAULT_SCAN"]
+__all__ = ["NO_TP_EP", "Workload", "predict", "settings_that_matter", "scan", "DEFAULT_SCAN"]
 
 DEFAULT_SCAN = tuple(2 ** k for k in range(3, 14))   # 8 .. 8,192 ranks
 
@@ -32,10 +32,13 @@ class Workload:
         return self.seq_len * self.micro_batch
 
 
+NO_TP_EP = ("--time models FSDP and HSDP steps; TP/EP (their all-to-alls and TP collectives) "
+            "are not in the time model: drop --tp/--ep")
+
+
 def _refuse(setup: Setup) -> None:
     if setup.tp > 1 or setup.ep > 1:
-        raise ValueError("--time models FSDP and HSDP steps; TP/EP (their all-to-alls and "
-                         "TP collectives) are not in the time model: drop --tp/--ep")
+        raise ValueError(NO_TP_EP)
     if setup.offloads:
         raise ValueError("--time does not model offload's host copies: drop "
                          "--offload-optimizer/--offload-param")
