@@ -116,6 +116,26 @@ COMMITTED = {
                  F=1024, tied=True),
 }
 
+# The tests' tiny versions of the three structures (parameters ~1-2 MB per unit, so the few KB
+# of activations a measurement includes stay far below the tolerance).
+TINY = {
+    "dense": dict(name="dense-tiny", vocab=2048, H=128, layers=4, Hq=128, Hkv=64, F=512),
+    "moe": dict(name="moe-tiny", vocab=2048, H=64, layers=4, Hq=64, Hkv=32, F=64, experts=16,
+                bias=True),
+    "tied": dict(name="tied-tiny", vocab=4096, H=128, layers=4, Hq=128, Hkv=32, F=256,
+                 tied=True),
+}
+
+
+def write_tiny(folder) -> dict:
+    """{structure: path} of TINY's shapes files, written into `folder`."""
+    paths = {}
+    for kind, dims in TINY.items():
+        paths[kind] = os.path.join(folder, f"{kind}.json")
+        with open(paths[kind], "w") as f:
+            json.dump(model_shapes(**dims), f)
+    return paths
+
 
 # ---------------------------------------------------------------------------------------------
 # The model a shapes file describes: embeddings, a stack of decoder layers (dense MLP or fused
@@ -220,7 +240,7 @@ def measure(case: dict) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    W, R = case["world_size"], case["hsdp"]
+    W = case["world_size"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
     # before vescale_engine binds the collectives it uses

@@ -1,19 +1,22 @@
 """`vescale plan --time` calibrated on this machine and checked against it: gloo's per-message
 cost and bandwidth measured on the ranks, one rank's compute measured without communication,
 and the predicted step of ours and FSDP2 (benchmarks/fsdp_step_time.py's GPT, fp32, AdamW)
-beside the measured one, at 2 ranks on gloo.
+beside the measured one, at 2 or 4 (`--world 4`) ranks on gloo.
 
 Calibration (what the model is given, all measured here): the all-gather and reduce-scatter
 times of gloo's own collectives at two sizes (their mean fits a ring's per-message latency and
 bandwidth: `intra_node`); a large tensor copy's bandwidth (`memory_bandwidth`); one fp32
 matmul's FLOP/s (`bf16_flops`: the peak of the dtype the step computes in) and the fraction of
-it that reproduces the compute floor, one process doing one rank's forward, backward and AdamW
-with no communication (`matmul_efficiency`, `attention_efficiency`). The cluster has no overlap
+it that reproduces the compute floor, one rank's forward, backward and AdamW with no
+communication, run by as many processes at once as there are ranks, so that the floor's cores
+are shared as the ranks share them (4 ranks on 2 cores: two processes a core;
+`matmul_efficiency`, `attention_efficiency`). The cluster has no overlap
 (the cores compute and run gloo's collectives both) and gloo's one protocol. Then ours and
 FSDP2 are predicted, not fitted: their collectives (ours' exchanges and FSDP2's gloo
 collectives costed alike), FSDP2's copy-in and copy-out, the optimizer over a shard.
 
     python benchmarks/step_time_gloo.py       # writes benchmarks/results/step_time_gloo.{md,json}
+    python benchmarks/step_time_gloo.py --world 4 --out benchmarks/results/step_time_gloo_4.md
 """
 from __future__ import annotations
 
@@ -162,8 +165,7 @@ def main():
     def launch(system):   # fsdp_step_time's runs, this file as their worker
         flags = [f"--{k}={getattr(args, k)}" for k in
                  ("world", "layers", "dim", "seq", "batch", "steps", "warmup")]
-        results = run_ranks(__file__, system, 1 if system == "floor" else args.world, flags,
-                            timeout_s=1800)
+        results = run_ranks(__file__, system, args.world, flags, timeout_s=1800)
         return {"step_s": max(r["step_s"] for r in results)}
     runs = alternate(SYSTEMS, args.rounds, launch, lambda run: f"step {run['step_s']:.3f} s")
     measured = {s: statistics.median(r["step_s"] for r in runs[s]) for s in SYSTEMS}
@@ -195,7 +197,7 @@ def main():
              "| system | measured (s) | predicted (s) | predicted / measured |",
              "|---|---:|---:|---:|"]
     for s, label in (("vescale", "vescale_engine.fully_shard"), ("fsdp2", "PyTorch FSDP2"),
-                     ("floor", "compute floor (calibration)")):
+                     ("floor", f"compute floor ({args.world} processes at once, calibration)")):
         lines.append(f"| {label} | {measured[s]:.3f} | {predicted[s]:.3f} | "
                      f"{predicted[s] / measured[s]:.3f} |")
     lines += ["", f"Ours and FSDP2 within {100 * TOLERANCE:.0f}%: "

@@ -11,7 +11,8 @@ from launcher.arg_types import positive_int
 
 SYSTEMS = (("ours", "ours"), ("fsdp2", "FSDP2"), ("zero3", "ZeRO-3"))
 SMALL_CHANGE = 0.005   # what moves ours: settings below it are not printed (--json has all)
-_TIME_FLAGS = ("cluster", "checkpointing", "prefetch", "scan")
+_TIME_FLAGS = ("cluster", "checkpointing", "prefetch", "scan", "fake_world")
+RECORDED = ("ours", "fsdp2")   # what --fake-world records (ZeRO-3 needs a device per rank)
 _CHECKPOINTING = {"none": "no activation checkpointing",
                   "selective": "selective activation checkpointing",
                   "full": "full activation checkpointing"}
@@ -36,6 +37,12 @@ def add_arguments(parser) -> None:
     t.add_argument("--prefetch", type=positive_int, metavar="N",
                    help="units all-gathered ahead of the one computing (default 1, as FSDP2 "
                         "and ours)")
+    t.add_argument("--fake-world", action="store_true",
+                   help="play the collectives of a real step of ours and of torch FSDP2, each "
+                        "run as rank 0 of every world size on torch's fake process group (one "
+                        "process per run; needs torch, and host memory for rank 0's shards and "
+                        "a few full-size units), instead of the planner's schedule; ZeRO-3 "
+                        "stays from DeepSpeed's rules")
     t.add_argument("--scan", action="store_true",
                    help="over the --world-size list: weak scaling (the same micro-batch per "
                         "rank) and strong scaling (the global batch of the largest size, "
@@ -79,18 +86,75 @@ def run(args, model, setups: dict) -> dict:
     cluster = load_cluster(args.cluster or "h100")
     work = workload(args)
     cache, out = PlanCache(), {}
+    records = _record_all(model, setups) if args.fake_world else {}
     try:
         for key, setup in setups.items():
-            row = {name: predict(name, model, setup, cluster, work, cache) for name, _ in SYSTEMS}
+            row = {name: predict(name, model, setup, cluster, work, cache,
+                                 records.get((key, name))) for name, _ in SYSTEMS}
             if len(setups) == 1:   # a sweep's table has no room for them (and they cost)
                 row["settings"] = [{"setting": n, "step_s": s, "change": c} for n, s, c in
                                    settings_that_matter(model, setup, cluster, work, cache)]
             out[key] = row
         strong = scan(model, next(iter(setups.values())), cluster, work,
-                      [w for _, w in setups])["strong"] if args.scan else None
+                      [w for _, w in setups], records={(w, name): r for ((_, w), name), r
+                                                       in records.items()}
+                      )["strong"] if args.scan else None
     except ValueError as err:
         raise CapacityError(str(err)) from None
     return {"rows": out, "strong": strong, "cluster": cluster, "workload": work}
+
+
+def _record_all(model, setups: dict) -> dict:
+    """{(setup key, system): the step recorded as rank 0 of the setup's world size}, each in a
+    fresh process (vescale_engine.fake_world), after checking this host has the memory."""
+    import dataclasses
+    import json
+    import subprocess
+    import time
+
+    from vescale_engine.plan import capacity
+    from vescale_engine.plan.model_plan import fsdp2_unsupported
+    records = {}
+    for key, setup in setups.items():
+        need = capacity.estimate(model, setup)["memory"]
+        for system in RECORDED:
+            if system == "fsdp2" and fsdp2_unsupported(model, setup.shard_size,
+                                                       setup.expert_shard_size):
+                continue
+            _check_memory(system, setup.world_size, need[system])
+            print(f"fake world: recording a step of {system} as rank 0 of "
+                  f"{setup.world_size} ...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            case = {"shapes": model.path, "setup": dataclasses.asdict(setup), "system": system}
+            done = subprocess.run([sys.executable, "-m", "vescale_engine.fake_world"],
+                                  input=json.dumps(case), capture_output=True, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if done.returncode:
+                lines = done.stderr.strip().splitlines() or ["(no output)"]
+                raise capacity.CapacityError(
+                    lines[-1] if lines[-1].startswith("fake world:") else
+                    f"fake world: recording {system} at {setup.world_size} ranks failed "
+                    f"(exit {done.returncode}): {lines[-1]}")
+            records[(key, system)] = json.loads(done.stdout)
+            print(f"fake world: {system} at {setup.world_size} ranks recorded in "
+                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return records
+
+
+def _check_memory(system: str, world: int, memory: dict) -> None:
+    """A recorded step holds what rank 0 of `world` would (--memory's estimate, in host
+    memory): refuse before starting one this host cannot hold."""
+    from vescale_engine.plan.capacity import CapacityError
+    need = memory["total"]
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):   # not Linux: nothing to check against
+        return
+    if need > 0.8 * free:
+        raise CapacityError(f"--fake-world: a step of {system} as rank 0 of {world} needs "
+                            f"about {need / 1e9:.1f} GB of host memory (--memory's per-rank "
+                            f"estimate), {free / 1e9:.1f} GB is free: record a larger world "
+                            f"size, or drop --fake-world (the planner's schedule)")
 
 
 def show(args, model, setups: dict, timed: dict) -> None:
@@ -157,8 +221,27 @@ def _print(model, cluster, work, setups, out, strong) -> None:
         for r in strong:
             print(f"{r['world_size']:>6} {r['grad_accum']:>11} " + " ".join(
                 f"{_speedup(r[name], first[name]):>18}" for name, _ in SYSTEMS))
+    _print_sources(out)
     print("left out: stragglers, link congestion, kernel tails and host overheads, NCCL "
           "kernels slowing compute; activations' memory (see --memory)")
+
+
+def _print_sources(out) -> None:
+    """With --fake-world: where each system's collectives came from, and whether the recorded
+    ones are the planner's."""
+    checked = [(w, label, row[name]["schedule"]) for (_, w), row in out.items()
+               for name, label in SYSTEMS if "schedule" in row.get(name, {})]
+    if not checked:
+        return
+    differ = [f"{label} at {w}: {c['collectives'][1]} collectives, "
+              f"{c['bytes'][1] / 1e9:.3f} GB recorded, {c['collectives'][0]}, "
+              f"{c['bytes'][0] / 1e9:.3f} GB planned" for w, label, c in checked
+              if not c["same"]]
+    print(f"collectives: ours and FSDP2 as recorded on the fake process group "
+          f"({checked[0][2]['source'].split(' ', 1)[1].strip('()')}), "
+          + ("every one the planner's too" if not differ else
+             "unlike the planner's for " + "; ".join(differ))
+          + "; ZeRO-3 from DeepSpeed's rules; 'what moves ours' is the planner's")
 
 
 def _cell(r: dict) -> str:

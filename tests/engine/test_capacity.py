@@ -21,15 +21,6 @@ _spec = importlib.util.spec_from_file_location("capacity_check",
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-# Tiny versions of the benchmark's three structures (parameters ~1-2 MB per unit, so the few KB
-# of activations the measurement includes stay far below the tolerance).
-TINY = {
-    "dense": dict(name="dense-tiny", vocab=2048, H=128, layers=4, Hq=128, Hkv=64, F=512),
-    "moe": dict(name="moe-tiny", vocab=2048, H=64, layers=4, Hq=64, Hkv=32, F=64, experts=16,
-                bias=True),
-    "tied": dict(name="tied-tiny", vocab=4096, H=128, layers=4, Hq=128, Hkv=32, F=256,
-                 tied=True),
-}
 # (model, system, world size, setup changes): every structure, both systems, every optimizer,
 # and the mixed-precision, HSDP, accumulation and no-reshard paths.
 CASES = [
@@ -49,12 +40,7 @@ ZERO_PLUS_PLUS = [{"quantized_weights": True, "quantized_gradients": True},
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shapes")
-    paths = {}
-    for kind, dims in TINY.items():
-        paths[kind] = folder / f"{kind}.json"
-        paths[kind].write_text(json.dumps(bench.model_shapes(**dims)))
-    return paths
+    return bench.write_tiny(tmp_path_factory.mktemp("shapes"))
 
 
 _MEASURED = {}
@@ -233,7 +219,7 @@ def test_bad_input_is_one_line(args, message):
 
 
 def test_bad_uses_in_a_shapes_file(tmp_path):
-    data = bench.model_shapes(**TINY["tied"])
+    data = bench.model_shapes(**bench.TINY["tied"])
     data["groups"][0]["tensors"][0]["uses"] = 0
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))

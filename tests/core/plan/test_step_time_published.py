@@ -160,20 +160,42 @@ def test_our_own_h200_run_at_world_size_1():
     assert abs(predicted["FSDP2"][0] / measured["step_s"]["FSDP2"] - 1) <= 0.10
 
 
-def test_this_machine_on_gloo():
-    """benchmarks/results/step_time_gloo.json: the model calibrated on this machine (gloo's
-    measured per-message cost and bandwidth, copy bandwidth, and one rank's compute measured
-    without communication) predicts ours' and FSDP2's measured 2-rank steps of
-    fsdp_step_time.py's GPT within 15%. Re-predicted here from the committed calibration, so
-    a change to the model that breaks the agreement fails this test; the measurement itself is
-    the benchmark's (`python benchmarks/step_time_gloo.py`)."""
+def _gloo_check(results: str) -> tuple:
+    """(the benchmark module, its committed result, {system: re-predicted seconds})."""
     spec = importlib.util.spec_from_file_location(
         "step_time_gloo", os.path.join(ROOT, "benchmarks", "step_time_gloo.py"))
     gloo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gloo)
-    with open(os.path.join(ROOT, "benchmarks", "results", "step_time_gloo.json")) as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", results)) as f:
         result = json.load(f)
+    predicted = {}
     for system, name in (("vescale", "ours"), ("fsdp2", "fsdp2")):
-        predicted = gloo.predict(result["cluster"], result["gpt"], result["world"], name)
-        assert predicted == pytest.approx(result["predicted_s"][system], rel=1e-9)
-        assert abs(predicted / result["measured_s"][system] - 1) <= gloo.TOLERANCE, system
+        predicted[system] = gloo.predict(result["cluster"], result["gpt"], result["world"], name)
+        assert predicted[system] == pytest.approx(result["predicted_s"][system], rel=1e-9)
+    return gloo, result, predicted
+
+
+def test_this_machine_on_gloo():
+    """benchmarks/results/step_time_gloo.json: the model calibrated on this machine (gloo's
+    measured per-message cost and bandwidth, copy bandwidth, and one rank's compute measured
+    without communication by as many processes at once as there are ranks) predicts ours' and
+    FSDP2's measured 2-rank steps of fsdp_step_time.py's GPT within 15%. Re-predicted here from
+    the committed calibration, so a change to the model that breaks the agreement fails this
+    test; the measurement itself is the benchmark's (`python benchmarks/step_time_gloo.py`)."""
+    gloo, result, predicted = _gloo_check("step_time_gloo.json")
+    assert result["world"] == 2
+    for system in ("vescale", "fsdp2"):
+        assert abs(predicted[system] / result["measured_s"][system] - 1) <= gloo.TOLERANCE, \
+            system
+
+
+def test_this_machine_at_4_ranks():
+    """benchmarks/results/step_time_gloo_4.json (`--world 4`: 4 ranks on 2 cores, the floor
+    measured by 4 processes at once): ours within 15%. FSDP2's step is 18% over the
+    prediction there, outside the issue's 15% (and 13% at 2 ranks): on CPU it costs more than
+    its collectives and copies, which is all the model gives it (docs/capacity_planning.md);
+    re-predicted here so that the committed figures stay the model's."""
+    gloo, result, predicted = _gloo_check("step_time_gloo_4.json")
+    assert result["world"] == 4
+    assert abs(predicted["vescale"] / result["measured_s"]["vescale"] - 1) <= gloo.TOLERANCE
+    assert predicted["fsdp2"] < result["measured_s"]["fsdp2"]

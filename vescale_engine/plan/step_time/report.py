@@ -11,6 +11,7 @@ from ..capacity import PlanCache, Setup
 from ..model_plan import ModelShapes, fsdp2_unsupported
 from .cluster import Cluster
 from .compute import model_flops_per_token
+from .recorded import compare, from_record
 from .schedule import SYSTEMS, build_schedule
 from .simulate import Placement, simulate
 
@@ -45,15 +46,22 @@ def _refuse(setup: Setup) -> None:
 
 
 def predict(system: str, model: ModelShapes, setup: Setup, cluster: Cluster, work: Workload,
-            cache: PlanCache | None = None) -> dict:
+            cache: PlanCache | None = None, record: dict | None = None) -> dict:
     """One system's step: seconds and where they went, tokens/s per GPU, MFU (torchtitan's
-    model FLOPs over the cluster's dense bf16 peak)."""
+    model FLOPs over the cluster's dense bf16 peak). `record`: a step of `system` recorded
+    on the fake process group (vescale_engine.fake_world) for this model and setup: its
+    collectives are played instead of the planned ones, and `schedule` compares the two."""
     _refuse(setup)
     if system == "fsdp2":
         unsupported = fsdp2_unsupported(model, setup.shard_size, setup.expert_shard_size)
         if unsupported:
             return {"unsupported": unsupported}
     schedule = build_schedule(system, model, setup, work.seq_len, work.checkpointing, cache)
+    checked = {}
+    if record is not None:
+        planned, schedule = schedule, from_record(schedule, model, setup, record)
+        checked = {"schedule": {"source": f"recorded (torch {record['torch']})",
+                                **compare(planned, schedule)}}
     try:
         placement = Placement.of(setup.world_size, setup.shard_size,
                                  setup.hpz if system == "ours" else 1, cluster.gpus_per_node)
@@ -64,7 +72,8 @@ def predict(system: str, model: ModelShapes, setup: Setup, cluster: Cluster, wor
     tokens_per_s = work.tokens * setup.grad_accum / step.step
     mfu = tokens_per_s * model_flops_per_token(model, work.seq_len) / cluster.device.bf16_flops
     return {**step.as_dict(), "tokens_per_s_per_gpu": tokens_per_s, "mfu": mfu,
-            "exposed_share": step.exposed / step.step, "copies_share": step.copies / step.step}
+            "exposed_share": step.exposed / step.step, "copies_share": step.copies / step.step,
+            **checked}
 
 
 # Ours with one setting changed: what each does to the step (settings_that_matter)
@@ -106,10 +115,13 @@ def settings_that_matter(model: ModelShapes, setup: Setup, cluster: Cluster, wor
 
 
 def scan(model: ModelShapes, setup: Setup, cluster: Cluster, work: Workload,
-         world_sizes=DEFAULT_SCAN, systems=SYSTEMS) -> dict:
+         world_sizes=DEFAULT_SCAN, systems=SYSTEMS, records: dict | None = None) -> dict:
     """{"weak": [...], "strong": [...]}: per world size and system, predict()'s result. Weak:
     `work` per rank at every size; strong: the global batch of the largest size (work's
-    micro-batch on each of its ranks), run with gradient accumulation on fewer ranks."""
+    micro-batch on each of its ranks), run with gradient accumulation on fewer ranks.
+    `records`: {(world size, system): recorded step} (a micro-step's collectives do not
+    depend on how many micro-steps accumulate)."""
+    records = records or {}
     cache = PlanCache()
     largest = max(world_sizes)
     out = {"weak": [], "strong": []}
@@ -121,6 +133,7 @@ def scan(model: ModelShapes, setup: Setup, cluster: Cluster, work: Workload,
             s = dataclasses.replace(setup, world_size=world, grad_accum=accum)
             row = {"world_size": world, "grad_accum": accum}
             for system in systems:
-                row[system] = predict(system, model, s, cluster, work, cache)
+                row[system] = predict(system, model, s, cluster, work, cache,
+                                      records.get((world, system)))
             out[kind].append(row)
     return out

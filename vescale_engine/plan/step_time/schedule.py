@@ -11,8 +11,10 @@ their order is the one the engines issue:
 - ours (fsdp/unit.py): the root unit (embeddings, final norm, head) is gathered first and kept
   until backward ends; each decoder unit is gathered before its forward and, when resharded
   after forward, again before its backward, except the last one, which backward starts with;
-  one reduce-scatter per unit after its backward; the buffers are the collectives' own memory
-  (DBuffer): no copies.
+  one reduce-scatter per unit after its backward (HSDP: the replicas' all-reduce of its
+  shard when the next unit's backward ends, before that unit's reduce-scatter, as
+  fsdp/backward.py issues them); the buffers are the collectives' own memory (DBuffer): no
+  copies.
 - FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the same order, the last
   unit regathered too; each all-gather's output is split into the parameters (copy-out,
   `split_with_sizes_copy`, the unit's full bytes) before the unit runs, and each unit's
@@ -78,6 +80,7 @@ class Schedule:
     tasks: tuple               # one micro-step, in execution order
     optimizer_elements: int    # sharded elements the optimizer step updates on a rank
     shard_group: int
+    step_comms: tuple = ()     # the optimizer step's own collectives (recorded steps: Muon's)
 
 
 def build_schedule(system: str, model: ModelShapes, setup: Setup, seq_len: int,
@@ -172,8 +175,25 @@ def _ours(root, order, works, root_work, setup, cache) -> Schedule:
     head = next(i for i, t in enumerate(tasks) if t.phase == "backward")
     tasks[head] = dataclasses.replace(tasks[head], gathers=(Comm("all_reduce",
                                                                  UNITS_CHECK_BYTES),))
+    if setup.hsdp > 1:
+        tasks = _replicas_one_unit_later(tasks)
     elements = sum(p.shard * p.unit.repeat for p in plans.values())
     return Schedule("ours", tuple(tasks), elements, setup.shard_size)
+
+
+def _replicas_one_unit_later(tasks: list) -> list:
+    """Ours issues a unit's replica all-reduces when the next unit's backward ends, before
+    that unit's reduce-scatters (fsdp/backward.py: one reduce-scatter in flight; the
+    all-reduce follows it), and the last unit's after its own."""
+    out, carried, last = [], (), max(i for i, t in enumerate(tasks) if t.reduces)
+    for i, task in enumerate(tasks):
+        if task.reduces:
+            mine = tuple(c for c in task.reduces if c.group == "replica")
+            reduces = carried + tuple(c for c in task.reduces if c.group != "replica")
+            carried = mine
+            task = dataclasses.replace(task, reduces=reduces + (carried if i == last else ()))
+        out.append(task)
+    return out
 
 
 def _fsdp2(root, order, works, root_work, setup, cache) -> Schedule:

@@ -15,8 +15,9 @@ compute stream and the communication stream, as the engines overlap them.
   runs on) adds every collective's time to the compute's instead.
 - Gradient accumulation repeats the micro-step (ours and FSDP2 reduce every micro-step, as
   `--memory`'s traffic counts them); the optimizer step starts when the last collective ended:
-  the gradient norm's all-reduce (a few bytes: its latency), then a memory-bound pass over the
-  rank's shard (schedule.OPTIMIZER_BYTES per element).
+  the gradient norm's all-reduce (a few bytes: its latency) and the step's own collectives
+  (Schedule.step_comms), then a memory-bound pass over the rank's shard
+  (schedule.OPTIMIZER_BYTES per element).
 
 Left out: host overheads (kernel launches, Python hooks: a small unit on a fast GPU can be
 host-bound), stragglers and link congestion, compute slowed by concurrent NCCL kernels (they
@@ -108,6 +109,9 @@ def simulate(schedule: Schedule, cluster: Cluster, placement: Placement, tokens:
     if not cluster.overlap:   # one processor: nothing hides
         end = busy + sum(by_kind.values())
     by_kind["all_reduce"] = by_kind.get("all_reduce", 0.0) + norm
+    for c in schedule.step_comms:   # after the gradients, before the update
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + cost(c)
+        end += cost(c)
     optimizer_s = copy_time(OPTIMIZER_BYTES[optimizer] * schedule.optimizer_elements / 2,
                             cluster)
     step = end + norm + optimizer_s
