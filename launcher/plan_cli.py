@@ -335,6 +335,27 @@ def _local(args, model) -> tuple:
     return local, meshes
 
 
+def _reduce_dtype_note(args) -> None:
+    """Without --reduce-dtype the plans reduce gradients in the parameter dtype, as FSDP2 did
+    up to torch 2.14; from 2.15, FSDP2 and ours under it reduce in the parameters' own dtype
+    (fp32) unless reduce_dtype is set: say so when the installed torch is one of those."""
+    from importlib import metadata
+
+    from vescale_engine.versions import _release
+    param = args.param_dtype or "bf16"
+    if args.reduce_dtype is not None or param == "fp32":
+        return
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return
+    if _release(torch_version) >= (2, 15):
+        print(f"note: gradients are reduced in {param} here (--reduce-dtype not given); with "
+              f"torch {torch_version} FSDP2 and veScale Engine reduce them in the parameters' "
+              f"fp32 unless MixedPrecisionPolicy.reduce_dtype is set: pass --reduce-dtype fp32 "
+              f"to plan that", file=sys.stderr)
+
+
 def _run_plan(args) -> int:
     from vescale_engine.plan import model_plan as mp
 
@@ -417,6 +438,8 @@ def _run_plan(args) -> int:
     if args.plot and not (args.time and args.scan):   # --time --scan: its scaling plot
         _plot(plans, model, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    if setups:
+        _reduce_dtype_note(args)
     return 0
 
 

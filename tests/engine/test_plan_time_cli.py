@@ -117,3 +117,18 @@ def test_a_granularity_sweep_labels_its_rows():
             if line.startswith("rows:")]
     assert [(r[0], r[1]) for r in rows] == [("rows:1", "64"), ("rows:1", "128"),
                                             ("rows:128", "64"), ("rows:128", "128")]
+
+
+def test_an_unset_reduce_dtype_says_what_the_installed_torch_does():
+    """Without --reduce-dtype the plans reduce in the compute dtype, as FSDP2 up to torch 2.14;
+    from 2.15, FSDP2 and ours reduce in fp32 then: a note says so, only there."""
+    from importlib import metadata
+
+    from vescale_engine.versions import _release
+    newer = _release(metadata.version("torch")) >= (2, 15)
+    plain = vescale("plan", "--shapes", LLAMA_8B, "--world-size", "64", "--memory")
+    assert plain.returncode == 0, plain.stderr
+    assert ("pass --reduce-dtype fp32 to plan that" in plain.stderr) == newer, plain.stderr
+    given = vescale("plan", "--shapes", LLAMA_8B, "--world-size", "64", "--memory",
+                    "--reduce-dtype", "bf16")
+    assert given.returncode == 0 and "--reduce-dtype" not in given.stderr, given.stderr

@@ -4,7 +4,9 @@ collectives move no data, so one process stands for any world size).
 The model is stand_in.py's, wrapped as `vescale plan` plans it (each non-root unit, then the
 root with the rest) by ours (vescale_engine.fsdp.fully_shard, our optimizers) or torch's FSDP2
 (its own fully_shard and torch.optim.AdamW), with the Setup's mixed precision, HSDP mesh,
-reshard_after_forward and, for ours, granularity, buffers and ZeRO++. Shards only are
+reshard_after_forward and, for ours, granularity, buffers and ZeRO++. The reduce dtype is given
+as the plan resolves it (Setup.reduce: the param dtype when none is asked for): from torch
+2.15, FSDP2 (and ours under it) read reduce_dtype=None as the parameters' own dtype. Shards only are
 allocated (a 70B model's rank holds 1/W of it; its gathered units are full size). One step runs
 to settle each engine's lazy state (FSDP2's lazy init; our prefetch order, recorded by the
 first iteration), then the next step's first micro-step and optimizer step are recorded.
@@ -113,7 +115,7 @@ def _wrap_ours(model, setup: Setup, recorder: _Recorder):
     from ..fsdp.materialize import allocate_shards
     mesh = _mesh(setup)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[setup.param_dtype],
-                              reduce_dtype=DTYPES[setup.reduce_dtype])
+                              reduce_dtype=DTYPES[setup.reduce])
     group = setup.quantization_group
     for fqn, module in _units(model, model):
         fully_shard(module, mesh=mesh, reshard_after_forward=setup.reshard_after_forward
@@ -139,7 +141,7 @@ def _wrap_fsdp2(model, setup: Setup, recorder: _Recorder):
                          f"{setup.optimizer}")
     mesh = _mesh(setup)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[setup.param_dtype],
-                              reduce_dtype=DTYPES[setup.reduce_dtype])
+                              reduce_dtype=DTYPES[setup.reduce])
     for fqn, module in _units(model, model):
         fully_shard(module, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=setup.reshard_after_forward if fqn else None)
