@@ -138,11 +138,24 @@ def test_the_command_records_every_world_size_and_says_so(shapes):
             assert time[system]["schedule"]["source"].startswith("recorded (torch ")
         assert "schedule" not in time["zero3"]   # DeepSpeed's rules, not a run
     assert out.stderr.count("recorded in") == 4   # progress: each run, with its time
-    text = vescale("plan", "--shapes", str(shapes["dense"]), "--world-size", "8", "--time",
-                   "--fake-world")
-    assert text.returncode == 0, text.stderr
-    assert "collectives: ours and FSDP2 as recorded on the fake process group" in text.stdout
-    assert "every one the planner's too" in text.stdout
+
+
+def test_the_table_says_where_the_collectives_came_from(capsys):
+    """The text output's line (the recordings themselves: the test above)."""
+    from launcher import plan_time
+    same = {"source": "recorded (torch 2.x)", "collectives": [9, 9], "bytes": [5e9, 5e9],
+            "same": True}
+    other = {**same, "collectives": [9, 10], "bytes": [5e9, 6e9], "same": False}
+    plan_time._print_sources({("rows:1", 8): {"ours": {"schedule": same},
+                                              "fsdp2": {"schedule": same}, "zero3": {}}})
+    plan_time._print_sources({("rows:1", 8): {"ours": {"schedule": other},
+                                              "fsdp2": {"schedule": same}, "zero3": {}}})
+    plan_time._print_sources({("rows:1", 8): {"ours": {}, "fsdp2": {}, "zero3": {}}})
+    first, second = capsys.readouterr().out.strip().splitlines()   # nothing without records
+    assert first.startswith("collectives: ours and FSDP2 as recorded on the fake process "
+                            "group (torch 2.x), every one the planner's too; ZeRO-3 from")
+    assert "unlike the planner's for ours at 8: 10 collectives, 6.000 GB recorded, 9, 5.000 " \
+           "GB planned;" in second
 
 
 def test_a_host_without_the_memory_is_refused_before_any_run(monkeypatch):
