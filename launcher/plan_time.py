@@ -153,8 +153,9 @@ def _check_memory(system: str, world: int, memory: dict) -> None:
     if need > 0.8 * free:
         raise CapacityError(f"--fake-world: a step of {system} as rank 0 of {world} needs "
                             f"about {need / 1e9:.1f} GB of host memory (--memory's per-rank "
-                            f"estimate), {free / 1e9:.1f} GB is free: record a larger world "
-                            f"size, or drop --fake-world (the planner's schedule)")
+                            f"estimate), {free / 1e9:.1f} GB is free: a larger world size "
+                            f"shrinks the shards, not the gathered units; or drop --fake-world "
+                            f"(the planner's schedule)")
 
 
 def show(args, model, setups: dict, timed: dict) -> None:
