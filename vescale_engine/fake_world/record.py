@@ -6,8 +6,9 @@ root with the rest) by ours (vescale_engine.fsdp.fully_shard, our optimizers) or
 (its own fully_shard and torch.optim.AdamW), with the Setup's mixed precision, HSDP mesh,
 reshard_after_forward and, for ours, granularity, buffers and ZeRO++. The reduce dtype is given
 as the plan resolves it (Setup.reduce: the param dtype when none is asked for): from torch
-2.15, FSDP2 (and ours under it) read reduce_dtype=None as the parameters' own dtype. Shards only are
-allocated (a 70B model's rank holds 1/W of it; its gathered units are full size). One step runs
+2.15, FSDP2 (and ours under it) read reduce_dtype=None as the parameters' own dtype. Shards
+only are allocated (a 70B model's rank holds 1/W of it; its gathered units are full size). One
+step runs
 to settle each engine's lazy state (FSDP2's lazy init; our prefetch order, recorded by the
 first iteration), then the next step's first micro-step and optimizer step are recorded.
 

@@ -17,6 +17,7 @@ reduce-scattered byte.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from ..capacity import Setup
 from ..model_plan import ModelShapes
@@ -31,16 +32,17 @@ def _instances(model: ModelShapes, schedule: Schedule) -> list:
     """Each task's unit instance as the recorded step names it ("" the root; "layers.3"; a
     group within another: "moe_layers.3.experts")."""
     within = {g.name: g.within for g in model.groups}
-    seen = {}
+    counts = Counter((t.unit, t.phase) for t in schedule.tasks)
+    seen = Counter()
     out = []
     for task in schedule.tasks:
         if task.unit == "root":
             out.append("")
             continue
         key = (task.unit, task.phase)
-        i = seen[key] = seen.get(key, -1) + 1
-        count = sum(1 for t in schedule.tasks if (t.unit, t.phase) == key)
-        index = i if task.phase == "forward" else count - 1 - i
+        i = seen[key]
+        seen[key] += 1
+        index = i if task.phase == "forward" else counts[key] - 1 - i   # backward: reversed
         parent = within.get(task.unit)
         out.append(f"{parent}.{index}.{task.unit}" if parent else f"{task.unit}.{index}")
     return out
